@@ -1,0 +1,25 @@
+"""Pytrees with string paths (``d9d.tree``), on optree; a DTensor is one leaf."""
+
+from ._paths import PyTreeSpec as PyTreeSpec
+from ._paths import flatten as flatten
+from ._paths import flatten_with_paths as flatten_with_paths
+from ._paths import leaves as leaves
+from ._paths import map as map  # noqa: A004
+from ._paths import map_with_path as map_with_path
+from ._paths import paths as paths
+from ._paths import same_structure as same_structure
+from ._paths import structure as structure
+from ._paths import unflatten as unflatten
+
+__all__ = [
+    "PyTreeSpec",
+    "flatten",
+    "flatten_with_paths",
+    "leaves",
+    "map",
+    "map_with_path",
+    "paths",
+    "same_structure",
+    "structure",
+    "unflatten",
+]

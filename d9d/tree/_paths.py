@@ -1,0 +1,145 @@
+"""Pytrees with string paths, on optree.
+
+A d9d pytree is any nesting of dicts, lists, tuples and NamedTuples whose leaves are
+tensors (a DTensor is one leaf), numbers or arbitrary objects. ``None`` is an empty
+subtree, never a leaf, so a masked-out entry costs nothing. Params are flat dicts keyed
+by module path, so the path of a param leaf is its key (``"layers.0.attn.wq.weight"``);
+the path of an optimizer-state leaf is the dotted route to it (``"mu.layers.0.attn.wq.weight"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+from optree import PyTreeSpec
+
+__all__ = [
+    "PyTreeSpec",
+    "flatten",
+    "flatten_with_paths",
+    "leaves",
+    "map",
+    "map_with_path",
+    "paths",
+    "same_structure",
+    "structure",
+    "unflatten",
+]
+
+_NONE_IS_LEAF = False
+
+
+def _entry_name(entry: optree.PyTreeEntry) -> str:
+    match entry:
+        case optree.NamedTupleEntry() | optree.StructSequenceEntry() | optree.DataclassEntry():
+            return str(entry.field)
+        case optree.MappingEntry():
+            return str(entry.key)
+        case optree.SequenceEntry():
+            return str(entry.index)
+        case _:
+            return str(entry.entry)
+
+
+def _path_string(accessor: optree.PyTreeAccessor) -> str:
+    return ".".join(_entry_name(entry) for entry in accessor)
+
+
+def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """Leaves of ``tree`` in a fixed order (dict keys sorted) and its structure.
+
+    Example:
+        >>> leaves, spec = flatten({"b": 2, "a": 1})
+        >>> leaves
+        [1, 2]
+    """
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+def flatten_with_paths(tree: Any) -> tuple[list[tuple[str, Any]], PyTreeSpec]:
+    """``(path, leaf)`` pairs of ``tree`` and its structure; paths are dotted strings.
+
+    Example:
+        >>> flatten_with_paths({"w": 1, "state": (2, 3)})[0]
+        [('state.0', 2), ('state.1', 3), ('w', 1)]
+    """
+    accessors, leaves_, spec = optree.tree_flatten_with_accessor(tree, none_is_leaf=_NONE_IS_LEAF)
+    return [(_path_string(a), leaf) for a, leaf in zip(accessors, leaves_, strict=True)], spec
+
+
+def unflatten(spec: PyTreeSpec, leaves_: list[Any]) -> Any:
+    """The tree of structure ``spec`` holding ``leaves_`` (inverse of :func:`flatten`).
+
+    Example:
+        >>> leaves, spec = flatten({"a": 1, "b": 2})
+        >>> unflatten(spec, [10, 20])
+        {'a': 10, 'b': 20}
+    """
+    return optree.tree_unflatten(spec, leaves_)
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` in :func:`flatten` order.
+
+    Example:
+        >>> leaves({"b": [2, 3], "a": 1})
+        [1, 2, 3]
+    """
+    return optree.tree_leaves(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+def paths(tree: Any) -> list[str]:
+    """The dotted path of every leaf of ``tree``, in :func:`flatten` order.
+
+    Example:
+        >>> paths({"mu": {"w": 0}, "count": 1})
+        ['count', 'mu.w']
+    """
+    return [path for path, _ in flatten_with_paths(tree)[0]]
+
+
+def structure(tree: Any) -> PyTreeSpec:
+    """The structure of ``tree`` (leaves replaced by placeholders).
+
+    Example:
+        >>> structure({"a": 1, "b": None})
+        PyTreeSpec({'a': *, 'b': None})
+    """
+    return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+def same_structure(tree: Any, other: Any) -> bool:
+    """Whether two trees have the same structure (keys, containers, leaf count).
+
+    Example:
+        >>> same_structure({"a": 1}, {"a": 2}), same_structure({"a": 1}, {"b": 1})
+        (True, False)
+    """
+    return structure(tree) == structure(other)
+
+
+def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:  # noqa: A001 - mirrors jax.tree.map
+    """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``).
+
+    Example:
+        >>> map(lambda x, y: x + y, {"a": 1}, {"a": 2})
+        {'a': 3}
+    """
+    return optree.tree_map(fn, tree, *rest, none_is_leaf=_NONE_IS_LEAF)
+
+
+def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Apply ``fn(path, leaf, *rest_leaves)`` to every leaf; ``path`` is the dotted string.
+
+    Example:
+        >>> map_with_path(lambda p, x: f"{p}={x}", {"w": 1, "s": (2,)})
+        {'w': 'w=1', 's': ('s.0=2',)}
+    """
+    pairs, spec = flatten_with_paths(tree)
+    rest_leaves = [spec.flatten_up_to(other) for other in rest]
+    mapped = [
+        fn(path, leaf, *(other[i] for other in rest_leaves)) for i, (path, leaf) in enumerate(pairs)
+    ]
+    return unflatten(spec, mapped)
