@@ -1,0 +1,7 @@
+"""``python -m d9d``: the ``d9d`` command."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

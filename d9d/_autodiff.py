@@ -1,0 +1,105 @@
+"""``grad`` and ``value_and_grad`` over the first argument's pytree, on ``torch.autograd.grad``.
+
+Why ``torch.autograd.grad`` and not ``torch.func.grad``: the latter cannot create DTensors
+inside its transform, so sharded params fail, while ``autograd.grad`` differentiates DTensor
+leaves like any tensor; under ``d9d.jit`` Dynamo traces it into the same graph as the forward
+and the optimizer update (``trace_autograd_ops``), see docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import tree
+
+__all__ = ["grad", "value_and_grad"]
+
+
+def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """Wrap ``fn(params, *args)`` to return its value and its gradient w.r.t. ``params``.
+
+    ``fn`` must return a 0-d floating tensor (or ``(value, aux)`` with ``has_aux=True``). Grads
+    come back as a tree shaped like ``params`` (the same paths, DTensor placements where the
+    params are DTensors); a leaf that does not influence the value gets zeros. The value and aux
+    are detached.
+
+    Args:
+        fn: The function to differentiate; its first argument is a pytree of float tensors.
+        has_aux: ``fn`` returns ``(value, aux)``; aux is returned untouched but detached.
+
+    Returns:
+        A function returning ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``.
+
+    Raises:
+        TypeError: A params leaf is not a floating tensor, or ``fn`` does not return a 0-d
+            floating tensor.
+
+    Example:
+        >>> f = value_and_grad(lambda p, x: (p["w"] * x).sum())
+        >>> f({"w": torch.ones(2)}, torch.tensor([3.0, 4.0]))
+        (tensor(7.), {'w': tensor([3., 4.])})
+    """
+
+    @functools.wraps(fn)
+    def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
+        pairs, spec = tree.flatten_with_paths(params)
+        for path, leaf in pairs:
+            if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
+                kind = f"dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf)
+                raise TypeError(
+                    f"cannot differentiate params leaf {path!r} of {kind}: value_and_grad "
+                    "needs floating tensors; move it out of the first argument"
+                )
+        with torch.enable_grad():
+            inputs = [leaf.detach().requires_grad_(True) for _, leaf in pairs]
+            out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
+            value, aux = out if has_aux else (out, None)
+            _check_value(value, has_aux)
+            grads = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+        value = value.detach()
+        if has_aux:
+            aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+            return (value, aux), tree.unflatten(spec, list(grads))
+        return value, tree.unflatten(spec, list(grads))
+
+    return wrapped
+
+
+def grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """Wrap ``fn(params, *args)`` to return only its gradient w.r.t. ``params``.
+
+    Same rules as :func:`value_and_grad`.
+
+    Args:
+        fn: The function to differentiate.
+        has_aux: ``fn`` returns ``(value, aux)``; the wrapper then returns ``(grads, aux)``.
+
+    Returns:
+        A function returning ``grads`` (a tree like ``params``), or ``(grads, aux)``.
+
+    Example:
+        >>> grad(lambda p: (p["w"] ** 2).sum())({"w": torch.tensor([1.0, 2.0])})
+        {'w': tensor([2., 4.])}
+    """
+    both = value_and_grad(fn, has_aux=has_aux)
+
+    @functools.wraps(fn)
+    def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
+        out, grads = both(params, *args, **kwargs)
+        return (grads, out[1]) if has_aux else grads
+
+    return wrapped
+
+
+def _check_value(value: Any, has_aux: bool) -> None:
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
+        return
+    hint = "return (value, aux) " if has_aux else "return a scalar loss, or pass has_aux=True, "
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    raise TypeError(
+        f"the differentiated function must return a 0-d float tensor, got {shape}; {hint}"
+    )

@@ -1,0 +1,118 @@
+"""The ``d9d`` command: ``d9d train`` (more subcommands join as features land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from ._train import TrainConfig, train
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, with no usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="d9d", description="JAX-style distributed training on PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = commands.add_parser("train", help="train a Llama preset on a token corpus")
+    defaults = TrainConfig()
+    run.add_argument(
+        "--preset", default=defaults.preset, help="tiny, small, 1b or 8b (default %(default)s)"
+    )
+    run.add_argument(
+        "--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)"
+    )
+    run.add_argument(
+        "--lr", type=float, default=defaults.lr, help="peak learning rate (default %(default)s)"
+    )
+    run.add_argument(
+        "--batch-size",
+        type=int,
+        default=defaults.batch_size,
+        help="sequences per step (default %(default)s)",
+    )
+    run.add_argument(
+        "--seq-len",
+        type=int,
+        default=defaults.seq_len,
+        help="tokens per sequence (default %(default)s)",
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="init and data-order seed (default %(default)s)",
+    )
+    run.add_argument(
+        "--out", type=Path, default=defaults.out, help="output folder (default %(default)s)"
+    )
+    run.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="text file or folder, or a .bin uint16 token file (default: the Python standard library sources)",
+    )
+    run.add_argument(
+        "--vocab-size", type=int, default=None, help="override the preset's vocab size"
+    )
+    run.add_argument(
+        "--warmup", type=int, default=defaults.warmup, help="warmup steps (default %(default)s)"
+    )
+    run.add_argument(
+        "--weight-decay",
+        type=float,
+        default=defaults.weight_decay,
+        help="AdamW weight decay (default %(default)s)",
+    )
+    run.add_argument(
+        "--clip",
+        type=float,
+        default=defaults.clip,
+        help="global grad-norm clip (default %(default)s)",
+    )
+    run.add_argument("--jit", action="store_true", help="compile the whole step with torch.compile")
+    run.add_argument(
+        "--log-every",
+        type=int,
+        default=defaults.log_every,
+        help="steps between logged losses (default %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``d9d`` command line; returns the exit code.
+
+    Args:
+        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 on success, 2 on a bad argument or input (reported on one line).
+
+    Example:
+        >>> main(["train", "--steps", "0"])
+        2
+    """
+    args = _parser().parse_args(argv)
+    options = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        records = train(TrainConfig(**options))
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"d9d {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    first, last = records[0], records[-1]
+    print(
+        f"loss {first['loss']:.3f} -> {last['loss']:.3f} in {last['step']} steps, "
+        f"{last['elapsed_s']:.1f} s; wrote {args.out}/metrics.jsonl and {args.out}/loss.png"
+    )
+    return 0

@@ -1,0 +1,175 @@
+"""``jit``: ``torch.compile`` of a whole training step, with donated inputs updated in place."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch._dynamo.config
+from torch._dynamo.utils import counters
+
+from . import tree
+from .errors import DonatedTreeError, RecompileError
+
+__all__ = ["Jitted", "jit"]
+
+_DONATED = "_d9d_donated_at_call"
+
+
+class Jitted:
+    """A step compiled by :func:`jit`; call it like the step it wraps.
+
+    Attributes other than its own (``place``, ``plan``, ``comms`` of a transformed step) are
+    read from the wrapped step.
+    """
+
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        *,
+        donate: Sequence[int],
+        fail_on_recompile: bool,
+        compile_options: dict[str, Any],
+    ) -> None:
+        self.step = step
+        self.donate = tuple(donate)
+        self.fail_on_recompile = fail_on_recompile
+        self.traces = 0
+        self.calls = 0
+        self._compiled = torch.compile(self._donating_step, **compile_options)
+        functools.update_wrapper(self, step, updated=())
+
+    def __getattr__(self, name: str) -> Any:
+        step = self.__dict__.get("step")
+        if step is None:
+            raise AttributeError(name)
+        return getattr(step, name)
+
+    def _donating_step(self, *args: Any) -> tuple[Any, ...]:
+        out = self.step(*args)
+        if not isinstance(out, tuple) or len(out) <= max(self.donate, default=-1):
+            raise TypeError(
+                f"a step with donate={self.donate} must return a tuple whose item i replaces "
+                f"argument i, got {type(out).__name__}; return (params, opt_state, metrics)"
+            )
+        for i in self.donate:
+            _copy_into(args[i], out[i], argnum=i)
+        return tuple(None if i in self.donate else o for i, o in enumerate(out))
+
+    def __call__(self, *args: Any) -> Any:
+        for i in self.donate:
+            _check_not_donated(args[i], argnum=i)
+        graphs_before = counters["stats"]["unique_graphs"]
+        try:
+            with torch._dynamo.config.patch(trace_autograd_ops=True), self._stance():
+                out = self._compiled(*args)
+        except RuntimeError as error:
+            if self.fail_on_recompile and "fail_on_recompile" in str(error):
+                raise RecompileError(
+                    f"step {self.__name__!r} would be traced again on call {self.calls + 1}: "
+                    f"{error}. Keep input shapes, dtypes and Python values fixed, or build "
+                    "the jit without fail_on_recompile=True"
+                ) from None
+            raise
+        if counters["stats"]["unique_graphs"] != graphs_before:
+            self.traces += 1
+        self.calls += 1
+        results = list(out)
+        for i in self.donate:
+            results[i] = _alias_and_mark(args[i], self.calls)
+        return tuple(results)
+
+    def _stance(self) -> Any:
+        if self.fail_on_recompile and self.traces:
+            return torch.compiler.set_stance("fail_on_recompile")
+        return contextlib.nullcontext()
+
+
+def jit(
+    step: Callable[..., Any] | None = None,
+    *,
+    donate: Sequence[int] = (0, 1),
+    fail_on_recompile: bool = False,
+    fullgraph: bool = False,
+    mode: str | None = None,
+    dynamic: bool | None = False,
+) -> Any:
+    """Compile a whole training step with ``torch.compile``, updating donated inputs in place.
+
+    The forward, the backward (``value_and_grad`` inside the step) and the optimizer update
+    land in one graph. Argument ``i`` in ``donate`` is overwritten with output ``i`` (so
+    ``(params, opt_state)`` are updated in their own buffers, with no second copy of the model
+    alive); the returned trees alias those buffers, and passing an old donated tree again raises
+    :class:`~d9d.errors.DonatedTreeError`.
+
+    Args:
+        step: ``step(params, opt_state, batch) -> (params, opt_state, metrics)``; may be used as
+            a bare decorator or called with options only.
+        donate: Argument indices updated in place; ``()`` returns fresh trees instead.
+        fail_on_recompile: Raise :class:`~d9d.errors.RecompileError` instead of tracing again.
+        fullgraph: Passed to ``torch.compile``: error on any graph break.
+        mode: Passed to ``torch.compile`` (``"max-autotune"``, ...).
+        dynamic: Passed to ``torch.compile``; ``False`` (default) specializes on shapes.
+
+    Returns:
+        The compiled step (a :class:`Jitted`), called like ``step``.
+
+    Raises:
+        DonatedTreeError: An argument holds a tree donated to an earlier call.
+        RecompileError: With ``fail_on_recompile``, a call would trace the step again.
+
+    Example:
+        >>> @jit(donate=())
+        ... def double(params, opt_state, batch):
+        ...     return params, opt_state, {"y": 2 * batch}
+        >>> double({}, {}, torch.ones(2))[2]["y"]
+        tensor([2., 2.])
+    """
+    options = {"fullgraph": fullgraph, "mode": mode, "dynamic": dynamic}
+
+    def build(fn: Callable[..., Any]) -> Jitted:
+        return Jitted(
+            fn, donate=donate, fail_on_recompile=fail_on_recompile, compile_options=options
+        )
+
+    return build if step is None else build(step)
+
+
+def _copy_into(old: Any, new: Any, *, argnum: int) -> None:
+    old_pairs, old_spec = tree.flatten_with_paths(old)
+    new_leaves, new_spec = tree.flatten(new)
+    if old_spec != new_spec:
+        raise TypeError(
+            f"donated argument {argnum} has structure {old_spec} but the step returned "
+            f"{new_spec} in its place; return a tree of the same structure"
+        )
+    for (path, a), b in zip(old_pairs, new_leaves, strict=True):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise TypeError(
+                f"donated argument {argnum} leaf {path!r} is {a.dtype}{list(a.shape)} but the "
+                f"step returned {b.dtype}{list(b.shape)}; a donated leaf keeps its shape and dtype"
+            )
+    torch._foreach_copy_([a for _, a in old_pairs], new_leaves)
+
+
+def _check_not_donated(arg: Any, *, argnum: int) -> None:
+    if not any(hasattr(leaf, _DONATED) for leaf in tree.leaves(arg)):
+        return
+    for path, leaf in tree.flatten_with_paths(arg)[0]:
+        call = getattr(leaf, _DONATED, None)
+        if call is not None:
+            raise DonatedTreeError(
+                f"argument {argnum} leaf {path!r} was donated to call {call} of this step and "
+                "its buffer now holds newer values; pass the tree that call returned"
+            )
+
+
+def _alias_and_mark(arg: Any, call: int) -> Any:
+    leaves, spec = tree.flatten(arg)
+    fresh = [leaf.detach() for leaf in leaves]
+    for leaf in leaves:
+        setattr(leaf, _DONATED, call)
+    return tree.unflatten(spec, fresh)

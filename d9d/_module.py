@@ -1,0 +1,221 @@
+"""``functionalize``: an ``nn.Module`` as a pure ``apply(params, ...)`` with logical axes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ParamTreeMismatchError
+
+__all__ = ["Axes", "Model", "functionalize"]
+
+Axes = tuple[str | None, ...]
+"""Logical axis names of one param, one per tensor dim; ``None`` names no axis."""
+
+_DEFAULT_AXES: tuple[tuple[type[nn.Module], str, Axes], ...] = (
+    (nn.Linear, "weight", ("out", "in")),
+    (nn.Linear, "bias", ("out",)),
+    (nn.Embedding, "weight", ("vocab", "embed")),
+    (nn.LayerNorm, "weight", ("embed",)),
+    (nn.LayerNorm, "bias", ("embed",)),
+    (nn.RMSNorm, "weight", ("embed",)),
+)
+
+
+@dataclass(frozen=True, eq=False)
+class _Slot:
+    """Where one tensor lives in the module: ``owner._parameters[name]`` or ``_buffers``."""
+
+    key: str
+    owner: nn.Module
+    name: str
+    is_param: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Model:
+    """A module seen as a pure function of a flat params dict.
+
+    Attributes:
+        module: The wrapped module; ``apply`` swaps tensors in for one call and restores them.
+        params: ``{path: tensor}`` of every distinct param (tied aliases appear once).
+        buffers: ``{path: tensor}`` of every buffer, passed to each call.
+        axes: ``{path: logical axis names}`` per param, one name (or ``None``) per dim.
+        tied: ``{alias path: canonical path}`` for params shared between modules.
+    """
+
+    module: nn.Module
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    axes: dict[str, Axes]
+    tied: dict[str, str] = field(default_factory=dict)
+    _slots: tuple[_Slot, ...] = field(default=(), repr=False)
+
+    def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """Call the module's forward with ``params`` in place of its own tensors.
+
+        Pure: the module's own params and buffers are restored afterwards, and the same inputs
+        give the same outputs. Not thread-safe on one module: build a ``Model`` per thread.
+
+        Args:
+            params: ``{path: tensor}`` with exactly the paths of ``self.params``.
+            *args: Positional inputs of ``module.forward``.
+            **kwargs: Keyword inputs of ``module.forward``.
+
+        Returns:
+            Whatever ``module.forward`` returns.
+
+        Raises:
+            ParamTreeMismatchError: ``params`` misses paths of the model or has extra ones.
+
+        Example:
+            >>> model = functionalize(torch.nn.Linear(3, 2))
+            >>> model.apply(model.params, torch.ones(1, 3)).shape
+            torch.Size([1, 2])
+        """
+        if params.keys() != self.params.keys():
+            raise _mismatch(params.keys(), self.params.keys())
+        saved = []
+        for slot in self._slots:
+            store = slot.owner._parameters if slot.is_param else slot.owner._buffers
+            saved.append(store[slot.name])
+            source = params if slot.is_param else self.buffers
+            store[slot.name] = source[self.tied.get(slot.key, slot.key)]
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            for slot, old in zip(self._slots, saved, strict=True):
+                store = slot.owner._parameters if slot.is_param else slot.owner._buffers
+                store[slot.name] = old
+
+
+def _mismatch(given: Any, wanted: Any) -> ParamTreeMismatchError:
+    missing = sorted(set(wanted) - set(given))
+    unexpected = sorted(set(given) - set(wanted))
+    return ParamTreeMismatchError(
+        f"params do not match the model: missing paths {_clip(missing)}, "
+        f"unexpected paths {_clip(unexpected)}; pass a tree with the keys of `model.params`"
+    )
+
+
+def _clip(paths: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(p) for p in paths[:limit])
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return f"[{shown}{more}]"
+
+
+def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> Model:
+    """Turn ``module`` into a :class:`Model`: a pure ``apply`` over a flat params dict.
+
+    Params are keyed by module path and share storage with the module (no copy). Logical axes
+    come, first match wins, from ``axes``; then from ``logical_axes`` dicts that modules declare
+    (path regexes relative to that module, deepest module first); then defaults for
+    ``nn.Linear`` (``("out", "in")``), ``nn.Embedding`` (``("vocab", "embed")``) and norms
+    (``("embed",)``); any other param gets ``None`` for every dim (no logical axis).
+
+    Args:
+        module: Any ``nn.Module``, e.g. a ``transformers`` model built from a config.
+        axes: ``{path regex: logical axis names}``, matched with ``re.search`` against param
+            paths; every pattern must match at least one param.
+
+    Returns:
+        The :class:`Model`; tied params appear once in ``params`` under their first path and
+        ``tied`` maps every other path to it.
+
+    Raises:
+        ValueError: A rule's rank differs from its param's, or an ``axes`` pattern matches no
+            param.
+
+    Example:
+        >>> model = functionalize(torch.nn.Linear(3, 2), axes={r"^weight$": ("mlp", "embed")})
+        >>> model.axes
+        {'weight': ('mlp', 'embed'), 'bias': ('out',)}
+    """
+    params: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    canonical_by_id: dict[int, str] = {}
+    slots: list[_Slot] = []
+    for owner_path, owner in module.named_modules(remove_duplicate=False):
+        for name, tensor in owner._parameters.items():
+            if tensor is None:
+                continue
+            key = f"{owner_path}.{name}" if owner_path else name
+            canonical = canonical_by_id.setdefault(id(tensor), key)
+            if canonical == key:
+                params[key] = tensor.detach()
+            else:
+                tied[key] = canonical
+            slots.append(_Slot(key, owner, name, is_param=True))
+    buffers: dict[str, torch.Tensor] = {}
+    for owner_path, owner in module.named_modules(remove_duplicate=False):
+        for name, tensor in owner._buffers.items():
+            key = f"{owner_path}.{name}" if owner_path else name
+            if tensor is None or key in buffers:
+                continue
+            buffers[key] = tensor.detach()
+            slots.append(_Slot(key, owner, name, is_param=False))
+    unique_slots = {(id(s.owner), s.name, s.is_param): s for s in slots}
+    return Model(
+        module=module,
+        params=params,
+        buffers=buffers,
+        axes=_resolve_axes(module, params, dict(axes or {})),
+        tied=tied,
+        _slots=tuple(unique_slots.values()),
+    )
+
+
+def _resolve_axes(
+    module: nn.Module, params: dict[str, torch.Tensor], user_rules: dict[str, Axes]
+) -> dict[str, Axes]:
+    rules: list[tuple[str, str, Axes, str]] = [("", p, a, "axes=") for p, a in user_rules.items()]
+    declared = [(path, m) for path, m in module.named_modules() if hasattr(m, "logical_axes")]
+    for path, owner in sorted(declared, key=lambda pm: -pm[0].count(".") - bool(pm[0])):
+        source = f"{type(owner).__name__}.logical_axes"
+        rules += [(path, p, a, source) for p, a in owner.logical_axes.items()]
+    owners = {path: m for path, m in module.named_modules()}
+    used = set()
+    resolved: dict[str, Axes] = {}
+    for key, tensor in params.items():
+        found = _match_rule(key, rules)
+        if found is not None:
+            pattern, names, source = found
+            used.add((source, pattern))
+        else:
+            names, source = _default_axes(owners, key, tensor.ndim), "default"
+        if len(names) != tensor.ndim:
+            raise ValueError(
+                f"logical axes {names} from {source} for param {key!r} have {len(names)} "
+                f"names but the param has shape {tuple(tensor.shape)}: give one name per dim"
+            )
+        resolved[key] = tuple(names)
+    unused = [p for p in user_rules if ("axes=", p) not in used]
+    if unused:
+        raise ValueError(
+            f"axes patterns {unused} match no param; param paths look like {_clip(list(params), 4)}"
+        )
+    return resolved
+
+
+def _match_rule(key: str, rules: list[tuple[str, str, Axes, str]]) -> tuple[str, Axes, str] | None:
+    for prefix, pattern, names, source in rules:
+        if prefix and not key.startswith(prefix + "."):
+            continue
+        relative = key[len(prefix) + 1 :] if prefix else key
+        if re.search(pattern, relative):
+            return pattern, names, source
+    return None
+
+
+def _default_axes(owners: dict[str, nn.Module], key: str, ndim: int) -> Axes:
+    owner_path, _, name = key.rpartition(".")
+    owner = owners[owner_path]
+    for module_type, param_name, names in _DEFAULT_AXES:
+        if isinstance(owner, module_type) and name == param_name:
+            return names
+    return (None,) * ndim

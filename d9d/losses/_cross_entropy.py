@@ -1,0 +1,88 @@
+"""Token-level cross-entropy with ignored labels and an optional z-loss, in fp32."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against integer ``labels``, skipping ``ignore_index``.
+
+    The per-token loss is ``logsumexp(logits) - logits[label]``, computed in fp32 whatever
+    the logits' dtype. With ``z_loss > 0`` each token adds ``z_loss * logsumexp(logits)**2``
+    (PaLM's auxiliary loss, arXiv:2204.02311, which keeps the softmax normalizer near 1).
+    Tokens labelled ``ignore_index`` contribute 0 to the loss and to the gradient.
+    ``"mean"`` divides by the number of valid tokens, and returns 0 (with zero gradients,
+    not NaN) when every token is ignored. Shapes are static and no value is read back to
+    Python, so it traces under ``torch.compile(fullgraph=True)`` without graph breaks.
+
+    Args:
+        logits: Scores ``[..., V]``, any floating dtype.
+        labels: Integer class ids ``[...]``, the leading shape of ``logits``.
+        ignore_index: Label value of tokens to skip (default -100).
+        z_loss: Weight of the z-loss term (default 0.0, off).
+        reduction: ``"mean"`` over valid tokens (default), ``"sum"``, or ``"none"`` for the
+            per-token losses ``[...]`` (0 at ignored tokens).
+
+    Returns:
+        A 0-d fp32 tensor, or fp32 ``[...]`` for ``reduction="none"``.
+
+    Raises:
+        ValueError: ``labels`` is not integer or its shape is not ``logits.shape[:-1]``,
+            ``logits`` is not floating, ``reduction`` is unknown, or ``z_loss < 0``.
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 2.0]])
+        >>> labels = torch.tensor([0, -100])
+        >>> round(cross_entropy(logits, labels).item(), 4)
+        0.1269
+    """
+    _check_args(logits, labels, z_loss, reduction)
+    logits = logits.float()
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    per_token = lse - target
+    if z_loss:
+        per_token = per_token + z_loss * lse.square()
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    match reduction:
+        case "none":
+            return per_token
+        case "sum":
+            return per_token.sum()
+        case _:
+            return per_token.sum() / valid.sum().clamp(min=1)
+
+
+def _check_args(logits: torch.Tensor, labels: torch.Tensor, z_loss: float, reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"cross_entropy got {reduction=}; use one of {_REDUCTIONS}.")
+    if not logits.is_floating_point():
+        raise ValueError(f"cross_entropy needs floating logits, got {logits.dtype=}.")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(
+            f"cross_entropy needs integer class ids as labels, got {labels.dtype=}; "
+            f"pass token ids (e.g. labels.long()), not probabilities."
+        )
+    if logits.dim() == 0 or labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"cross_entropy needs labels of shape logits.shape[:-1], got "
+            f"{tuple(logits.shape)=} and {tuple(labels.shape)=}."
+        )
+    if z_loss < 0:
+        raise ValueError(f"cross_entropy needs z_loss >= 0, got {z_loss=}.")

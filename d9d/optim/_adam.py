@@ -1,0 +1,109 @@
+"""``scale_by_adam``: Adam's bias-corrected moment ratio, as foreach ops over the leaves."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from d9d import tree
+from d9d.optim._checks import check_non_negative, check_unit_interval
+from d9d.optim._transform import GradientTransformation, by_kind, zero_count
+
+__all__ = ["ScaleByAdamState", "scale_by_adam"]
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of ``scale_by_adam``."""
+
+    # 0-d int64 tensor: the number of updates done so far.
+    count: torch.Tensor
+    # First moment (EMA of the updates), laid out like the params; each leaf has its param's dtype.
+    mu: Any
+    # Second moment (EMA of the squared updates), laid out like the params.
+    nu: Any
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """Rescale updates by Adam's bias-corrected moments: ``m_hat / (sqrt(v_hat + eps_root) + eps)``.
+
+    At step ``t`` (1-based): ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g**2``,
+    ``m_hat = m / (1 - b1**t)``, ``v_hat = v / (1 - b2**t)``. With ``nesterov=True`` (NAdam
+    without momentum decay) ``m_hat = b1 m / (1 - b1**(t+1)) + (1 - b1) g / (1 - b1**t)``.
+    The bias corrections are computed in float64 from the 0-d ``count`` tensor, so nothing
+    reads the step in Python. Chain with ``scale_by_learning_rate`` to get an optimizer.
+
+    Args:
+        b1: decay rate of the first moment, in [0, 1) (default 0.9).
+        b2: decay rate of the second moment, in [0, 1) (default 0.999).
+        eps: added to the denominator outside the square root (default 1e-8).
+        eps_root: added to ``v_hat`` inside the square root (default 0.0).
+        nesterov: use the Nesterov form of the first moment (default False).
+
+    Returns:
+        A ``GradientTransformation`` with state ``ScaleByAdamState(count, mu, nu)``; ``mu``
+        and ``nu`` are laid out like the params and keep each param's dtype.
+
+    Raises:
+        ValueError: ``b1`` or ``b2`` outside [0, 1), or ``eps``/``eps_root`` negative.
+
+    Example:
+        >>> import torch
+        >>> adam = scale_by_adam()
+        >>> params = {"w": torch.zeros(2)}
+        >>> adam.update({"w": torch.tensor([2.0, -3.0])}, adam.init(params))[0]["w"]
+        tensor([ 1.0000, -1.0000])
+    """
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_non_negative("eps", eps)
+    check_non_negative("eps_root", eps_root)
+
+    def init(params: Any) -> ScaleByAdamState:
+        return ScaleByAdamState(
+            count=zero_count(params),
+            mu=tree.map(torch.zeros_like, params),
+            nu=tree.map(torch.zeros_like, params),
+        )
+
+    def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, Any]:
+        del params
+        count = state.count + 1
+        t = count.to(torch.float64)
+        bias_correction1 = 1.0 - torch.pow(b1, t)
+        bias_correction2 = 1.0 - torch.pow(b2, t)
+        leaves, spec = tree.flatten(updates)
+
+        def moments(grads: list, mu: list, nu: list) -> tuple[Any, ...]:
+            mu = torch._foreach_lerp(mu, grads, 1.0 - b1)
+            nu = torch._foreach_mul(nu, b2)
+            torch._foreach_addcmul_(nu, grads, grads, 1.0 - b2)
+            denom = torch._foreach_div(nu, bias_correction2)
+            if eps_root:
+                torch._foreach_add_(denom, eps_root)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            if nesterov:
+                numer = torch._foreach_mul(mu, b1 / (1.0 - torch.pow(b1, t + 1.0)))
+                torch._foreach_add_(numer, torch._foreach_mul(grads, (1.0 - b1) / bias_correction1))
+            else:
+                numer = torch._foreach_div(mu, bias_correction1)
+            torch._foreach_div_(numer, denom)
+            return numer, mu, nu
+
+        new_updates, mu, nu = by_kind(
+            moments, leaves, tree.leaves(state.mu), tree.leaves(state.nu), outputs=3
+        )
+        new_state = ScaleByAdamState(
+            count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu)
+        )
+        return tree.unflatten(spec, new_updates), new_state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,29 @@
+"""Eager checks of optimizer hyperparameters; each error names the value and what is allowed."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["check_non_negative", "check_positive", "check_unit_interval"]
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_unit_interval(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``0 <= value < 1`` (a decay rate)."""
+    if not (_is_real(value) and 0.0 <= value < 1.0):  # type: ignore[operator]
+        raise ValueError(f"{name} is a decay rate and must be in [0, 1), got {name}={value!r}")
+
+
+def check_non_negative(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number >= 0."""
+    if not (_is_real(value) and value >= 0.0):  # type: ignore[operator]
+        raise ValueError(f"{name} must be a finite real number >= 0, got {name}={value!r}")
+
+
+def check_positive(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number > 0."""
+    if not (_is_real(value) and value > 0.0):  # type: ignore[operator]
+        raise ValueError(f"{name} must be a finite real number > 0, got {name}={value!r}")

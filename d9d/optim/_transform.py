@@ -1,0 +1,173 @@
+"""The optimizer interface: ``GradientTransformation``, ``chain`` and ``apply_updates``.
+
+An optimizer is a pair of pure functions over pytrees laid out like the params (a flat
+dict keyed by module path, leaves plain tensors or DTensors): ``init(params) -> state`` and
+``update(updates, state, params=None) -> (updates, state)``. Neither mutates its inputs:
+``update`` returns new update and state tensors, which may share storage with each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from d9d import tree
+from d9d.errors import OptimTreeMismatchError
+
+__all__ = [
+    "GradientTransformation",
+    "apply_updates",
+    "by_kind",
+    "chain",
+    "check_same_layout",
+    "zero_count",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer: ``init(params) -> state`` and ``update(updates, state, params)``.
+
+    ``update`` returns ``(updates, state)`` and mutates none of its inputs.
+
+    Example:
+        >>> import torch, d9d.optim as optim
+        >>> opt = optim.sgd(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> updates["w"]
+        tensor([-0.1000, -0.1000])
+    """
+
+    # init(params) -> state: the state for a params tree, all tensors.
+    init: Callable[[Any], Any]
+    # update(updates, state, params=None) -> (updates, state), pure.
+    update: Callable[..., tuple[Any, Any]]
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transformations: each one's output updates are the next one's input.
+
+    The state is a tuple with one entry per transformation, in order.
+
+    Args:
+        *transforms: the transformations, applied left to right.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``tuple(t.init(params) for t in transforms)``.
+
+    Raises:
+        TypeError: an argument is not a ``GradientTransformation``.
+
+    Example:
+        >>> import torch, d9d.optim as optim
+        >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.scale(-0.5))
+        >>> params = {"w": torch.zeros(2)}
+        >>> opt.update({"w": torch.tensor([3.0, 4.0])}, opt.init(params))[0]["w"]
+        tensor([-0.3000, -0.4000])
+    """
+    for position, transform in enumerate(transforms):
+        if not isinstance(transform, GradientTransformation):
+            raise TypeError(
+                f"chain() takes GradientTransformations, got {transform!r} at {position=}; "
+                "build one with a d9d.optim factory such as d9d.optim.scale_by_adam(...)"
+            )
+
+    def init(params: Any) -> tuple[Any, ...]:
+        return tuple(transform.init(params) for transform in transforms)
+
+    def update(updates: Any, state: tuple[Any, ...], params: Any = None) -> tuple[Any, Any]:
+        new_state = []
+        for transform, inner_state in zip(transforms, state, strict=True):
+            updates, inner_state = transform.update(updates, inner_state, params)
+            new_state.append(inner_state)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """Return ``params + updates`` as a new tree; each result keeps its param's dtype.
+
+    Runs one ``torch._foreach_add`` over the plain tensors and one over the DTensors.
+
+    Args:
+        params: the params pytree.
+        updates: a pytree laid out like ``params`` (the output of ``update``).
+
+    Returns:
+        A new pytree laid out like ``params``; its leaves are new tensors.
+
+    Raises:
+        OptimTreeMismatchError: ``updates`` is not laid out like ``params``.
+
+    Example:
+        >>> import torch, d9d.optim as optim
+        >>> optim.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
+        {'w': tensor([1.5000, 0.0000])}
+    """
+    check_same_layout(params, updates, what="updates")
+    param_leaves, spec = tree.flatten(params)
+    update_leaves = [
+        u if u.dtype == p.dtype else u.to(p.dtype)
+        for p, u in zip(param_leaves, tree.leaves(updates), strict=True)
+    ]
+    (new_leaves,) = by_kind(
+        lambda ps, us: (torch._foreach_add(ps, us),), param_leaves, update_leaves, outputs=1
+    )
+    return tree.unflatten(spec, new_leaves)
+
+
+def by_kind(
+    fn: Callable[..., tuple[Sequence[Any], ...]], *lists: Sequence[torch.Tensor], outputs: int
+) -> tuple[list[Any], ...]:
+    """Run ``fn`` on the plain tensors and on the DTensors apart; put the results back in order.
+
+    A ``torch._foreach_*`` op refuses a list mixing plain tensors and DTensors, so leaf ``i``
+    goes to the group of the kind of ``lists[0][i]``; DTensors on different meshes may share
+    one call. ``fn(*lists)`` returns a tuple of ``outputs`` lists aligned with its inputs; with
+    a single kind of leaf (the usual case) it is called once on the lists as given, and with
+    no leaves (everything masked out) not at all.
+    """
+    first = lists[0]
+    groups = [
+        [i for i, leaf in enumerate(first) if isinstance(leaf, DTensor) is is_dtensor]
+        for is_dtensor in (False, True)
+    ]
+    groups = [group for group in groups if group]
+    if len(groups) == 1:
+        return tuple(list(result) for result in fn(*lists))
+    merged: tuple[list[Any], ...] = tuple([None] * len(first) for _ in range(outputs))
+    for group in groups:
+        results = fn(*([values[i] for i in group] for values in lists))
+        for out, result in zip(merged, results, strict=True):
+            for i, value in zip(group, result, strict=True):
+                out[i] = value
+    return merged
+
+
+def zero_count(params: Any) -> torch.Tensor:
+    """A 0-d int64 zero on the device of the first param (CPU for an empty tree).
+
+    Counters are tensors, not Python ints, so a compiled step sees the same graph inputs
+    at every step and never recompiles as the count advances.
+    """
+    leaves = tree.leaves(params)
+    device = leaves[0].device if leaves else torch.device("cpu")
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def check_same_layout(params: Any, other: Any, *, what: str) -> None:
+    """Raise ``OptimTreeMismatchError`` unless ``other`` is laid out like ``params``."""
+    if tree.same_structure(params, other):
+        return
+    param_paths, other_paths = set(tree.paths(params)), set(tree.paths(other))
+    missing = sorted(param_paths - other_paths)
+    unexpected = sorted(other_paths - param_paths)
+    raise OptimTreeMismatchError(
+        f"the {what} tree is not laid out like the params: {missing=} (params paths it lacks), "
+        f"{unexpected=} (paths that are not params); build it from the params, e.g. "
+        "d9d.tree.map(fn, params), so the keys and containers match"
+    )

@@ -1,0 +1,171 @@
+"""Ranks as forked or spawned processes joined through a FileStore in a temporary folder.
+
+Each child initialises the default process group from a ``FileStore`` (no port to pick,
+so no port races between parallel test runs), runs ``fn``, destroys the group and sends
+back ``pickle.dumps`` of its return value, or its formatted traceback, through a pipe.
+Plain ``pickle`` copies tensor storage; ``multiprocessing``'s own pickler would pass shared
+memory that dies with the child.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._outcome import FAILURE_GRACE_S, STOP_GRACE_S, RankOutcome
+
+__all__ = ["run_processes"]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    timeout: float,
+    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
+    writer: Connection,
+) -> None:
+    # One intra-op thread per rank, as torchrun sets OMP_NUM_THREADS=1 for several ranks.
+    # After fork it is also required: GNU OpenMP's pool does not survive fork once the
+    # parent used it, and a forked child's first parallel op (a 2000x2000 matmul) hung.
+    torch.set_num_threads(1)
+    try:
+        fn, args, kwargs = call
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        payload = pickle.dumps(("ok", value))
+    except BaseException as exc:
+        payload = pickle.dumps(("raised", "".join(traceback.format_exception(exc))))
+    writer.send_bytes(payload)
+    writer.close()
+
+
+def _decode(rank: int, payload: bytes) -> RankOutcome:
+    try:
+        status, value = pickle.loads(payload)
+    except Exception as exc:
+        detail = f"Its return value could not be unpickled in the parent process: {exc!r}"
+        return RankOutcome(rank, "raised", detail=detail)
+    if status == "ok":
+        return RankOutcome(rank, "ok", value=value)
+    return RankOutcome(rank, "raised", detail=value)
+
+
+def _collect(
+    readers: list[Connection], procs: list[BaseProcess], deadline: float
+) -> list[RankOutcome | None]:
+    """Each rank's report, until all have reported, died, or the deadline passed."""
+    outcomes: list[RankOutcome | None] = [None] * len(procs)
+    while None in outcomes:
+        if any(o is not None and o.status != "ok" for o in outcomes):
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        pending = [rank for rank, o in enumerate(outcomes) if o is None]
+        wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
+        for rank in pending:
+            reader, proc = readers[rank], procs[rank]
+            if reader.poll():
+                try:
+                    outcomes[rank] = _decode(rank, reader.recv_bytes())
+                    continue
+                except EOFError:  # the child closed its end without writing: it died
+                    pass
+            elif proc.is_alive():
+                continue
+            proc.join()
+            outcomes[rank] = RankOutcome(
+                rank,
+                "crashed",
+                detail=f"Process exited with code {proc.exitcode} without reporting a result "
+                "(killed by a signal if negative, or it called os._exit).",
+            )
+    return outcomes
+
+
+def _stop(procs: list[BaseProcess]) -> None:
+    """Terminate, then kill, every child still alive, and reap them all."""
+    alive = [p for p in procs if p.is_alive()]
+    for proc in alive:
+        proc.terminate()
+    stop_by = time.monotonic() + STOP_GRACE_S
+    for proc in alive:
+        proc.join(max(0.0, stop_by - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join()
+        proc.close()
+
+
+def run_processes(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    world_size: int,
+    method: str,
+    backend: str,
+    timeout: float,
+) -> list[RankOutcome]:
+    """Run ``fn`` on ``world_size`` child processes started with ``method``."""
+    context = multiprocessing.get_context(method)
+    deadline = time.monotonic() + timeout
+    procs: list[BaseProcess] = []
+    readers: list[Connection] = []
+    with tempfile.TemporaryDirectory(prefix="d9d-ranks-") as folder:
+        store_path = os.path.join(folder, "store")
+        try:
+            for rank in range(world_size):
+                reader, writer = context.Pipe(duplex=False)
+                readers.append(reader)
+                proc = context.Process(
+                    target=_rank_main,
+                    args=(
+                        rank,
+                        world_size,
+                        backend,
+                        store_path,
+                        timeout,
+                        (fn, args, kwargs),
+                        writer,
+                    ),
+                    name=f"d9d-rank-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                procs.append(proc)
+                writer.close()
+            collected = _collect(readers, procs, deadline)
+        finally:
+            _stop(procs)
+            for reader in readers:
+                reader.close()
+    failed = any(o is not None and o.status != "ok" for o in collected)
+    return [
+        o if o is not None else RankOutcome(rank, "stopped" if failed else "timed_out")
+        for rank, o in enumerate(collected)
+    ]

@@ -1,0 +1,32 @@
+"""Shared test settings: deterministic CPU runs and a per-session inductor cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache"))
+    )
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-rank gloo process group and its 1-D CPU device mesh, torn down afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    finally:
+        dist.destroy_process_group()

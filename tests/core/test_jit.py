@@ -1,0 +1,64 @@
+"""``d9d.jit``: the compiled step equals the eager step, donates, and does not recompile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import d9d
+from d9d._train import make_train_step
+from d9d.errors import DonatedTreeError, RecompileError
+from d9d.models import Llama, LlamaConfig
+from d9d.testing import assert_trees_all_close
+
+pytestmark = pytest.mark.compile
+
+
+def _setup():
+    model = d9d.functionalize(Llama(LlamaConfig.tiny()))
+    opt = d9d.optim.chain(
+        d9d.optim.clip_by_global_norm(1.0),
+        d9d.optim.adamw(d9d.optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1, mask=r"weight$"),
+    )
+    step = make_train_step(model, opt)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(6):
+        tokens = torch.randint(0, 256, (4, 33), generator=g)
+        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return model, opt, step, batches
+
+
+def _clone(tree_):
+    return d9d.tree.map(torch.clone, tree_)
+
+
+def test_jit_step_equals_eager_for_five_steps_without_recompiling() -> None:
+    model, opt, step, batches = _setup()
+    params, state = _clone(model.params), opt.init(model.params)
+    jparams, jstate = _clone(model.params), opt.init(model.params)
+    jitted = d9d.jit(step, fail_on_recompile=True)
+    eager_losses, jit_losses = [], []
+    for batch in batches[:5]:
+        params, state, metrics = step(params, state, batch)
+        eager_losses.append(metrics["loss"])
+        jparams, jstate, jmetrics = jitted(jparams, jstate, batch)
+        jit_losses.append(jmetrics["loss"])
+    torch.testing.assert_close(
+        torch.stack(jit_losses), torch.stack(eager_losses), rtol=1e-5, atol=1e-6
+    )
+    assert_trees_all_close(jparams, params, rtol=1e-5, atol=1e-6)
+    assert_trees_all_close(jstate, state, rtol=1e-5, atol=1e-6)
+    assert jitted.traces == 1 and jitted.calls == 5
+
+    first_buffer = jparams["embed.weight"].data_ptr()
+    old = jparams
+    jparams, jstate, _ = jitted(jparams, jstate, batches[5])
+    assert jparams["embed.weight"].data_ptr() == first_buffer, (
+        "donated params must be updated in place"
+    )
+    with pytest.raises(DonatedTreeError, match=r"argument 0 leaf '.*' was donated to call 6"):
+        jitted(old, jstate, batches[5])
+    short = {k: v[:, :16] for k, v in batches[0].items()}
+    with pytest.raises(RecompileError, match=r"would be traced again on call 7.*size mismatch"):
+        jitted(jparams, jstate, short)

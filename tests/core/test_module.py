@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import d9d
+from d9d.errors import ParamTreeMismatchError
+from d9d.testing import assert_trees_all_close
+
+
+def _hf_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+_HF_AXES = {
+    r"q_proj\.weight$": ("heads", "embed"),
+    r"[kv]_proj\.weight$": ("kv_heads", "embed"),
+    r"o_proj\.weight$": ("embed", "heads"),
+    r"(gate|up)_proj\.weight$": ("mlp", "embed"),
+    r"down_proj\.weight$": ("embed", "mlp"),
+    r"lm_head\.weight$": ("vocab", "embed"),
+}
+
+
+def _module_grads(module: nn.Module, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    module.zero_grad()
+    loss = loss_fn(module)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in module.named_parameters()}
+
+
+def test_hf_llama_apply_and_grads_match_module_backward() -> None:
+    module = _hf_llama()
+    model = d9d.functionalize(module, axes=_HF_AXES)
+    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(tokens, -1, dims=1)
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    expected_loss, expected_grads = _module_grads(module, lambda m: loss_of(m(tokens).logits))
+    loss, grads = d9d.value_and_grad(lambda p: loss_of(model.apply(p, tokens).logits))(model.params)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    assert_trees_all_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
+    assert model.axes["model.layers.1.self_attn.k_proj.weight"] == ("kv_heads", "embed")
+    assert model.axes["model.embed_tokens.weight"] == ("vocab", "embed")
+    assert model.axes["model.norm.weight"] == (None,)
+
+
+def test_apply_is_pure_and_leaves_module_untouched() -> None:
+    module = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    model = d9d.functionalize(module)
+    other = {k: torch.randn_like(v) for k, v in model.params.items()}
+    x = torch.randn(5, 3)
+    first = model.apply(other, x)
+    torch.testing.assert_close(model.apply(other, x), first, rtol=0, atol=0)
+    for k, v in module.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert all(isinstance(p, nn.Parameter) for p in module.parameters())
+
+
+def test_tied_weights_appear_once_and_are_used_in_both_places() -> None:
+    module = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7, bias=False))
+    module[1].weight = module[0].weight
+    model = d9d.functionalize(module)
+    assert list(model.params) == ["0.weight"]
+    assert model.tied == {"1.weight": "0.weight"}
+    tokens = torch.tensor([[1, 2, 3]])
+    _, expected = _module_grads(module, lambda m: m(tokens).logsumexp(-1).sum())
+    grads = d9d.grad(lambda p: model.apply(p, tokens).logsumexp(-1).sum())(model.params)
+    torch.testing.assert_close(grads["0.weight"], expected["0.weight"])
+
+
+def test_declared_logical_axes_are_relative_and_deepest_first() -> None:
+    class Block(nn.Module):
+        logical_axes = {r"^proj\.weight$": ("mlp", "embed")}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 6)
+            self.scale = nn.Parameter(torch.ones(6))
+
+    class Net(nn.Module):
+        logical_axes = {r"proj\.weight$": ("heads", "embed"), r"scale$": ("mlp",)}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+    model = d9d.functionalize(Net())
+    assert model.axes == {
+        "block.proj.weight": ("mlp", "embed"),
+        "block.proj.bias": ("out",),
+        "block.scale": ("mlp",),
+    }
+    user = d9d.functionalize(Net(), axes={r"block\.proj\.weight": ("a", "b")})
+    assert user.axes["block.proj.weight"] == ("a", "b")
+
+
+def test_buffers_are_passed_and_restored() -> None:
+    class Shift(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+            self.register_buffer("offset", torch.full((2,), 3.0), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w + self.offset
+
+    model = d9d.functionalize(Shift())
+    assert list(model.buffers) == ["offset"]
+    assert model.axes == {"w": (None,)}
+    torch.testing.assert_close(
+        model.apply({"w": torch.full((2,), 2.0)}, torch.ones(2)), torch.full((2,), 5.0)
+    )
+
+
+def test_mismatched_params_name_missing_and_unexpected_paths() -> None:
+    model = d9d.functionalize(nn.Linear(3, 2))
+    with pytest.raises(
+        ParamTreeMismatchError, match=r"missing paths \['bias'\], unexpected paths \['bais'\]"
+    ):
+        model.apply({"weight": model.params["weight"], "bais": model.params["bias"]}, torch.ones(3))
+
+
+def test_axes_rule_of_wrong_rank_names_the_param() -> None:
+    with pytest.raises(ValueError, match=r"param 'weight' has shape \(2, 3\)"):
+        d9d.functionalize(nn.Linear(3, 2), axes={"weight": ("embed",)})
+
+
+def test_axes_pattern_matching_nothing_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"axes patterns \['q_proj'\] match no param"):
+        d9d.functionalize(nn.Linear(3, 2), axes={"q_proj": ("heads", "embed")})

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from d9d import tree
+
+
+class _State(NamedTuple):
+    count: torch.Tensor
+    mu: dict[str, torch.Tensor]
+
+
+def _state() -> _State:
+    return _State(torch.tensor(3), {"layers.0.w": torch.ones(2), "embed.weight": torch.zeros(3)})
+
+
+def test_paths_join_named_tuple_fields_and_dict_keys() -> None:
+    assert tree.paths({"opt": _state()}) == [
+        "opt.count",
+        "opt.mu.embed.weight",
+        "opt.mu.layers.0.w",
+    ]
+
+
+def test_flatten_unflatten_round_trip_keeps_insertion_order() -> None:
+    params = {"b": torch.ones(1), "a": torch.zeros(1)}
+    leaves, spec = tree.flatten(params)
+    back = tree.unflatten(spec, leaves)
+    assert list(back) == ["b", "a"]
+    assert all(back[k] is params[k] for k in params)
+
+
+def test_none_is_an_empty_subtree() -> None:
+    assert tree.leaves({"a": None, "b": 1}) == [1]
+    assert tree.map(lambda x: x + 1, {"a": None, "b": 1}) == {"a": None, "b": 2}
+
+
+def test_map_with_path_passes_paths_and_rest_leaves() -> None:
+    out = tree.map_with_path(lambda p, x, y: (p, x + y), {"w": 1, "s": (2,)}, {"w": 10, "s": (20,)})
+    assert out == {"w": ("w", 11), "s": (("s.0", 22),)}
+
+
+def test_same_structure() -> None:
+    assert tree.same_structure(_state(), _state())
+    assert not tree.same_structure({"a": 1}, {"a": 1, "b": 2})
+    assert not tree.same_structure({"a": 1}, {"a": (1,)})
+
+
+def test_dtensor_is_one_leaf(one_rank_mesh) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    t = distribute_tensor(torch.ones(4, 2), one_rank_mesh, [Shard(0)])
+    pairs, _ = tree.flatten_with_paths({"x": t, "y": [t]})
+    assert [p for p, _ in pairs] == ["x", "y.0"]
+    assert all(isinstance(leaf, DTensor) for _, leaf in pairs)

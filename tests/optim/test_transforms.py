@@ -1,0 +1,104 @@
+"""The interface pieces: ``chain``, ``apply_updates``, state layout and dtypes, and argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import d9d.optim as optim
+from d9d.errors import OptimTreeMismatchError
+
+
+def test_chain_feeds_each_output_to_the_next_and_tuples_the_states() -> None:
+    opt = optim.chain(optim.scale(2.0), optim.clip_by_global_norm(1.0), optim.scale(-1.0))
+    params = {"a": torch.zeros(1), "b": torch.zeros(1)}
+    updates, state = opt.update(
+        {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, opt.init(params)
+    )
+    assert state == (optim.ScaleState(), optim.ClipByGlobalNormState(), optim.ScaleState())
+    torch.testing.assert_close(updates, {"a": torch.tensor([-0.6]), "b": torch.tensor([-0.8])})
+
+
+def test_clip_leaves_small_updates_unchanged() -> None:
+    clip = optim.clip_by_global_norm(10.0)
+    updates = {"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}
+    torch.testing.assert_close(clip.update(updates, clip.init(updates))[0], updates)
+
+
+def test_adam_state_mirrors_params_with_a_0d_count() -> None:
+    params = {"w": torch.zeros(5, 3), "b": torch.zeros(7)}
+    state = optim.scale_by_adam().init(params)
+    assert isinstance(state, optim.ScaleByAdamState)
+    assert state.count.shape == () and state.count.dtype == torch.int64
+    assert set(state.mu) == set(state.nu) == {"w", "b"}
+    assert state.mu["w"].shape == (5, 3)
+
+
+def test_bf16_params_keep_their_dtype_in_state_and_after_apply() -> None:
+    params = {"w": torch.randn(4, 3, dtype=torch.bfloat16)}
+    opt = optim.adamw(1e-2)
+    state = opt.init(params)
+    assert state[0].mu["w"].dtype == state[0].nu["w"].dtype == torch.bfloat16
+    updates, state = opt.update({"w": torch.randn(4, 3, dtype=torch.bfloat16)}, state, params)
+    new_params = optim.apply_updates(params, updates)
+    assert new_params["w"].dtype == torch.bfloat16
+    fp32_updates = {"w": torch.ones(4, 3)}
+    assert optim.apply_updates(params, fp32_updates)["w"].dtype == torch.bfloat16
+
+
+def test_apply_updates_returns_new_tensors() -> None:
+    params = {"w": torch.ones(3)}
+    new_params = optim.apply_updates(params, {"w": torch.ones(3)})
+    assert torch.equal(params["w"], torch.ones(3))
+    assert torch.equal(new_params["w"], torch.full((3,), 2.0))
+
+
+def test_apply_updates_on_a_mismatched_tree_is_an_error() -> None:
+    with pytest.raises(OptimTreeMismatchError, match=r"missing=\['b'\].*unexpected=\['c'\]"):
+        optim.apply_updates(
+            {"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}
+        )
+
+
+def test_add_decayed_weights_needs_params() -> None:
+    decay = optim.add_decayed_weights(0.1)
+    with pytest.raises(ValueError, match=r"add_decayed_weights needs the params"):
+        decay.update({"w": torch.ones(1)}, decay.init({"w": torch.ones(1)}))
+
+
+def test_chain_rejects_a_non_transformation() -> None:
+    with pytest.raises(TypeError, match=r"got .*position=1"):
+        optim.chain(optim.scale(1.0), lambda updates: updates)
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (lambda: optim.scale_by_adam(b1=1.0), ValueError, r"b1 is a decay rate .* got b1=1\.0"),
+        (lambda: optim.adamw(1e-3, b2=-0.1), ValueError, r"b2=-0\.1"),
+        (lambda: optim.adam(1e-3, eps=-1e-8), ValueError, r"eps=-1e-08"),
+        (lambda: optim.adam(1e-3, eps_root=float("inf")), ValueError, r"eps_root=inf"),
+        (lambda: optim.adamw(-1e-3), ValueError, r"learning_rate=-0\.001"),
+        (lambda: optim.adamw("1e-3"), TypeError, r"learning_rate='1e-3'"),
+        (lambda: optim.adamw(1e-3, weight_decay=-0.1), ValueError, r"weight_decay=-0\.1"),
+        (
+            lambda: optim.sgd(0.1, nesterov=True),
+            ValueError,
+            r"nesterov=True needs a momentum, got momentum=0\.0",
+        ),
+        (lambda: optim.sgd(0.1, momentum=-0.9), ValueError, r"momentum=-0\.9"),
+        (lambda: optim.trace(0.0, nesterov=True), ValueError, r"got decay=0\.0"),
+        (lambda: optim.lion(1e-4, b1=1.5), ValueError, r"b1=1\.5"),
+        (lambda: optim.clip_by_global_norm(0.0), ValueError, r"max_norm=0\.0"),
+        (lambda: optim.scale(True), ValueError, r"step_size=True"),
+    ],
+)
+def test_bad_hyperparameters_are_rejected_eagerly(build, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_schedule_returning_a_python_float_is_an_error() -> None:
+    opt = optim.sgd(lambda step: 0.1)
+    with pytest.raises(TypeError, match=r"must return a 0-d tensor, got 0\.1 at step 0"):
+        opt.init({"w": torch.ones(1)})
