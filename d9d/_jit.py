@@ -152,7 +152,10 @@ def _copy_into(old: Any, new: Any, *, argnum: int) -> None:
                 f"donated argument {argnum} leaf {path!r} is {a.dtype}{list(a.shape)} but the "
                 f"step returned {b.dtype}{list(b.shape)}; a donated leaf keeps its shape and dtype"
             )
-    torch._foreach_copy_([a for _, a in old_pairs], new_leaves)
+    # One copy_ per leaf, not torch._foreach_copy_: inductor (torch 2.13) lets a later output
+    # read an input that _foreach_copy_ already overwrote (docs/decisions.md has the repro).
+    for (_, a), b in zip(old_pairs, new_leaves, strict=True):
+        a.copy_(b)
 
 
 def _check_not_donated(arg: Any, *, argnum: int) -> None:

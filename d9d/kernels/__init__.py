@@ -1,9 +1,29 @@
-"""Kernel ops behind one registry (``d9d.kernels``)."""
+"""Kernel ops behind one registry (``d9d.kernels``): each op a plain function, each with a
+pure-PyTorch reference and faster backends (Triton) chosen by device, dtype and what is
+installed, or forced per call (``backend=``), per block (:func:`use`) or by the
+``D9D_KERNELS`` environment variable. See ``docs/kernels.md``.
+"""
 
+from ._adamw import adamw as adamw
+from ._cross_entropy import cross_entropy as cross_entropy
+from ._fused_linear_cross_entropy import fused_linear_cross_entropy as fused_linear_cross_entropy
 from ._registry import available as available
 from ._registry import register_backend as register_backend
 from ._registry import use as use
 from ._rms_norm import fused_add_rms_norm as fused_add_rms_norm
 from ._rms_norm import rms_norm as rms_norm
+from ._rope import rope as rope
+from ._swiglu import swiglu as swiglu
 
-__all__ = ["available", "fused_add_rms_norm", "register_backend", "rms_norm", "use"]
+__all__ = [
+    "adamw",
+    "available",
+    "cross_entropy",
+    "fused_add_rms_norm",
+    "fused_linear_cross_entropy",
+    "register_backend",
+    "rms_norm",
+    "rope",
+    "swiglu",
+    "use",
+]

@@ -1,6 +1,6 @@
 """Pure-PyTorch references of every ``d9d.kernels`` op: the ground truth backends are tested on.
 
-Each computes in float32 and casts its outputs to the input dtype once, so a low-precision
+Each computes in float32 (float64 stays float64) and casts its outputs to the input dtype once, so a low-precision
 backend that also accumulates in float32 agrees with it to about one unit in the last place.
 They run anywhere, are traced by ``torch.compile`` as ordinary torch code, and get their
 gradients from autograd. None of them is memory-frugal: ``cross_entropy`` makes a float32
@@ -23,11 +23,16 @@ __all__ = [
 ]
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or in its own dtype if wider."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight``, in float32, cast to ``x.dtype``."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
+    wide = _wide(x)
+    normed = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + eps)
+    return (normed * _wide(weight)).to(x.dtype)
 
 
 def fused_add_rms_norm(
@@ -40,7 +45,7 @@ def fused_add_rms_norm(
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, in float32, cast to ``gate.dtype``."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return (F.silu(_wide(gate)) * _wide(up)).to(gate.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -55,20 +60,20 @@ def rope(
 
     ``cos`` and ``sin`` are constants: they get no gradient.
     """
-    cos = cos.detach().float().unsqueeze(-2)  # [(B,) S, 1, D], broadcast over heads
-    sin = sin.detach().float().unsqueeze(-2)
+    cos = _wide(cos.detach()).unsqueeze(-2)  # [(B,) S, 1, D], broadcast over heads
+    sin = _wide(sin.detach()).unsqueeze(-2)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+        wide = _wide(x)
+        return (wide * cos + _rotate_half(wide) * sin).to(x.dtype)
 
     return rotate(q), rotate(k)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Mean over tokens whose label is not ``ignore_index``; a 0-d float32 tensor."""
+    """Mean over tokens whose label is not ``ignore_index``; 0-d, float32 (float64 if so)."""
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
+        _wide(logits.reshape(-1, logits.shape[-1])),
         labels.reshape(-1).long(),
         ignore_index=ignore_index,
     )
@@ -100,15 +105,15 @@ def adamw(
     weight_decay: float,
 ) -> None:
     """One AdamW update (decoupled weight decay, bias-corrected), in place, in float32."""
-    lr, step = lr.float(), step.float()
+    lr, step = _wide(lr), _wide(step)
     step_size = lr / (1 - beta1**step)
     bias_correction2_sqrt = torch.sqrt(1 - beta2**step)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        g32 = g.float()
-        m32 = m.float() * beta1 + g32 * (1 - beta1)
-        v32 = v.float() * beta2 + g32.square() * (1 - beta2)
-        p32 = p.float() * (1 - lr * weight_decay)
-        p32 = p32 - step_size * m32 / (v32.sqrt() / bias_correction2_sqrt + eps)
-        p.copy_(p32)
-        m.copy_(m32)
-        v.copy_(v32)
+        g_wide = _wide(g)
+        m_wide = _wide(m) * beta1 + g_wide * (1 - beta1)
+        v_wide = _wide(v) * beta2 + g_wide.square() * (1 - beta2)
+        p_wide = _wide(p) * (1 - lr * weight_decay)
+        p_wide = p_wide - step_size * m_wide / (v_wide.sqrt() / bias_correction2_sqrt + eps)
+        p.copy_(p_wide)
+        m.copy_(m_wide)
+        v.copy_(v_wide)

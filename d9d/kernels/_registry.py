@@ -198,8 +198,10 @@ def _resolve(op: str, device_type: str, dtype: torch.dtype, requested: str | Non
         (env.get(op), f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}"),
     ]
     for name, source in sources:
-        if name is None or name == AUTO:
+        if name is None:
             continue
+        if name == AUTO:
+            break
         if name not in known:
             return "", _UNKNOWN, (
                 f"{source}: op {op!r} has no backend {name!r}; backends are {[*known, AUTO]}"

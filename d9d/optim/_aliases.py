@@ -145,7 +145,7 @@ def lion(
     learning_rate: float | Schedule,
     b1: float = 0.9,
     b2: float = 0.99,
-    weight_decay: float = 1e-3,
+    weight_decay: float = 1e-1,
     *,
     mask: Mask | None = None,
 ) -> GradientTransformation:
@@ -158,7 +158,9 @@ def lion(
     Args:
         learning_rate: a float or a schedule of the step (typically 3-10x below AdamW's).
         b1, b2: as ``scale_by_lion``.
-        weight_decay: decoupled decay coefficient (default 1e-3).
+        weight_decay: decoupled decay coefficient (default 0.1: 10x ``adamw``'s, so that with
+            a 10x smaller learning rate ``lr * weight_decay`` stays the same, as the paper
+            advises).
         mask: which params are decayed, as ``masked`` takes it; ``None`` decays all.
 
     Returns:

@@ -130,29 +130,31 @@ def _close_mismatch(
     path, a, e, dtype = pair
     rtol, atol = _tolerances(dtype, rtol, atol)
     work = torch.complex128 if a.is_complex() or e.is_complex() else torch.float64
-    a, e = a.to(work), e.to(work)
-    diff = (a - e).abs()
-    allowed = atol + rtol * e.abs()
-    ok = (diff <= allowed) | (a == e)  # `a == e` admits equal infinities
+    a64, e64 = a.to(work), e.to(work)
+    diff = (a64 - e64).abs()
+    allowed = atol + rtol * e64.abs()
+    # Infinities are close only to the same infinity (their diff is not <= an inf allowance).
+    ok = ((diff <= allowed) & a64.isfinite() & e64.isfinite()) | (a64 == e64)
     if equal_nan:
-        ok |= a.isnan() & e.isnan()
+        ok |= a64.isnan() & e64.isnan()
     count = int((~ok).sum())
     if count == 0:
         return None
     ratio = (diff / allowed).nan_to_num(nan=math.inf)
     flat = int(torch.where(ok, -1.0, ratio).reshape(-1).argmax())
     abs_err = float(diff.reshape(-1)[flat])
-    expected_value = e.reshape(-1)[flat].item()
+    expected_abs = float(e64.abs().reshape(-1)[flat])
     return _Mismatch(
         path=path,
         label=f"{dtype}, rtol={rtol:g}, atol={atol:g}",
         count=count,
         numel=a.numel(),
         index=unravel(flat, a.shape),
+        # Values in their own dtype, so an int shows as an int.
         actual=a.reshape(-1)[flat].item(),
-        expected=expected_value,
+        expected=e.reshape(-1)[flat].item(),
         abs_err=abs_err,
-        rel_err=abs_err / abs(expected_value) if expected_value != 0 else math.inf,
+        rel_err=abs_err / expected_abs if expected_abs != 0 else math.inf,
         score=float(ratio.reshape(-1)[flat]),
     )
 

@@ -32,8 +32,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     Example:
         >>> from torch.distributed.device_mesh import init_device_mesh
         >>> with fake_world(64, rank=9):
-        ...     init_device_mesh("cpu", (8, 8)).get_coordinate()
-        [1, 1]
+        ...     tuple(init_device_mesh("cpu", (8, 8)).get_coordinate())
+        (1, 1)
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

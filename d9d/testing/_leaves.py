@@ -108,7 +108,8 @@ def describe(leaf: Any) -> str:
 def format_value(value: Any) -> str:
     """An element value, short but exact enough to tell two floats apart."""
     if isinstance(value, float) and math.isfinite(value):
-        return f"{value:.9g}"
+        text = f"{value:.9g}"
+        return text if any(c in text for c in ".e") else f"{text}.0"
     return repr(value)
 
 

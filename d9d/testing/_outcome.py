@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from d9d.errors import RankFailedError
 
-__all__ = ["RankOutcome", "results_or_raise"]
+__all__ = ["RankOutcome", "results_or_raise", "summarize"]
 
 # How long the other ranks may still run once one rank failed: long enough for ranks that
 # fail the same way to report it too, short enough that a rank blocked in a collective the
@@ -15,7 +15,7 @@ __all__ = ["RankOutcome", "results_or_raise"]
 FAILURE_GRACE_S = 2.0
 
 # How long a rank that was told to stop (SIGTERM, or SystemExit in a thread) may take to go.
-STOP_GRACE_S = 2.0
+STOP_GRACE_S = 1.0
 
 Status = Literal["ok", "raised", "crashed", "stopped", "timed_out"]
 
@@ -31,11 +31,14 @@ class RankOutcome:
     status: Status
     value: Any = None
     detail: str = ""
+    summary: str = ""  # "ValueError: first line of its message", for a rank that raised
+    failed_at: float = 0.0  # time.time() of the failure, to tell which rank failed first
 
 
-def _summary(outcome: RankOutcome) -> str:
-    lines = outcome.detail.strip().splitlines()
-    return lines[-1] if lines else outcome.status
+def summarize(exc: BaseException) -> str:
+    """``"TypeName: first line of the message"``."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def results_or_raise(
@@ -50,14 +53,14 @@ def results_or_raise(
 
     call = f"run_on_ranks(method={method!r}, world_size={world_size}, timeout={timeout})"
     failed = by_status.get("raised", []) + by_status.get("crashed", [])
-    failed.sort(key=lambda o: o.rank)
+    failed.sort(key=lambda o: o.failed_at)
     timed_out = [o.rank for o in by_status.get("timed_out", [])]
     finished = [o.rank for o in by_status.get("ok", [])]
     stopped = [o.rank for o in by_status.get("stopped", [])]
     if failed:
-        ranks = [o.rank for o in failed]
-        head = [f"{call} failed on rank(s) {ranks}:"]
-        head += [f"  rank {o.rank}: {_summary(o)}" for o in failed]
+        ranks = sorted(o.rank for o in failed)
+        head = [f"{call} failed on rank(s) {ranks}; rank {failed[0].rank} failed first:"]
+        head += [f"  rank {o.rank}: {o.summary or o.detail}" for o in failed]
     else:
         head = [
             f"{call} timed out: rank(s) {timed_out} did not finish within {timeout} s. A rank "
@@ -70,6 +73,6 @@ def results_or_raise(
         head.append(f"Rank(s) {timed_out} were still running and were stopped.")
     if finished:
         head.append(f"Rank(s) {finished} finished.")
-    stuck = [o for o in outcomes if o.status == "timed_out" and o.detail]
-    sections = [f"--- rank {o.rank} ---\n{o.detail.rstrip()}" for o in failed + stuck]
+    stuck = [o for o in outcomes if o.status == "timed_out"]
+    sections = [f"--- rank {o.rank} ---\n{o.detail.rstrip()}" for o in failed + stuck if o.detail]
     raise RankFailedError("\n".join(head + sections)) from None

@@ -16,7 +16,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._outcome import FAILURE_GRACE_S, STOP_GRACE_S, RankOutcome
+from ._outcome import FAILURE_GRACE_S, STOP_GRACE_S, RankOutcome, summarize
 
 __all__ = ["run_processes"]
 
@@ -34,7 +33,6 @@ def _rank_main(
     world_size: int,
     backend: str,
     store_path: str,
-    timeout: float,
     call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
     writer: Connection,
 ) -> None:
@@ -42,23 +40,25 @@ def _rank_main(
     # After fork it is also required: GNU OpenMP's pool does not survive fork once the
     # parent used it, and a forked child's first parallel op (a 2000x2000 matmul) hung.
     torch.set_num_threads(1)
+    failed_at = None
     try:
         fn, args, kwargs = call
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        # No group timeout: the parent's deadline decides, and kills ranks stuck past it.
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             value = fn(*args, **kwargs)
+        except BaseException:
+            # Taken before destroying the group, which closes this rank's connections and
+            # makes the ranks waiting on it fail in turn.
+            failed_at = time.time()
+            raise
         finally:
             dist.destroy_process_group()
         payload = pickle.dumps(("ok", value))
     except BaseException as exc:
-        payload = pickle.dumps(("raised", "".join(traceback.format_exception(exc))))
+        detail = "".join(traceback.format_exception(exc))
+        payload = pickle.dumps(("raised", (detail, summarize(exc), failed_at or time.time())))
     writer.send_bytes(payload)
     writer.close()
 
@@ -67,11 +67,12 @@ def _decode(rank: int, payload: bytes) -> RankOutcome:
     try:
         status, value = pickle.loads(payload)
     except Exception as exc:
-        detail = f"Its return value could not be unpickled in the parent process: {exc!r}"
-        return RankOutcome(rank, "raised", detail=detail)
+        summary = f"Its return value could not be unpickled in the parent process: {exc!r}"
+        return RankOutcome(rank, "raised", summary=summary, failed_at=time.time())
     if status == "ok":
         return RankOutcome(rank, "ok", value=value)
-    return RankOutcome(rank, "raised", detail=value)
+    detail, summary, failed_at = value
+    return RankOutcome(rank, "raised", detail=detail, summary=summary, failed_at=failed_at)
 
 
 def _collect(
@@ -98,12 +99,11 @@ def _collect(
             elif proc.is_alive():
                 continue
             proc.join()
-            outcomes[rank] = RankOutcome(
-                rank,
-                "crashed",
-                detail=f"Process exited with code {proc.exitcode} without reporting a result "
-                "(killed by a signal if negative, or it called os._exit).",
+            summary = (
+                f"Process exited with code {proc.exitcode} without reporting a result "
+                "(killed by a signal if negative, or it called os._exit)."
             )
+            outcomes[rank] = RankOutcome(rank, "crashed", summary=summary, failed_at=time.time())
     return outcomes
 
 
@@ -149,7 +149,6 @@ def run_processes(
                         world_size,
                         backend,
                         store_path,
-                        timeout,
                         (fn, args, kwargs),
                         writer,
                     ),

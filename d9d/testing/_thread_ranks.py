@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._outcome import FAILURE_GRACE_S, STOP_GRACE_S, RankOutcome
+from ._outcome import FAILURE_GRACE_S, STOP_GRACE_S, RankOutcome, summarize
 
 __all__ = ["run_threads"]
 
@@ -39,6 +39,7 @@ def _rank_main(
 
     fn, args, kwargs = call
     try:
+        # The timeout bounds the start-up barrier, a C++ wait that SystemExit cannot reach.
         dist.init_process_group(
             "threaded",
             rank=rank,
@@ -56,18 +57,21 @@ def _rank_main(
     except SystemExit as exc:
         # The threaded group raises SystemExit in ranks waiting on a collective once a
         # rank failed, and the runner raises it in ranks it stops after a timeout.
-        stopped = ProcessLocalGroup._terminate.is_set()
-        outcome = RankOutcome(rank, "stopped" if stopped else "raised", detail=_format(exc))
+        if ProcessLocalGroup._terminate.is_set():
+            outcome = RankOutcome(rank, "stopped")
+        else:
+            outcome = _raised(rank, exc)
     except BaseException as exc:
-        outcome = RankOutcome(rank, "raised", detail=_format(exc))
+        outcome = _raised(rank, exc)
         ProcessLocalGroup.exception_handle(exc)  # wake the ranks waiting on a collective
     with finished:
         outcomes[rank] = outcome
         finished.notify_all()
 
 
-def _format(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))
+def _raised(rank: int, exc: BaseException) -> RankOutcome:
+    detail = "".join(traceback.format_exception(exc))
+    return RankOutcome(rank, "raised", detail=detail, summary=summarize(exc), failed_at=time.time())
 
 
 def _raise_in_thread(thread: threading.Thread) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -87,7 +89,7 @@ def test_tied_weights_appear_once_and_are_used_in_both_places() -> None:
 
 def test_declared_logical_axes_are_relative_and_deepest_first() -> None:
     class Block(nn.Module):
-        logical_axes = {r"^proj\.weight$": ("mlp", "embed")}
+        logical_axes: ClassVar = {r"^proj\.weight$": ("mlp", "embed")}
 
         def __init__(self) -> None:
             super().__init__()
@@ -95,7 +97,7 @@ def test_declared_logical_axes_are_relative_and_deepest_first() -> None:
             self.scale = nn.Parameter(torch.ones(6))
 
     class Net(nn.Module):
-        logical_axes = {r"proj\.weight$": ("heads", "embed"), r"scale$": ("mlp",)}
+        logical_axes: ClassVar = {r"proj\.weight$": ("heads", "embed"), r"scale$": ("mlp",)}
 
         def __init__(self) -> None:
             super().__init__()

@@ -1,6 +1,9 @@
-"""The interface pieces: ``chain``, ``apply_updates``, state layout and dtypes, and argument errors."""
+"""``chain``, ``apply_updates``, state layout and dtypes, argument errors, docstring examples."""
 
 from __future__ import annotations
+
+import doctest
+import importlib
 
 import pytest
 import torch
@@ -102,3 +105,13 @@ def test_schedule_returning_a_python_float_is_an_error() -> None:
     opt = optim.sgd(lambda step: 0.1)
     with pytest.raises(TypeError, match=r"must return a 0-d tensor, got 0\.1 at step 0"):
         opt.init({"w": torch.ones(1)})
+
+
+MODULES = ["_adam", "_aliases", "_clipping", "_inspect", "_lion", "_masking", "_momentum"]
+MODULES += ["_scaling", "_schedules", "_transform"]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_docstring_examples_run(module: str) -> None:
+    module = importlib.import_module(f"d9d.optim.{module}")
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0

@@ -1,0 +1,205 @@
+"""``fused_linear_cross_entropy``: the LM head and its loss, chunked over tokens.
+
+The full ``[tokens, vocab]`` logits are never materialized: a loop over ``chunk_size`` tokens
+computes one chunk's logits with a matmul, overwrites them with their gradient
+``softmax - one_hot`` while summing the loss, and turns them at once into that chunk's rows
+of the hidden gradient and its share of the weight gradient. Peak extra memory is one
+``[chunk_size, vocab]`` logits chunk (plus a float32 copy of it for the ``chunked``
+backend) beside the two gradients. Two backends run this loop: ``triton`` (the Triton
+cross-entropy kernel, in place on the chunk) and ``chunked`` (plain torch, any device).
+
+The gradients are computed in the forward, unscaled, and scaled in place by
+``grad_loss / valid_tokens`` in the backward, so backward does no matmul and allocates
+nothing; a second backward through the same graph is refused by autograd's version check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..errors import KernelInputError
+from . import _reference
+from ._checks import check_floating, check_same
+from ._cross_entropy import check_labels
+from ._registry import FLOAT_DTYPES, define_op, register_backend, resolve
+from ._triton_env import TRITON_DTYPES, triton_auto, triton_unavailable
+
+__all__ = ["fused_linear_cross_entropy"]
+
+# loss_and_grad_(logits [c, V], labels [c], ignore_index, write_grad) -> per-row float32 loss
+_ChunkLoss = Callable[[Tensor, Tensor, int, bool], Tensor]
+
+
+def _torch_loss_and_grad_(
+    logits: Tensor, labels: Tensor, ignore_index: int, write_grad: bool
+) -> Tensor:
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, 0).long()
+    loss = torch.where(valid, lse - x.gather(1, safe_labels[:, None]).squeeze(1), 0.0)
+    if write_grad:
+        x.sub_(lse[:, None]).exp_()
+        x[torch.arange(x.shape[0], device=x.device), safe_labels] -= 1.0
+        logits.copy_(x.mul_(valid[:, None]))
+    return loss
+
+
+def _triton_loss_and_grad_(
+    logits: Tensor, labels: Tensor, ignore_index: int, write_grad: bool
+) -> Tensor:
+    from ._triton import cross_entropy as kernels
+
+    if write_grad:
+        return kernels.loss_and_grad_(logits, labels, ignore_index)
+    return kernels.forward(logits, labels, ignore_index)[0]
+
+
+def _chunked_loop(
+    loss_and_grad_: _ChunkLoss,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    chunk_size: int,
+    with_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean loss, unscaled grad of hidden, unscaled grad of weight)``."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grad else hidden.new_empty(0)
+    # Accumulated in weight's dtype by addmm, which sums in float32 then rounds once per chunk.
+    grad_weight = torch.zeros_like(weight) if with_grad else weight.new_empty(0)
+    for start in range(0, hidden.shape[0], chunk_size):
+        chunk = hidden[start : start + chunk_size]
+        logits = chunk @ weight.T
+        loss_sum += loss_and_grad_(
+            logits, labels[start : start + chunk_size], ignore_index, with_grad
+        ).sum()
+        if with_grad:
+            torch.mm(logits, weight, out=grad_hidden[start : start + chunk_size])
+            grad_weight.addmm_(logits.T, chunk)
+        del logits
+    return loss_sum / (labels != ignore_index).sum(), grad_hidden, grad_weight
+
+
+def _define(backend: str, loss_and_grad_: _ChunkLoss) -> Callable[..., Tensor]:
+    """Registers the loop with ``loss_and_grad_`` as custom op ``d9d::flce_<backend>``."""
+
+    @torch.library.custom_op(f"d9d::flce_{backend}", mutates_args=())
+    def op(
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        ignore_index: int,
+        chunk_size: int,
+        with_grad: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return _chunked_loop(
+            loss_and_grad_, hidden, weight, labels, ignore_index, chunk_size, with_grad
+        )
+
+    @op.register_fake
+    def _(hidden, weight, labels, ignore_index, chunk_size, with_grad):
+        loss = hidden.new_empty((), dtype=torch.float32)
+        if not with_grad:
+            return loss, hidden.new_empty(0), weight.new_empty(0)
+        grad_hidden = hidden.new_empty(hidden.shape[:-1].numel(), hidden.shape[-1])
+        return loss, grad_hidden, torch.empty_like(weight)
+
+    def setup_context(ctx, inputs, output) -> None:
+        hidden, _, labels, ignore_index, _, _ = inputs
+        ctx.save_for_backward(labels, output[1], output[2])
+        ctx.ignore_index = ignore_index
+        ctx.hidden_shape = hidden.shape
+
+    def backward(ctx, grad_loss: Tensor, _grad_hidden: Tensor, _grad_weight: Tensor):
+        labels, grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_loss / (labels != ctx.ignore_index).sum()
+        grad_hidden = grad_hidden.mul_(scale).view(ctx.hidden_shape)
+        return grad_hidden, grad_weight.mul_(scale), None, None, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+    def impl(
+        hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_size: int
+    ) -> Tensor:
+        needs_grad = hidden.requires_grad or weight.requires_grad
+        with_grad = torch.is_grad_enabled() and needs_grad
+        return op(hidden, weight, labels, ignore_index, chunk_size, with_grad)[0]
+
+    return impl
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    ignore_index: int = -100,
+    *,
+    chunk_size: int = 1024,
+    backend: str | None = None,
+) -> Tensor:
+    """``cross_entropy(hidden @ weight.T, labels, ignore_index)`` without the full logits.
+
+    Peak extra memory is one ``[chunk_size, vocab]`` chunk of logits (the ``triton`` and
+    ``chunked`` backends) instead of ``[tokens, vocab]`` (the ``reference``). Gradients of
+    ``hidden`` and ``weight`` are computed chunk by chunk during the forward when either
+    needs one, so a backward costs no matmul. Differentiable in ``hidden`` and ``weight``.
+
+    Args:
+        hidden: ``[..., hidden]`` float tensor (the final norm's output).
+        weight: ``[vocab, hidden]`` tensor of ``hidden``'s dtype (the LM head's weight).
+        labels: integer tensor of shape ``hidden.shape[:-1]``.
+        ignore_index: label value whose tokens are left out of loss and mean; default -100.
+        chunk_size: tokens per chunk; default 1024 (262 MB of bf16 logits at vocab 128256).
+        backend: ``"reference"``, ``"triton"``, ``"chunked"``, ``"auto"`` or None.
+
+    Returns:
+        The mean loss over valid tokens, a 0-d float32 tensor.
+
+    Raises:
+        KernelInputError: bad dtypes, shapes, devices, or ``chunk_size`` < 1.
+        UnknownKernelError: unknown backend name.
+        KernelUnavailableError: the forced backend cannot run here.
+
+    Example:
+        >>> import d9d.kernels as K
+        >>> hidden, weight = torch.zeros(3, 8), torch.zeros(16, 8)
+        >>> K.fused_linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3]), chunk_size=2)
+        tensor(2.7726)
+    """
+    op = "fused_linear_cross_entropy"
+    check_floating(op, hidden=hidden, weight=weight)
+    check_same(op, "dtype", hidden=hidden, weight=weight)
+    check_same(op, "device", hidden=hidden, weight=weight, labels=labels)
+    if hidden.dim() == 0 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise KernelInputError(
+            f"{op}: expected hidden [..., hidden] and weight [vocab, hidden], "
+            f"got {hidden.shape=}, {weight.shape=}"
+        )
+    check_labels(op, labels, tuple(hidden.shape[:-1]))
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise KernelInputError(f"{op}: {chunk_size=} must be a positive int")
+    return resolve(op, hidden, backend)(hidden, weight, labels, ignore_index, chunk_size)
+
+
+define_op("fused_linear_cross_entropy", _reference.fused_linear_cross_entropy)
+register_backend(
+    "fused_linear_cross_entropy",
+    "chunked",
+    _define("chunked", _torch_loss_and_grad_),
+    dtypes=FLOAT_DTYPES,
+)
+register_backend(
+    "fused_linear_cross_entropy",
+    "triton",
+    _define("triton", _triton_loss_and_grad_),
+    dtypes=TRITON_DTYPES,
+    unavailable=triton_unavailable,
+    auto=triton_auto,
+)

@@ -1,0 +1,48 @@
+"""Kernel tests run the Triton backends on CUDA when there is one, else on CPU under
+Triton's interpreter. ``TRITON_INTERPRET`` must be set before the kernels are decorated,
+which happens on their first use, so setting it here at collection time is early enough;
+other test directories do not use Triton and are unaffected by it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Tolerance per dtype, relative to the largest magnitude of the expected tensor (atol) and to
+# each element (rtol). bfloat16 allows about three units in the last place: the interpreter
+# rounds float32 -> bfloat16 toward zero where torch rounds to nearest (1 ulp), and a
+# backward compounds a rounded forward (1-2 more).
+TOLERANCES = {
+    torch.float32: 1e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """``actual`` equals ``expected`` within ``TOLERANCES[dtype]``; dtypes and shapes equal."""
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    tol = TOLERANCES[dtype]
+    scale = max(expected.detach().abs().max().item(), 1e-6) if expected.numel() else 1.0
+    torch.testing.assert_close(
+        actual.detach().float(), expected.detach().float(), atol=tol * scale, rtol=tol
+    )
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture
+def assert_close():
+    """The per-dtype comparison: ``assert_close(actual, expected, dtype)``."""
+    return _assert_close

@@ -1,0 +1,99 @@
+"""adamw: the reference against torch.optim.AdamW, and every backend against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import d9d.kernels as K
+from d9d.errors import KernelInputError
+
+SHAPES = [(3, 7, 100), (123,), (1,), (0,)]
+HYPER = {"beta1": 0.8, "beta2": 0.95, "eps": 1e-6, "weight_decay": 0.1}
+
+
+def _state(dtype, moment_dtype, device):
+    torch.manual_seed(0)
+    params = [torch.randn(s, device=device).to(dtype) for s in SHAPES]
+    grads = [[torch.randn(s, device=device).to(dtype) for s in SHAPES] for _ in range(2)]
+    moments = [[torch.zeros(s, device=device, dtype=moment_dtype) for s in SHAPES] for _ in "mv"]
+    return params, grads, moments
+
+
+def test_reference_matches_torch_optim():
+    params, grads, (exp_avgs, exp_avg_sqs) = _state(torch.float64, torch.float64, "cpu")
+    torch_params = [p.clone().requires_grad_() for p in params]
+    optimizer = torch.optim.AdamW(
+        torch_params, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1
+    )
+    for step, step_grads in enumerate(grads, start=1):
+        for p, g in zip(torch_params, step_grads, strict=True):
+            p.grad = g
+        optimizer.step()
+        K.adamw(params, step_grads, exp_avgs, exp_avg_sqs, lr=0.01, step=step, **HYPER)
+    for ours, theirs in zip(params, torch_params, strict=True):
+        torch.testing.assert_close(ours, theirs.detach())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "moment_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+    ids=str,
+)
+def test_adamw_triton(dtype, moment_dtype, device, assert_close):
+    results = []
+    for backend in ("triton", "reference"):
+        params, grads, (exp_avgs, exp_avg_sqs) = _state(dtype, moment_dtype, device)
+        lr = torch.tensor(0.01, device=device)
+        for step, step_grads in enumerate(grads, start=1):
+            K.adamw(
+                params,
+                step_grads,
+                exp_avgs,
+                exp_avg_sqs,
+                lr=lr,
+                step=torch.tensor(step, device=device),
+                backend=backend,
+                **HYPER,
+            )
+        results.append(params + exp_avgs + exp_avg_sqs)
+    for actual, expected in zip(*results, strict=True):
+        assert_close(actual, expected, dtype if actual.dtype == dtype else moment_dtype)
+
+
+def test_adamw_strided_params(device, assert_close):
+    results = []
+    for backend in ("triton", "reference"):
+        torch.manual_seed(0)
+        param = torch.randn(20, 30, device=device).T  # strided view, updated in place
+        grad = torch.randn(30, 20, device=device)
+        m, v = torch.zeros(30, 20, device=device), torch.zeros(20, 30, device=device).T
+        K.adamw([param], [grad], [m], [v], lr=0.1, step=1, backend=backend, **HYPER)
+        results.append([param, m, v])
+    for actual, expected in zip(*results, strict=True):
+        assert_close(actual, expected, torch.float32)
+
+
+def test_params_that_require_grad_are_updated():
+    param = torch.ones(3, requires_grad=True)
+    K.adamw([param], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)], lr=0.5, step=1)
+    torch.testing.assert_close(param.detach(), torch.full((3,), 0.5))
+
+
+def test_errors():
+    p = torch.zeros(3)
+    with pytest.raises(KernelInputError, match=r"one length, got \{'params': 1, 'grads': 1, 'exp"):
+        K.adamw([p], [p], [p], [], lr=0.1, step=1)
+    with pytest.raises(KernelInputError, match=r"grads\[0\].shape=\(4,\), expected \(3,\)"):
+        K.adamw([p], [torch.zeros(4)], [p], [p], lr=0.1, step=1)
+    with pytest.raises(KernelInputError, match=r"exp_avgs\[0\] must be a floating-point tensor"):
+        K.adamw([p], [p], [torch.zeros(3, dtype=torch.int64)], [p], lr=0.1, step=1)
+    with pytest.raises(KernelInputError, match=r"beta2=1.0 must be in \[0, 1\)"):
+        K.adamw([p], [p], [p], [p], lr=0.1, step=1, beta2=1.0)
+    with pytest.raises(KernelInputError, match=r"weight_decay=-0.1 must be >= 0"):
+        K.adamw([p], [p], [p], [p], lr=0.1, step=1, weight_decay=-0.1)

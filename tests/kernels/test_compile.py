@@ -1,0 +1,86 @@
+"""torch.compile(fullgraph=True) traces every op, reference and Triton, with no graph break."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import d9d.kernels as K
+
+pytestmark = pytest.mark.compile
+
+
+def _block(x, residual, norm, w_gate, w_up, w_down, q, k, cos, sin, head, labels, backend):
+    """A Llama-shaped block and head: every op but adamw."""
+    normed, residual = K.fused_add_rms_norm(x, residual, norm, backend=backend)
+    q, k = K.rope(q, k, cos, sin, backend=backend)
+    mlp = K.swiglu(normed @ w_gate, normed @ w_up, backend=backend) @ w_down
+    out = K.rms_norm(mlp + residual, norm, 1e-5, backend=backend)
+    loss = K.cross_entropy(out @ head.T, labels, backend=backend)
+    flce = "chunked" if backend == "reference" else backend
+    loss = loss + K.fused_linear_cross_entropy(out, head, labels, chunk_size=4, backend=flce)
+    return loss + (q.square().sum() + k.square().sum()) * 1e-3
+
+
+def _inputs(device):
+    torch.manual_seed(0)
+    dim, ffn, vocab = 16, 24, 40
+    tensors = [
+        torch.randn(2, 5, dim),
+        torch.randn(2, 5, dim),
+        torch.randn(dim),
+        torch.randn(dim, ffn),
+        torch.randn(dim, ffn),
+        torch.randn(ffn, dim),
+        torch.randn(2, 5, 4, 8),
+        torch.randn(2, 5, 2, 8),
+        torch.randn(5, 8),
+        torch.randn(5, 8),
+        torch.randn(vocab, dim),
+    ]
+    tensors = [t.to(device).requires_grad_(i not in (8, 9)) for i, t in enumerate(tensors)]
+    return [*tensors, torch.randint(0, vocab, (2, 5), device=device)]
+
+
+def _loss_and_grads(fn, inputs, backend):
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+    loss = fn(*leaves, backend)
+    loss.backward()
+    return [loss.detach()] + [t.grad for t in leaves if t.grad is not None]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_block_compiles_without_graph_breaks(backend, device):
+    torch._dynamo.reset()
+    counters.clear()
+    inputs = _inputs(device)
+    compiled = torch.compile(_block, backend="aot_eager", fullgraph=True)
+    got = _loss_and_grads(compiled, inputs, backend)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    expected = _loss_and_grads(_block, inputs, backend)
+    for actual, wanted in zip(got, expected, strict=True):
+        torch.testing.assert_close(actual, wanted, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_adamw_compiles_without_graph_breaks(backend, device):
+    torch._dynamo.reset()
+    counters.clear()
+
+    def update(params, grads, exp_avgs, exp_avg_sqs, lr, step):
+        K.adamw(params, grads, exp_avgs, exp_avg_sqs, lr=lr, step=step, backend=backend)
+
+    def state():
+        torch.manual_seed(0)
+        params, grads, exp_avgs, exp_avg_sqs = (torch.randn(3, 4, device=device) for _ in "pgmv")
+        return [params], [grads], [exp_avgs], [exp_avg_sqs.abs()]
+
+    compiled_state, eager_state = state(), state()
+    lr, step = torch.tensor(0.1, device=device), torch.tensor(1.0, device=device)
+    torch.compile(update, backend="aot_eager", fullgraph=True)(*compiled_state, lr, step)
+    update(*eager_state, lr, step)
+    assert dict(counters["graph_break"]) == {}
+    for compiled, eager in zip(compiled_state, eager_state, strict=True):
+        torch.testing.assert_close(compiled, eager)

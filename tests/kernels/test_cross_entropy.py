@@ -1,0 +1,166 @@
+"""cross_entropy and fused_linear_cross_entropy against the reference, forward and backward,
+and the fused op's memory bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import d9d.kernels as K
+from d9d.errors import KernelInputError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Leading shape and vocab; 3000 spans several vocab blocks of the interpreter (1024 wide).
+CE_SHAPES = [((3, 7), 1000), ((1, 1), 4096), ((5, 123), 123), ((2, 3), 3000)]
+
+
+def _labels(shape, vocab, device):
+    labels = torch.randint(0, vocab, shape, device=device)
+    labels.view(-1)[1::4] = -100  # every fourth token ignored, from the second
+    return labels
+
+
+def _ce(backend, logits, labels):
+    logits = logits.detach().requires_grad_()
+    loss = K.cross_entropy(logits, labels, backend=backend)
+    (2.5 * loss).backward()
+    return loss.detach(), logits.grad
+
+
+def test_reference_matches_torch():
+    logits, labels = torch.randn(6, 11, dtype=torch.float64), torch.tensor([1, 2, -100, 4, 5, 0])
+    expected = torch.nn.functional.cross_entropy(logits, labels)
+    torch.testing.assert_close(K.cross_entropy(logits, labels, backend="reference"), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("lead", "vocab"), CE_SHAPES, ids=str)
+def test_cross_entropy_triton(lead, vocab, dtype, device, assert_close):
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(*lead, vocab, device=device)).to(dtype)
+    labels = _labels(lead, vocab, device)
+    loss, grad = _ce("triton", logits, labels)
+    ref_loss, ref_grad = _ce("reference", logits, labels)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    assert_close(loss, ref_loss, torch.float32 if dtype == torch.float32 else torch.float16)
+    assert_close(grad, ref_grad, dtype)
+
+
+def test_cross_entropy_strided_logits_and_int32_labels(device, assert_close):
+    torch.manual_seed(0)
+    shifted = torch.randn(2, 9, 300, device=device)[:, :-1]  # [2, 8, 300], rows strided
+    by_vocab = torch.randn(300, 16, device=device).T  # [16, 300], vocab strided
+    for logits in (shifted, by_vocab):
+        labels = _labels(logits.shape[:-1], 300, device).to(torch.int32)
+        got = _ce("triton", logits, labels)
+        ref = _ce("reference", logits.contiguous(), labels)
+        for actual, expected in zip(got, ref, strict=True):
+            assert_close(actual, expected, torch.float32)
+
+
+def test_cross_entropy_all_ignored_is_nan(device):
+    logits, labels = torch.randn(3, 10, device=device), torch.full((3,), -100, device=device)
+    assert K.cross_entropy(logits, labels, backend="triton").isnan()
+    assert K.cross_entropy(logits, labels, backend="reference").isnan()
+
+
+def test_cross_entropy_label_out_of_range_is_nan_on_triton(device):
+    logits, labels = torch.randn(3, 10, device=device), torch.tensor([1, 10, 2], device=device)
+    assert K.cross_entropy(logits, labels, backend="triton").isnan()
+
+
+def _flce(backend, hidden, weight, labels, chunk_size):
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    loss = K.fused_linear_cross_entropy(
+        hidden, weight, labels, chunk_size=chunk_size, backend=backend
+    )
+    (3.0 * loss).backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+# (leading shape, hidden, vocab, chunk_size): chunks that do and do not divide the tokens.
+FLCE_CASES = [((3, 7), 40, 1000, 8), ((1, 1), 64, 4096, 16), ((5, 123), 24, 123, 128)]
+
+
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", FLCE_CASES, ids=str)
+def test_fused_linear_cross_entropy(case, dtype, backend, device, assert_close):
+    torch.manual_seed(0)
+    lead, hidden_size, vocab, chunk_size = case
+    hidden = torch.randn(*lead, hidden_size, device=device).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size**0.5).to(dtype)
+    labels = _labels(lead, vocab, device)
+    got = _flce(backend, hidden, weight, labels, chunk_size)
+    ref = _flce("reference", hidden, weight, labels, chunk_size)
+    assert_close(got[0], ref[0], torch.float32 if dtype == torch.float32 else torch.float16)
+    for actual, expected in zip(got[1:], ref[1:], strict=True):
+        assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+def test_fused_linear_cross_entropy_without_grad(backend, device, assert_close):
+    hidden, weight = torch.randn(10, 8, device=device), torch.randn(50, 8, device=device)
+    labels = _labels((10,), 50, device)
+    with torch.no_grad():
+        loss = K.fused_linear_cross_entropy(hidden, weight, labels, chunk_size=3, backend=backend)
+    expected = K.fused_linear_cross_entropy(hidden, weight, labels, backend="reference")
+    assert_close(loss, expected, torch.float32)
+
+
+def test_fused_linear_cross_entropy_second_backward_is_refused(device):
+    hidden = torch.randn(4, 8, device=device, requires_grad=True)
+    weight = torch.randn(20, 8, device=device)
+    loss = K.fused_linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3, 4], device=device))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest allocation a single torch op makes while ``fn`` runs (on CPU)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max(event.self_cpu_memory_usage for event in prof.events())
+
+
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+def test_fused_linear_cross_entropy_never_holds_all_logits(backend):
+    tokens, hidden_size, vocab, chunk_size = 512, 8, 256, 32
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+
+    def step(name: str, chunk: int):
+        def run():
+            K.fused_linear_cross_entropy(
+                hidden, weight, labels, chunk_size=chunk, backend=name
+            ).backward()
+
+        return run
+
+    full = tokens * vocab * 4
+    assert _largest_allocation(step("reference", chunk_size)) >= full
+    # One float32 chunk of logits: 16x below the full logits here.
+    assert _largest_allocation(step(backend, chunk_size)) <= chunk_size * vocab * 4
+    assert _largest_allocation(step(backend, 2 * chunk_size)) <= 2 * chunk_size * vocab * 4
+
+
+def test_errors():
+    logits = torch.randn(2, 5)
+    with pytest.raises(KernelInputError, match=r"labels must be an integer tensor, got torch.fl"):
+        K.cross_entropy(logits, torch.zeros(2))
+    with pytest.raises(KernelInputError, match=r"labels must be an integer tensor, got torch.bool"):
+        K.cross_entropy(logits, torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(KernelInputError, match=r"labels.shape=\(3,\), expected \(2,\)"):
+        K.cross_entropy(logits, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(KernelInputError, match=r"logits must be \[..., vocab\]"):
+        K.cross_entropy(torch.tensor(1.0), torch.tensor(0))
+    hidden, weight, labels = torch.randn(4, 8), torch.randn(20, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(KernelInputError, match=r"weight \[vocab, hidden\], got"):
+        K.fused_linear_cross_entropy(hidden, weight.T, labels)
+    with pytest.raises(KernelInputError, match=r"chunk_size=0 must be a positive int"):
+        K.fused_linear_cross_entropy(hidden, weight, labels, chunk_size=0)
+    with pytest.raises(KernelInputError, match=r"hidden.dtype=torch.float32, weight.dtype=torch.bf"):
+        K.fused_linear_cross_entropy(hidden, weight.bfloat16(), labels)

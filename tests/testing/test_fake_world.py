@@ -1,0 +1,50 @@
+"""fake_world: a simulated 64-rank world in this process, gone on exit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from d9d.testing import fake_world
+
+
+def test_builds_a_64_rank_2d_mesh_instantly() -> None:
+    start = time.perf_counter()
+    with fake_world(64, rank=13):
+        assert (dist.get_rank(), dist.get_world_size()) == (13, 64)
+        mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
+        assert tuple(mesh.get_coordinate()) == (1, 5)
+        local = distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0), Shard(1)]).to_local()
+        assert local.shape == (8, 4)
+    assert time.perf_counter() - start < 2.0
+    assert not dist.is_initialized()
+
+
+def test_group_is_destroyed_when_the_block_raises() -> None:
+    with pytest.raises(KeyError), fake_world(8):
+        raise KeyError("inside")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("world_size", "rank", "match"),
+    [
+        (0, 0, r"world_size=0 must be an int >= 1"),
+        (8, 8, r"rank=8 must be an int in \[0, 8\) for world_size=8"),
+        (8, -1, r"rank=-1 must be an int in \[0, 8\)"),
+    ],
+)
+def test_rejects_bad_sizes(world_size: int, rank: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match), fake_world(world_size, rank):
+        pass
+
+
+def test_rejects_nesting() -> None:
+    with fake_world(4), pytest.raises(RuntimeError, match=r"initialised \(backend 'fake'"):
+        fake_world(4).__enter__()
+    assert not dist.is_initialized()
