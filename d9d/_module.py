@@ -190,8 +190,8 @@ def _resolve_axes(
             names, source = _default_axes(owners, key, tensor.ndim), "default"
         if len(names) != tensor.ndim:
             raise ValueError(
-                f"logical axes {names} from {source} for param {key!r} have {len(names)} "
-                f"names but the param has shape {tuple(tensor.shape)}: give one name per dim"
+                f"param {key!r} has shape {tuple(tensor.shape)} but its logical axes {names} "
+                f"(from {source}) name {len(names)} dims: give one name per dim"
             )
         resolved[key] = tuple(names)
     unused = [p for p in user_rules if ("axes=", p) not in used]
