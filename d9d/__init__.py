@@ -5,6 +5,7 @@ from . import errors as errors
 from . import losses as losses
 from . import models as models
 from . import optim as optim
+from . import testing as testing
 from . import tree as tree
 from ._autodiff import grad as grad
 from ._autodiff import value_and_grad as value_and_grad
@@ -28,6 +29,7 @@ __all__ = [
     "losses",
     "models",
     "optim",
+    "testing",
     "tree",
     "value_and_grad",
 ]

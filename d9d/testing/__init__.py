@@ -6,8 +6,10 @@ from ._compare import assert_trees_all_close as assert_trees_all_close
 from ._compare import assert_trees_all_equal as assert_trees_all_equal
 from ._fake_world import fake_world as fake_world
 from ._ranks import run_on_ranks as run_on_ranks
+from ._traces import assert_max_traces as assert_max_traces
 
 __all__ = [
+    "assert_max_traces",
     "assert_tree_all_finite",
     "assert_tree_shapes",
     "assert_trees_all_close",

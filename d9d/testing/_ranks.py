@@ -78,13 +78,16 @@ def run_on_ranks(
       meshes (2D ones included) work. Starting is nearly free. Threads share all torch
       global state: the RNG (``torch.manual_seed`` on one rank seeds all), default dtype,
       ``torch.distributed`` settings other than the group, environment variables.
-      Results come back as the very objects ``fn`` returned.
+      Results come back as the very objects ``fn`` returned. Once a rank fails, ranks
+      waiting on a collective are stopped and reported as such, even if they would have
+      failed too.
     - ``"fork"``: ranks are forked processes on ``backend`` (gloo), joined through a
       FileStore in a temporary folder. About as fast as threads, and each rank has its
-      own process state. Results and arguments must pickle; results are copied back.
+      own process state. ``fn`` and its arguments are inherited, so closures work; the
+      results must pickle, and come back as copies.
     - ``"spawn"``: like fork, but in fresh interpreters (about 2 s per rank on 2 CPU
-      cores). ``fn`` must be importable, defined at module level, since it is pickled by
-      reference.
+      cores). ``fn`` and its arguments are pickled, so ``fn`` must be defined at module
+      level of an importable module (it is pickled by reference).
 
     Process ranks run with one intra-op thread each (as under ``torchrun``). No method
     changes this process's environment variables or process group.

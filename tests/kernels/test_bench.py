@@ -1,0 +1,60 @@
+"""benchmarks/kernels.py: its CPU smoke mode runs every op and writes a complete report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "kernels.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("kernels_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_cpu_smoke_writes_a_report(bench, tmp_path):
+    out = tmp_path / "kernels.json"
+    assert bench.main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for key in ("device", "torch", "triton", "commit", "command", "config", "copy_gbps"):
+        assert report[key] is not None, key
+    assert report["command"] == f"python benchmarks/kernels.py --cpu-smoke --out {out}"
+    rows = report["results"]
+    assert [row for row in rows if "error" in row] == []
+    ops = {row["op"] for row in rows}
+    assert ops == {
+        "adamw",
+        "cross_entropy",
+        "fused_add_rms_norm",
+        "fused_linear_cross_entropy",
+        "rms_norm",
+        "rope",
+        "swiglu",
+    }
+    assert {(row["mode"], row["impl"]) for row in rows if row["op"] == "swiglu"} == {
+        ("fwd", "triton"),
+        ("fwd", "eager"),
+        ("fwd+bwd", "triton"),
+        ("fwd+bwd", "eager"),
+    }
+    assert all(row["gbps"] > 0 and row["median_ms"] > 0 for row in rows)
+    assert all("tflops" in row for row in rows if row["op"] == "fused_linear_cross_entropy")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_without_cuda_it_says_so(bench, capsys):
+    assert bench.main([]) == 2
+    assert "needs a CUDA device and found none; run with --cpu-smoke" in capsys.readouterr().err
