@@ -6,30 +6,50 @@ from . import losses as losses
 from . import models as models
 from . import optim as optim
 from . import testing as testing
+from . import transforms as transforms
 from . import tree as tree
 from ._autodiff import grad as grad
 from ._autodiff import value_and_grad as value_and_grad
+from ._comms import CommStats as CommStats
 from ._jit import Jitted as Jitted
 from ._jit import jit as jit
+from ._mesh import AXIS_ORDER as AXIS_ORDER
+from ._mesh import make_mesh as make_mesh
 from ._module import Axes as Axes
 from ._module import Model as Model
 from ._module import functionalize as functionalize
+from ._plan import ParamPlan as ParamPlan
+from ._plan import Plan as Plan
+from ._step import Memory as Memory
+from ._step import Transform as Transform
+from ._step import TransformedStep as TransformedStep
+from .transforms import shard_params as shard_params
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AXIS_ORDER",
     "Axes",
+    "CommStats",
     "Jitted",
+    "Memory",
     "Model",
+    "ParamPlan",
+    "Plan",
+    "Transform",
+    "TransformedStep",
     "data",
     "errors",
     "functionalize",
     "grad",
     "jit",
     "losses",
+    "make_mesh",
     "models",
     "optim",
+    "shard_params",
     "testing",
+    "transforms",
     "tree",
     "value_and_grad",
 ]

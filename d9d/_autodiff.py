@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import tree
 
@@ -60,6 +61,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
             value, aux = out if has_aux else (out, None)
             _check_value(value, has_aux)
             grads = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+        grads = [_like(g, leaf) for g, leaf in zip(grads, inputs, strict=True)]
         value = value.detach()
         if has_aux:
             aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
@@ -103,3 +105,10 @@ def _check_value(value: Any, has_aux: bool) -> None:
     raise TypeError(
         f"the differentiated function must return a 0-d float tensor, got {shape}; {hint}"
     )
+
+
+def _like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The grad laid out like its param: a ``Partial`` DTensor grad is reduced here."""
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad

@@ -12,6 +12,8 @@ import torch._dynamo.config
 from torch._dynamo.utils import counters
 
 from . import tree
+from ._active import activate
+from ._step import TransformedStep
 from .errors import DonatedTreeError, RecompileError
 
 __all__ = ["Jitted", "jit"]
@@ -49,7 +51,7 @@ class Jitted:
         return getattr(step, name)
 
     def _donating_step(self, *args: Any) -> tuple[Any, ...]:
-        out = self.step(*args)
+        out = self.step.run(*args) if isinstance(self.step, TransformedStep) else self.step(*args)
         if not isinstance(out, tuple) or len(out) <= max(self.donate, default=-1):
             raise TypeError(
                 f"a step with donate={self.donate} must return a tuple whose item i replaces "
@@ -64,7 +66,11 @@ class Jitted:
             _check_not_donated(args[i], argnum=i)
         graphs_before = counters["stats"]["unique_graphs"]
         try:
-            with torch._dynamo.config.patch(trace_autograd_ops=True), self._stance():
+            with (
+                torch._dynamo.config.patch(trace_autograd_ops=True),
+                self._stance(),
+                activate(self.step.plan if isinstance(self.step, TransformedStep) else None),
+            ):
                 out = self._compiled(*args)
         except RuntimeError as error:
             if self.fail_on_recompile and "fail_on_recompile" in str(error):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._active import active_plan
+from ._gather import apply_placed, enter_block, exit_block
 from .errors import ParamTreeMismatchError
 
 __all__ = ["Axes", "Model", "functionalize"]
@@ -36,6 +39,10 @@ class _Slot:
     name: str
     is_param: bool
 
+    def store(self) -> dict[str, Any]:
+        """The owner's dict that holds this tensor."""
+        return self.owner._parameters if self.is_param else self.owner._buffers
+
 
 @dataclass(frozen=True, eq=False)
 class Model:
@@ -55,12 +62,18 @@ class Model:
     axes: dict[str, Axes]
     tied: dict[str, str] = field(default_factory=dict)
     _slots: tuple[_Slot, ...] = field(default=(), repr=False)
+    _blocks: tuple[tuple[nn.Module, tuple[_Slot, ...]], ...] = field(default=(), repr=False)
+    _root_slots: tuple[_Slot, ...] = field(default=(), repr=False)
+    _buffer_slots: tuple[_Slot, ...] = field(default=(), repr=False)
 
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Call the module's forward with ``params`` in place of its own tensors.
 
         Pure: the module's own params and buffers are restored afterwards, and the same inputs
         give the same outputs. Not thread-safe on one module: build a ``Model`` per thread.
+        Inside a transformed step the params are DTensors and each is gathered to its compute
+        layout when used: a block's params (a child of an ``nn.ModuleList``) when that block
+        runs, the others when ``apply`` starts.
 
         Args:
             params: ``{path: tensor}`` with exactly the paths of ``self.params``.
@@ -80,9 +93,12 @@ class Model:
         """
         if params.keys() != self.params.keys():
             raise _mismatch(params.keys(), self.params.keys())
+        plan = active_plan()
+        if plan is not None:
+            return apply_placed(self, plan, params, args, kwargs)
         saved = []
         for slot in self._slots:
-            store = slot.owner._parameters if slot.is_param else slot.owner._buffers
+            store = slot.store()
             saved.append(store[slot.name])
             source = params if slot.is_param else self.buffers
             store[slot.name] = source[self.tied.get(slot.key, slot.key)]
@@ -90,8 +106,7 @@ class Model:
             return self.module(*args, **kwargs)
         finally:
             for slot, old in zip(self._slots, saved, strict=True):
-                store = slot.owner._parameters if slot.is_param else slot.owner._buffers
-                store[slot.name] = old
+                slot.store()[slot.name] = old
 
 
 def _mismatch(given: Any, wanted: Any) -> ParamTreeMismatchError:
@@ -159,15 +174,40 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
                 continue
             buffers[key] = tensor.detach()
             slots.append(_Slot(key, owner, name, is_param=False))
-    unique_slots = {(id(s.owner), s.name, s.is_param): s for s in slots}
-    return Model(
+    unique = tuple({(id(s.owner), s.name, s.is_param): s for s in slots}.values())
+    blocks = _blocks(module, unique)
+    in_blocks = {id(s) for _, block_slots in blocks for s in block_slots}
+    model = Model(
         module=module,
         params=params,
         buffers=buffers,
         axes=_resolve_axes(module, params, dict(axes or {})),
         tied=tied,
-        _slots=tuple(unique_slots.values()),
+        _slots=unique,
+        _blocks=blocks,
+        _root_slots=tuple(s for s in unique if s.is_param and id(s) not in in_blocks),
+        _buffer_slots=tuple(s for s in unique if not s.is_param),
     )
+    for index, (block, _) in enumerate(blocks):
+        block.register_forward_pre_hook(functools.partial(enter_block, model, index))
+        block.register_forward_hook(functools.partial(exit_block, model, index))
+    return model
+
+
+def _blocks(
+    module: nn.Module, slots: tuple[_Slot, ...]
+) -> tuple[tuple[nn.Module, tuple[_Slot, ...]], ...]:
+    """The children of the outermost ``nn.ModuleList``s, with the param slots under each."""
+    prefixes: list[tuple[str, nn.Module]] = []
+    for path, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and not any(path.startswith(p + ".") for p, _ in prefixes):
+            prefixes += [(f"{path}.{name}" if path else name, block) for name, block in child.named_children()]
+    blocks = []
+    for prefix, block in prefixes:
+        owned = tuple(s for s in slots if s.is_param and s.key.startswith(prefix + "."))
+        if owned:
+            blocks.append((block, owned))
+    return tuple(blocks)
 
 
 def _resolve_axes(

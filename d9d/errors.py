@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointExistsError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
     "ConfigError",
     "DataError",
     "DonatedTreeError",
+    "IndivisibleError",
     "KernelInputError",
     "KernelUnavailableError",
+    "MeshError",
     "OptimTreeMismatchError",
     "ParamTreeMismatchError",
+    "PlanError",
     "RankFailedError",
     "RecompileError",
     "UnknownKernelError",
@@ -65,3 +73,35 @@ class KernelUnavailableError(RuntimeError):
 
 class UnknownKernelError(ValueError):
     """A ``d9d.kernels`` op or backend name is not registered: lists the names there are."""
+
+
+class MeshError(ValueError):
+    """A mesh does not fit the world, names an unknown axis, or has no process group."""
+
+
+class PlanError(ValueError):
+    """Transforms conflict, or a param cannot be laid out as asked: names the path and the fix."""
+
+
+class IndivisibleError(ValueError):
+    """A dimension or batch does not divide evenly where it must: names the value and the fix."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """A path is not a complete checkpoint (missing, still being written, or never committed)."""
+
+
+class CheckpointExistsError(FileExistsError):
+    """A checkpoint of this step is already committed in the directory being saved to."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A restore target does not match the checkpoint: names each path and both shapes/dtypes."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint array is missing, truncated or fails its checksum: names the path."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """An asynchronous checkpoint save failed on some rank; nothing was committed."""

@@ -16,9 +16,7 @@ from ._triton_env import TRITON_DTYPES, triton_auto, triton_unavailable
 __all__ = ["adamw"]
 
 
-@torch.library.custom_op(
-    "d9d::adamw_triton", mutates_args={"params", "exp_avgs", "exp_avg_sqs"}
-)
+@torch.library.custom_op("d9d::adamw_triton", mutates_args={"params", "exp_avgs", "exp_avg_sqs"})
 def _update_(
     params: list[Tensor],
     grads: list[Tensor],

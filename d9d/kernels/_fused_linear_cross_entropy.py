@@ -65,23 +65,25 @@ def _chunked_loop(
     labels: Tensor,
     ignore_index: int,
     chunk_size: int,
-    with_grad: bool,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(mean loss, unscaled grad of hidden, unscaled grad of weight)``."""
+    """``(mean loss, unscaled grad of hidden, unscaled grad of weight)``; unneeded ones empty."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
+    write_grad = need_grad_hidden or need_grad_weight
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if with_grad else hidden.new_empty(0)
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     # Accumulated in weight's dtype by addmm, which sums in float32 then rounds once per chunk.
-    grad_weight = torch.zeros_like(weight) if with_grad else weight.new_empty(0)
+    grad_weight = torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0)
     for start in range(0, hidden.shape[0], chunk_size):
         chunk = hidden[start : start + chunk_size]
         logits = chunk @ weight.T
-        loss_sum += loss_and_grad_(
-            logits, labels[start : start + chunk_size], ignore_index, with_grad
-        ).sum()
-        if with_grad:
+        chunk_labels = labels[start : start + chunk_size]
+        loss_sum += loss_and_grad_(logits, chunk_labels, ignore_index, write_grad).sum()
+        if need_grad_hidden:
             torch.mm(logits, weight, out=grad_hidden[start : start + chunk_size])
+        if need_grad_weight:
             grad_weight.addmm_(logits.T, chunk)
         del logits
     return loss_sum / (labels != ignore_index).sum(), grad_hidden, grad_weight
@@ -97,40 +99,53 @@ def _define(backend: str, loss_and_grad_: _ChunkLoss) -> Callable[..., Tensor]:
         labels: Tensor,
         ignore_index: int,
         chunk_size: int,
-        with_grad: bool,
+        need_grad_hidden: bool,
+        need_grad_weight: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
         return _chunked_loop(
-            loss_and_grad_, hidden, weight, labels, ignore_index, chunk_size, with_grad
+            loss_and_grad_,
+            hidden,
+            weight,
+            labels,
+            ignore_index,
+            chunk_size,
+            need_grad_hidden,
+            need_grad_weight,
         )
 
     @op.register_fake
-    def _(hidden, weight, labels, ignore_index, chunk_size, with_grad):
+    def _(hidden, weight, labels, ignore_index, chunk_size, need_grad_hidden, need_grad_weight):
         loss = hidden.new_empty((), dtype=torch.float32)
-        if not with_grad:
-            return loss, hidden.new_empty(0), weight.new_empty(0)
-        grad_hidden = hidden.new_empty(hidden.shape[:-1].numel(), hidden.shape[-1])
-        return loss, grad_hidden, torch.empty_like(weight)
+        shape = (hidden.shape[:-1].numel(), hidden.shape[-1]) if need_grad_hidden else (0,)
+        grad_weight = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
+        return loss, hidden.new_empty(shape), grad_weight
 
     def setup_context(ctx, inputs, output) -> None:
-        hidden, _, labels, ignore_index, _, _ = inputs
+        hidden, _, labels, ignore_index, _, need_grad_hidden, need_grad_weight = inputs
         ctx.save_for_backward(labels, output[1], output[2])
         ctx.ignore_index = ignore_index
         ctx.hidden_shape = hidden.shape
+        ctx.needs = (need_grad_hidden, need_grad_weight)
 
     def backward(ctx, grad_loss: Tensor, _grad_hidden: Tensor, _grad_weight: Tensor):
         labels, grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss / (labels != ctx.ignore_index).sum()
-        grad_hidden = grad_hidden.mul_(scale).view(ctx.hidden_shape)
-        return grad_hidden, grad_weight.mul_(scale), None, None, None, None
+        need_grad_hidden, need_grad_weight = ctx.needs
+        grad_hidden = grad_hidden.mul_(scale).view(ctx.hidden_shape) if need_grad_hidden else None
+        grad_weight = grad_weight.mul_(scale) if need_grad_weight else None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
 
     def impl(
         hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_size: int
     ) -> Tensor:
-        needs_grad = hidden.requires_grad or weight.requires_grad
-        with_grad = torch.is_grad_enabled() and needs_grad
-        return op(hidden, weight, labels, ignore_index, chunk_size, with_grad)[0]
+        grad_enabled = torch.is_grad_enabled()
+        need_grad_hidden = grad_enabled and hidden.requires_grad
+        need_grad_weight = grad_enabled and weight.requires_grad
+        return op(
+            hidden, weight, labels, ignore_index, chunk_size, need_grad_hidden, need_grad_weight
+        )[0]
 
     return impl
 
@@ -147,9 +162,10 @@ def fused_linear_cross_entropy(
     """``cross_entropy(hidden @ weight.T, labels, ignore_index)`` without the full logits.
 
     Peak extra memory is one ``[chunk_size, vocab]`` chunk of logits (the ``triton`` and
-    ``chunked`` backends) instead of ``[tokens, vocab]`` (the ``reference``). Gradients of
-    ``hidden`` and ``weight`` are computed chunk by chunk during the forward when either
-    needs one, so a backward costs no matmul. Differentiable in ``hidden`` and ``weight``.
+    ``chunked`` backends) instead of ``[tokens, vocab]`` (the ``reference``). The gradients
+    of ``hidden`` and ``weight`` that autograd will need (those that require grad, with grad
+    mode on) are computed chunk by chunk during the forward, so a backward costs no matmul;
+    a frozen head (``weight.requires_grad=False``) costs no ``[vocab, hidden]`` buffer.
 
     Args:
         hidden: ``[..., hidden]`` float tensor (the final norm's output).

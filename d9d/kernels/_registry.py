@@ -11,8 +11,8 @@ An op (``"rms_norm"``) has a pure-PyTorch ``reference`` backend and any number o
    dtype and whose ``auto`` rule accepts the device (Triton is picked automatically on CUDA
    only: on CPU it runs under ``TRITON_INTERPRET=1``, a test tool, and must be forced).
 
-A backend forced by 1–3 that cannot run here raises :class:`KernelUnavailableError` saying
-why; it never falls back silently. ``"auto"`` in 1–3 means step 4. Under ``torch.compile``
+A backend forced by 1 to 3 that cannot run here raises :class:`KernelUnavailableError` saying
+why; it never falls back silently. ``"auto"`` in 1 to 3 means step 4. Under ``torch.compile``
 the choice is made once, when the function is traced, and baked into the graph.
 """
 
@@ -56,8 +56,8 @@ class _Op:
 
 
 _OPS: dict[str, _Op] = {}
-_OVERRIDES: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
-    "d9d_kernels_overrides", default={}
+_OVERRIDES: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "d9d_kernels_overrides", default=None
 )
 
 
@@ -170,7 +170,7 @@ def use(**choices: str) -> Iterator[None]:
         torch.Size([2, 4])
     """
     _check_names(choices, f"d9d.kernels.use({', '.join(f'{k}={v!r}' for k, v in choices.items())})")
-    token = _OVERRIDES.set({**_OVERRIDES.get(), **choices})
+    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **choices})
     try:
         yield
     finally:
@@ -192,9 +192,10 @@ def _resolve(op: str, device_type: str, dtype: torch.dtype, requested: str | Non
     except UnknownKernelError as error:
         return "", _UNKNOWN, str(error)
     known = _OPS[op].backends
+    block = (_OVERRIDES.get() or {}).get(op)
     sources = [
         (requested, f"backend={requested!r}"),
-        (_OVERRIDES.get().get(op), f"d9d.kernels.use({op}={_OVERRIDES.get().get(op)!r})"),
+        (block, f"d9d.kernels.use({op}={block!r})"),
         (env.get(op), f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}"),
     ]
     for name, source in sources:
@@ -203,21 +204,31 @@ def _resolve(op: str, device_type: str, dtype: torch.dtype, requested: str | Non
         if name == AUTO:
             break
         if name not in known:
-            return "", _UNKNOWN, (
-                f"{source}: op {op!r} has no backend {name!r}; backends are {[*known, AUTO]}"
+            return (
+                "",
+                _UNKNOWN,
+                (f"{source}: op {op!r} has no backend {name!r}; backends are {[*known, AUTO]}"),
             )
         reason = _why_not(known[name], op, device_type, dtype)
         if reason is not None:
-            return "", _UNAVAILABLE, (
-                f"{source}: backend {name!r} of op {op!r} cannot run on {device_type} tensors "
-                f"of dtype {dtype} here: {reason}. Use backend='auto' or one of "
-                f"{[n for n, b in known.items() if _why_not(b, op, device_type, dtype) is None]}"
+            return (
+                "",
+                _UNAVAILABLE,
+                (
+                    f"{source}: backend {name!r} of op {op!r} cannot run on {device_type} tensors "
+                    f"of dtype {dtype} here: {reason}. Use backend='auto' or one of "
+                    f"{[n for n, b in known.items() if _why_not(b, op, device_type, dtype) is None]}"
+                ),
             )
         return name, "", ""
     for name, backend in known.items():
         if backend.auto(device_type) and _why_not(backend, op, device_type, dtype) is None:
             return name, "", ""
-    return "", _UNAVAILABLE, f"no backend of op {op!r} runs on {device_type} tensors of dtype {dtype}"
+    return (
+        "",
+        _UNAVAILABLE,
+        f"no backend of op {op!r} runs on {device_type} tensors of dtype {dtype}",
+    )
 
 
 def resolve(op: str, tensor: torch.Tensor, requested: str | None) -> Callable[..., Any]:

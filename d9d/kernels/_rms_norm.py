@@ -167,7 +167,10 @@ def fused_add_rms_norm(
 
 define_op("rms_norm", _reference.rms_norm)
 define_op("fused_add_rms_norm", _reference.fused_add_rms_norm)
-for _op, _impl in (("rms_norm", _triton_rms_norm), ("fused_add_rms_norm", _triton_fused_add_rms_norm)):
+for _op, _impl in (
+    ("rms_norm", _triton_rms_norm),
+    ("fused_add_rms_norm", _triton_fused_add_rms_norm),
+):
     register_backend(
         _op,
         "triton",

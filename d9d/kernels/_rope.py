@@ -69,8 +69,7 @@ def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
     for name, table in (("cos", cos), ("sin", sin)):
         if tuple(table.shape) not in allowed:
             raise KernelInputError(
-                f"rope: {name}.shape={tuple(table.shape)}, expected one of {allowed} "
-                f"for {q.shape=}"
+                f"rope: {name}.shape={tuple(table.shape)}, expected one of {allowed} for {q.shape=}"
             )
 
 

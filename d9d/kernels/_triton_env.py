@@ -44,7 +44,9 @@ def triton_unavailable(device_type: str | None) -> str | None:
                 "(Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
             )
         case _:
-            return f"Triton runs on cuda tensors (or cpu under TRITON_INTERPRET=1), not {device_type}"
+            return (
+                f"Triton runs on cuda tensors (or cpu under TRITON_INTERPRET=1), not {device_type}"
+            )
 
 
 def triton_auto(device_type: str) -> bool:

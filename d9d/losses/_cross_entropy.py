@@ -51,7 +51,7 @@ def cross_entropy(
         0.1269
     """
     _check_args(logits, labels, z_loss, reduction)
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
     lse = torch.logsumexp(logits, dim=-1)

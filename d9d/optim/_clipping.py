@@ -29,14 +29,14 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def global_norm(updates: Any) -> torch.Tensor:
-    """The L2 norm of all leaves of ``updates`` together, as a 0-d float32 tensor.
+    """The L2 norm of all leaves of ``updates`` together, as a 0-d float32 (or wider) tensor.
 
     Args:
         updates: a pytree of tensors and/or DTensors (DTensors may live on several meshes).
 
     Returns:
-        A 0-d float32 plain tensor on the first leaf's device, equal on every rank; 0 for
-        an empty tree.
+        A 0-d plain tensor on the first leaf's device, equal on every rank; 0 for an empty
+        tree. It is float32, or float64 when a leaf is float64.
 
     Example:
         >>> import torch
@@ -50,8 +50,13 @@ def global_norm(updates: Any) -> torch.Tensor:
     if not groups:
         return torch.zeros((), dtype=torch.float32)
     squares = []
+    dtype = (
+        torch.float64
+        if any(leaf.dtype == torch.float64 for leaf in tree.leaves(updates))
+        else torch.float32
+    )
     for leaves in groups.values():
-        norms = torch._foreach_norm(leaves, 2, dtype=torch.float32)
+        norms = torch._foreach_norm(leaves, 2, dtype=dtype)
         total = torch.linalg.vector_norm(torch.stack(norms))
         if isinstance(total, DTensor):
             total = total.full_tensor()

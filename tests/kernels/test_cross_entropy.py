@@ -162,5 +162,21 @@ def test_errors():
         K.fused_linear_cross_entropy(hidden, weight.T, labels)
     with pytest.raises(KernelInputError, match=r"chunk_size=0 must be a positive int"):
         K.fused_linear_cross_entropy(hidden, weight, labels, chunk_size=0)
-    with pytest.raises(KernelInputError, match=r"hidden.dtype=torch.float32, weight.dtype=torch.bf"):
+    with pytest.raises(
+        KernelInputError, match=r"hidden.dtype=torch.float32, weight.dtype=torch.bf"
+    ):
         K.fused_linear_cross_entropy(hidden, weight.bfloat16(), labels)
+
+
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+def test_fused_linear_cross_entropy_frozen_head(backend, device, assert_close):
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(10, 8, device=device), torch.randn(50, 8, device=device)
+    labels = _labels((10,), 50, device)
+    grads = []
+    for name in (backend, "reference"):
+        leaf = hidden.detach().requires_grad_()
+        K.fused_linear_cross_entropy(leaf, weight, labels, chunk_size=4, backend=name).backward()
+        grads.append(leaf.grad)
+    assert_close(grads[0], grads[1], torch.float32)
+    assert weight.grad is None

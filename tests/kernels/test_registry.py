@@ -85,7 +85,9 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
     assert list(table["fused_linear_cross_entropy"]) == ["triton", "chunked", "reference"]
     assert all(backends["reference"] is None for backends in table.values())
     monkeypatch.setattr(_triton_env, "_installed", lambda: False)
-    assert K.available()["rms_norm"]["triton"] == "triton is not installed (pip install 'd9d[triton]')"
+    assert (
+        K.available()["rms_norm"]["triton"] == "triton is not installed (pip install 'd9d[triton]')"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -106,12 +108,14 @@ def test_triton_unavailable_without_cuda_or_interpreter(monkeypatch):
 
 def test_forced_backend_with_an_unsupported_dtype():
     x = torch.ones(2, dtype=torch.float64)
-    with pytest.raises(
-        KernelUnavailableError,
-        match=r"use\(swiglu='triton'\).*supports dtypes bfloat16, float16, float32, got torch.f",
+    with (
+        pytest.raises(
+            KernelUnavailableError,
+            match=r"use\(swiglu='triton'\).*supports dtypes bfloat16, float16, float32, got torch.f",
+        ),
+        K.use(swiglu="triton"),
     ):
-        with K.use(swiglu="triton"):
-            K.swiglu(x, x)
+        K.swiglu(x, x)
     with pytest.raises(KernelUnavailableError, match=r"Triton runs on cuda tensors .* not meta"):
         K.swiglu(x.float().to("meta"), x.float().to("meta"), backend="triton")
 
@@ -121,11 +125,9 @@ def test_unknown_names():
     with pytest.raises(UnknownKernelError, match=r"op 'swiglu' has no backend 'cuda'; backends"):
         K.swiglu(x, x, backend="cuda")
     with pytest.raises(UnknownKernelError, match=r"use\(swigl='triton'\) names unknown op 'swigl'"):
-        with K.use(swigl="triton"):
-            pass
+        K.use(swigl="triton").__enter__()
     with pytest.raises(UnknownKernelError, match=r"names unknown backend 'fast' for op 'swiglu'"):
-        with K.use(swiglu="fast"):
-            pass
+        K.use(swiglu="fast").__enter__()
     with pytest.raises(UnknownKernelError, match=r"cannot register a backend for op='swigl'"):
         K.register_backend("swigl", "mine", lambda g, u: g, dtypes={torch.float32})
     with pytest.raises(UnknownKernelError, match=r"backend name='auto' is reserved"):

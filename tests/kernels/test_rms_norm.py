@@ -51,9 +51,7 @@ def test_fused_add_rms_norm_triton(shape, dtype, device, assert_close):
     w = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype)
     upstream = [torch.randn(shape, device=device).to(dtype) for _ in range(2)]
     inputs = [x, residual, w]
-    got, got_grads = _grads(
-        lambda *a: K.fused_add_rms_norm(*a, backend="triton"), inputs, upstream
-    )
+    got, got_grads = _grads(lambda *a: K.fused_add_rms_norm(*a, backend="triton"), inputs, upstream)
     ref, ref_grads = _grads(
         lambda *a: K.fused_add_rms_norm(*a, backend="reference"), inputs, upstream
     )

@@ -35,7 +35,7 @@ def _logsumexp(LOGITS, rows, row_mask, stride, n_cols, ROWS: tl.constexpr, BLOCK
         ).to(tl.float32)
         x = tl.where(col_mask[None, :], x, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(x, axis=1))
-        running_sum = running_sum + tl.sum(
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
             tl.exp(x - new_max[:, None]), axis=1
         )
         running_max = new_max

@@ -18,7 +18,6 @@ from .launch import num_warps, persistent_programs, tile_rows
 __all__ = ["backward", "forward"]
 
 
-
 @triton.jit
 def _forward_kernel(
     X,

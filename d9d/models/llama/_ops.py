@@ -13,10 +13,11 @@ __all__ = ["attention", "rms_norm", "rope", "rope_cos_sin", "rope_inv_freq", "sw
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last dim, computed in fp32 and cast back to ``x.dtype``."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
+    """``x / rms(x) * weight`` over the last dim, computed in at least fp32, cast back to ``x.dtype``."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    xw = x.to(wide)
+    normed = xw * torch.rsqrt(xw.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.to(wide)).to(x.dtype)
 
 
 def rope_inv_freq(
@@ -32,11 +33,12 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosines and sines ``[S, head_dim]`` of the rotation angles at ``positions`` ``[S]``.
 
-    Angles are computed in fp32 (positions up to 1e5 and more lose whole turns in bf16);
+    Angles are computed in at least fp32 (positions up to 1e5 and more lose whole turns in bf16);
     the halves are repeated (``cat(freqs, freqs)``), the rotate-half layout of Hugging Face
     Llama checkpoints.
     """
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    wide = torch.promote_types(dtype, torch.float32)
+    angles = positions.to(wide)[:, None] * inv_freq.to(wide)[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -1,0 +1,91 @@
+"""Counting the collectives a step issues: kind, mesh axis, count and bytes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CollectiveCounter", "CommStats"]
+
+_functional = torch.ops._c10d_functional
+
+# Each op's bytes are the size of the full buffer it works on: the gathered output of an
+# all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce, the input
+# of an all-to-all. Wire bytes per rank follow from these (e.g. (n - 1) / n of them in a ring).
+_KINDS = {
+    _functional.all_gather_into_tensor.default: "all_gather",
+    _functional.reduce_scatter_tensor.default: "reduce_scatter",
+    _functional.all_reduce.default: "all_reduce",
+    _functional.all_to_all_single.default: "all_to_all",
+    _functional.broadcast.default: "broadcast",
+}
+
+
+@dataclass
+class CommStats:
+    """Collectives one step issued, per ``(kind, mesh axis)``: ``count`` and ``bytes``.
+
+    Attributes:
+        count: ``{(kind, axis): number of collectives}``.
+        bytes: ``{(kind, axis): bytes of the buffers they worked on}``.
+    """
+
+    count: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def total_bytes(self, kind: str | None = None, axis: str | None = None) -> int:
+        """Bytes summed over the entries matching ``kind`` and ``axis`` (None matches all)."""
+        return sum(
+            b for (k, a), b in self.bytes.items() if kind in (None, k) and axis in (None, a)
+        )
+
+    def total_count(self, kind: str | None = None, axis: str | None = None) -> int:
+        """Collectives counted over the entries matching ``kind`` and ``axis``."""
+        return sum(
+            c for (k, a), c in self.count.items() if kind in (None, k) and axis in (None, a)
+        )
+
+    def __str__(self) -> str:
+        rows = [
+            f"{kind:>14} on {axis:<6} {self.count[(kind, axis)]:>5} x  {self.bytes[(kind, axis)]:>14,} B"
+            for kind, axis in sorted(self.count)
+        ]
+        return "\n".join(rows) if rows else "no collectives"
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """A dispatch mode that records every functional collective (what DTensor issues).
+
+    Args:
+        mesh: Names the axis of each collective from its process group.
+
+    Example:
+        >>> with CollectiveCounter(mesh) as counter:  # doctest: +SKIP
+        ...     step(params, opt_state, batch)
+        >>> counter.stats.count  # doctest: +SKIP
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.stats = CommStats()
+        self._axis_of = {
+            mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names or ()
+        }
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kind = _KINDS.get(func)
+        if kind is not None:
+            tensor = args[0]
+            group = args[-1]
+            size = tensor.numel() * tensor.element_size()
+            if kind == "all_gather":
+                size *= args[1]
+            axis = self._axis_of.get(group, str(group))
+            self.stats.count[(kind, axis)] += 1
+            self.stats.bytes[(kind, axis)] += size
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,83 @@
+"""``make_mesh``: a DeviceMesh with named axes in d9d's fixed order."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .errors import MeshError
+
+__all__ = ["AXIS_ORDER", "make_mesh"]
+
+AXIS_ORDER = ("pp", "dp", "fsdp", "cp", "tp", "ep")
+"""Mesh axes outermost first: pipeline stages span nodes, tensor parallelism stays inside one."""
+
+
+def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
+    """A device mesh over all ranks with the given named axes, in the order of ``AXIS_ORDER``.
+
+    Axes are laid out outermost first (``pp`` varies slowest, ``ep`` fastest), whatever the
+    keyword order; axes of size 1 are kept, so transforms can name them; one axis may be
+    ``-1``, meaning "all the ranks the others leave".
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` when CUDA is available.
+        **axes: Axis sizes by name, from ``pp, dp, fsdp, cp, tp, ep``.
+
+    Returns:
+        The ``DeviceMesh``, with ``mesh_dim_names`` set.
+
+    Raises:
+        MeshError: No process group is initialised, an axis name is unknown, a size is not a
+            positive int (or one ``-1``), or the sizes do not multiply to the world size.
+
+    Example:
+        >>> from d9d.testing import fake_world
+        >>> with fake_world(8):
+        ...     make_mesh("cpu", tp=2, fsdp=-1).mesh_dim_names
+        ('fsdp', 'tp')
+    """
+    if not dist.is_initialized():
+        raise MeshError(
+            "make_mesh needs a process group: launch with torchrun (it sets RANK and "
+            "WORLD_SIZE) and call torch.distributed.init_process_group() first"
+        )
+    world = dist.get_world_size()
+    unknown = sorted(set(axes) - set(AXIS_ORDER))
+    if unknown:
+        raise MeshError(f"unknown mesh axes {unknown}; axes are {AXIS_ORDER}")
+    if not axes:
+        raise MeshError(f"make_mesh needs at least one axis, e.g. make_mesh(fsdp={world})")
+    sizes = _resolve_sizes(axes, world)
+    names = tuple(name for name in AXIS_ORDER if name in sizes)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+
+def _resolve_sizes(axes: dict[str, int], world: int) -> dict[str, int]:
+    for name, size in axes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise MeshError(f"mesh axis {name}={size!r} must be a positive int or -1")
+    rest = [name for name, size in axes.items() if size == -1]
+    if len(rest) > 1:
+        raise MeshError(f"only one mesh axis may be -1, got {rest}")
+    known = math.prod(size for size in axes.values() if size != -1)
+    if rest:
+        if world % known:
+            raise MeshError(
+                f"mesh axes {axes} leave {world} ranks / {known} for {rest[0]!r}, which does "
+                f"not divide; choose sizes whose product divides the world size {world}"
+            )
+        axes = {**axes, rest[0]: world // known}
+    product = math.prod(axes.values())
+    if product != world:
+        shape = " x ".join(f"{n}={s}" for n, s in axes.items())
+        raise MeshError(
+            f"mesh {shape} has {product} ranks but the world has {world}; make the sizes "
+            f"multiply to {world} (or set one axis to -1)"
+        )
+    return axes

@@ -1,0 +1,201 @@
+"""Sharding plans: per param, how it is stored and how it is used, and why."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from ._module import Axes
+from .errors import PlanError
+
+__all__ = ["ParamPlan", "Plan"]
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """The layout of one param on the mesh.
+
+    Attributes:
+        path: The param's path.
+        shape: Its global shape.
+        dtype: Its dtype.
+        axes: Its logical axis names (``None`` when unknown).
+        storage: Placement per mesh axis of the param, its grad and its optimizer state.
+        compute: Placement per mesh axis while a block uses it.
+        grad: Placement per mesh axis of the grad where it is computed (``Partial`` on the
+            data-parallel axes: each rank holds the grad of its own batch).
+        reasons: One line per transform that set a placement, for ``Plan.explain``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    axes: Axes | None
+    storage: tuple[Placement, ...]
+    compute: tuple[Placement, ...]
+    grad: tuple[Placement, ...]
+    reasons: tuple[str, ...] = ()
+
+    def with_axis(
+        self, index: int, *, storage: Placement, compute: Placement, grad: Placement, reason: str
+    ) -> ParamPlan:
+        """A copy with mesh axis ``index`` set to the given placements and ``reason`` added."""
+        return replace(
+            self,
+            storage=_set(self.storage, index, storage),
+            compute=_set(self.compute, index, compute),
+            grad=_set(self.grad, index, grad),
+            reasons=(*self.reasons, reason),
+        )
+
+    def local_shape(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None = None) -> tuple[int, ...]:
+        """The largest local shape over ranks (a padded shard) for ``placements`` (storage)."""
+        shape = list(self.shape)
+        for size, placement in zip(mesh.shape, placements or self.storage, strict=True):
+            if isinstance(placement, Shard):
+                shape[placement.dim] = math.ceil(shape[placement.dim] / size)
+        return tuple(shape)
+
+    def bytes_per_rank(self, mesh: DeviceMesh) -> int:
+        """Bytes of the largest stored shard on one rank."""
+        return math.prod(self.local_shape(mesh)) * self.dtype.itemsize
+
+    def padding_bytes(self, mesh: DeviceMesh) -> int:
+        """Bytes all ranks together store beyond the param's size when shards are uneven."""
+        copies = math.prod(
+            size for size, p in zip(mesh.shape, self.storage, strict=True) if not isinstance(p, Shard)
+        )
+        total = math.prod(self.shape) * self.dtype.itemsize * copies
+        return self.bytes_per_rank(mesh) * mesh.size() - total
+
+
+def _set(placements: tuple[Placement, ...], index: int, value: Placement) -> tuple[Placement, ...]:
+    return (*placements[:index], value, *placements[index + 1 :])
+
+
+def _short(placements: tuple[Placement, ...], names: tuple[str, ...]) -> str:
+    parts = []
+    for name, p in zip(names, placements, strict=True):
+        match p:
+            case Replicate():
+                continue
+            case Shard(dim=dim):
+                parts.append(f"{name}:S({dim})")
+            case Partial():
+                parts.append(f"{name}:P")
+            case _:
+                parts.append(f"{name}:{p}")
+    return " ".join(parts) or "R"
+
+
+@dataclass
+class Plan:
+    """Where every param lives on a mesh: a table, per-rank bytes, and the reasons.
+
+    ``print(plan)`` shows path, global shape, storage and compute placements (``R``: replicated
+    on every axis; ``fsdp:S(0)``: dim 0 sharded over ``fsdp``) and bytes per rank.
+    """
+
+    mesh: DeviceMesh
+    entries: dict[str, ParamPlan]
+    transforms: tuple[Any, ...] = ()
+    reshard_after_forward: bool = True
+    _names: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._names = tuple(self.mesh.mesh_dim_names or ())
+
+    def __getitem__(self, path: str) -> ParamPlan:
+        try:
+            return self.entries[path]
+        except KeyError:
+            raise PlanError(f"no param {path!r} in the plan; paths look like {list(self.entries)[:4]}") from None
+
+    def bytes_per_rank(self) -> int:
+        """Param bytes stored on one rank (largest shards)."""
+        return sum(e.bytes_per_rank(self.mesh) for e in self.entries.values())
+
+    def padding_bytes(self) -> int:
+        """Param bytes stored beyond the model's size over all ranks, from uneven shards."""
+        return sum(e.padding_bytes(self.mesh) for e in self.entries.values())
+
+    def total_bytes(self) -> int:
+        """Bytes of the whole unsharded model."""
+        return sum(math.prod(e.shape) * e.dtype.itemsize for e in self.entries.values())
+
+    def table(self, *, max_rows: int | None = None) -> str:
+        """The plan as a text table; ``max_rows`` elides the middle of long plans."""
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self._names, self.mesh.shape, strict=True))
+        table = Table(title=f"d9d plan on mesh {mesh} ({self.mesh.device_type})", title_justify="left")
+        for column in ("path", "shape", "dtype", "storage", "compute", "bytes/rank"):
+            table.add_column(column, justify="right" if column == "bytes/rank" else "left")
+        entries = list(self.entries.values())
+        if max_rows is not None and len(entries) > max_rows:
+            entries = entries[: max_rows // 2] + [None] + entries[-(max_rows // 2) :]
+        for e in entries:
+            if e is None:
+                table.add_row("...", "", "", "", "", "")
+                continue
+            table.add_row(
+                e.path,
+                str(list(e.shape)),
+                str(e.dtype).removeprefix("torch."),
+                _short(e.storage, self._names),
+                _short(e.compute, self._names),
+                f"{e.bytes_per_rank(self.mesh):,}",
+            )
+        table.add_section()
+        table.add_row(
+            f"{len(self.entries)} params",
+            "",
+            "",
+            f"model {self.total_bytes():,} B",
+            f"padding {self.padding_bytes():,} B",
+            f"{self.bytes_per_rank():,}",
+        )
+        console = Console(width=140, record=True, file=_Null())
+        console.print(table)
+        return console.export_text()
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def explain(self, path: str) -> str:
+        """Why param ``path`` got its placements, one line per deciding transform."""
+        e = self[path]
+        lines = [
+            f"{e.path}: shape {list(e.shape)} {str(e.dtype).removeprefix('torch.')}, logical axes {e.axes}",
+            f"  stored   {_short(e.storage, self._names)} ({e.bytes_per_rank(self.mesh):,} B per rank)",
+            f"  computed {_short(e.compute, self._names)}",
+        ]
+        lines += [f"  - {reason}" for reason in e.reasons] or ["  - no transform places it: replicated"]
+        return "\n".join(lines)
+
+    def materialize(self, path: str, stored: torch.Tensor) -> torch.Tensor:
+        """The tensor a block computes with: ``stored`` gathered to its compute placement.
+
+        Its gradient flows back as ``Partial`` on the data-parallel axes, which autograd
+        reduces to the storage placement (a reduce-scatter for a sharded param).
+        """
+        if not isinstance(stored, DTensor):
+            raise PlanError(
+                f"param {path!r} is a plain tensor but the step is placed on a mesh; pass the "
+                "params returned by step.place(params, opt_state)"
+            )
+        e = self.entries[path]
+        return stored.redistribute(self.mesh, e.compute).to_local(grad_placements=e.grad)
+
+
+class _Null:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,299 @@
+"""Transforms and the transformed step: ``place``, ``plan``, ``comms``, ``memory``, call."""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+from . import tree
+from ._active import activate
+from ._comms import CollectiveCounter, CommStats
+from ._module import Axes
+from ._plan import ParamPlan, Plan
+from .errors import IndivisibleError, PlanError
+
+__all__ = ["Memory", "Transform", "TransformedStep"]
+
+
+class Transform(abc.ABC):
+    """A rewrite of a step's param layout (and, for some, of the step) on a mesh.
+
+    Subclasses are frozen dataclasses with a ``mesh`` field; ``order`` fixes where they apply
+    among the others, whatever the decorator order.
+    """
+
+    order: ClassVar[int]
+    mesh: DeviceMesh
+
+    @abc.abstractmethod
+    def claimed_axes(self) -> tuple[str, ...]:
+        """The mesh axes this transform owns."""
+
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes over which ranks see different batches (default none)."""
+        return ()
+
+    def keeps_gathered_params(self) -> bool:
+        """Whether gathered params stay alive from the forward to the backward (default no)."""
+        return False
+
+    @abc.abstractmethod
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        """The param's plan after this transform."""
+
+    def __call__(self, step: Callable[..., Any]) -> TransformedStep:
+        if isinstance(step, TransformedStep):
+            return step.with_transform(self)
+        return TransformedStep(step, (self,))
+
+    def _axis_index(self, axis: str, option: str) -> int:
+        names = tuple(self.mesh.mesh_dim_names or ())
+        if axis not in names:
+            raise PlanError(
+                f"{type(self).__name__}({option}={axis!r}) names an axis the mesh does not "
+                f"have: mesh axes are {names}; build it with d9d.make_mesh({axis}=N, ...)"
+            )
+        return names.index(axis)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds for params, grads and optimizer state."""
+
+    params: int
+    grads: int
+    opt_state: int
+
+    @property
+    def total(self) -> int:
+        """Sum of the three."""
+        return self.params + self.grads + self.opt_state
+
+    def __str__(self) -> str:
+        return (
+            f"params {self.params:,} B, grads {self.grads:,} B, optimizer state "
+            f"{self.opt_state:,} B: {self.total:,} B per rank"
+        )
+
+
+class TransformedStep:
+    """A step rewritten by transforms; call it like the step it wraps.
+
+    ``place(params, opt_state)`` lays trees out on the mesh and builds ``plan``;
+    ``comms(...)`` and ``memory(...)`` inspect one step.
+    """
+
+    def __init__(self, fn: Callable[..., Any], transforms: tuple[Transform, ...]) -> None:
+        self.fn = fn
+        self.transforms = tuple(sorted(transforms, key=lambda t: t.order))
+        self.mesh = _one_mesh(self.transforms)
+        _check_claims(self.transforms, self.mesh)
+        self._plan: Plan | None = None
+        functools.update_wrapper(self, fn, updated=())
+
+    def with_transform(self, transform: Transform) -> TransformedStep:
+        """This step with one more transform."""
+        return TransformedStep(self.fn, (*self.transforms, transform))
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which ranks see different batches."""
+        return tuple(a for t in self.transforms for a in t.data_axes())
+
+    def batch_shard(self) -> tuple[int, int]:
+        """``(index, count)`` of this rank's batch among the data-parallel ranks.
+
+        Ranks that differ only on other axes (``tp``, ``cp``, ``pp``) get the same index; feed
+        rank ``index`` of ``count`` (``TokenLoader(dp_rank=index, dp_size=count)``).
+        """
+        index, count = 0, 1
+        names = tuple(self.mesh.mesh_dim_names or ())
+        coordinate = self.mesh.get_coordinate() or [0] * self.mesh.ndim
+        for name, size, at in zip(names, self.mesh.shape, coordinate, strict=True):
+            if name in self.data_axes:
+                index, count = index * size + at, count * size
+        return index, count
+
+    @property
+    def plan(self) -> Plan:
+        """The plan built by the last ``place``."""
+        if self._plan is None:
+            raise PlanError("the step has no plan yet: call step.place(params, opt_state) first")
+        return self._plan
+
+    def make_plan(self, params: Mapping[str, Any], axes: Mapping[str, Axes] | None = None) -> Plan:
+        """The plan for ``params`` (tensors or meta tensors; only shapes and dtypes are read)."""
+        entries = {}
+        replicated = (Replicate(),) * self.mesh.ndim
+        for path, leaf in params.items():
+            entry = ParamPlan(
+                path=path,
+                shape=tuple(leaf.shape),
+                dtype=leaf.dtype,
+                axes=(axes or {}).get(path),
+                storage=replicated,
+                compute=replicated,
+                grad=replicated,
+            )
+            for transform in self.transforms:
+                entry = transform.rewrite(entry)
+            entries[path] = entry
+        keep = any(t.keeps_gathered_params() for t in self.transforms)
+        return Plan(self.mesh, entries, self.transforms, reshard_after_forward=not keep)
+
+    def place(
+        self, params: Mapping[str, torch.Tensor], opt_state: Any, *, axes: Mapping[str, Axes] | None = None
+    ) -> tuple[dict[str, DTensor], Any]:
+        """Lay ``params`` and ``opt_state`` out on the mesh as DTensors, per the plan.
+
+        Every rank must pass the same full tensors (e.g. from the same seed); each keeps its
+        own shard, with no communication. Optimizer-state leaves shaped like a param whose
+        path ends with that param's path take its placement; other leaves (step counts) are
+        moved to the mesh's device as plain tensors.
+
+        Args:
+            params: ``{path: tensor}``.
+            opt_state: The optimizer state for ``params`` (``opt.init(params)``).
+            axes: Logical axes per path (``model.axes``), for transforms that need them.
+
+        Returns:
+            ``(params, opt_state)`` placed on the mesh; ``self.plan`` describes them.
+        """
+        plan = self.make_plan(params, axes)
+        self._plan = plan
+        placed = {p: _distribute(t, self.mesh, plan.entries[p].storage) for p, t in params.items()}
+        return placed, _place_state(opt_state, plan, self.mesh)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        with activate(self.plan):
+            return self.run(params, opt_state, batch)
+
+    def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """One step with the plan already active (``d9d.jit`` activates it outside its graph)."""
+        check_placed(params, self.plan)
+        _check_batch(batch)
+        params, opt_state, metrics = self.fn(params, opt_state, batch)
+        return params, opt_state, self._mean_over_data_axes(metrics)
+
+    def _mean_over_data_axes(self, metrics: Any) -> Any:
+        names = tuple(self.mesh.mesh_dim_names or ())
+        data = set(self.data_axes)
+        placements = [Partial("avg") if n in data else Replicate() for n in names]
+        if not data:
+            return metrics
+
+        def mean(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, DTensor):
+                return leaf
+            return DTensor.from_local(leaf, self.mesh, placements).full_tensor()
+
+        return tree.map(mean, metrics)
+
+    def comms(self, params: Any, opt_state: Any, batch: Any) -> CommStats:
+        """Run one step (eagerly, results dropped) and count its collectives per kind and axis."""
+        with CollectiveCounter(self.mesh) as counter:
+            self(params, opt_state, batch)
+        return counter.stats
+
+    def memory(self, params: Any, opt_state: Any) -> Memory:
+        """Bytes this rank holds: params, grads (laid out like params) and optimizer state."""
+        param_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(params))
+        state_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(opt_state))
+        return Memory(params=param_bytes, grads=param_bytes, opt_state=state_bytes)
+
+
+def _local_bytes(leaf: Any) -> int:
+    if isinstance(leaf, DTensor):
+        leaf = leaf.to_local()
+    return leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else 0
+
+
+def _one_mesh(transforms: tuple[Transform, ...]) -> DeviceMesh:
+    meshes = {id(t.mesh): t.mesh for t in transforms}
+    if len(meshes) != 1:
+        raise PlanError(
+            f"transforms {[type(t).__name__ for t in transforms]} use {len(meshes)} different "
+            "meshes; build one mesh with d9d.make_mesh(...) and pass it to every transform"
+        )
+    return next(iter(meshes.values()))
+
+
+def _check_claims(transforms: tuple[Transform, ...], mesh: DeviceMesh) -> None:
+    owner: dict[str, Transform] = {}
+    for t in transforms:
+        for axis in t.claimed_axes():
+            if axis in owner:
+                raise PlanError(
+                    f"mesh axis {axis!r} is claimed by both {owner[axis]} and {t}; give each "
+                    "transform its own axis"
+                )
+            owner[axis] = t
+    for name, size in zip(mesh.mesh_dim_names or (), mesh.shape, strict=True):
+        if size > 1 and name not in owner:
+            raise PlanError(
+                f"mesh axis {name!r} has size {size} but no transform uses it; add the transform "
+                f"for it (e.g. d9d.shard_params(mesh, axis={name!r}) or replicate_axis={name!r}) "
+                "or give it size 1"
+            )
+
+
+def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    if isinstance(tensor, DTensor):
+        return tensor.redistribute(mesh, placements)
+    return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
+
+
+def _place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
+    by_length = sorted(plan.entries, key=len, reverse=True)
+
+    def place(path: str, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        for param in by_length:
+            entry = plan.entries[param]
+            if (path == param or path.endswith("." + param)) and tuple(leaf.shape) == entry.shape:
+                return _distribute(leaf, mesh, entry.storage)
+        return leaf.to(mesh.device_type) if leaf.device.type != "meta" else leaf
+
+    return tree.map_with_path(place, opt_state)
+
+
+def check_placed(params: Any, plan: Plan) -> None:
+    """Raise unless ``params`` has the plan's paths, each a DTensor stored as planned."""
+    if not isinstance(params, Mapping) or params.keys() != plan.entries.keys():
+        given = set(params) if isinstance(params, Mapping) else set()
+        missing = sorted(set(plan.entries) - given)[:5]
+        extra = sorted(given - set(plan.entries))[:5]
+        raise PlanError(
+            f"params do not match the placed plan (missing {missing}, unexpected {extra}); "
+            "pass the params returned by step.place(...) or by the previous step"
+        )
+    for path, leaf in params.items():
+        want = plan.entries[path].storage
+        if not isinstance(leaf, DTensor) or tuple(leaf.placements) != want:
+            got = tuple(leaf.placements) if isinstance(leaf, DTensor) else "a plain tensor"
+            raise PlanError(
+                f"param {path!r} is {got} but the plan stores it as {want}; pass the params "
+                "returned by step.place(...) or by the previous step"
+            )
+
+
+def _check_batch(batch: Any) -> None:
+    sizes = {
+        path: leaf.shape[0]
+        for path, leaf in tree.flatten_with_paths(batch)[0]
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0
+    }
+    if len(set(sizes.values())) > 1:
+        raise IndivisibleError(
+            f"batch leaves disagree on the batch size (dim 0): {sizes}; every tensor in the "
+            "batch must hold the same number of examples"
+        )
+

@@ -1,0 +1,39 @@
+"""Sharded, asynchronous, atomic checkpoints over tensorstore/zarr v3 (``d9d.checkpoint``).
+
+Every rank writes its own shards of one global array per leaf; a restore reads, on each
+rank, exactly the slices of the target layout it needs, whatever layout wrote them.
+Train-state helpers bundle params, optimizer state, step, data position and RNG; the
+Hugging Face helpers convert the d9d Llama to and from ``transformers`` folders.
+"""
+
+from ._format import latest as latest
+from ._format import metadata as metadata
+from ._hf import LLAMA_KEYS as LLAMA_KEYS
+from ._hf import export_hf as export_hf
+from ._hf import import_hf as import_hf
+from ._hf import llama_from_hf as llama_from_hf
+from ._hf import llama_to_hf as llama_to_hf
+from ._restore import Abstract as Abstract
+from ._restore import restore as restore
+from ._save import SaveHandle as SaveHandle
+from ._save import save as save
+from ._train_state import TrainState as TrainState
+from ._train_state import restore_train_state as restore_train_state
+from ._train_state import save_train_state as save_train_state
+
+__all__ = [
+    "LLAMA_KEYS",
+    "Abstract",
+    "SaveHandle",
+    "TrainState",
+    "export_hf",
+    "import_hf",
+    "latest",
+    "llama_from_hf",
+    "llama_to_hf",
+    "metadata",
+    "restore",
+    "restore_train_state",
+    "save",
+    "save_train_state",
+]

@@ -1,0 +1,195 @@
+"""The on-disk format: step folders, the commit protocol, ``latest`` and ``metadata``.
+
+A directory of checkpoints holds ``step_<N>/`` folders, each complete and committed::
+
+    step_<N>/metadata.json      tree paths, shapes, dtypes, layouts, step, user metadata
+    step_<N>/COMMIT             written last, before the rename
+    step_<N>/arrays/<path>/     one zarr v3 array per tensor leaf (tensorstore)
+
+A save writes into ``step_<N>.tmp-<nonce>/`` and rank 0 commits it by writing
+``COMMIT`` and renaming the folder, which is atomic on POSIX file systems. Readers only
+look at ``step_<N>`` folders holding ``COMMIT``; a crash at any point leaves either the
+old set of checkpoints or the new one, plus a ``.tmp-`` folder that is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from ..errors import CheckpointNotFoundError
+
+__all__ = [
+    "array_file",
+    "array_spec",
+    "commit",
+    "latest",
+    "metadata",
+    "rotate",
+    "step_path",
+    "tmp_path",
+]
+
+FORMAT = "d9d.checkpoint/1"
+METADATA = "metadata.json"
+COMMIT = "COMMIT"
+_STEP = re.compile(r"^step_(\d+)$")
+_TMP = ".tmp-"
+
+
+def step_path(directory: Path, step: int) -> Path:
+    """The folder the checkpoint of ``step`` is committed to."""
+    return directory / f"step_{step}"
+
+
+def tmp_path(directory: Path, step: int, nonce: str) -> Path:
+    """The folder a save of ``step`` writes into before it commits."""
+    return directory / f"step_{step}{_TMP}{nonce}"
+
+
+def array_file(path: str) -> str:
+    """The folder (relative to the checkpoint) of the array of leaf ``path``."""
+    name = quote(path, safe="") or "root"
+    if not name.strip("."):  # "." and ".." are not folder names
+        name = name.replace(".", "%2E")
+    return f"arrays/{name}"
+
+
+_CODECS = ({"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"})
+
+
+def array_spec(root: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """The tensorstore spec of an array leaf: zarr v3, a CRC32C checksum in every chunk."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(root / record["file"])},
+        "metadata": {
+            "shape": record["shape"],
+            "data_type": record["dtype"],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": record["chunks"]}},
+            "codecs": list(_CODECS),
+        },
+    }
+
+
+def _committed(directory: Path) -> list[tuple[int, Path]]:
+    found = []
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            match = _STEP.match(entry.name)
+            if match and (entry / COMMIT).is_file() and (entry / METADATA).is_file():
+                found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint in ``directory``, or ``None`` if it holds none.
+
+    Only committed ``step_<N>`` folders count: folders still being written
+    (``step_<N>.tmp-*``), left by a crash, or lacking their ``COMMIT`` marker are ignored.
+
+    Args:
+        directory: A folder that :func:`save` wrote checkpoints into; it need not exist.
+
+    Returns:
+        The path of the committed checkpoint with the highest step, or ``None``.
+
+    Example:
+        >>> import tempfile
+        >>> latest(tempfile.mkdtemp()) is None
+        True
+    """
+    found = _committed(Path(directory))
+    return found[-1][1] if found else None
+
+
+def metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata of the checkpoint at ``path``, as parsed from its ``metadata.json``.
+
+    Keys: ``format``, ``step``, ``world_size``, ``leaves`` (per leaf path: ``kind``
+    ``"array"`` with ``shape``, ``dtype``, ``chunks``, ``file`` and the ``mesh`` and
+    ``placements`` that wrote it, or ``kind`` ``"value"`` with the Python ``value``),
+    ``metadata`` (what was passed to ``save``) and ``checksum`` (how arrays are checked).
+
+    Args:
+        path: A checkpoint folder, e.g. from :func:`latest`.
+
+    Returns:
+        The metadata dict.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from d9d.checkpoint import save
+        >>> path = save(tempfile.mkdtemp(), {"w": torch.ones(2)}, step=3).wait()
+        >>> metadata(path)["step"], metadata(path)["leaves"]["w"]["shape"]
+        (3, [2])
+    """
+    path = Path(path)
+    if not (path / COMMIT).is_file() or not (path / METADATA).is_file():
+        steps = [p.name for _, p in _committed(path)]
+        hint = (
+            f" It holds the checkpoints {steps}: pass one of them, or latest({str(path)!r})."
+            if steps
+            else " Pass a committed step_<N> folder, e.g. from d9d.checkpoint.latest(directory)."
+        )
+        raise CheckpointNotFoundError(
+            f"{str(path)!r} is not a complete checkpoint (no {COMMIT} and {METADATA} in it)." + hint
+        )
+    meta = json.loads((path / METADATA).read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointNotFoundError(
+            f"{str(path)!r} holds format {meta.get('format')!r}, this d9d reads {FORMAT!r}."
+        )
+    return meta
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Write the metadata and commit marker into ``tmp``, then rename it to ``final``."""
+    _write_synced(tmp / METADATA, json.dumps(meta, indent=1) + "\n")
+    _write_synced(tmp / COMMIT, json.dumps({"step": meta["step"]}) + "\n")
+    _sync_dir(tmp)
+    os.rename(tmp, final)  # raises if `final` exists: a commit never replaces a checkpoint
+    _sync_dir(final.parent)
+
+
+def rotate(directory: Path, step: int, keep: int | None) -> None:
+    """After committing ``step``: drop leftovers of crashed saves of ``step``, and all but
+    the newest ``keep`` checkpoints.
+
+    A checkpoint is first renamed to a ``.tmp-`` name, so a crash mid-delete never leaves
+    a half-deleted folder that looks complete.
+    """
+    doomed = [p for p in directory.glob(f"step_{step}{_TMP}*") if p.is_dir()]
+    if keep is not None:
+        committed = _committed(directory)
+        others = [path for s, path in committed if s != step]  # never the one just made
+        for path in others[: max(0, len(committed) - keep)]:
+            trash = path.with_name(f"{path.name}{_TMP}deleted-{secrets.token_hex(4)}")
+            os.rename(path, trash)
+            doomed.append(trash)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)

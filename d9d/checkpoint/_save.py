@@ -1,0 +1,368 @@
+"""``save``: each rank writes the shards it owns in the background; rank 0 commits.
+
+The call itself is short and collective: it checks the tree, agrees with the other ranks
+on what the checkpoint holds (one ``all_gather_object`` of leaf descriptions), and copies
+the shards this rank writes to host memory, so the caller may update its tensors in place
+as soon as it returns. A background thread then writes the copies with tensorstore.
+
+Ranks meet again when their writes end, through the process group's key-value store
+rather than a collective: the store is thread-safe and needs no device, whereas a
+collective issued from a second thread would interleave with the training loop's
+collectives on the same group (torch DCP's ``async_save`` needs a second gloo group for
+this; the store needs nothing). Each rank posts its outcome under a key named by a nonce
+from rank 0, and rank 0 commits once every rank has written, then posts the result that
+the other ranks' ``wait()`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .. import tree as tree_lib
+from ..errors import CheckpointExistsError, CheckpointSaveError
+from . import _format
+from ._layout import (
+    box_slices,
+    chunk_shape,
+    dtype_name,
+    layout_of,
+    local_box,
+    to_numpy,
+    writes_box,
+)
+
+__all__ = ["SaveHandle", "save"]
+
+_VALUES = (bool, int, float, str)
+# How long a rank waits for the others to finish writing (or rank 0 to commit).
+_COMMIT_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class _Write:
+    spec: dict[str, Any]
+    offset: tuple[int, ...]
+    data: torch.Tensor  # this rank's host copy of the box
+
+
+@dataclass
+class _Job:
+    """Everything the background thread needs; it touches no caller-owned tensor."""
+
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    keep: int | None
+    creates: list[dict[str, Any]]
+    writes: list[_Write]
+    rank: int
+    world: int
+    store: Any  # a torch.distributed Store, None on one process
+    key: str
+    error: BaseException | None = field(default=None)
+
+    def run(self) -> None:
+        try:
+            try:
+                self._write()
+            except BaseException as exc:
+                self._finish(exc)
+                raise
+            self._finish(None)
+        except BaseException as exc:
+            self.error = exc
+
+    def _write(self) -> None:
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+        pending = [ts.open(spec, create=True, context=context) for spec in self.creates]
+        for write in self.writes:
+            array = ts.open(write.spec, assume_metadata=True, context=context).result()
+            box = box_slices(write.offset, write.data.shape)
+            pending.append(array[box].write(to_numpy(write.data)))
+        for future in pending:
+            future.result()
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.rank != 0:
+            outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
+            self.store.set(f"{self.key}/rank{self.rank}", outcome)
+            if error is None:
+                self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
+                done = self.store.get(f"{self.key}/done").decode()
+                if done != "ok":
+                    raise CheckpointSaveError(done)
+            return
+        try:
+            failures = [] if error is None else [f"rank 0: {type(error).__name__}: {error}"]
+            if self.world > 1:
+                keys = [f"{self.key}/rank{r}" for r in range(1, self.world)]
+                self.store.wait(keys, _COMMIT_TIMEOUT)
+                outcomes = [self.store.get(k).decode() for k in keys]
+                failures += [f"rank {r}: {o}" for r, o in enumerate(outcomes, 1) if o != "ok"]
+            if failures:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise CheckpointSaveError(
+                    f"Checkpoint of step {self.meta['step']} was not committed: "
+                    + "; ".join(failures)
+                )
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            _format.commit(self.tmp, self.final, self.meta)
+            _format.rotate(self.final.parent, self.meta["step"], self.keep)
+        except BaseException as exc:
+            if self.world > 1:
+                self.store.set(f"{self.key}/done", f"rank 0 could not commit: {exc}")
+            raise
+        if self.world > 1:
+            self.store.set(f"{self.key}/done", "ok")
+
+
+class SaveHandle:
+    """A checkpoint being saved; :meth:`wait` until it is committed.
+
+    Attributes:
+        path: The folder the checkpoint is committed to (``<directory>/step_<N>``).
+    """
+
+    def __init__(self, path: Path, job: _Job, thread: threading.Thread | None) -> None:
+        self.path = path
+        self._job = job
+        self._thread = thread
+
+    def done(self) -> bool:
+        """Whether the save has ended (committed, or failed: then :meth:`wait` raises)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is committed on every rank, and return its path.
+
+        Raises:
+            CheckpointSaveError: Some rank failed to write, or rank 0 failed to commit;
+                nothing was committed and older checkpoints are untouched.
+        """
+        if self._thread is not None:
+            self._thread.join()
+        if self._job.error is not None:
+            if isinstance(self._job.error, CheckpointSaveError):
+                raise self._job.error
+            raise CheckpointSaveError(
+                f"Saving step {self._job.meta['step']} to {str(self.path)!r} failed on rank "
+                f"{self._job.rank}: {type(self._job.error).__name__}: {self._job.error}"
+            ) from self._job.error
+        return self.path
+
+
+def _check_args(step: Any, metadata: Any, keep: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step=}.")
+    if isinstance(keep, bool) or not (keep is None or (isinstance(keep, int) and keep >= 1)):
+        raise ValueError(f"keep must be None (keep all) or an int >= 1, got {keep=}.")
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"metadata must be JSON-serializable (dicts, lists, str, numbers, bools, None): "
+            f"{exc}. Convert tensors with .tolist() and bytes with base64."
+        ) from None
+
+
+def _records(tree: Any) -> tuple[list[tuple[str, Any]], dict[str, dict[str, Any]]]:
+    """The leaves of ``tree`` and the JSON record of each, validated."""
+    leaves, _ = tree_lib.flatten_with_paths(tree)
+    records: dict[str, dict[str, Any]] = {}
+    for path, leaf in leaves:
+        if path in records:
+            raise ValueError(
+                f"Two leaves of the tree have the path {path!r} (e.g. a key 'a.b' beside a "
+                "nested {'a': {'b': ...}}); rename one so every path is unique."
+            )
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device.type == "meta":
+                raise ValueError(f"Leaf {path!r} is on the meta device and holds no data.")
+            layout = layout_of(path, leaf)
+            records[path] = {
+                "kind": "array",
+                "shape": list(layout.shape),
+                "dtype": dtype_name(layout.dtype, path),
+                "chunks": list(chunk_shape(layout)),
+                "file": _format.array_file(path),
+                **layout.describe(),
+            }
+        elif isinstance(leaf, _VALUES):
+            records[path] = {"kind": "value", "value": leaf}
+        else:
+            raise TypeError(
+                f"Leaf {path!r} is a {type(leaf).__name__}; checkpoints hold tensors, DTensors, "
+                "bool, int, float and str leaves (None is an empty subtree)."
+            )
+    return leaves, records
+
+
+def _agree(step: int, nonce: str, records: dict[str, Any]) -> tuple[str, dict, dict]:
+    """Gather every rank's records; return rank 0's nonce, the union and each path's holders."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (step, nonce, records))
+    union: dict[str, Any] = {}
+    holders: dict[str, list[int]] = {}
+    for rank, (their_step, _, theirs) in enumerate(gathered):
+        if their_step != step:
+            raise ValueError(
+                f"save was called with step={gathered[0][0]} on rank 0 and step={their_step} "
+                f"on rank {rank}; every rank must save the same step."
+            )
+        for path, record in theirs.items():
+            same = json.dumps(union.setdefault(path, record)) == json.dumps(record)  # NaN too
+            if not same:
+                raise ValueError(
+                    f"Leaf {path!r} differs between ranks {holders[path][0]} and {rank}: "
+                    f"{union[path]} vs {record}. Every rank holding a leaf must agree on its "
+                    "shape, dtype, layout (and value, for Python values)."
+                )
+            holders.setdefault(path, []).append(rank)
+    return gathered[0][1], dict(sorted(union.items())), holders
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    return copy.copy_(tensor.detach())
+
+
+def _plan(
+    leaves: list[tuple[str, Any]],
+    records: dict[str, Any],
+    holders: dict[str, list[int]],
+    rank: int,
+    tmp: Path,
+) -> tuple[list[dict[str, Any]], list[_Write]]:
+    """The arrays whose metadata this rank creates and the boxes it writes (host copies)."""
+    creates, writes = [], []
+    for path, leaf in leaves:
+        record = records[path]
+        if record["kind"] != "array":
+            continue
+        spec = _format.array_spec(tmp, record)
+        if isinstance(leaf, DTensor):
+            layout = layout_of(path, leaf)
+            coordinate = leaf.device_mesh.get_coordinate()
+            offset, shape = local_box(layout, coordinate)
+            local = leaf.to_local()
+            if tuple(local.shape) != shape:
+                raise ValueError(
+                    f"Leaf {path!r} holds a local shard of shape {tuple(local.shape)} on rank "
+                    f"{rank} (mesh coordinate {coordinate}), but its placements give {shape}: "
+                    "build it with distribute_tensor, or from_local(..., shape=, stride=)."
+                )
+            mine, creator = writes_box(layout, coordinate), not any(coordinate)
+        else:
+            offset, shape, local = (0,) * leaf.ndim, tuple(leaf.shape), leaf
+            mine = creator = rank == holders[path][0]
+        if creator:
+            creates.append(spec)
+        if mine and math.prod(shape):
+            writes.append(_Write(spec, offset, _host_copy(local)))
+    return creates, writes
+
+
+def save(
+    directory: str | os.PathLike[str],
+    tree: Any,
+    *,
+    step: int,
+    metadata: Any = None,
+    async_: bool = True,
+    keep: int | None = None,
+) -> SaveHandle:
+    """Save ``tree`` as the checkpoint of ``step`` in ``directory``, sharded and atomically.
+
+    Every rank writes only the shards it owns, straight into one zarr v3 array per leaf
+    (no gather): a DTensor's local shard goes to its box of the global array, and of
+    replicas only the one at coordinate 0 along the unsharding mesh axes writes. Plain
+    tensors are whole arrays, written by the lowest rank holding them. Python values
+    (``bool``, ``int``, ``float``, ``str``) go into the JSON metadata. The checkpoint
+    becomes visible, as ``<directory>/step_<step>``, only once every rank has written
+    and rank 0 has committed it; a crash before that leaves older checkpoints intact.
+
+    With ``torch.distributed`` initialised, ``save`` is collective: every rank of the
+    default group calls it, in the same order, with the same ``step``. The host copy of
+    the local shards is taken before it returns (tensors may be updated in place right
+    after); the writing runs in a background thread.
+
+    Args:
+        directory: Folder of the run's checkpoints; created if missing.
+        tree: A pytree of tensors, DTensors (``Shard``/``Replicate`` placements) and
+            Python values; ``None`` is an empty subtree.
+        step: The training step, ``>= 0``; names the checkpoint.
+        metadata: JSON-serializable data stored with it (rank 0's is kept), e.g. the
+            data-loader position. Never pickled.
+        async_: Write in a background thread (default ``True``); ``False`` writes and
+            commits before returning.
+        keep: After committing, delete all but the newest ``keep`` checkpoints in
+            ``directory`` (default ``None``: keep all).
+
+    Returns:
+        A :class:`SaveHandle`; ``handle.wait()`` blocks until committed and returns the
+        checkpoint's path.
+
+    Raises:
+        CheckpointExistsError: ``<directory>/step_<step>`` already exists.
+        TypeError: A leaf is of an unsupported type or dtype, or ``metadata`` is not JSON.
+        ValueError: ``step`` or ``keep`` is invalid, two leaves share a path, a leaf is
+            on the meta device or ``Partial``, or ranks disagree on the step or a leaf.
+        CheckpointSaveError: (from ``wait()``, or here when ``async_=False``) writing
+            failed on some rank; nothing was committed.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from d9d.checkpoint import latest
+        >>> run = tempfile.mkdtemp()
+        >>> handle = save(run, {"w": torch.ones(2, 3), "step": 7}, step=7)
+        >>> handle.wait() == latest(run)
+        True
+    """
+    directory = Path(directory)
+    _check_args(step, metadata, keep)
+    final = _format.step_path(directory, step)
+    if final.exists():
+        raise CheckpointExistsError(
+            f"{str(final)!r} already exists; save under a new step, or delete it first."
+        )
+    leaves, records = _records(tree)
+    nonce = secrets.token_hex(4)
+    rank, world, store = 0, 1, None
+    holders = {path: [0] for path in records}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+        nonce, records, holders = _agree(step, nonce, records)
+    tmp = _format.tmp_path(directory, step, nonce)
+    creates, writes = _plan(leaves, records, holders, rank, tmp)
+    meta = {
+        "format": _format.FORMAT,
+        "step": step,
+        "world_size": world,
+        "leaves": records,
+        "metadata": metadata,
+        "checksum": "crc32c in every chunk (zarr v3 crc32c codec), verified on every read",
+    }
+    job = _Job(tmp, final, meta, keep, creates, writes, rank, world, store, f"d9d/ckpt/{nonce}")
+    if not async_:
+        job.run()
+        handle = SaveHandle(final, job, None)
+        handle.wait()
+        return handle
+    thread = threading.Thread(target=job.run, name=f"d9d-checkpoint-step-{step}")
+    thread.start()
+    return SaveHandle(final, job, thread)

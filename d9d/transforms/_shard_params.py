@@ -1,0 +1,138 @@
+"""``shard_params``: FSDP (ZeRO-3), HSDP and DDP as a difference of storage and compute layout.
+
+A param is stored ``Shard(0)`` on the sharding axis and used ``Replicate``: each block gathers
+its params when it starts and drops them when it ends; the gradient comes back ``Partial`` (each
+rank's batch) and is reduce-scattered to the stored shard. A replicate axis stores and uses the
+param whole and all-reduces its gradient. Both average the gradient over their ranks, so a step
+equals one device fed every rank's batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .._plan import ParamPlan
+from .._step import Transform
+from ..errors import PlanError
+
+__all__ = ["ShardParams", "shard_params"]
+
+
+@dataclass(frozen=True)
+class ShardParams(Transform):
+    """The ``shard_params`` transform; build it with :func:`shard_params`."""
+
+    order: ClassVar[int] = 50
+    mesh: DeviceMesh
+    axis: str | None = "fsdp"
+    replicate_axis: str | None = None
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.axis is None and self.replicate_axis is None:
+            raise PlanError("shard_params needs axis= (FSDP), replicate_axis= (DDP), or both (HSDP)")
+        if self.axis is not None and self.axis == self.replicate_axis:
+            raise PlanError(
+                f"shard_params(axis={self.axis!r}, replicate_axis={self.replicate_axis!r}) uses one "
+                "axis twice; shard over one axis and replicate over another"
+            )
+        if self.axis is not None:
+            self._axis_index(self.axis, "axis")
+        if self.replicate_axis is not None:
+            self._axis_index(self.replicate_axis, "replicate_axis")
+
+    def __str__(self) -> str:
+        return f"shard_params(axis={self.axis!r}, replicate_axis={self.replicate_axis!r})"
+
+    def claimed_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in (self.replicate_axis, self.axis) if a is not None)
+
+    def data_axes(self) -> tuple[str, ...]:
+        return self.claimed_axes()
+
+    def keeps_gathered_params(self) -> bool:
+        return not self.reshard_after_forward
+
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        average = Partial("avg")
+        if self.replicate_axis is not None:
+            entry = entry.with_axis(
+                self._axis_index(self.replicate_axis, "replicate_axis"),
+                storage=Replicate(),
+                compute=Replicate(),
+                grad=average,
+                reason=f"{self}: replicated over {self.replicate_axis!r}, grads all-reduced (mean)",
+            )
+        if self.axis is None:
+            return entry
+        index = self._axis_index(self.axis, "axis")
+        if not entry.shape:
+            return entry.with_axis(
+                index,
+                storage=Replicate(),
+                compute=Replicate(),
+                grad=average,
+                reason=f"{self}: a 0-d param cannot be sharded; replicated over {self.axis!r}, grads all-reduced",
+            )
+        size = self.mesh.shape[index]
+        rows = entry.shape[0]
+        uneven = f", uneven: {rows} rows over {size} ranks, padded to {-(-rows // size)} per rank" if rows % size else ""
+        return entry.with_axis(
+            index,
+            storage=Shard(0),
+            compute=Replicate(),
+            grad=average,
+            reason=(
+                f"{self}: dim 0 sharded over {self.axis!r}{uneven}; gathered while its block "
+                f"runs, grads reduce-scattered (mean)"
+            ),
+        )
+
+
+def shard_params(
+    mesh: DeviceMesh,
+    axis: str | None = "fsdp",
+    replicate_axis: str | None = None,
+    *,
+    reshard_after_forward: bool = True,
+) -> ShardParams:
+    """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3).
+
+    Each param is stored ``Shard(0)`` over ``axis`` and gathered just in time: a block's params
+    when that block (a child of an ``nn.ModuleList``, e.g. ``layers.3``) starts, the others when
+    the model is applied. With ``reshard_after_forward`` the gathered copies are dropped after
+    the forward and gathered again for the backward, so a rank holds only its shards plus the
+    block at work. Gradients are reduce-scattered back to the shards. With ``replicate_axis``
+    as well, the shards are also replicated over that axis and their grads all-reduced across
+    it (HSDP); with only ``replicate_axis`` (``axis=None``) params are replicated (DDP). Every
+    data-parallel rank passes its own batch; losses and grads are means over all of them.
+
+    Args:
+        mesh: The mesh, from :func:`d9d.make_mesh`.
+        axis: The mesh axis to shard over, or None for DDP. Default ``"fsdp"``.
+        replicate_axis: A mesh axis to replicate over (``"dp"``), or None.
+        reshard_after_forward: Drop gathered params after the forward and gather them again
+            for the backward (less memory, more traffic). Default True.
+
+    Returns:
+        The transform: decorate a step with it.
+
+    Raises:
+        PlanError: An axis is not on the mesh, both axes are the same, or neither is given.
+
+    Example:
+        >>> import d9d, torch
+        >>> from d9d.testing import run_on_ranks
+        >>> def rank_fn():
+        ...     mesh = d9d.make_mesh("cpu", fsdp=2)
+        ...     step = shard_params(mesh)(lambda p, s, b: (p, s, {}))
+        ...     params, _ = step.place({"w": torch.ones(4, 3)}, ())
+        ...     return params["w"].to_local().shape
+        >>> run_on_ranks(rank_fn, 2)
+        [torch.Size([2, 3]), torch.Size([2, 3])]
+    """
+    return ShardParams(mesh, axis, replicate_axis, reshard_after_forward)

@@ -1,0 +1,143 @@
+"""The equivalence harness: a transformed step on N ranks against the same step on one device.
+
+Every rank trains ``steps`` AdamW steps with global-norm clipping on its data-parallel shard
+of the same global batches; the reference trains on the whole batches on one device. Ranks
+return their losses and their params gathered whole (``full_tensor``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import d9d
+from d9d._train import make_train_step
+from d9d.testing import run_on_ranks
+
+STEPS = 5
+
+
+def optimizer(kind: str = "adamw") -> d9d.optim.GradientTransformation:
+    """AdamW with a schedule, or SGD with momentum; both after global-norm clipping."""
+    match kind:
+        case "adamw":
+            inner = d9d.optim.adamw(d9d.optim.warmup_cosine(1e-2, 1, 10, init_value=1e-3), weight_decay=0.1)
+        case "sgd":
+            inner = d9d.optim.sgd(0.5, momentum=0.9, weight_decay=0.1)
+        case _:
+            raise ValueError(f"unknown optimizer {kind!r}")
+    return d9d.optim.chain(d9d.optim.clip_by_global_norm(0.5), inner)
+
+
+def batches(vocab: int, *, global_batch: int = 8, seq_len: int = 16, steps: int = STEPS) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g)
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return out
+
+
+def _logits(model: d9d.Model, params: Any, tokens: torch.Tensor) -> torch.Tensor:
+    out = model.apply(params, tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def train_step(model: d9d.Model, opt: Any) -> Callable[..., Any]:
+    def loss_fn(params: Any, batch: dict) -> torch.Tensor:
+        return d9d.losses.cross_entropy(_logits(model, params, batch["tokens"]), batch["labels"])
+
+    def step(params: Any, opt_state: Any, batch: dict) -> tuple[Any, Any, Any]:
+        loss, grads = d9d.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return d9d.optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return step
+
+
+def reference(build_model: Callable[[], d9d.Model], data: list[dict], *, opt: str = "adamw"):
+    """Losses and final params of the step on one device."""
+    model, opt = build_model(), optimizer(opt)
+    step = train_step(model, opt)
+    params, state = d9d.tree.map(torch.clone, model.params), opt.init(model.params)
+    losses = []
+    for batch in data:
+        params, state, metrics = step(params, state, batch)
+        losses.append(metrics["loss"])
+    return torch.stack(losses), params
+
+
+def _rank(build_model, make_transforms, mesh_axes, data, jit, opt):
+    mesh = d9d.make_mesh("cpu", **mesh_axes)
+    model, opt = build_model(), optimizer(opt)
+    step = train_step(model, opt)
+    for transform in make_transforms(mesh):
+        step = transform(step)
+    placed = step
+    if jit:
+        step = d9d.jit(step, fail_on_recompile=True)
+    params, state = step.place(model.params, opt.init(model.params), axes=model.axes)
+    index, count = placed.batch_shard()
+    losses = []
+    for batch in data:
+        local = {k: v.chunk(count)[index] for k, v in batch.items()}
+        params, state, metrics = step(params, state, local)
+        losses.append(metrics["loss"])
+    return torch.stack(losses), {k: v.full_tensor() for k, v in params.items()}
+
+
+def run(build_model, make_transforms, mesh_axes: dict[str, int], data, *, jit: bool = False, opt: str = "adamw"):
+    """Per-rank ``(losses, full params)`` of the transformed step."""
+    world = math.prod(mesh_axes.values())
+    return run_on_ranks(_rank, world, build_model, make_transforms, mesh_axes, data, jit, opt, timeout=600)
+
+
+def llama(dtype: torch.dtype = torch.float32) -> Callable[[], d9d.Model]:
+    def build() -> d9d.Model:
+        from d9d.models import Llama, LlamaConfig
+
+        return d9d.functionalize(Llama(LlamaConfig.tiny()).to(dtype))
+
+    return build
+
+
+HF_AXES = {
+    r"q_proj\.weight$": ("heads", "embed"),
+    r"[kv]_proj\.weight$": ("kv_heads", "embed"),
+    r"o_proj\.weight$": ("embed", "heads"),
+    r"(gate|up)_proj\.weight$": ("mlp", "embed"),
+    r"down_proj\.weight$": ("embed", "mlp"),
+    r"lm_head\.weight$": ("vocab", "embed"),
+    r"embed_tokens\.weight$": ("vocab", "embed"),
+    r"norm\.weight$": ("embed",),
+}
+
+
+def hf_llama(dtype: torch.dtype = torch.float32) -> Callable[[], d9d.Model]:
+    """A small ``transformers.LlamaForCausalLM``, built once here and copied for each rank
+    (ranks may be threads sharing the global RNG, so none of them draws from it)."""
+    import copy
+
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = transformers.LlamaForCausalLM(config).to(dtype)
+
+    def build() -> d9d.Model:
+        return d9d.functionalize(copy.deepcopy(module), axes=HF_AXES)
+
+    return build
