@@ -1,5 +1,6 @@
 """d9d: JAX-style functional transforms for distributed training on PyTorch."""
 
+from . import checkpoint as checkpoint
 from . import data as data
 from . import errors as errors
 from . import losses as losses
@@ -38,6 +39,7 @@ __all__ = [
     "Plan",
     "Transform",
     "TransformedStep",
+    "checkpoint",
     "data",
     "errors",
     "functionalize",

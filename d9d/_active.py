@@ -14,14 +14,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._plan import Plan
 
-__all__ = ["activate", "active_plan"]
+__all__ = ["accumulate", "accumulating", "activate", "active_plan"]
 
-_state = threading.local()
+
+class _State(threading.local):
+    """Set up fresh in each thread, so Dynamo's guards see the same attributes every call."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.accumulating = False
+
+
+_state = _State()
 
 
 def active_plan() -> Plan | None:
     """The plan of the transformed step running on this thread, or None."""
-    return getattr(_state, "plan", None)
+    return _state.plan
 
 
 @contextmanager
@@ -33,3 +42,19 @@ def activate(plan: Plan | None) -> Iterator[None]:
         yield
     finally:
         _state.plan = previous
+
+
+def accumulating() -> bool:
+    """Whether grads are being accumulated over microbatches (reduced once, at the end)."""
+    return _state.accumulating
+
+
+@contextmanager
+def accumulate() -> Iterator[None]:
+    """Within the block, gathered params' backward leaves grads unreduced (``Partial``)."""
+    previous = _state.accumulating
+    _state.accumulating = True
+    try:
+        yield
+    finally:
+        _state.accumulating = previous

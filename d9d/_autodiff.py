@@ -16,6 +16,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import tree
+from ._active import accumulate, active_plan
+from ._materialize import reduce_to
+from .errors import IndivisibleError
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -55,20 +58,81 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                     f"cannot differentiate params leaf {path!r} of {kind}: value_and_grad "
                     "needs floating tensors; move it out of the first argument"
                 )
-        with torch.enable_grad():
-            inputs = [leaf.detach().requires_grad_(True) for _, leaf in pairs]
-            out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
-            value, aux = out if has_aux else (out, None)
-            _check_value(value, has_aux)
-            grads = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
-        grads = [_like(g, leaf) for g, leaf in zip(grads, inputs, strict=True)]
-        value = value.detach()
+        leaves = [leaf for _, leaf in pairs]
+        plan = active_plan()
+        microbatches = plan.microbatches if plan is not None else 1
+        if microbatches == 1:
+            value, aux, grads = _differentiate(fn, spec, leaves, args, kwargs, has_aux)
+        else:
+            value, aux, grads = _accumulate(fn, spec, leaves, args, kwargs, has_aux, microbatches)
+        grads = [_like(g, leaf) for g, leaf in zip(grads, leaves, strict=True)]
         if has_aux:
-            aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-            return (value, aux), tree.unflatten(spec, list(grads))
-        return value, tree.unflatten(spec, list(grads))
+            return (value, aux), tree.unflatten(spec, grads)
+        return value, tree.unflatten(spec, grads)
 
     return wrapped
+
+
+def _differentiate(
+    fn: Callable[..., Any],
+    spec: Any,
+    leaves: list[torch.Tensor],
+    args: Any,
+    kwargs: Any,
+    has_aux: bool,
+) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+    with torch.enable_grad():
+        inputs = [leaf.detach().requires_grad_(True) for leaf in leaves]
+        out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
+        value, aux = out if has_aux else (out, None)
+        _check_value(value, has_aux)
+        grads = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+    aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+    return value.detach(), aux, list(grads)
+
+
+def _accumulate(
+    fn: Callable[..., Any],
+    spec: Any,
+    leaves: list[torch.Tensor],
+    args: Any,
+    kwargs: Any,
+    has_aux: bool,
+    microbatches: int,
+) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+    """Mean value and grads over ``microbatches`` equal slices of the batch (dim 0 of every
+    tensor argument); grads are summed unreduced and reduced once, by the caller."""
+    chunks = _split((args, kwargs), microbatches)
+    values, auxes, total = [], [], None
+    with accumulate():
+        for chunk_args, chunk_kwargs in chunks:
+            value, aux, grads = _differentiate(fn, spec, leaves, chunk_args, chunk_kwargs, has_aux)
+            values.append(value)
+            auxes.append(aux)
+            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+    grads = [g / microbatches for g in total]
+    aux = (
+        tree.map(lambda *xs: torch.stack(xs).mean(0) if xs[0].ndim == 0 else torch.cat(xs), *auxes)
+        if has_aux
+        else None
+    )
+    return torch.stack(values).mean(), aux, grads
+
+
+def _split(batch: Any, parts: int) -> list[Any]:
+    pairs, spec = tree.flatten_with_paths(batch)
+    columns = []
+    for path, leaf in pairs:
+        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+            columns.append([leaf] * parts)
+            continue
+        if leaf.shape[0] % parts:
+            raise IndivisibleError(
+                f"argument {path!r} holds {leaf.shape[0]} examples, which do not split into "
+                f"{parts} microbatches; use a per-rank batch that is a multiple of {parts}"
+            )
+        columns.append(list(leaf.chunk(parts)))
+    return [tree.unflatten(spec, [column[i] for column in columns]) for i in range(parts)]
 
 
 def grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
@@ -110,5 +174,5 @@ def _check_value(value: Any, has_aux: bool) -> None:
 def _like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The grad laid out like its param: a ``Partial`` DTensor grad is reduced here."""
     if isinstance(grad, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
+        grad = reduce_to(grad, tuple(param.placements))
+    return grad.to(param.dtype)

@@ -86,6 +86,20 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.log_every,
         help="steps between logged losses (default %(default)s)",
     )
+    run.add_argument(
+        "--save-every",
+        type=int,
+        default=defaults.save_every,
+        help="steps between checkpoints in OUT/checkpoints; 0: none (default %(default)s)",
+    )
+    run.add_argument(
+        "--keep", type=int, default=None, help="newest checkpoints to keep (default: all)"
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in OUT/checkpoints, if any",
+    )
     return parser
 
 
@@ -110,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"d9d {args.command}: error: {message}", file=sys.stderr)
         return 2
+    if not records:
+        print(f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later")
+        return 0
     first, last = records[0], records[-1]
     print(
         f"loss {first['loss']:.3f} -> {last['loss']:.3f} in {last['step']} steps, "

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CollectiveCounter", "CommStats"]
@@ -40,15 +41,11 @@ class CommStats:
 
     def total_bytes(self, kind: str | None = None, axis: str | None = None) -> int:
         """Bytes summed over the entries matching ``kind`` and ``axis`` (None matches all)."""
-        return sum(
-            b for (k, a), b in self.bytes.items() if kind in (None, k) and axis in (None, a)
-        )
+        return sum(b for (k, a), b in self.bytes.items() if kind in (None, k) and axis in (None, a))
 
     def total_count(self, kind: str | None = None, axis: str | None = None) -> int:
         """Collectives counted over the entries matching ``kind`` and ``axis``."""
-        return sum(
-            c for (k, a), c in self.count.items() if kind in (None, k) and axis in (None, a)
-        )
+        return sum(c for (k, a), c in self.count.items() if kind in (None, k) and axis in (None, a))
 
     def __str__(self) -> str:
         rows = [
@@ -78,6 +75,10 @@ class CollectiveCounter(TorchDispatchMode):
         }
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            # Modes run before subclasses: let DTensor lower the op to local ops and the
+            # collectives its placements need, which then come back here and are counted.
+            return NotImplemented
         kind = _KINDS.get(func)
         if kind is not None:
             tensor = args[0]

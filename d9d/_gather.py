@@ -24,7 +24,16 @@ if TYPE_CHECKING:
 
 __all__ = ["apply_placed", "enter_block", "exit_block"]
 
-_state = threading.local()
+
+class _State(threading.local):
+    """This thread's ``apply`` in progress; set up fresh in each thread, so that Dynamo's
+    guard on it sees the same attributes on every call."""
+
+    def __init__(self) -> None:
+        self.frame: _Frame | None = None
+
+
+_state = _State()
 
 
 @dataclass
@@ -104,7 +113,7 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
         store = slot.store()
         saved.append(store[slot.name])
         store[slot.name] = model.buffers[slot.key]
-    previous = getattr(_state, "frame", None)
+    previous = _state.frame
     _state.frame = frame
     try:
         if frame.regather is None:
@@ -119,7 +128,7 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
 
 def enter_block(model: Any, index: int, module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook of block ``index``: swap in its gathered params."""
-    frame = getattr(_state, "frame", None)
+    frame = _state.frame
     if frame is None or frame.model is not model:
         return
     slots = model._blocks[index][1]
@@ -130,7 +139,7 @@ def enter_block(model: Any, index: int, module: torch.nn.Module, args: Any) -> N
 
 def exit_block(model: Any, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
     """Forward hook of block ``index``: put the block's own tensors back."""
-    frame = getattr(_state, "frame", None)
+    frame = _state.frame
     if frame is None or frame.model is not model:
         return
     for slot, old in zip(model._blocks[index][1], frame.originals.pop(index), strict=True):

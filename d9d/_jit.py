@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch._dynamo.config
-from torch._dynamo.utils import counters
+import torch._inductor
 
 from . import tree
 from ._active import activate
@@ -25,7 +26,7 @@ class Jitted:
     """A step compiled by :func:`jit`; call it like the step it wraps.
 
     Attributes other than its own (``place``, ``plan``, ``comms`` of a transformed step) are
-    read from the wrapped step.
+    read from the wrapped step. ``traces`` counts the graphs compiled for this step so far.
     """
 
     def __init__(
@@ -41,8 +42,16 @@ class Jitted:
         self.fail_on_recompile = fail_on_recompile
         self.traces = 0
         self.calls = 0
-        self._compiled = torch.compile(self._donating_step, **compile_options)
+        mode, dynamic = compile_options.pop("mode"), compile_options["dynamic"]
+        self._inductor_options = torch._inductor.list_mode_options(mode, dynamic) if mode else {}
+        self._compiled = torch.compile(
+            _own_code(self._donating_step), backend=self._backend, **compile_options
+        )
         functools.update_wrapper(self, step, updated=())
+
+    def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.traces += 1
+        return torch._inductor.compile(graph, example_inputs, options=self._inductor_options)
 
     def __getattr__(self, name: str) -> Any:
         step = self.__dict__.get("step")
@@ -64,7 +73,8 @@ class Jitted:
     def __call__(self, *args: Any) -> Any:
         for i in self.donate:
             _check_not_donated(args[i], argnum=i)
-        graphs_before = counters["stats"]["unique_graphs"]
+        if isinstance(self.step, TransformedStep):
+            self.step.check_inputs(args[0], args[2])
         try:
             with (
                 torch._dynamo.config.patch(trace_autograd_ops=True),
@@ -80,8 +90,6 @@ class Jitted:
                     "the jit without fail_on_recompile=True"
                 ) from None
             raise
-        if counters["stats"]["unique_graphs"] != graphs_before:
-            self.traces += 1
         self.calls += 1
         results = list(out)
         for i in self.donate:
@@ -89,6 +97,8 @@ class Jitted:
         return tuple(results)
 
     def _stance(self) -> Any:
+        # The stance is process-wide while this call runs: with ranks as threads of one
+        # process, a rank's first compile at that moment would be refused too.
         if self.fail_on_recompile and self.traces:
             return torch.compiler.set_stance("fail_on_recompile")
         return contextlib.nullcontext()
@@ -142,6 +152,16 @@ def jit(
         )
 
     return build if step is None else build(step)
+
+
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` with a copy of its code object: Dynamo keeps compiled graphs, guards and its
+    recompile limit per code object, so each jitted step gets a cache of its own."""
+    fn = method.__func__
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    return types.MethodType(copy, method.__self__)
 
 
 def _copy_into(old: Any, new: Any, *, argnum: int) -> None:

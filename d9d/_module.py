@@ -200,8 +200,13 @@ def _blocks(
     """The children of the outermost ``nn.ModuleList``s, with the param slots under each."""
     prefixes: list[tuple[str, nn.Module]] = []
     for path, child in module.named_modules():
-        if isinstance(child, nn.ModuleList) and not any(path.startswith(p + ".") for p, _ in prefixes):
-            prefixes += [(f"{path}.{name}" if path else name, block) for name, block in child.named_children()]
+        if isinstance(child, nn.ModuleList) and not any(
+            path.startswith(p + ".") for p, _ in prefixes
+        ):
+            prefixes += [
+                (f"{path}.{name}" if path else name, block)
+                for name, block in child.named_children()
+            ]
     blocks = []
     for prefix, block in prefixes:
         owned = tuple(s for s in slots if s.is_param and s.key.startswith(prefix + "."))

@@ -12,6 +12,7 @@ from rich.table import Table
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from ._materialize import gather
 from ._module import Axes
 from .errors import PlanError
 
@@ -32,6 +33,8 @@ class ParamPlan:
         grad: Placement per mesh axis of the grad where it is computed (``Partial`` on the
             data-parallel axes: each rank holds the grad of its own batch).
         reasons: One line per transform that set a placement, for ``Plan.explain``.
+        compute_dtype: The dtype blocks compute with (None: the param's own).
+        reduce_dtype: The dtype its grad is reduced in (None: the param's own).
     """
 
     path: str
@@ -42,6 +45,8 @@ class ParamPlan:
     compute: tuple[Placement, ...]
     grad: tuple[Placement, ...]
     reasons: tuple[str, ...] = ()
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def with_axis(
         self, index: int, *, storage: Placement, compute: Placement, grad: Placement, reason: str
@@ -55,7 +60,9 @@ class ParamPlan:
             reasons=(*self.reasons, reason),
         )
 
-    def local_shape(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None = None) -> tuple[int, ...]:
+    def local_shape(
+        self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None = None
+    ) -> tuple[int, ...]:
         """The largest local shape over ranks (a padded shard) for ``placements`` (storage)."""
         shape = list(self.shape)
         for size, placement in zip(mesh.shape, placements or self.storage, strict=True):
@@ -70,7 +77,9 @@ class ParamPlan:
     def padding_bytes(self, mesh: DeviceMesh) -> int:
         """Bytes all ranks together store beyond the param's size when shards are uneven."""
         copies = math.prod(
-            size for size, p in zip(mesh.shape, self.storage, strict=True) if not isinstance(p, Shard)
+            size
+            for size, p in zip(mesh.shape, self.storage, strict=True)
+            if not isinstance(p, Shard)
         )
         total = math.prod(self.shape) * self.dtype.itemsize * copies
         return self.bytes_per_rank(mesh) * mesh.size() - total
@@ -107,6 +116,7 @@ class Plan:
     entries: dict[str, ParamPlan]
     transforms: tuple[Any, ...] = ()
     reshard_after_forward: bool = True
+    microbatches: int = 1
     _names: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,7 +126,9 @@ class Plan:
         try:
             return self.entries[path]
         except KeyError:
-            raise PlanError(f"no param {path!r} in the plan; paths look like {list(self.entries)[:4]}") from None
+            raise PlanError(
+                f"no param {path!r} in the plan; paths look like {list(self.entries)[:4]}"
+            ) from None
 
     def bytes_per_rank(self) -> int:
         """Param bytes stored on one rank (largest shards)."""
@@ -133,7 +145,9 @@ class Plan:
     def table(self, *, max_rows: int | None = None) -> str:
         """The plan as a text table; ``max_rows`` elides the middle of long plans."""
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self._names, self.mesh.shape, strict=True))
-        table = Table(title=f"d9d plan on mesh {mesh} ({self.mesh.device_type})", title_justify="left")
+        table = Table(
+            title=f"d9d plan on mesh {mesh} ({self.mesh.device_type})", title_justify="left"
+        )
         for column in ("path", "shape", "dtype", "storage", "compute", "bytes/rank"):
             table.add_column(column, justify="right" if column == "bytes/rank" else "left")
         entries = list(self.entries.values())
@@ -173,16 +187,26 @@ class Plan:
         lines = [
             f"{e.path}: shape {list(e.shape)} {str(e.dtype).removeprefix('torch.')}, logical axes {e.axes}",
             f"  stored   {_short(e.storage, self._names)} ({e.bytes_per_rank(self.mesh):,} B per rank)",
-            f"  computed {_short(e.compute, self._names)}",
+            f"  computed {_short(e.compute, self._names)}"
+            + (f" in {str(e.compute_dtype).removeprefix('torch.')}" if e.compute_dtype else "")
+            + (
+                f", grads reduced in {str(e.reduce_dtype).removeprefix('torch.')}"
+                if e.reduce_dtype
+                else ""
+            ),
         ]
-        lines += [f"  - {reason}" for reason in e.reasons] or ["  - no transform places it: replicated"]
+        lines += [f"  - {reason}" for reason in e.reasons] or [
+            "  - no transform places it: replicated"
+        ]
         return "\n".join(lines)
 
     def materialize(self, path: str, stored: torch.Tensor) -> torch.Tensor:
         """The tensor a block computes with: ``stored`` gathered to its compute placement.
 
-        Its gradient flows back as ``Partial`` on the data-parallel axes, which autograd
-        reduces to the storage placement (a reduce-scatter for a sharded param).
+        Its gradient, ``Partial`` on the data-parallel axes (each rank's own batch), is
+        reduced back to the storage placement in the backward: first over the axes the param
+        is sharded on (a reduce-scatter), then over the axes it is replicated on (an
+        all-reduce of the shard, not of the whole grad).
         """
         if not isinstance(stored, DTensor):
             raise PlanError(
@@ -190,7 +214,14 @@ class Plan:
                 "params returned by step.place(params, opt_state)"
             )
         e = self.entries[path]
-        return stored.redistribute(self.mesh, e.compute).to_local(grad_placements=e.grad)
+        return gather(
+            stored,
+            self.mesh,
+            e.compute,
+            e.grad,
+            compute_dtype=e.compute_dtype,
+            reduce_dtype=e.reduce_dtype,
+        )
 
 
 class _Null:

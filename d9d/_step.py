@@ -44,6 +44,10 @@ class Transform(abc.ABC):
         """Whether gathered params stay alive from the forward to the backward (default no)."""
         return False
 
+    def microbatches_per_step(self) -> int:
+        """Microbatches ``value_and_grad`` splits each batch into (default 1)."""
+        return 1
+
     @abc.abstractmethod
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         """The param's plan after this transform."""
@@ -94,7 +98,7 @@ class TransformedStep:
         self.fn = fn
         self.transforms = tuple(sorted(transforms, key=lambda t: t.order))
         self.mesh = _one_mesh(self.transforms)
-        _check_claims(self.transforms, self.mesh)
+        _check_claims(self.transforms)
         self._plan: Plan | None = None
         functools.update_wrapper(self, fn, updated=())
 
@@ -121,6 +125,28 @@ class TransformedStep:
                 index, count = index * size + at, count * size
         return index, count
 
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's slice (along dim 0) of a global ``batch``, per :meth:`batch_shard`.
+
+        Raises:
+            IndivisibleError: A leaf's batch size does not divide by the data-parallel ranks.
+        """
+        index, count = self.batch_shard()
+
+        def take(path: str, leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+                return leaf
+            if leaf.shape[0] % count:
+                raise IndivisibleError(
+                    f"batch leaf {path!r} holds {leaf.shape[0]} examples, which do not split "
+                    f"over {count} data-parallel ranks ({self.data_axes}); use a global batch "
+                    f"that is a multiple of {count}"
+                )
+            size = leaf.shape[0] // count
+            return leaf[index * size : (index + 1) * size]
+
+        return tree.map_with_path(take, batch)
+
     @property
     def plan(self) -> Plan:
         """The plan built by the last ``place``."""
@@ -130,6 +156,7 @@ class TransformedStep:
 
     def make_plan(self, params: Mapping[str, Any], axes: Mapping[str, Axes] | None = None) -> Plan:
         """The plan for ``params`` (tensors or meta tensors; only shapes and dtypes are read)."""
+        _check_all_axes_used(self.transforms, self.mesh)
         entries = {}
         replicated = (Replicate(),) * self.mesh.ndim
         for path, leaf in params.items():
@@ -146,10 +173,21 @@ class TransformedStep:
                 entry = transform.rewrite(entry)
             entries[path] = entry
         keep = any(t.keeps_gathered_params() for t in self.transforms)
-        return Plan(self.mesh, entries, self.transforms, reshard_after_forward=not keep)
+        microbatches = max((t.microbatches_per_step() for t in self.transforms), default=1)
+        return Plan(
+            self.mesh,
+            entries,
+            self.transforms,
+            reshard_after_forward=not keep,
+            microbatches=microbatches,
+        )
 
     def place(
-        self, params: Mapping[str, torch.Tensor], opt_state: Any, *, axes: Mapping[str, Axes] | None = None
+        self,
+        params: Mapping[str, torch.Tensor],
+        opt_state: Any,
+        *,
+        axes: Mapping[str, Axes] | None = None,
     ) -> tuple[dict[str, DTensor], Any]:
         """Lay ``params`` and ``opt_state`` out on the mesh as DTensors, per the plan.
 
@@ -172,29 +210,36 @@ class TransformedStep:
         return placed, _place_state(opt_state, plan, self.mesh)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        self.check_inputs(params, batch)
         with activate(self.plan):
             return self.run(params, opt_state, batch)
 
-    def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        """One step with the plan already active (``d9d.jit`` activates it outside its graph)."""
+    def check_inputs(self, params: Any, batch: Any) -> None:
+        """Raise unless ``params`` are placed by this step's plan and the batch is consistent."""
         check_placed(params, self.plan)
         _check_batch(batch)
+
+    def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """One step, inputs checked and the plan active (``d9d.jit`` does both outside its graph)."""
         params, opt_state, metrics = self.fn(params, opt_state, batch)
         return params, opt_state, self._mean_over_data_axes(metrics)
 
     def _mean_over_data_axes(self, metrics: Any) -> Any:
         names = tuple(self.mesh.mesh_dim_names or ())
-        data = set(self.data_axes)
-        placements = [Partial("avg") if n in data else Replicate() for n in names]
-        if not data:
-            return metrics
+        hops = [
+            tuple(Partial("avg") if j == i else Replicate() for j in range(len(names)))
+            for i, name in enumerate(names)
+            if name in self.data_axes
+        ]
 
         def mean(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or isinstance(leaf, DTensor):
                 return leaf
-            return DTensor.from_local(leaf, self.mesh, placements).full_tensor()
+            for placements in hops:  # one axis at a time: each an all-reduce of the metric
+                leaf = DTensor.from_local(leaf, self.mesh, placements).full_tensor()
+            return leaf
 
-        return tree.map(mean, metrics)
+        return tree.map(mean, metrics) if hops else metrics
 
     def comms(self, params: Any, opt_state: Any, batch: Any) -> CommStats:
         """Run one step (eagerly, results dropped) and count its collectives per kind and axis."""
@@ -225,7 +270,7 @@ def _one_mesh(transforms: tuple[Transform, ...]) -> DeviceMesh:
     return next(iter(meshes.values()))
 
 
-def _check_claims(transforms: tuple[Transform, ...], mesh: DeviceMesh) -> None:
+def _check_claims(transforms: tuple[Transform, ...]) -> None:
     owner: dict[str, Transform] = {}
     for t in transforms:
         for axis in t.claimed_axes():
@@ -235,6 +280,10 @@ def _check_claims(transforms: tuple[Transform, ...], mesh: DeviceMesh) -> None:
                     "transform its own axis"
                 )
             owner[axis] = t
+
+
+def _check_all_axes_used(transforms: tuple[Transform, ...], mesh: DeviceMesh) -> None:
+    owner = {axis for t in transforms for axis in t.claimed_axes()}
     for name, size in zip(mesh.mesh_dim_names or (), mesh.shape, strict=True):
         if size > 1 and name not in owner:
             raise PlanError(
@@ -296,4 +345,3 @@ def _check_batch(batch: Any) -> None:
             f"batch leaves disagree on the batch size (dim 0): {sizes}; every tensor in the "
             "batch must hold the same number of examples"
         )
-

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import data, losses, optim
+from . import checkpoint, data, losses, optim
 from ._autodiff import value_and_grad
 from ._jit import jit
 from ._module import Model, functionalize
@@ -45,6 +45,9 @@ class TrainConfig:
     clip: float = 1.0
     jit: bool = False
     log_every: int = 1
+    save_every: int = 0  # steps between checkpoints in out/checkpoints; 0: none
+    keep: int | None = None  # newest checkpoints kept; None: all
+    resume: bool = False  # continue from the latest complete checkpoint, if there is one
 
 
 def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable[..., Any]:
@@ -134,6 +137,10 @@ def _check(config: TrainConfig) -> None:
         raise ValueError(f"--lr must be a positive number, got {config.lr}")
     if config.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
+    if config.save_every < 0 or (config.keep is not None and config.keep < 1):
+        raise ValueError(
+            f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
+        )
 
 
 def _device() -> torch.device:
@@ -145,12 +152,17 @@ def _device() -> torch.device:
 def train(config: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
     """Train a Llama preset and write ``metrics.jsonl``, ``loss.png`` and ``config.json``.
 
+    With ``save_every``, train-state checkpoints (params, optimizer state, data position,
+    RNG) go to ``out/checkpoints`` asynchronously; with ``resume``, the run continues from
+    the latest complete one there and gives the losses an uninterrupted run would.
+
     Args:
         config: The run's options.
         console: Where the progress bar goes (default: standard output).
 
     Returns:
-        One record per step: ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``elapsed_s``.
+        One record per step run by this call: ``step``, ``loss``, ``lr``, ``tokens_per_s``,
+        ``elapsed_s``.
 
     Raises:
         DataError: The data path is missing or empty, or holds ids past the vocab.
@@ -176,13 +188,61 @@ def train(config: TrainConfig, console: Console | None = None) -> list[dict[str,
         step = jit(step)
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
+    first_step = 0
+    latest = checkpoint.latest(config.out / "checkpoints") if config.resume else None
+    if latest is not None:
+        state = checkpoint.restore_train_state(latest, params=params, opt_state=opt_state)
+        params, opt_state, first_step = state.params, state.opt_state, state.step
+        loader.load_state_dict(state.data)
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / "config.json").write_text(
         json.dumps(asdict(config), default=str, indent=2) + "\n"
     )
-    records = _loop(config, step, params, opt_state, loader, device, console or Console())
-    _plot(records, config.out / "loss.png", title=f"d9d train --preset {config.preset}")
+    saver = _Checkpointer(config)
+    try:
+        records = _loop(
+            config, step, params, opt_state, loader, device, console or Console(), first_step, saver
+        )
+    finally:
+        saver.wait()  # even after a crash, the checkpoint in flight gets committed
+    logged = [json.loads(r) for r in (config.out / "metrics.jsonl").read_text().splitlines()]
+    _plot(logged, config.out / "loss.png", title=f"d9d train --preset {config.preset}")
     return records
+
+
+class _Checkpointer:
+    """Train-state checkpoints every ``save_every`` steps, one asynchronous save at a time."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self._config = config
+        self._pending: checkpoint.SaveHandle | None = None
+
+    def maybe_save(self, step: int, params: Any, opt_state: Any, loader: data.TokenLoader) -> None:
+        every = self._config.save_every
+        if every and step % every == 0:
+            self.wait()
+            self._pending = checkpoint.save_train_state(
+                self._config.out / "checkpoints",
+                step=step,
+                params=params,
+                opt_state=opt_state,
+                data=loader.state_dict(),
+                keep=self._config.keep,
+            )
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+
+def _metrics_log(path: Path, first_step: int) -> TextIO:
+    """The metrics file; when resuming, keeps the records up to ``first_step`` and appends."""
+    if first_step == 0 or not path.exists():
+        return path.open("w")
+    kept = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= first_step]
+    path.write_text("".join(r + "\n" for r in kept))
+    return path.open("a")
 
 
 def _loop(
@@ -193,6 +253,8 @@ def _loop(
     loader: data.TokenLoader,
     device: torch.device,
     console: Console,
+    first_step: int,
+    saver: _Checkpointer,
 ) -> list[dict[str, float]]:
     records: list[dict[str, float]] = []
     tokens_per_step = config.batch_size * config.seq_len
@@ -206,12 +268,15 @@ def _loop(
         console=console,
     )
     start = time.perf_counter()
-    with progress, (config.out / "metrics.jsonl").open("w") as log:
-        task = progress.add_task("train", total=config.steps, loss=float("nan"), tok_s=0.0)
-        last, last_step = start, 0
-        for i in range(config.steps):
+    with progress, _metrics_log(config.out / "metrics.jsonl", first_step) as log:
+        task = progress.add_task(
+            "train", total=config.steps, completed=first_step, loss=float("nan"), tok_s=0.0
+        )
+        last, last_step = start, first_step
+        for i in range(first_step, config.steps):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
             params, opt_state, metrics = step(params, opt_state, batch)
+            saver.maybe_save(i + 1, params, opt_state, loader)
             if (i + 1) % config.log_every and i + 1 != config.steps:
                 progress.advance(task)
                 continue

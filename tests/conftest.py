@@ -14,9 +14,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache"))
-    )
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
 
 
 @pytest.fixture

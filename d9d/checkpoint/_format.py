@@ -65,9 +65,15 @@ _CODECS = ({"name": "bytes", "configuration": {"endian": "little"}}, {"name": "c
 
 
 def array_spec(root: Path, record: dict[str, Any]) -> dict[str, Any]:
-    """The tensorstore spec of an array leaf: zarr v3, a CRC32C checksum in every chunk."""
+    """The tensorstore spec of an array leaf: zarr v3, a CRC32C checksum in every chunk.
+
+    Every chunk is stored, even one equal to the fill value (all zeros): zarr would skip
+    it, and a restore, which treats a missing chunk as damage, could not tell it was never
+    written.
+    """
     return {
         "driver": "zarr3",
+        "store_data_equal_to_fill_value": True,
         "kvstore": {"driver": "file", "path": str(root / record["file"])},
         "metadata": {
             "shape": record["shape"],

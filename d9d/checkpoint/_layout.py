@@ -25,6 +25,7 @@ __all__ = [
     "Box",
     "Layout",
     "box_slices",
+    "brief",
     "check_placements",
     "chunk_shape",
     "dtype_from_name",
@@ -39,10 +40,11 @@ __all__ = [
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offset, shape)`` of a rank's piece of a global array."""
 
-# A chunk file this large or larger is split along its leading dims (by small factors, so
-# chunks stay aligned with every rank's box): smaller files let tensorstore write and read
-# in parallel and bound its per-chunk encode buffer.
-_CHUNK_BYTES = 64 << 20
+# A chunk larger than this is split along its leading dims (by small factors, so chunks
+# stay aligned with every rank's box). Smaller chunks let tensorstore pipeline file reads,
+# checksums and copies: reading 160 MB of fp32 took 0.46 s in 32 MiB chunks and 0.35 s in
+# 8 MiB ones on a 2-core CPU; 16 MiB keeps an 8B model's train state near 6k files.
+_CHUNK_BYTES = 16 << 20
 _SPLIT_FACTORS = (2, 3, 5, 7)
 
 _DTYPES = (
@@ -188,6 +190,12 @@ def local_box(layout: Layout, coordinate: Sequence[int]) -> Box:
         offset.append(start)
         shape.append(length)
     return tuple(offset), tuple(shape)
+
+
+def brief(error: BaseException) -> str:
+    """``error`` in one line, without the full spec tensorstore appends to its messages."""
+    text = str(error).split(" [tensorstore_spec=")[0]
+    return f"{type(error).__name__}: {text}"
 
 
 def box_slices(offset: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:

@@ -19,6 +19,7 @@ from . import _format
 from ._layout import (
     Layout,
     box_slices,
+    brief,
     check_placements,
     dtype_from_name,
     from_numpy,
@@ -133,22 +134,24 @@ def _want(path: str, leaf: Any) -> _Want:
             )
 
 
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
 def _problem(path: str, want: _Want, record: dict[str, Any]) -> str | None:
     """Why the saved ``record`` cannot fill ``want``, or ``None``."""
+    saved = "array" if record["kind"] == "array" else type(record["value"]).__name__
+    wanted = "tensor" if want.value_type is None else want.value_type.__name__
+    if (saved == "array") != (wanted == "tensor") or (wanted != "tensor" and saved != wanted):
+        return f"{path!r}: {_a(saved)} in the checkpoint, {_a(wanted)} in the target"
     if want.layout is None:
-        saved = record.get("value")
-        if record["kind"] != "value" or type(saved) is not want.value_type:
-            kind = f"a {type(saved).__name__}" if record["kind"] == "value" else "an array"
-            return f"{path!r}: {kind} in the checkpoint, a {want.value_type.__name__} in the target"
         return None
-    if record["kind"] != "array":
-        return f"{path!r}: a {type(record['value']).__name__} in the checkpoint, a tensor in the target"
     shape, dtype = tuple(record["shape"]), record["dtype"]
-    wanted = str(want.layout.dtype).removeprefix("torch.")
+    target_dtype = str(want.layout.dtype).removeprefix("torch.")
     if shape != want.layout.shape:
         return f"{path!r}: shape {shape} in the checkpoint, {want.layout.shape} in the target"
-    if dtype != wanted:
-        return f"{path!r}: dtype {dtype} in the checkpoint, {wanted} in the target"
+    if dtype != target_dtype:
+        return f"{path!r}: dtype {dtype} in the checkpoint, {target_dtype} in the target"
     return None
 
 
@@ -174,7 +177,7 @@ def _validate(path: Path, saved: dict[str, Any], wants: dict[str, _Want], partia
 
 def _corrupt(path: Path, leaf: str, exc: BaseException) -> CheckpointCorruptError:
     return CheckpointCorruptError(
-        f"Array of leaf {leaf!r} in checkpoint {str(path)!r} cannot be read: {exc}. The "
+        f"Array of leaf {leaf!r} in checkpoint {str(path)!r} cannot be read: {brief(exc)}. The "
         "checkpoint is damaged (a file is missing, truncated or fails its checksum); "
         "restore an older checkpoint."
     )
@@ -186,12 +189,16 @@ def _box(want: _Want, leaf: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (0,) * len(layout.shape), layout.shape
     coordinate = layout.mesh.get_coordinate()
     if coordinate is None:
-        raise ValueError(f"Target leaf {leaf!r} lives on a mesh that this rank is not part of.")
+        raise ValueError(
+            f"Target leaf {leaf!r} is on a mesh this rank is not part of; give each rank a "
+            "target of only its own leaves (and partial=True)."
+        )
     return local_box(layout, coordinate)
 
 
 def _read(path: Path, saved: dict[str, Any], wants: dict[str, _Want]) -> dict[str, Any]:
     """Open every array (checking its zarr metadata) before reading any, then read."""
+    boxes = {leaf: _box(want, leaf) for leaf, want in wants.items() if want.layout is not None}
     context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
     opening = {
         k: ts.open(
@@ -208,7 +215,6 @@ def _read(path: Path, saved: dict[str, Any], wants: dict[str, _Want]) -> dict[st
             arrays[leaf] = future.result()
         except Exception as exc:
             raise _corrupt(path, leaf, exc) from None
-    boxes = {leaf: _box(wants[leaf], leaf) for leaf in arrays}
     reads = {
         leaf: arrays[leaf][box_slices(*box)].read()
         for leaf, box in boxes.items()
@@ -271,6 +277,8 @@ def restore(path: str | os.PathLike[str], target: Any = None, *, partial: bool =
         CheckpointCorruptError: An array file is missing, truncated or fails its
             checksum; names the leaf path.
         TypeError: A target leaf is not a tensor, DTensor, Abstract or Python value.
+        ValueError: A target placement is not ``Shard``/``Replicate``, or a target
+            mesh does not include this rank.
 
     Example:
         >>> import tempfile, torch

@@ -3,15 +3,8 @@
 The call itself is short and collective: it checks the tree, agrees with the other ranks
 on what the checkpoint holds (one ``all_gather_object`` of leaf descriptions), and copies
 the shards this rank writes to host memory, so the caller may update its tensors in place
-as soon as it returns. A background thread then writes the copies with tensorstore.
-
-Ranks meet again when their writes end, through the process group's key-value store
-rather than a collective: the store is thread-safe and needs no device, whereas a
-collective issued from a second thread would interleave with the training loop's
-collectives on the same group (torch DCP's ``async_save`` needs a second gloo group for
-this; the store needs nothing). Each rank posts its outcome under a key named by a nonce
-from rank 0, and rank 0 commits once every rank has written, then posts the result that
-the other ranks' ``wait()`` returns.
+as soon as it returns. A background thread then writes the copies with tensorstore and
+takes part in the commit (``_commit.py``).
 """
 
 from __future__ import annotations
@@ -20,149 +13,23 @@ import json
 import math
 import os
 import secrets
-import shutil
 import threading
-from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import tensorstore as ts
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import tree as tree_lib
-from ..errors import CheckpointExistsError, CheckpointSaveError
+from ..errors import CheckpointExistsError
 from . import _format
-from ._layout import (
-    box_slices,
-    chunk_shape,
-    dtype_name,
-    layout_of,
-    local_box,
-    to_numpy,
-    writes_box,
-)
+from ._commit import SaveHandle, Write, WriteJob
+from ._layout import chunk_shape, dtype_name, layout_of, local_box, writes_box
 
 __all__ = ["SaveHandle", "save"]
 
 _VALUES = (bool, int, float, str)
-# How long a rank waits for the others to finish writing (or rank 0 to commit).
-_COMMIT_TIMEOUT = timedelta(minutes=30)
-
-
-@dataclass(frozen=True)
-class _Write:
-    spec: dict[str, Any]
-    offset: tuple[int, ...]
-    data: torch.Tensor  # this rank's host copy of the box
-
-
-@dataclass
-class _Job:
-    """Everything the background thread needs; it touches no caller-owned tensor."""
-
-    tmp: Path
-    final: Path
-    meta: dict[str, Any]
-    keep: int | None
-    creates: list[dict[str, Any]]
-    writes: list[_Write]
-    rank: int
-    world: int
-    store: Any  # a torch.distributed Store, None on one process
-    key: str
-    error: BaseException | None = field(default=None)
-
-    def run(self) -> None:
-        try:
-            try:
-                self._write()
-            except BaseException as exc:
-                self._finish(exc)
-                raise
-            self._finish(None)
-        except BaseException as exc:
-            self.error = exc
-
-    def _write(self) -> None:
-        context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-        pending = [ts.open(spec, create=True, context=context) for spec in self.creates]
-        for write in self.writes:
-            array = ts.open(write.spec, assume_metadata=True, context=context).result()
-            box = box_slices(write.offset, write.data.shape)
-            pending.append(array[box].write(to_numpy(write.data)))
-        for future in pending:
-            future.result()
-
-    def _finish(self, error: BaseException | None) -> None:
-        if self.rank != 0:
-            outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-            self.store.set(f"{self.key}/rank{self.rank}", outcome)
-            if error is None:
-                self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
-                done = self.store.get(f"{self.key}/done").decode()
-                if done != "ok":
-                    raise CheckpointSaveError(done)
-            return
-        try:
-            failures = [] if error is None else [f"rank 0: {type(error).__name__}: {error}"]
-            if self.world > 1:
-                keys = [f"{self.key}/rank{r}" for r in range(1, self.world)]
-                self.store.wait(keys, _COMMIT_TIMEOUT)
-                outcomes = [self.store.get(k).decode() for k in keys]
-                failures += [f"rank {r}: {o}" for r, o in enumerate(outcomes, 1) if o != "ok"]
-            if failures:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                raise CheckpointSaveError(
-                    f"Checkpoint of step {self.meta['step']} was not committed: "
-                    + "; ".join(failures)
-                )
-            self.tmp.mkdir(parents=True, exist_ok=True)
-            _format.commit(self.tmp, self.final, self.meta)
-            _format.rotate(self.final.parent, self.meta["step"], self.keep)
-        except BaseException as exc:
-            if self.world > 1:
-                self.store.set(f"{self.key}/done", f"rank 0 could not commit: {exc}")
-            raise
-        if self.world > 1:
-            self.store.set(f"{self.key}/done", "ok")
-
-
-class SaveHandle:
-    """A checkpoint being saved; :meth:`wait` until it is committed.
-
-    Attributes:
-        path: The folder the checkpoint is committed to (``<directory>/step_<N>``).
-    """
-
-    def __init__(self, path: Path, job: _Job, thread: threading.Thread | None) -> None:
-        self.path = path
-        self._job = job
-        self._thread = thread
-
-    def done(self) -> bool:
-        """Whether the save has ended (committed, or failed: then :meth:`wait` raises)."""
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self) -> Path:
-        """Block until the checkpoint is committed on every rank, and return its path.
-
-        Raises:
-            CheckpointSaveError: Some rank failed to write, or rank 0 failed to commit;
-                nothing was committed and older checkpoints are untouched.
-        """
-        if self._thread is not None:
-            self._thread.join()
-        if self._job.error is not None:
-            if isinstance(self._job.error, CheckpointSaveError):
-                raise self._job.error
-            raise CheckpointSaveError(
-                f"Saving step {self._job.meta['step']} to {str(self.path)!r} failed on rank "
-                f"{self._job.rank}: {type(self._job.error).__name__}: {self._job.error}"
-            ) from self._job.error
-        return self.path
 
 
 def _check_args(step: Any, metadata: Any, keep: Any) -> None:
@@ -218,7 +85,7 @@ def _agree(step: int, nonce: str, records: dict[str, Any]) -> tuple[str, dict, d
     union: dict[str, Any] = {}
     holders: dict[str, list[int]] = {}
     for rank, (their_step, _, theirs) in enumerate(gathered):
-        if their_step != step:
+        if their_step != gathered[0][0]:
             raise ValueError(
                 f"save was called with step={gathered[0][0]} on rank 0 and step={their_step} "
                 f"on rank {rank}; every rank must save the same step."
@@ -235,7 +102,10 @@ def _agree(step: int, nonce: str, records: dict[str, Any]) -> tuple[str, dict, d
     return gathered[0][1], dict(sorted(union.items())), holders
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def _host_data(tensor: torch.Tensor, snapshot: bool) -> torch.Tensor:
+    """The bytes to write: a host copy, or (a synchronous save on CPU) the tensor itself."""
+    if not snapshot and tensor.device.type == "cpu":
+        return tensor.detach().contiguous()
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     return copy.copy_(tensor.detach())
 
@@ -246,8 +116,14 @@ def _plan(
     holders: dict[str, list[int]],
     rank: int,
     tmp: Path,
-) -> tuple[list[dict[str, Any]], list[_Write]]:
-    """The arrays whose metadata this rank creates and the boxes it writes (host copies)."""
+    *,
+    snapshot: bool,
+) -> tuple[list[dict[str, Any]], list[Write]]:
+    """The arrays whose metadata this rank creates and the boxes it writes.
+
+    With ``snapshot`` (an asynchronous save) every box is copied to host memory now, so the
+    caller may update its tensors while the background thread writes.
+    """
     creates, writes = [], []
     for path, leaf in leaves:
         record = records[path]
@@ -272,7 +148,7 @@ def _plan(
         if creator:
             creates.append(spec)
         if mine and math.prod(shape):
-            writes.append(_Write(spec, offset, _host_copy(local)))
+            writes.append(Write(spec, offset, _host_data(local, snapshot)))
     return creates, writes
 
 
@@ -308,7 +184,7 @@ def save(
         metadata: JSON-serializable data stored with it (rank 0's is kept), e.g. the
             data-loader position. Never pickled.
         async_: Write in a background thread (default ``True``); ``False`` writes and
-            commits before returning.
+            commits before returning, straight from CPU tensors without a host copy.
         keep: After committing, delete all but the newest ``keep`` checkpoints in
             ``directory`` (default ``None``: keep all).
 
@@ -348,7 +224,7 @@ def save(
         store = dist.distributed_c10d._get_default_store()
         nonce, records, holders = _agree(step, nonce, records)
     tmp = _format.tmp_path(directory, step, nonce)
-    creates, writes = _plan(leaves, records, holders, rank, tmp)
+    creates, writes = _plan(leaves, records, holders, rank, tmp, snapshot=async_)
     meta = {
         "format": _format.FORMAT,
         "step": step,
@@ -357,7 +233,7 @@ def save(
         "metadata": metadata,
         "checksum": "crc32c in every chunk (zarr v3 crc32c codec), verified on every read",
     }
-    job = _Job(tmp, final, meta, keep, creates, writes, rank, world, store, f"d9d/ckpt/{nonce}")
+    job = WriteJob(tmp, final, meta, keep, creates, writes, rank, world, store, f"d9d/ckpt/{nonce}")
     if not async_:
         job.run()
         handle = SaveHandle(final, job, None)

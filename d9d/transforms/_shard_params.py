@@ -9,9 +9,10 @@ equals one device fed every rank's batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -31,10 +32,19 @@ class ShardParams(Transform):
     axis: str | None = "fsdp"
     replicate_axis: str | None = None
     reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlanError(
+                f"shard_params needs microbatches >= 1, got microbatches={self.microbatches!r}"
+            )
         if self.axis is None and self.replicate_axis is None:
-            raise PlanError("shard_params needs axis= (FSDP), replicate_axis= (DDP), or both (HSDP)")
+            raise PlanError(
+                "shard_params needs axis= (FSDP), replicate_axis= (DDP), or both (HSDP)"
+            )
         if self.axis is not None and self.axis == self.replicate_axis:
             raise PlanError(
                 f"shard_params(axis={self.axis!r}, replicate_axis={self.replicate_axis!r}) uses one "
@@ -57,7 +67,12 @@ class ShardParams(Transform):
     def keeps_gathered_params(self) -> bool:
         return not self.reshard_after_forward
 
+    def microbatches_per_step(self) -> int:
+        return self.microbatches
+
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        if entry.dtype.is_floating_point:
+            entry = replace(entry, compute_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         average = Partial("avg")
         if self.replicate_axis is not None:
             entry = entry.with_axis(
@@ -80,7 +95,11 @@ class ShardParams(Transform):
             )
         size = self.mesh.shape[index]
         rows = entry.shape[0]
-        uneven = f", uneven: {rows} rows over {size} ranks, padded to {-(-rows // size)} per rank" if rows % size else ""
+        uneven = (
+            f", uneven: {rows} rows over {size} ranks, padded to {-(-rows // size)} per rank"
+            if rows % size
+            else ""
+        )
         return entry.with_axis(
             index,
             storage=Shard(0),
@@ -99,6 +118,9 @@ def shard_params(
     replicate_axis: str | None = None,
     *,
     reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    microbatches: int = 1,
 ) -> ShardParams:
     """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3).
 
@@ -111,12 +133,21 @@ def shard_params(
     it (HSDP); with only ``replicate_axis`` (``axis=None``) params are replicated (DDP). Every
     data-parallel rank passes its own batch; losses and grads are means over all of them.
 
+    Mixed precision: with ``param_dtype=torch.bfloat16`` the stored params (and optimizer)
+    stay in their dtype (fp32 master weights) while blocks gather and compute in bf16; with
+    ``reduce_dtype=torch.float32`` grads are reduced in fp32. With ``microbatches=k``,
+    ``d9d.value_and_grad`` inside the step runs the loss on ``k`` equal slices of its batch
+    arguments and reduces the summed grads once per step.
+
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
         axis: The mesh axis to shard over, or None for DDP. Default ``"fsdp"``.
         replicate_axis: A mesh axis to replicate over (``"dp"``), or None.
         reshard_after_forward: Drop gathered params after the forward and gather them again
             for the backward (less memory, more traffic). Default True.
+        param_dtype: dtype blocks gather and compute in (None: the params' own).
+        reduce_dtype: dtype grads are reduced in (None: the params' own).
+        microbatches: Gradient-accumulation microbatches per step (>= 1).
 
     Returns:
         The transform: decorate a step with it.
@@ -135,4 +166,6 @@ def shard_params(
         >>> run_on_ranks(rank_fn, 2)
         [torch.Size([2, 3]), torch.Size([2, 3])]
     """
-    return ShardParams(mesh, axis, replicate_axis, reshard_after_forward)
+    return ShardParams(
+        mesh, axis, replicate_axis, reshard_after_forward, param_dtype, reduce_dtype, microbatches
+    )

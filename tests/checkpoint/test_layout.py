@@ -80,8 +80,9 @@ def test_written_boxes_tile_the_array_once(shape, mesh_shape, placements) -> Non
 def test_big_chunks_are_split_into_aligned_pieces() -> None:
     layout = _layout((4096, 8192), (2,), (Shard(0),))  # 64 MiB per rank's box
     chunks = chunk_shape(layout)
-    assert math.prod(chunks) * 4 <= 64 << 20
+    assert math.prod(chunks) * 4 <= 16 << 20
     assert 2048 % chunks[0] == 0 and 8192 % chunks[1] == 0
+    assert chunk_shape(_layout((4099, 4096), (1,), (Shard(0),))) == (4099, 512)  # prime rows
 
 
 def test_plain_tensor_is_one_box() -> None:

@@ -24,7 +24,9 @@ def optimizer(kind: str = "adamw") -> d9d.optim.GradientTransformation:
     """AdamW with a schedule, or SGD with momentum; both after global-norm clipping."""
     match kind:
         case "adamw":
-            inner = d9d.optim.adamw(d9d.optim.warmup_cosine(1e-2, 1, 10, init_value=1e-3), weight_decay=0.1)
+            inner = d9d.optim.adamw(
+                d9d.optim.warmup_cosine(1e-2, 1, 10, init_value=1e-3), weight_decay=0.1
+            )
         case "sgd":
             inner = d9d.optim.sgd(0.5, momentum=0.9, weight_decay=0.1)
         case _:
@@ -32,7 +34,9 @@ def optimizer(kind: str = "adamw") -> d9d.optim.GradientTransformation:
     return d9d.optim.chain(d9d.optim.clip_by_global_norm(0.5), inner)
 
 
-def batches(vocab: int, *, global_batch: int = 8, seq_len: int = 16, steps: int = STEPS) -> list[dict]:
+def batches(
+    vocab: int, *, global_batch: int = 8, seq_len: int = 16, steps: int = STEPS
+) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(steps):
@@ -76,30 +80,39 @@ def _rank(build_model, make_transforms, mesh_axes, data, jit, opt):
     step = train_step(model, opt)
     for transform in make_transforms(mesh):
         step = transform(step)
-    placed = step
     if jit:
-        step = d9d.jit(step, fail_on_recompile=True)
+        step = d9d.jit(step)
     params, state = step.place(model.params, opt.init(model.params), axes=model.axes)
-    index, count = placed.batch_shard()
     losses = []
     for batch in data:
-        local = {k: v.chunk(count)[index] for k, v in batch.items()}
-        params, state, metrics = step(params, state, local)
+        params, state, metrics = step(params, state, step.shard_batch(batch))
         losses.append(metrics["loss"])
+    if jit:  # one graph for all steps: no recompile (ranks are threads: no fail_on_recompile)
+        assert step.traces == 1, f"{step.traces} graphs compiled"
     return torch.stack(losses), {k: v.full_tensor() for k, v in params.items()}
 
 
-def run(build_model, make_transforms, mesh_axes: dict[str, int], data, *, jit: bool = False, opt: str = "adamw"):
+def run(
+    build_model,
+    make_transforms,
+    mesh_axes: dict[str, int],
+    data,
+    *,
+    jit: bool = False,
+    opt: str = "adamw",
+):
     """Per-rank ``(losses, full params)`` of the transformed step."""
     world = math.prod(mesh_axes.values())
-    return run_on_ranks(_rank, world, build_model, make_transforms, mesh_axes, data, jit, opt, timeout=600)
+    return run_on_ranks(
+        _rank, world, build_model, make_transforms, mesh_axes, data, jit, opt, timeout=600
+    )
 
 
-def llama(dtype: torch.dtype = torch.float32) -> Callable[[], d9d.Model]:
+def llama(dtype: torch.dtype = torch.float32, n_layers: int = 2) -> Callable[[], d9d.Model]:
     def build() -> d9d.Model:
         from d9d.models import Llama, LlamaConfig
 
-        return d9d.functionalize(Llama(LlamaConfig.tiny()).to(dtype))
+        return d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=n_layers)).to(dtype))
 
     return build
 
@@ -116,7 +129,7 @@ HF_AXES = {
 }
 
 
-def hf_llama(dtype: torch.dtype = torch.float32) -> Callable[[], d9d.Model]:
+def hf_llama(dtype: torch.dtype = torch.float32, n_layers: int = 2) -> Callable[[], d9d.Model]:
     """A small ``transformers.LlamaForCausalLM``, built once here and copied for each rank
     (ranks may be threads sharing the global RNG, so none of them draws from it)."""
     import copy
@@ -127,7 +140,7 @@ def hf_llama(dtype: torch.dtype = torch.float32) -> Callable[[], d9d.Model]:
         vocab_size=97,
         hidden_size=48,
         intermediate_size=100,
-        num_hidden_layers=2,
+        num_hidden_layers=n_layers,
         num_attention_heads=6,
         num_key_value_heads=2,
         max_position_embeddings=64,

@@ -6,10 +6,10 @@ import functools
 
 import pytest
 import torch
-from equivalence import STEPS, batches, hf_llama, llama, reference, run
+from equivalence import STEPS, batches, hf_llama, llama, optimizer, reference, run, train_step
 
 import d9d
-from d9d.testing import assert_trees_all_close
+from d9d.testing import assert_trees_all_close, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -22,19 +22,26 @@ LAYOUTS = {
 
 
 @functools.cache
-def _reference(model: str, dtype: torch.dtype, opt: str):
-    build = {"d9d": llama, "hf": hf_llama}[model](dtype)
+def _reference(model: str, dtype: torch.dtype, opt: str, n_layers: int = 2):
+    build = {"d9d": llama, "hf": hf_llama}[model](dtype, n_layers)
     vocab = 256 if model == "d9d" else 97
     return reference(build, batches(vocab), opt=opt)
 
 
 def _check(
-    model: str, layout: str, dtype: torch.dtype, *, jit: bool, opt: str = "adamw", params_too: bool = True
+    model: str,
+    layout: str,
+    dtype: torch.dtype,
+    *,
+    jit: bool,
+    opt: str = "adamw",
+    params_too: bool = True,
+    n_layers: int = 2,
 ) -> None:
     mesh_axes, transforms = LAYOUTS[layout]
-    build = {"d9d": llama, "hf": hf_llama}[model](dtype)
+    build = {"d9d": llama, "hf": hf_llama}[model](dtype, n_layers)
     vocab = 256 if model == "d9d" else 97
-    ref_losses, ref_params = _reference(model, dtype, opt)
+    ref_losses, ref_params = _reference(model, dtype, opt, n_layers)
     tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-7}
     for losses, params in run(build, transforms, mesh_axes, batches(vocab), jit=jit, opt=opt):
         assert losses.shape == (STEPS,)
@@ -65,9 +72,57 @@ def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
 @pytest.mark.compile
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_jit_equals_one_device(layout: str) -> None:
-    _check("d9d", layout, torch.float64, jit=True)
+    """One block keeps the compile (about a minute per layout on 2 CPU cores) affordable."""
+    _check("d9d", layout, torch.float64, jit=True, n_layers=1)
 
 
 @pytest.mark.compile
 def test_jit_hf_llama_equals_one_device() -> None:
-    _check("hf", "dp=2 x fsdp=2", torch.float64, jit=True)
+    _check("hf", "dp=2 x fsdp=2", torch.float64, jit=True, n_layers=1)
+
+
+def test_gradient_accumulation_equals_one_device_and_reduces_once() -> None:
+    def transforms(mesh):
+        return [d9d.shard_params(mesh, "fsdp", microbatches=2)]
+
+    ref_losses, ref_params = _reference("d9d", torch.float64, "adamw")
+    for losses, params in run(llama(torch.float64), transforms, {"fsdp": 2}, batches(256)):
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=1e-12)
+        assert_trees_all_close(params, ref_params, rtol=1e-9, atol=1e-12)
+
+    def rank() -> d9d.CommStats:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model, opt = llama()(), optimizer()
+        step = d9d.shard_params(mesh, microbatches=2)(train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        return step.comms(params, state, step.shard_batch(batches(256)[0]))
+
+    n = len(llama()().params)
+    for stats in run_on_ranks(rank, 2):
+        assert stats.count[("reduce_scatter", "fsdp")] == n
+        assert stats.count[("all_gather", "fsdp")] == 2 * (n + n - 1)
+
+
+def test_mixed_precision_computes_in_bf16_and_reduces_in_fp32() -> None:
+    def rank(param_dtype):
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model, opt = llama()(), optimizer()
+        step = d9d.shard_params(
+            mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=False
+        )(train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        stats = step.comms(params, state, step.shard_batch(batches(256)[0]))
+        losses = []
+        for batch in batches(256):
+            params, state, metrics = step(params, state, step.shard_batch(batch))
+            losses.append(metrics["loss"])
+        dtypes = {p.dtype for p in params.values()}
+        return stats, torch.stack(losses), dtypes, step.plan.explain("layers.0.attn.wq.weight")
+
+    full, full_losses, _, _ = run_on_ranks(rank, 2, None)[0]
+    mixed, mixed_losses, dtypes, explained = run_on_ranks(rank, 2, torch.bfloat16)[0]
+    assert dtypes == {torch.float32}
+    assert mixed.bytes[("all_gather", "fsdp")] * 2 == full.bytes[("all_gather", "fsdp")]
+    assert mixed.bytes[("reduce_scatter", "fsdp")] == full.bytes[("reduce_scatter", "fsdp")]
+    torch.testing.assert_close(mixed_losses, full_losses, rtol=2e-2, atol=0)
+    assert "in bfloat16, grads reduced in float32" in explained

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING, num_warps, tile_rows
+from .launch import INTERPRETING, num_warps, row_max, row_sum, tile_rows
 
 __all__ = ["backward", "forward", "loss_and_grad_"]
 
@@ -24,7 +24,7 @@ _MAX_BLOCK = 1024 if INTERPRETING else 4096
 @triton.jit
 def _logsumexp(LOGITS, rows, row_mask, stride, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     running_max = tl.full([ROWS], float("-inf"), tl.float32)
-    running_sum = tl.zeros([ROWS], tl.float32)
+    running_sum = tl.full([ROWS], 0.0, tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         col_mask = cols < n_cols
@@ -34,8 +34,8 @@ def _logsumexp(LOGITS, rows, row_mask, stride, n_cols, ROWS: tl.constexpr, BLOCK
             other=0.0,
         ).to(tl.float32)
         x = tl.where(col_mask[None, :], x, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(x, axis=1))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
+        new_max = tl.maximum(running_max, row_max(x, axis=1))
+        running_sum = running_sum * tl.exp(running_max - new_max) + row_sum(
             tl.exp(x - new_max[:, None]), axis=1
         )
         running_max = new_max

@@ -11,12 +11,41 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
-__all__ = ["INTERPRETING", "num_warps", "persistent_programs", "tile_rows"]
+__all__ = [
+    "INTERPRETING",
+    "num_warps",
+    "persistent_programs",
+    "row_max",
+    "row_sum",
+    "tile_rows",
+]
 
 # Fixed when the kernels are decorated, like Triton's own choice of the interpreter.
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "yes", "on"}
 _TILE_ELEMENTS = 65536 if INTERPRETING else 2048
+
+
+def _interpretable(fn: triton.JITFunction) -> triton.JITFunction:
+    """``fn``, one of Triton's own ``@triton.jit`` functions, callable from d9d's kernels.
+
+    Triton decorates its standard library when it is first imported, and importing
+    ``torch._dynamo`` imports it. If ``TRITON_INTERPRET=1`` was set only after that (as the
+    test suite does, because setting it before torch breaks ``torch.compile`` elsewhere),
+    those functions are compiled-mode objects the interpreter cannot call: wrap them again.
+    The interpreter still recognizes their reductions and runs them with numpy.
+    """
+    if not INTERPRETING:
+        return fn
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return fn if isinstance(fn, InterpretedFunction) else InterpretedFunction(fn.fn)
+
+
+# The only standard-library functions the kernels call; sigmoid and zeros are written out.
+row_sum = _interpretable(tl.sum)
+row_max = _interpretable(tl.max)
 
 
 def num_warps(block: int) -> int:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import num_warps, persistent_programs, tile_rows
+from .launch import num_warps, persistent_programs, row_sum, tile_rows
 
 __all__ = ["backward", "forward"]
 
@@ -43,7 +43,7 @@ def _forward_kernel(
         x_stored = x.to(RES_OUT.dtype.element_ty)  # normalize the sum as it is stored
         tl.store(RES_OUT + offsets, x_stored, mask=mask)
         x = x_stored.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    rstd = tl.rsqrt(row_sum(x * x, axis=1) / n_cols + eps)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     tl.store(Y + offsets, (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=rows < n_rows)
@@ -68,7 +68,7 @@ def _backward_kernel(
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    dw = tl.full([BLOCK], 0.0, tl.float32)
     for tile in range(0, tiles_per_program):
         rows = (pid * tiles_per_program + tile) * ROWS + tl.arange(0, ROWS)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -78,11 +78,11 @@ def _backward_kernel(
         rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
         x_hat = x * rstd[:, None]
         w_dy = w[None, :] * dy
-        dx = (w_dy - x_hat * (tl.sum(x_hat * w_dy, axis=1) / n_cols)[:, None]) * rstd[:, None]
+        dx = (w_dy - x_hat * (row_sum(x_hat * w_dy, axis=1) / n_cols)[:, None]) * rstd[:, None]
         if HAS_DRES:
             dx += tl.load(DRES + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * x_hat, axis=0)
+        dw += row_sum(dy * x_hat, axis=0)
     tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=cols < n_cols)
 
 

@@ -24,7 +24,8 @@ def _forward_kernel(GATE, UP, OUT, n, BLOCK: tl.constexpr):
     mask = offsets < n
     gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offsets, (gate * tl.sigmoid(gate) * up).to(OUT.dtype.element_ty), mask=mask)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(OUT + offsets, (silu * up).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _backward_kernel(GRAD, GATE, UP, DGATE, DUP, n, BLOCK: tl.constexpr):
     grad = tl.load(GRAD + offsets, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + offsets, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
     silu = gate * sig
     tl.store(DUP + offsets, (grad * silu).to(DUP.dtype.element_ty), mask=mask)
     dgate = grad * up * sig * (1.0 + gate * (1.0 - sig))

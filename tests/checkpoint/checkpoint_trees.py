@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
@@ -21,15 +20,16 @@ def train_tree() -> dict[str, Any]:
     params = {k: v.detach().clone() for k, v in params.items()}
     opt = optim.adamw(1e-3)
     state = opt.init(params)
-    grads = {k: torch.randn_like(v, generator=None) * 0.01 for k, v in params.items()}
-    _, state = opt.update(grads, state, params)
     generator = torch.Generator().manual_seed(0)
+    grads = {k: torch.randn(v.shape, generator=generator) for k, v in params.items()}
+    _, state = opt.update(grads, state, params)
     odd = {
         "uneven": torch.randn(7, 3, generator=generator),  # 7 rows over 4 ranks: 2, 2, 2, 1
         "sparse": torch.randn(3, 5, generator=generator),  # 3 rows over 4 ranks: one empty
         "bf16": torch.randn(6, 10, generator=generator).to(torch.bfloat16),
         "ints": torch.arange(12, dtype=torch.int32).reshape(4, 3),
         "scalar": torch.tensor(2.5),
+        "zeros": torch.zeros(5, 2),  # zarr skips chunks equal to the fill value unless told
     }
     return {"params": params, "opt_state": state, "odd": odd, "step": 1, "name": "tiny"}
 
@@ -71,8 +71,3 @@ def place(tree: Any, layout: str) -> tuple[Any, DeviceMesh]:
         return distribute_tensor(x, mesh, rule(x)) if isinstance(x, torch.Tensor) else x
 
     return tree_lib.map(leaf, tree), mesh
-
-
-@pytest.fixture(scope="module")
-def tree() -> dict[str, Any]:
-    return TREE

@@ -1,0 +1,154 @@
+"""The background half of ``save``: write this rank's shards, meet the others, commit.
+
+Ranks meet when their writes end through the process group's key-value store rather than
+a collective: the store is thread-safe and needs no device, whereas a collective issued
+from a second thread would interleave with the training loop's collectives on the same
+group (torch DCP's ``async_save`` needs a second gloo group for this; the store needs
+nothing). Each rank posts its outcome under a key named by a nonce from rank 0; rank 0
+commits once every rank has written, then posts the result that the other ranks'
+``wait()`` returns. A failure anywhere means no commit, on every rank.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+import torch
+
+from ..errors import CheckpointSaveError
+from . import _format
+from ._layout import box_slices, brief, to_numpy
+
+__all__ = ["SaveHandle", "Write", "WriteJob"]
+
+# How long a rank waits for the others to finish writing (or rank 0 to commit).
+_COMMIT_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Write:
+    spec: dict[str, Any]
+    offset: tuple[int, ...]
+    data: torch.Tensor  # this rank's host copy of the box
+
+
+@dataclass
+class WriteJob:
+    """Everything the background thread needs; it touches no caller-owned tensor."""
+
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    keep: int | None
+    creates: list[dict[str, Any]]
+    writes: list[Write]
+    rank: int
+    world: int
+    store: Any  # a torch.distributed Store, None on one process
+    key: str
+    error: BaseException | None = field(default=None)
+
+    def run(self) -> None:
+        try:
+            try:
+                self._write()
+            except BaseException as exc:
+                self._finish(exc)
+                raise
+            self._finish(None)
+        except BaseException as exc:
+            self.error = exc
+
+    def _write(self) -> None:
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+        pending = [ts.open(spec, create=True, context=context) for spec in self.creates]
+        failures: list[Exception] = []
+        try:
+            for write in self.writes:
+                array = ts.open(write.spec, assume_metadata=True, context=context).result()
+                box = box_slices(write.offset, write.data.shape)
+                pending.append(array[box].write(to_numpy(write.data)))
+        except Exception as exc:
+            failures.append(exc)
+        for future in pending:  # all of them, so nothing is still writing after a failure
+            try:
+                future.result()
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.rank != 0:
+            outcome = "ok" if error is None else brief(error)
+            self.store.set(f"{self.key}/rank{self.rank}", outcome)
+            if error is None:
+                self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
+                done = self.store.get(f"{self.key}/done").decode()
+                if done != "ok":
+                    raise CheckpointSaveError(done)
+            return
+        try:
+            failures = [] if error is None else [f"rank 0: {brief(error)}"]
+            if self.world > 1:
+                keys = [f"{self.key}/rank{r}" for r in range(1, self.world)]
+                self.store.wait(keys, _COMMIT_TIMEOUT)
+                outcomes = [self.store.get(k).decode() for k in keys]
+                failures += [f"rank {r}: {o}" for r, o in enumerate(outcomes, 1) if o != "ok"]
+            if failures:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise CheckpointSaveError(
+                    f"Checkpoint of step {self.meta['step']} was not committed: "
+                    + "; ".join(failures)
+                )
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            _format.commit(self.tmp, self.final, self.meta)
+            _format.rotate(self.final.parent, self.meta["step"], self.keep)
+        except BaseException as exc:
+            if self.world > 1:
+                why = str(exc) if isinstance(exc, CheckpointSaveError) else brief(exc)
+                self.store.set(f"{self.key}/done", f"rank 0 did not commit: {why}")
+            raise
+        if self.world > 1:
+            self.store.set(f"{self.key}/done", "ok")
+
+
+class SaveHandle:
+    """A checkpoint being saved; :meth:`wait` until it is committed.
+
+    Attributes:
+        path: The folder the checkpoint is committed to (``<directory>/step_<N>``).
+    """
+
+    def __init__(self, path: Path, job: WriteJob, thread: threading.Thread | None) -> None:
+        self.path = path
+        self._job = job
+        self._thread = thread
+
+    def done(self) -> bool:
+        """Whether the save has ended (committed, or failed: then :meth:`wait` raises)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is committed on every rank, and return its path.
+
+        Raises:
+            CheckpointSaveError: Some rank failed to write, or rank 0 failed to commit;
+                nothing was committed and older checkpoints are untouched.
+        """
+        if self._thread is not None:
+            self._thread.join()
+        if self._job.error is not None:
+            if isinstance(self._job.error, CheckpointSaveError):
+                raise self._job.error
+            raise CheckpointSaveError(
+                f"Saving step {self._job.meta['step']} to {str(self.path)!r} failed on rank "
+                f"{self._job.rank}: {brief(self._job.error)}"
+            ) from self._job.error
+        return self.path

@@ -1,0 +1,237 @@
+"""Plans, communication volume, memory, and errors of ``make_mesh`` and ``shard_params``."""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+
+import pytest
+import torch
+
+import d9d
+from d9d._train import make_train_step
+from d9d.errors import IndivisibleError, MeshError, PlanError
+from d9d.models import Llama, LlamaConfig
+from d9d.testing import fake_world, run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def _tiny(n_layers: int = 2) -> d9d.Model:
+    return d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=n_layers)))
+
+
+def _opt() -> d9d.optim.GradientTransformation:
+    return d9d.optim.chain(d9d.optim.clip_by_global_norm(1.0), d9d.optim.adamw(1e-3))
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def _comms(mesh_axes: dict[str, int], transform_kwargs: dict) -> list:
+    def rank() -> d9d.CommStats:
+        mesh = d9d.make_mesh("cpu", **mesh_axes)
+        model, opt = _tiny(), _opt()
+        step = d9d.shard_params(mesh, **transform_kwargs)(make_train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        return step.comms(params, state, _batch())
+
+    return run_on_ranks(rank, math.prod(mesh_axes.values()))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_step_moves_the_analytic_bytes(n: int, reshard: bool) -> None:
+    params = _tiny().params
+    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    # The backward needs every gathered param again except the embedding table (its grad
+    # needs only the token ids), so resharding gathers all but that one a second time.
+    regathered = model_bytes - params["embed.weight"].numel() * 4
+    for stats in _comms({"fsdp": n}, {"reshard_after_forward": reshard}):
+        assert stats.count[("all_gather", "fsdp")] == len(params) + (len(params) - 1) * reshard
+        assert stats.bytes[("all_gather", "fsdp")] == model_bytes + regathered * reshard
+        assert stats.count[("reduce_scatter", "fsdp")] == len(params)
+        assert stats.bytes[("reduce_scatter", "fsdp")] == model_bytes
+        # The global grad norm (one fp32 per param, reduced once) and the mean loss.
+        assert stats.count[("all_reduce", "fsdp")] == 2
+        assert stats.bytes[("all_reduce", "fsdp")] == 4 * len(params) + 4
+        assert set(stats.count) == {
+            ("all_gather", "fsdp"),
+            ("reduce_scatter", "fsdp"),
+            ("all_reduce", "fsdp"),
+        }
+
+
+def test_hsdp_adds_one_all_reduce_of_the_grad_shards_over_dp() -> None:
+    params = _tiny().params
+    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    for stats in _comms({"dp": 2, "fsdp": 2}, {"replicate_axis": "dp"}):
+        assert stats.count[("reduce_scatter", "fsdp")] == len(params)
+        assert stats.bytes[("reduce_scatter", "fsdp")] == model_bytes
+        # One all-reduce per grad shard (half the model) plus the mean loss.
+        assert stats.count[("all_reduce", "dp")] == len(params) + 1
+        assert stats.bytes[("all_reduce", "dp")] == model_bytes // 2 + 4
+
+
+def test_ddp_all_reduces_each_grad_once() -> None:
+    params = _tiny().params
+    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    for stats in _comms({"dp": 2}, {"axis": None, "replicate_axis": "dp"}):
+        assert dict(stats.count) == {("all_reduce", "dp"): len(params) + 1}
+        assert stats.bytes[("all_reduce", "dp")] == model_bytes + 4
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_params_and_optimizer_state_per_rank_are_one_nth(n: int) -> None:
+    def rank() -> tuple[d9d.Memory, int, int]:
+        mesh = d9d.make_mesh("cpu", fsdp=n)
+        model, opt = _tiny(), _opt()
+        step = d9d.shard_params(mesh)(make_train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        return step.memory(params, state), step.plan.bytes_per_rank(), step.plan.padding_bytes()
+
+    total = sum(p.numel() * p.element_size() for p in _tiny().params.values())
+    counters = 8 + 8 + 4  # adam's count, the learning-rate count and the learning rate
+    for memory, planned, padding in run_on_ranks(rank, n):
+        assert padding == 0
+        assert memory.params == planned == total // n
+        assert memory.grads == total // n
+        assert memory.opt_state == 2 * total // n + counters
+
+
+def test_uneven_dims_are_padded_and_reported() -> None:
+    def rank() -> tuple[int, int, tuple]:
+        mesh = d9d.make_mesh("cpu", fsdp=4)
+        step = d9d.shard_params(mesh)(lambda p, s, b: (p, s, {}))
+        params, _ = step.place({"w": torch.ones(7, 3)}, ())
+        return (
+            step.plan.padding_bytes(),
+            step.plan.bytes_per_rank(),
+            tuple(params["w"].to_local().shape),
+        )
+
+    results = run_on_ranks(rank, 4)
+    assert [r[2] for r in results] == [(2, 3), (2, 3), (2, 3), (1, 3)]
+    assert results[0][:2] == ((8 - 7) * 3 * 4, 2 * 3 * 4)
+
+
+def _peak_gathered_bytes(reshard: bool) -> tuple[int, int, int]:
+    """The most bytes of gathered params alive at once during one fsdp=2 step."""
+
+    def rank() -> tuple[int, int, int]:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model, opt = _tiny(n_layers=4), _opt()
+        step = d9d.shard_params(mesh, reshard_after_forward=reshard)(make_train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        alive: list[weakref.ref] = []
+        peak = [0]
+        gather = step.plan.materialize
+
+        def tracked(path: str, stored: torch.Tensor) -> torch.Tensor:
+            out = gather(path, stored)
+            alive.append(weakref.ref(out))
+            live = sum(r().numel() * 4 for r in alive if r() is not None)
+            peak[0] = max(peak[0], live)
+            return out
+
+        step.plan.materialize = tracked
+        step(params, state, _batch())
+        block = sum(v.numel() * 4 for k, v in model.params.items() if k.startswith("layers.0."))
+        root = sum(v.numel() * 4 for k, v in model.params.items() if not k.startswith("layers."))
+        return peak[0], block, root
+
+    return run_on_ranks(rank, 2)[0]
+
+
+def test_reshard_after_forward_keeps_only_one_block_gathered() -> None:
+    peak, block, root = _peak_gathered_bytes(reshard=True)
+    assert peak <= root + block
+    held, _, _ = _peak_gathered_bytes(reshard=False)
+    model_bytes = sum(p.numel() * 4 for p in _tiny(n_layers=4).params.values())
+    assert held == model_bytes > root + 3 * block
+
+
+def test_8b_plan_on_64_simulated_ranks_without_allocating() -> None:
+    start = time.perf_counter()
+    with fake_world(64):
+        mesh = d9d.make_mesh("cpu", dp=8, fsdp=8)
+        with torch.device("meta"):
+            model = d9d.functionalize(Llama(LlamaConfig.preset("8b")))
+        opt = d9d.optim.adamw(1e-4)
+        step = d9d.shard_params(mesh, "fsdp", replicate_axis="dp")(lambda p, s, b: (p, s, {}))
+        params, state = step.place(model.params, opt.init(model.params), axes=model.axes)
+        table = step.plan.table(max_rows=10)
+        memory = step.memory(params, state)
+        explained = step.plan.explain("layers.0.attn.wq.weight")
+    assert time.perf_counter() - start < 30
+    assert all(p.device.type == "meta" for p in params.values())
+    total = LlamaConfig.preset("8b").num_params * 4
+    assert memory.params == step.plan.bytes_per_rank() == total // 8
+    assert "layers.31.mlp.w_down.weight" in table and "fsdp:S(0)" in table and "291 params" in table
+    assert "logical axes ('heads', 'embed')" in explained and "sharded over 'fsdp'" in explained
+
+
+def test_make_mesh_errors_state_the_numbers() -> None:
+    with pytest.raises(MeshError, match=r"needs a process group"):
+        d9d.make_mesh(fsdp=2)
+    with fake_world(8):
+        with pytest.raises(MeshError, match=r"has 4 ranks but the world has 8"):
+            d9d.make_mesh("cpu", fsdp=2, tp=2)
+        with pytest.raises(MeshError, match=r"unknown mesh axes \['model'\]"):
+            d9d.make_mesh("cpu", model=8)
+        with pytest.raises(MeshError, match=r"leave 8 ranks / 3"):
+            d9d.make_mesh("cpu", fsdp=-1, tp=3)
+        mesh = d9d.make_mesh("cpu", tp=2, fsdp=-1, pp=1)
+        assert mesh.mesh_dim_names == ("pp", "fsdp", "tp") and tuple(mesh.shape) == (1, 4, 2)
+
+
+def test_transform_errors_name_the_axis_and_fix() -> None:
+    with fake_world(4):
+        mesh = d9d.make_mesh("cpu", dp=2, fsdp=2)
+        with pytest.raises(
+            PlanError, match=r"names an axis the mesh does not have: mesh axes are \('dp', 'fsdp'\)"
+        ):
+            d9d.shard_params(mesh, axis="tp")
+        with pytest.raises(PlanError, match=r"mesh axis 'dp' has size 2 but no transform uses it"):
+            d9d.shard_params(mesh, "fsdp")(lambda p, s, b: (p, s, {})).place(
+                {"w": torch.ones(2)}, ()
+            )
+        with pytest.raises(PlanError, match=r"mesh axis 'fsdp' is claimed by both"):
+            d9d.shard_params(mesh, "fsdp", "dp")(
+                d9d.shard_params(mesh, "fsdp")(lambda p, s, b: (p, s, {}))
+            )
+        step = d9d.shard_params(mesh, "fsdp", "dp")(lambda p, s, b: (p, s, {}))
+        with pytest.raises(PlanError, match=r"no plan yet: call step.place"):
+            step.plan  # noqa: B018
+        with pytest.raises(
+            IndivisibleError,
+            match=r"batch leaf 'tokens' holds 6 examples, which do not split over 4",
+        ):
+            step.shard_batch({"tokens": torch.zeros(6, 3)})
+
+
+def test_unplaced_params_are_rejected_before_any_collective() -> None:
+    def rank() -> None:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model, opt = _tiny(), _opt()
+        step = d9d.shard_params(mesh)(make_train_step(model, opt))
+        placed, state = step.place(model.params, opt.init(model.params))
+        with pytest.raises(
+            PlanError,
+            match=r"param 'embed.weight' is a plain tensor but the plan stores it as \(Shard\(dim=0\),\)",
+        ):
+            step({**placed, "embed.weight": model.params["embed.weight"]}, state, _batch())
+        with pytest.raises(IndivisibleError, match=r"disagree on the batch size"):
+            step(
+                placed,
+                state,
+                {
+                    "tokens": torch.zeros(2, 4, dtype=torch.long),
+                    "labels": torch.zeros(3, 4, dtype=torch.long),
+                },
+            )
+
+    run_on_ranks(rank, 2)
