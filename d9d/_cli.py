@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,6 +101,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from the latest complete checkpoint in OUT/checkpoints, if any",
     )
+    run.add_argument(
+        "--dp", type=int, default=None, help="under torchrun: ranks to replicate over (HSDP/DDP)"
+    )
+    run.add_argument(
+        "--fsdp",
+        type=int,
+        default=None,
+        help="under torchrun: ranks to shard over (default: the rest)",
+    )
     return parser
 
 
@@ -126,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not records:
         print(f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later")
+        return 0
+    if int(os.environ.get("RANK", "0")) != 0:
         return 0
     first, last = records[0], records[-1]
     print(

@@ -152,7 +152,7 @@ class Plan:
             table.add_column(column, justify="right" if column == "bytes/rank" else "left")
         entries = list(self.entries.values())
         if max_rows is not None and len(entries) > max_rows:
-            entries = entries[: max_rows // 2] + [None] + entries[-(max_rows // 2) :]
+            entries = [*entries[: max_rows // 2], None, *entries[-(max_rows // 2) :]]
         for e in entries:
             if e is None:
                 table.add_row("...", "", "", "", "", "")

@@ -1,4 +1,5 @@
-"""The training loop behind ``d9d train``: a Llama preset on a token corpus, one process."""
+"""The training loop behind ``d9d train``: a Llama preset on a token corpus, on one process or
+on every rank of a ``torchrun`` job (FSDP over ``--fsdp`` ranks, replicated over ``--dp``)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,23 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from . import checkpoint, data, losses, optim
 from ._autodiff import value_and_grad
 from ._jit import jit
+from ._mesh import make_mesh
 from ._module import Model, functionalize
+from ._step import TransformedStep
 from .errors import DataError
 from .models import Llama, LlamaConfig
+from .transforms import shard_params
 
 __all__ = ["TrainConfig", "make_train_step", "train"]
-
-_NO_DECAY = r"(norm\.weight|bias)$"
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints in out/checkpoints; 0: none
     keep: int | None = None  # newest checkpoints kept; None: all
     resume: bool = False  # continue from the latest complete checkpoint, if there is one
+    dp: int | None = None  # ranks the model is replicated over (HSDP/DDP); None: 1
+    fsdp: int | None = None  # ranks the model is sharded over; None: the rest of the world
 
 
 def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable[..., Any]:
@@ -109,7 +115,7 @@ def _tokens(config: TrainConfig) -> Any:
     return config.data
 
 
-def _model_config(config: TrainConfig, tokens: Any) -> LlamaConfig:
+def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig:
     model_config = LlamaConfig.preset(config.preset)
     if config.vocab_size is not None:
         model_config = replace(model_config, vocab_size=config.vocab_size)
@@ -125,6 +131,19 @@ def _model_config(config: TrainConfig, tokens: Any) -> LlamaConfig:
             f"{model_config.max_seq_len}; pass a shorter --seq-len"
         )
     return replace(model_config, seed=config.seed)
+
+
+def _loader(
+    config: TrainConfig, tokens: Any, dp_rank: int = 0, dp_size: int = 1
+) -> data.TokenLoader:
+    return data.TokenLoader(
+        tokens,
+        global_batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
 
 
 def _check(config: TrainConfig) -> None:
@@ -169,44 +188,90 @@ def train(config: TrainConfig, console: Console | None = None) -> list[dict[str,
         ValueError: An option is out of range.
     """
     _check(config)
+    started_group = _init_distributed(config)
+    try:
+        return _train(config, console)
+    finally:
+        if started_group:
+            dist.destroy_process_group()
+
+
+def _init_distributed(config: TrainConfig) -> bool:
+    """Join the torchrun job when there is one; whether this call started the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1:
+    if (world == 1 and not (config.dp or config.fsdp)) or dist.is_initialized():
+        return False
+    if "RANK" not in os.environ:
         raise ValueError(
-            f"d9d train runs on one process for now (WORLD_SIZE={world}); launch with "
-            "`torchrun --nproc-per-node 1` or plain `d9d train`"
+            f"--dp/--fsdp need several ranks: launch with `torchrun --nproc-per-node N -m d9d "
+            f"train ...` (got dp={config.dp}, fsdp={config.fsdp} in one process)"
         )
-    tokens = _tokens(config)
-    loader = data.TokenLoader(
-        tokens, global_batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed
-    )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
+def _sharded(config: TrainConfig, step: Callable[..., Any]) -> Any:
+    """``step`` under ``shard_params`` on a ``dp x fsdp`` mesh of the whole job, or as it is."""
+    if not dist.is_initialized():
+        return step
+    world, dp = dist.get_world_size(), config.dp or 1
+    fsdp = config.fsdp or world // dp
+    if dp * fsdp != world:
+        raise ValueError(
+            f"--dp {dp} x --fsdp {fsdp} is {dp * fsdp} ranks but torchrun started {world}; "
+            "make their product the number of ranks"
+        )
+    mesh = make_mesh(dp=dp, fsdp=fsdp)
+    return shard_params(mesh, "fsdp", replicate_axis="dp" if dp > 1 else None)(step)
+
+
+def _train(config: TrainConfig, console: Console | None) -> list[dict[str, float]]:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    loader = _loader(config, _tokens(config))
     model_config = _model_config(config, loader.tokens)
     device = _device()
     model = functionalize(Llama(model_config, device=device))
     opt = _optimizer(config)
-    step = make_train_step(model, opt)
-    if config.jit:
-        step = jit(step)
+    step = _sharded(config, make_train_step(model, opt))
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
+    if isinstance(step, TransformedStep):
+        params, opt_state = step.place(params, opt_state, axes=model.axes)
+        loader = _loader(config, loader.tokens, *step.batch_shard())
+    if config.jit:
+        step = jit(step)
     first_step = 0
     latest = checkpoint.latest(config.out / "checkpoints") if config.resume else None
     if latest is not None:
         state = checkpoint.restore_train_state(latest, params=params, opt_state=opt_state)
         params, opt_state, first_step = state.params, state.opt_state, state.step
         loader.load_state_dict(state.data)
-    config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "config.json").write_text(
-        json.dumps(asdict(config), default=str, indent=2) + "\n"
-    )
+    if rank0:
+        config.out.mkdir(parents=True, exist_ok=True)
+        (config.out / "config.json").write_text(
+            json.dumps(asdict(config), default=str, indent=2) + "\n"
+        )
     saver = _Checkpointer(config)
     try:
         records = _loop(
-            config, step, params, opt_state, loader, device, console or Console(), first_step, saver
+            config,
+            step,
+            params,
+            opt_state,
+            loader,
+            device,
+            console or Console(),
+            first_step,
+            saver,
+            rank0,
         )
     finally:
         saver.wait()  # even after a crash, the checkpoint in flight gets committed
-    logged = [json.loads(r) for r in (config.out / "metrics.jsonl").read_text().splitlines()]
-    _plot(logged, config.out / "loss.png", title=f"d9d train --preset {config.preset}")
+    if rank0:
+        logged = [json.loads(r) for r in (config.out / "metrics.jsonl").read_text().splitlines()]
+        _plot(logged, config.out / "loss.png", title=f"d9d train --preset {config.preset}")
     return records
 
 
@@ -255,6 +320,7 @@ def _loop(
     console: Console,
     first_step: int,
     saver: _Checkpointer,
+    rank0: bool,
 ) -> list[dict[str, float]]:
     records: list[dict[str, float]] = []
     tokens_per_step = config.batch_size * config.seq_len
@@ -266,9 +332,11 @@ def _loop(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
+        disable=not rank0,
     )
     start = time.perf_counter()
-    with progress, _metrics_log(config.out / "metrics.jsonl", first_step) as log:
+    log_path = config.out / "metrics.jsonl" if rank0 else Path(os.devnull)
+    with progress, _metrics_log(log_path, first_step) as log:
         task = progress.add_task(
             "train", total=config.steps, completed=first_step, loss=float("nan"), tok_s=0.0
         )

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 import d9d
-from d9d._train import make_train_step
 from d9d.testing import run_on_ranks
 
 STEPS = 5

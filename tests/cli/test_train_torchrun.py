@@ -1,0 +1,46 @@
+"""``d9d train`` under a real ``torchrun`` with 2 gloo ranks equals the single-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from d9d._cli import main
+
+pytestmark = pytest.mark.distributed
+
+_ARGS = ["train", "--steps", "4", "--batch-size", "4", "--seq-len", "32"]
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("layout", [["--fsdp", "2"], ["--dp", "2", "--fsdp", "1"]])
+def test_two_ranks_train_like_one(tmp_path: Path, layout: list[str]) -> None:
+    assert main([*_ARGS, "--out", str(tmp_path / "one")]) == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*command, "-m", "d9d", *_ARGS, *layout, "--out", str(tmp_path / "two")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("wrote") == 1, "only rank 0 reports"
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(two) == 4
+    for a, b in zip(one, two, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)
+
+
+def test_mesh_must_match_the_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*_ARGS, "--fsdp", "2", "--out", str(tmp_path)]) == 2
+    assert "--dp/--fsdp need several ranks: launch with `torchrun" in capsys.readouterr().err
