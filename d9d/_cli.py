@@ -1,4 +1,4 @@
-"""The ``d9d`` command: ``d9d train`` (more subcommands join as features land)."""
+"""The ``d9d`` command: ``d9d train`` and ``d9d plan``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from ._plan_command import show_plan
 from ._train import TrainConfig, train
 
 __all__ = ["main"]
@@ -110,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="under torchrun: ranks to shard over (default: the rest)",
     )
+    show = commands.add_parser(
+        "plan", help="print the sharding plan of a preset on a simulated mesh"
+    )
+    show.add_argument("--preset", default="8b", help="tiny, small, 1b or 8b (default %(default)s)")
+    show.add_argument("--dp", type=int, default=1, help="ranks to replicate over (default 1)")
+    show.add_argument("--fsdp", type=int, default=8, help="ranks to shard over (default 8)")
+    show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
     return parser
 
 
@@ -129,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k != "command"}
     try:
+        if args.command == "plan":
+            print(show_plan(args.preset, dp=args.dp, fsdp=args.fsdp, max_rows=args.rows))
+            return 0
         records = train(TrainConfig(**options))
     except (ValueError, KeyError, FileNotFoundError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error

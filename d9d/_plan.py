@@ -166,14 +166,12 @@ class Plan:
                 f"{e.bytes_per_rank(self.mesh):,}",
             )
         table.add_section()
-        table.add_row(
-            f"{len(self.entries)} params",
-            "",
-            "",
-            f"model {self.total_bytes():,} B",
-            f"padding {self.padding_bytes():,} B",
-            f"{self.bytes_per_rank():,}",
+        table.add_row(f"{len(self.entries)} params", "", "", "", "", f"{self.bytes_per_rank():,}")
+        table.caption = (
+            f"unsharded model {self.total_bytes():,} B; padding from uneven shards "
+            f"{self.padding_bytes():,} B over all ranks"
         )
+        table.caption_justify = "left"
         console = Console(width=140, record=True, file=_Null())
         console.print(table)
         return console.export_text()

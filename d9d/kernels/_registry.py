@@ -61,11 +61,11 @@ _OVERRIDES: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.Conte
 )
 
 
-def _always(device_type: str | None) -> str | None:
+def _runs_anywhere(device_type: str | None) -> str | None:
     return None
 
 
-def _anywhere(device_type: str) -> bool:
+def _auto_anywhere(device_type: str) -> bool:
     return True
 
 
@@ -81,8 +81,8 @@ def register_backend(
     impl: Callable[..., Any],
     *,
     dtypes: frozenset[torch.dtype] | set[torch.dtype],
-    unavailable: Callable[[str | None], str | None] = _always,
-    auto: Callable[[str], bool] = _anywhere,
+    unavailable: Callable[[str | None], str | None] = _runs_anywhere,
+    auto: Callable[[str], bool] = _auto_anywhere,
     last: bool = False,
 ) -> None:
     """Adds backend ``name`` to ``op``, tried before the ones already there unless ``last``.
