@@ -6,6 +6,7 @@ from . import errors as errors
 from . import losses as losses
 from . import models as models
 from . import optim as optim
+from . import parallel as parallel
 from . import testing as testing
 from . import transforms as transforms
 from . import tree as tree
@@ -49,6 +50,7 @@ __all__ = [
     "make_mesh",
     "models",
     "optim",
+    "parallel",
     "shard_params",
     "testing",
     "transforms",

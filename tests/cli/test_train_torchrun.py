@@ -23,7 +23,14 @@ def _losses(out: Path) -> list[float]:
 
 def test_two_ranks_train_like_one(tmp_path: Path) -> None:
     assert main([*_ARGS, "--out", str(tmp_path / "one")]) == 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [*command, "-m", "d9d", *_ARGS, "--fsdp", "2", "--out", str(tmp_path / "two")],

@@ -1,0 +1,268 @@
+"""Ring attention: exact attention over a sequence split across the ``cp`` ranks.
+
+Each rank keeps its queries and passes its K/V block to the next rank of the ring ``cp - 1``
+times, so it sees every block once; the partial outputs are merged by their log-sum-exp.
+The backward recomputes each block's probabilities from the saved final log-sum-exp and
+passes K/V together with the dK/dV accumulated so far around the ring, then hands each
+accumulated dK/dV back to its owner.
+
+Each exchange is one functional ``all_to_all_single`` on the cp group whose only non-empty
+split is ``rank -> rank + 1``: P2P ops (``batch_isend_irecv``) are not implemented by the
+in-process threaded group the multi-rank tests use, while ``all_to_all_single`` runs on
+gloo, NCCL (which lowers it to grouped send/recv, so only the neighbour's bytes move) and
+the threaded group, is traced by ``torch.compile``, and is what ``d9d._comms`` counts.
+Per call: forward ``cp - 1`` exchanges of (K, V); backward ``cp`` exchanges, ``cp - 1`` of
+(K, V, dK, dV) and a last one of (dK, dV). Tensors of one exchange travel as one byte buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from d9d.errors import IndivisibleError
+
+from ._block_attention import MATH_BLOCK_ATTENTION, BlockAttention, compute_dtype
+from ._zigzag import LoadBalance, check_load_balance
+
+__all__ = ["ring_attention"]
+
+_ALL = slice(None)
+
+
+def _pass_to_next(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+    """Start sending ``tensors`` to the next cp rank and receiving the previous rank's."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    # Widest dtype first, so every tensor starts at a byte offset its dtype can be viewed at.
+    ordered = sorted(tensors, key=lambda t: -t.element_size())
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in ordered])
+    send = [0] * cp
+    recv = [0] * cp
+    send[(rank + 1) % cp] = flat.numel()
+    recv[(rank - 1) % cp] = flat.numel()
+    return funcol.all_to_all_single(flat, recv, send, group)
+
+
+def _received(pending: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Wait for an exchange started by :func:`_pass_to_next` and unpack it like ``like``."""
+    flat = funcol.wait_tensor(pending)
+    order = sorted(range(len(like)), key=lambda i: -like[i].element_size())
+    out: list[torch.Tensor] = [flat] * len(like)
+    offset = 0
+    for i in order:
+        size = like[i].numel() * like[i].element_size()
+        out[i] = flat[offset : offset + size].view(like[i].dtype).view(like[i].shape)
+        offset += size
+    return out
+
+
+def _block_plan(
+    rank: int, owner: int, seq_local: int, *, causal: bool, zigzag: bool
+) -> tuple[slice, slice, bool] | None:
+    """Which query rows see which columns of the K/V block of ``owner``, and whether masked.
+
+    Zigzag: rank ``r`` holds chunks ``r`` and ``2cp-1-r``. A block from ``j < r`` is visible
+    only through its early chunk (``j < r``; its late chunk is after both of ours), fully; a
+    block from ``j > r`` is visible, fully, only to our late chunk. So every off-diagonal block
+    is half a block of unmasked work on every rank.
+    """
+    if not causal:
+        return _ALL, _ALL, False
+    if owner == rank:
+        return _ALL, _ALL, True
+    if not zigzag:
+        return (_ALL, _ALL, False) if owner < rank else None
+    half = seq_local // 2
+    if owner < rank:
+        return _ALL, slice(0, half), False
+    return slice(half, seq_local), _ALL, False
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Fold a block's ``(out, lse)`` into the running ones, in place, stably."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        causal: bool,
+        zigzag: bool,
+        scale: float,
+        block: BlockAttention,
+    ) -> torch.Tensor:
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        batch, heads, seq, _ = q.shape
+        dtype = compute_dtype(q.dtype)
+        out = torch.zeros(batch, heads, seq, v.shape[-1], dtype=dtype, device=q.device)
+        lse = torch.full((batch, heads, seq), float("-inf"), dtype=dtype, device=q.device)
+        k_cur, v_cur = k, v
+        for step in range(cp):
+            # Start the next exchange before computing, so it overlaps with this block.
+            pending = _pass_to_next((k_cur, v_cur), group) if step < cp - 1 else None
+            plan = _block_plan(rank, (rank - step) % cp, seq, causal=causal, zigzag=zigzag)
+            if plan is not None:
+                rows, cols, masked = plan
+                block_out, block_lse = block.forward(
+                    q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], scale=scale, causal=masked
+                )
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if pending is not None:
+                k_cur, v_cur = _received(pending, (k_cur, v_cur))
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.options = (group, causal, zigzag, scale, block)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, zigzag, scale, block = ctx.options
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        seq = q.shape[2]
+        dtype = compute_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        k_cur, v_cur = k, v
+        dk_cur = torch.zeros(k.shape, dtype=dtype, device=k.device)
+        dv_cur = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        for step in range(cp):
+            plan = _block_plan(rank, (rank - step) % cp, seq, causal=causal, zigzag=zigzag)
+            if plan is not None:
+                rows, cols, masked = plan
+                dq_b, dk_b, dv_b = block.backward(
+                    q[:, :, rows],
+                    k_cur[:, :, cols],
+                    v_cur[:, :, cols],
+                    out[:, :, rows],
+                    dout[:, :, rows],
+                    lse[:, :, rows],
+                    scale=scale,
+                    causal=masked,
+                )
+                dq[:, :, rows] += dq_b
+                dk_cur[:, :, cols] += dk_b
+                dv_cur[:, :, cols] += dv_b
+            if cp == 1:
+                break
+            if step < cp - 1:
+                moving = (k_cur, v_cur, dk_cur, dv_cur)
+                k_cur, v_cur, dk_cur, dv_cur = _received(_pass_to_next(moving, group), moving)
+            else:
+                # The block held now belongs to rank + 1: one more hop returns its gradients.
+                moving = (dk_cur, dv_cur)
+                dk_cur, dv_cur = _received(_pass_to_next(moving, group), moving)
+        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None, None
+
+
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: object,
+    load_balance: object,
+    scale: float | None,
+) -> None:
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group={group!r} must be a torch.distributed.ProcessGroup: pass the cp axis's "
+            'group, e.g. mesh.get_group("cp").'
+        )
+    check_load_balance(load_balance)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4 or not t.is_floating_point():
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be a floating point tensor [batch, heads, seq, head_dim], got "
+                f"{shape}."
+            )
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]):
+        raise ValueError(f"q, k and v must share batch (dim 0) and seq (dim 2): got {shapes}.")
+    if q.shape[3] != k.shape[3] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"q and k must share head_dim, k and v their heads: got {shapes}.")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(
+            f"query heads {heads} are not a multiple of key/value heads {kv_heads} ({shapes}): "
+            "grouped-query attention needs heads % kv_heads == 0."
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if load_balance == "zigzag" and q.shape[2] % 2:
+        raise IndivisibleError(
+            f"zigzag shards hold two equal chunks, but this rank's sequence length is "
+            f"{q.shape[2]} (odd): the global length must be divisible by 2 * cp; pad or pack "
+            "to a multiple of 2 * cp, or use load_balance=None."
+        )
+    if scale is not None and not (isinstance(scale, int | float) and 0 < scale < math.inf):
+        raise ValueError(f"{scale=} must be a finite number > 0, or None for 1/sqrt(head_dim).")
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    load_balance: LoadBalance = "zigzag",
+    scale: float | None = None,
+    block: BlockAttention = MATH_BLOCK_ATTENTION,
+) -> torch.Tensor:
+    """Exact attention of this rank's queries over the sequence split across ``group``.
+
+    Equals ``F.scaled_dot_product_attention`` on the unsharded sequence (with K/V heads
+    repeated for grouped-query attention), restricted to this rank's query rows; gradients
+    flow to this rank's ``q``, ``k`` and ``v``. Every rank of ``group`` must call it with the
+    same shapes and options. Shards must be cut with :func:`shard_sequence` (or
+    :func:`zigzag_shard`) of the same ``load_balance``. Communication: ``cp - 1`` exchanges
+    of K/V with the ring neighbours in forward, ``cp`` in backward (see ``docs/context_parallel.md``).
+
+    Args:
+        q: This rank's queries ``[batch, heads, seq_local, head_dim]``.
+        k: This rank's keys ``[batch, kv_heads, seq_local, head_dim]``; ``heads % kv_heads``
+            must be 0 (query head ``h`` uses key/value head ``h // (heads // kv_heads)``).
+        v: This rank's values ``[batch, kv_heads, seq_local, v_dim]``.
+        group: The cp process group, e.g. ``mesh.get_group("cp")``.
+        causal: Causal mask over global positions (default True).
+        load_balance: ``"zigzag"`` (default) or ``None`` (contiguous chunks): the layout the
+            sequence was split with.
+        scale: Score scale (default ``1 / sqrt(head_dim)``).
+        block: The per-block attention backend (default the pure-PyTorch math version).
+
+    Returns:
+        This rank's attention output ``[batch, heads, seq_local, v_dim]``, dtype of ``q``.
+
+    Raises:
+        ValueError: Shapes, dtypes, ``heads % kv_heads``, ``scale`` or ``load_balance`` are
+            invalid.
+        IndivisibleError: ``load_balance="zigzag"`` with an odd ``seq_local``.
+        TypeError: ``group`` is not a process group.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> q = k = v = torch.randn(1, 2, 4, 8)
+        >>> ring_attention(q, k, v, group=dist.group.WORLD).shape
+        torch.Size([1, 2, 4, 8])
+        >>> dist.destroy_process_group()
+    """
+    _validate(q, k, v, group, load_balance, scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    zigzag = load_balance == "zigzag"
+    return _RingAttention.apply(q, k, v, group, causal, zigzag, scale, block)

@@ -1,0 +1,226 @@
+"""Ring attention against full attention on the unsharded sequence, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from d9d._comms import CollectiveCounter
+from d9d.errors import IndivisibleError
+from d9d.parallel import (
+    positions_for,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from d9d.testing import run_on_ranks
+
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
+
+
+def _full_attention(q, k, v, *, causal, scale=None):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def _inputs(heads, kv_heads, seq, dtype, *, batch=2, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, seq, dim), (batch, kv_heads, seq, dim), (batch, kv_heads, seq, dim)]
+    q, k, v, dout = (torch.randn(s, generator=gen, dtype=dtype) for s in [*shapes, shapes[0]])
+    return q, k, v, dout
+
+
+def _rank(mesh_shape, names, tensors, causal, load_balance, scale=None):
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    group = mesh.get_group("cp")
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    # Models produce [B, S, H, D] and transpose it: test that non-contiguous layout.
+    q, k, v, dout = (
+        shard_sequence(t, 2, rank, cp, load_balance=load_balance)
+        .transpose(1, 2)
+        .contiguous()
+        .transpose(1, 2)
+        .requires_grad_()
+        for t in tensors
+    )
+    assert not q.is_contiguous()
+    with CollectiveCounter(mesh) as forward:
+        out = ring_attention(
+            q, k, v, group=group, causal=causal, load_balance=load_balance, scale=scale
+        )
+    with CollectiveCounter(mesh) as backward:
+        out.backward(dout)
+    counts = (dict(forward.stats.count), dict(backward.stats.count))
+    return out.detach(), q.grad, k.grad, v.grad, counts
+
+
+def _check(
+    cp,
+    heads,
+    kv_heads,
+    seq,
+    dtype,
+    causal,
+    load_balance,
+    *,
+    dp=1,
+    scale=None,
+    tol=None,
+    method="thread",
+):
+    tensors = _inputs(heads, kv_heads, seq, dtype)
+    shape, names = ((dp, cp), ("dp", "cp")) if dp > 1 else ((cp,), ("cp",))
+    results = run_on_ranks(
+        _rank, dp * cp, shape, names, tensors, causal, load_balance, scale, method=method
+    )
+    q, k, v, dout = (t.clone().requires_grad_() for t in tensors)
+    expected = _full_attention(q, k, v, causal=causal, scale=scale)
+    expected.backward(dout)
+    for row in range(dp):
+        ranks = results[row * cp : (row + 1) * cp]
+        got = [
+            unshard_sequence([r[i] for r in ranks], 2, load_balance=load_balance) for i in range(4)
+        ]
+        for actual, want in zip(got, [expected, q.grad, k.grad, v.grad], strict=True):
+            torch.testing.assert_close(actual, want.detach(), **(tol or TOL[dtype]))
+        for *_, (forward, backward) in ranks:
+            assert forward == ({("all_to_all", "cp"): cp - 1} if cp > 1 else {})
+            assert backward == ({("all_to_all", "cp"): cp} if cp > 1 else {})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(3, 1), (6, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("load_balance", ["zigzag", None])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_matches_full_attention_float64(cp, heads, kv_heads, causal, load_balance, chunks):
+    _check(cp, heads, kv_heads, 2 * cp * chunks, torch.float64, causal, load_balance)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("load_balance", ["zigzag", None])
+def test_matches_full_attention_float32(cp, causal, load_balance):
+    _check(cp, 3, 1, 6 * cp, torch.float32, causal, load_balance)
+
+
+@pytest.mark.distributed
+def test_cp_group_of_a_2d_mesh_and_custom_scale():
+    """Ring neighbours are cp-group ranks, not global ranks: dp=2 x cp=2."""
+    _check(2, 6, 2, 8, torch.float64, True, "zigzag", dp=2, scale=0.3)
+
+
+@pytest.mark.distributed
+def test_gloo_processes():
+    """Real gloo: the exchange's uneven all_to_all_single of bytes, between processes."""
+    _check(4, 6, 2, 16, torch.float64, True, "zigzag", method="fork")
+
+
+@pytest.mark.distributed
+def test_one_rank_is_plain_attention():
+    _check(1, 4, 2, 6, torch.float64, True, "zigzag")
+
+
+@pytest.mark.distributed
+def test_bfloat16_mixes_dtypes_in_one_exchange():
+    """bf16 K/V travel with float32 dK/dV in one byte buffer in the backward."""
+    _check(2, 3, 1, 12, torch.bfloat16, True, "zigzag", tol={"rtol": 2e-2, "atol": 2e-2})
+
+
+def test_zigzag_layout_and_positions():
+    x = torch.arange(16)
+    shards = [zigzag_shard(x, 0, r, 4) for r in range(4)]
+    assert shards[1].tolist() == [2, 3, 12, 13]
+    assert torch.equal(zigzag_unshard(shards, 0), x)
+    for r in range(4):
+        assert torch.equal(positions_for(r, 4, 16), shards[r])
+        contiguous = positions_for(r, 4, 16, load_balance=None)
+        assert contiguous.tolist() == list(range(4 * r, 4 * r + 4))
+    # Equal causal work: each rank's queries see the same number of keys in total.
+    work = {int((positions_for(r, 4, 16) + 1).sum()) for r in range(4)}
+    assert len(work) == 1
+
+
+def test_shard_sequence_round_trips_other_dims():
+    x = torch.randn(2, 12, 3)
+    for load_balance in ["zigzag", None]:
+        parts = [shard_sequence(x, -2, r, 3, load_balance=load_balance) for r in range(3)]
+        assert torch.equal(unshard_sequence(parts, 1, load_balance=load_balance), x)
+
+
+def test_indivisible_sequence_names_value_and_fix():
+    with pytest.raises(IndivisibleError, match=r"length 12 is not divisible by 2 \* cp = 8"):
+        zigzag_shard(torch.zeros(12), 0, 0, 4)
+    with pytest.raises(IndivisibleError, match=r"length 10 is not divisible by cp = 4.*pad"):
+        positions_for(0, 4, 10, load_balance=None)
+    with pytest.raises(IndivisibleError, match=r"length along dim=0 is 3 \(odd\)"):
+        zigzag_unshard([torch.zeros(3), torch.zeros(3)], 0)
+
+
+def test_bad_split_arguments():
+    with pytest.raises(ValueError, match=r"load_balance='ring' is not a load balancing"):
+        positions_for(0, 2, 8, load_balance="ring")
+    with pytest.raises(ValueError, match=r"rank=2 must be an int in \[0, 2\)"):
+        positions_for(2, 2, 8)
+    with pytest.raises(ValueError, match=r"cp=0 must be an int >= 1"):
+        positions_for(0, 0, 8)
+    with pytest.raises(ValueError, match=r"dim=2 is out of range"):
+        shard_sequence(torch.zeros(4, 4), 2, 0, 2)
+    with pytest.raises(ValueError, match="shards is empty"):
+        unshard_sequence([], 0)
+    with pytest.raises(ValueError, match=r"shards must all have one shape"):
+        unshard_sequence([torch.zeros(4), torch.zeros(2)], 0)
+
+
+def test_ring_attention_input_errors(one_rank_mesh):
+    group = one_rank_mesh.get_group()
+    q, k, v, _ = _inputs(4, 2, 4, torch.float32)
+    with pytest.raises(TypeError, match=r"must be a torch.distributed.ProcessGroup"):
+        ring_attention(q, k, v, group=one_rank_mesh)
+    with pytest.raises(ValueError, match=r"query heads 4 are not a multiple of key/value heads 3"):
+        ring_attention(q, *_inputs(4, 3, 4, torch.float32)[1:3], group=group)
+    with pytest.raises(IndivisibleError, match=r"sequence length is 3 \(odd\).*2 \* cp"):
+        ring_attention(*_inputs(4, 2, 3, torch.float32)[:3], group=group)
+    ring_attention(*_inputs(4, 2, 3, torch.float32)[:3], group=group, load_balance=None)
+    with pytest.raises(ValueError, match=r"must share batch \(dim 0\) and seq \(dim 2\)"):
+        ring_attention(q, k[:, :, :2], v, group=group)
+    with pytest.raises(ValueError, match=r"q and k must share head_dim"):
+        ring_attention(q, k[..., :4], v, group=group)
+    with pytest.raises(ValueError, match=r"q must be a floating point tensor.*\(4, 8\)"):
+        ring_attention(q[0, 0], k, v, group=group)
+    with pytest.raises(ValueError, match=r"must share a dtype"):
+        ring_attention(q, k.double(), v, group=group)
+    with pytest.raises(ValueError, match=r"scale=-1.0 must be a finite number > 0"):
+        ring_attention(q, k, v, group=group, scale=-1.0)
+    with pytest.raises(ValueError, match=r"load_balance='ring'"):
+        ring_attention(q, k, v, group=group, load_balance="ring")
+
+
+def _compiled_rank(tensors):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    group = mesh.get_group("cp")
+    q, k, v = (zigzag_shard(t, 2, dist.get_rank(group), 2).requires_grad_() for t in tensors[:3])
+
+    def loss(q, k, v):
+        return ring_attention(q, k, v, group=group).square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    return expected, got
+
+
+@pytest.mark.distributed
+@pytest.mark.compile  # aot_eager: checks tracing of the autograd.Function and its collectives
+def test_traces_with_fullgraph():
+    for expected, got in run_on_ranks(_compiled_rank, 2, _inputs(4, 2, 8, torch.float64)):
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g, e, **TOL[torch.float64])
