@@ -3,6 +3,7 @@
 from . import checkpoint as checkpoint
 from . import data as data
 from . import errors as errors
+from . import kernels as kernels
 from . import losses as losses
 from . import models as models
 from . import optim as optim
@@ -46,6 +47,7 @@ __all__ = [
     "functionalize",
     "grad",
     "jit",
+    "kernels",
     "losses",
     "make_mesh",
     "models",
