@@ -27,6 +27,7 @@ from ._step import Memory as Memory
 from ._step import Transform as Transform
 from ._step import TransformedStep as TransformedStep
 from .transforms import shard_params as shard_params
+from .transforms import tensor_parallel as tensor_parallel
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "optim",
     "parallel",
     "shard_params",
+    "tensor_parallel",
     "testing",
     "transforms",
     "tree",

@@ -6,7 +6,9 @@ outside any block are gathered when ``apply`` starts; a block's params (a child 
 ``nn.ModuleList``) when the block's forward starts, and the block's slots get the stored
 params back when it ends. With ``reshard_after_forward`` (eager only), saved-tensor hooks
 replace each gathered param that autograd saves for the backward by a handle, and gather it
-again when the backward needs it, so gathered params do not outlive their block.
+again when the backward needs it, so gathered params do not outlive their block. Under
+``tensor_parallel`` the same hooks, and hooks on linears, embeddings and block children, move
+activations between layouts (``_activations``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+
+from . import _activations
+from .errors import PlanError
 
 if TYPE_CHECKING:
     from ._plan import Plan
 
-__all__ = ["apply_placed", "enter_block", "exit_block"]
+__all__ = ["apply_placed", "enter_block", "enter_module", "exit_block", "exit_module"]
 
 
 class _State(threading.local):
@@ -45,6 +51,8 @@ class _Frame:
     plan: Plan
     regather: _Regather | None
     originals: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    sequence_sharded: bool = False
+    stash: dict[str, Any] = field(default_factory=dict)
 
     def materialize(self, key: str) -> torch.Tensor:
         local = self.plan.materialize(key, self.params[key])
@@ -103,6 +111,8 @@ class _Regather:
 def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) -> Any:
     """``model.apply`` with params gathered per block (see the module docstring)."""
     reshard = plan.reshard_after_forward and not torch.compiler.is_compiling()
+    if plan.activations is not None:
+        _activations.check_heads(model.module, plan.activations)
     frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None)
     saved = []
     for slot in model._root_slots:
@@ -126,21 +136,57 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
             slot.store()[slot.name] = old
 
 
-def enter_block(model: Any, index: int, module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of block ``index``: swap in its gathered params."""
+def _frame_of(model: Any) -> _Frame | None:
     frame = _state.frame
-    if frame is None or frame.model is not model:
-        return
+    return frame if frame is not None and frame.model is model else None
+
+
+def enter_block(
+    model: Any, index: int, module: nn.Module, args: Any, kwargs: Any
+) -> tuple[Any, Any] | None:
+    """Forward pre-hook of block ``index``: swap in its gathered params."""
+    frame = _frame_of(model)
+    if frame is None:
+        return None
     slots = model._blocks[index][1]
     frame.originals[index] = [slot.store()[slot.name] for slot in slots]
     for slot in slots:
         slot.store()[slot.name] = frame.materialize(model.tied.get(slot.key, slot.key))
+    return _activations.enter_block(frame, args, kwargs)
 
 
-def exit_block(model: Any, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+def exit_block(model: Any, index: int, module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook of block ``index``: put the block's own tensors back."""
-    frame = _state.frame
-    if frame is None or frame.model is not model:
+    frame = _frame_of(model)
+    if frame is None:
         return
     for slot, old in zip(model._blocks[index][1], frame.originals.pop(index), strict=True):
         slot.store()[slot.name] = old
+
+
+def enter_module(
+    model: Any, path: str, module: nn.Module, args: Any, kwargs: Any
+) -> tuple[Any, Any] | None:
+    """Forward pre-hook of a linear, embedding, block child or owner of params outside blocks:
+    tensor-parallel activation layouts."""
+    frame = _frame_of(model)
+    if frame is None or frame.plan.activations is None:
+        return None
+    layout = frame.plan.activations
+    if layout.sequence_parallel and not frame.sequence_sharded:
+        for key in model._root_owners.get(path, ()):
+            if isinstance(frame.plan.entries[key].grad[layout.index], Partial):
+                raise PlanError(
+                    f"param {key!r} is used before the first block, where the sequence is "
+                    f"whole on every {layout.axis!r} rank, but sequence parallelism sums its "
+                    "grad over them; use tensor_parallel(..., sequence_parallel=False)"
+                )
+    return _activations.enter_module(frame, path, module, args, kwargs)
+
+
+def exit_module(model: Any, path: str, module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook matching :func:`enter_module`."""
+    frame = _frame_of(model)
+    if frame is None or frame.plan.activations is None:
+        return None
+    return _activations.exit_module(frame, path, module, output)

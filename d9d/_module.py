@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ._active import active_plan
-from ._gather import apply_placed, enter_block, exit_block
+from ._gather import apply_placed, enter_block, enter_module, exit_block, exit_module
 from .errors import ParamTreeMismatchError
 
 __all__ = ["Axes", "Model", "functionalize"]
@@ -65,6 +65,8 @@ class Model:
     _blocks: tuple[tuple[nn.Module, tuple[_Slot, ...]], ...] = field(default=(), repr=False)
     _root_slots: tuple[_Slot, ...] = field(default=(), repr=False)
     _buffer_slots: tuple[_Slot, ...] = field(default=(), repr=False)
+    _regions: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
+    _root_owners: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Call the module's forward with ``params`` in place of its own tensors.
@@ -175,8 +177,10 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
             buffers[key] = tensor.detach()
             slots.append(_Slot(key, owner, name, is_param=False))
     unique = tuple({(id(s.owner), s.name, s.is_param): s for s in slots}.values())
-    blocks = _blocks(module, unique)
+    block_paths = _block_paths(module)
+    blocks = _blocks(block_paths, unique)
     in_blocks = {id(s) for _, block_slots in blocks for s in block_slots}
+    root_slots = tuple(s for s in unique if s.is_param and id(s) not in in_blocks)
     model = Model(
         module=module,
         params=params,
@@ -185,19 +189,28 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
         tied=tied,
         _slots=unique,
         _blocks=blocks,
-        _root_slots=tuple(s for s in unique if s.is_param and id(s) not in in_blocks),
+        _root_slots=root_slots,
         _buffer_slots=tuple(s for s in unique if not s.is_param),
+        _regions=_regions(module, block_paths),
+        _root_owners=_root_owners(module, root_slots, tied),
     )
     for index, (block, _) in enumerate(blocks):
-        block.register_forward_pre_hook(functools.partial(enter_block, model, index))
+        block.register_forward_pre_hook(
+            functools.partial(enter_block, model, index), with_kwargs=True
+        )
         block.register_forward_hook(functools.partial(exit_block, model, index))
+    for path, child in module.named_modules():
+        if not (_is_layer(child) or path in model._regions or path in model._root_owners):
+            continue
+        child.register_forward_pre_hook(
+            functools.partial(enter_module, model, path), with_kwargs=True
+        )
+        child.register_forward_hook(functools.partial(exit_module, model, path))
     return model
 
 
-def _blocks(
-    module: nn.Module, slots: tuple[_Slot, ...]
-) -> tuple[tuple[nn.Module, tuple[_Slot, ...]], ...]:
-    """The children of the outermost ``nn.ModuleList``s, with the param slots under each."""
+def _block_paths(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the outermost ``nn.ModuleList``s, with their paths."""
     prefixes: list[tuple[str, nn.Module]] = []
     for path, child in module.named_modules():
         if isinstance(child, nn.ModuleList) and not any(
@@ -207,8 +220,46 @@ def _blocks(
                 (f"{path}.{name}" if path else name, block)
                 for name, block in child.named_children()
             ]
+    return prefixes
+
+
+def _is_layer(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear | nn.Embedding)
+
+
+def _regions(
+    module: nn.Module, block_paths: list[tuple[str, nn.Module]]
+) -> dict[str, tuple[str, ...]]:
+    """Tensor-parallel regions, each with the linears inside it: every child of a block, and
+    every linear outside blocks."""
+    linears = [p for p, m in module.named_modules() if isinstance(m, nn.Linear)]
+    regions: dict[str, tuple[str, ...]] = {}
+    for block_path, block in block_paths:
+        for name, _ in block.named_children():
+            child = f"{block_path}.{name}"
+            regions[child] = tuple(p for p in linears if p == child or p.startswith(child + "."))
+    in_blocks = tuple(p + "." for p, _ in block_paths)
+    regions.update({p: (p,) for p in linears if not p.startswith(in_blocks)})
+    return regions
+
+
+def _root_owners(
+    module: nn.Module, root_slots: tuple[_Slot, ...], tied: dict[str, str]
+) -> dict[str, tuple[str, ...]]:
+    """Modules owning params outside blocks, with those params' (canonical) keys."""
+    paths = {id(m): p for p, m in module.named_modules()}
+    owners: dict[str, list[str]] = {}
+    for slot in root_slots:
+        owners.setdefault(paths[id(slot.owner)], []).append(tied.get(slot.key, slot.key))
+    return {path: tuple(keys) for path, keys in owners.items()}
+
+
+def _blocks(
+    block_paths: list[tuple[str, nn.Module]], slots: tuple[_Slot, ...]
+) -> tuple[tuple[nn.Module, tuple[_Slot, ...]], ...]:
+    """The blocks that own params, with the param slots under each."""
     blocks = []
-    for prefix, block in prefixes:
+    for prefix, block in block_paths:
         owned = tuple(s for s in slots if s.is_param and s.key.startswith(prefix + "."))
         if owned:
             blocks.append((block, owned))

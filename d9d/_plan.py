@@ -12,6 +12,7 @@ from rich.table import Table
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from ._activations import ActivationLayout
 from ._materialize import gather
 from ._module import Axes
 from .errors import PlanError
@@ -117,6 +118,7 @@ class Plan:
     transforms: tuple[Any, ...] = ()
     reshard_after_forward: bool = True
     microbatches: int = 1
+    activations: ActivationLayout | None = None
     _names: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

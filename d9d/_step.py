@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from . import tree
+from ._activations import ActivationLayout
 from ._active import activate
 from ._comms import CollectiveCounter, CommStats
 from ._module import Axes
@@ -47,6 +48,10 @@ class Transform(abc.ABC):
     def microbatches_per_step(self) -> int:
         """Microbatches ``value_and_grad`` splits each batch into (default 1)."""
         return 1
+
+    def activation_layout(self) -> ActivationLayout | None:
+        """How activations are laid out between modules (tensor parallelism; default None)."""
+        return None
 
     @abc.abstractmethod
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
@@ -174,12 +179,14 @@ class TransformedStep:
             entries[path] = entry
         keep = any(t.keeps_gathered_params() for t in self.transforms)
         microbatches = max((t.microbatches_per_step() for t in self.transforms), default=1)
+        layouts = [t.activation_layout() for t in self.transforms]
         return Plan(
             self.mesh,
             entries,
             self.transforms,
             reshard_after_forward=not keep,
             microbatches=microbatches,
+            activations=next((a for a in layouts if a is not None), None),
         )
 
     def place(

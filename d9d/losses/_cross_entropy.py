@@ -6,6 +6,8 @@ from typing import Literal
 
 import torch
 
+from ._vocab_parallel import is_vocab_sharded, sharded_lse_and_target
+
 __all__ = ["cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -29,6 +31,11 @@ def cross_entropy(
     not NaN) when every token is ignored. Shapes are static and no value is read back to
     Python, so it traces under ``torch.compile(fullgraph=True)`` without graph breaks.
 
+    Logits sharded over the vocab (a DTensor ``Shard(-1)``, as ``tensor_parallel`` returns
+    them) are never gathered: each rank reduces its shard and three all-reduces of one value
+    per token give the log-sum-exp and the target logit (loss parallelism). The result is
+    then a plain tensor, the same on every rank of the mesh.
+
     Args:
         logits: Scores ``[..., V]``, any floating dtype.
         labels: Integer class ids ``[...]``, the leading shape of ``logits``.
@@ -51,11 +58,15 @@ def cross_entropy(
         0.1269
     """
     _check_args(logits, labels, z_loss, reduction)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    dtype = torch.promote_types(logits.dtype, torch.float32)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    if is_vocab_sharded(logits):
+        lse, target = sharded_lse_and_target(logits, safe_labels, dtype)
+    else:
+        logits = logits.to(dtype)
+        lse = torch.logsumexp(logits, dim=-1)
+        target = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
     per_token = lse - target
     if z_loss:
         per_token = per_token + z_loss * lse.square()

@@ -94,22 +94,29 @@ class ShardParams(Transform):
                 reason=f"{self}: a 0-d param cannot be sharded; replicated over {self.axis!r}, grads all-reduced",
             )
         size = self.mesh.shape[index]
-        rows = entry.shape[0]
+        dim = _free_dim(entry)
+        rows = entry.shape[dim]
         uneven = (
-            f", uneven: {rows} rows over {size} ranks, padded to {-(-rows // size)} per rank"
+            f", uneven: {rows} over {size} ranks, padded to {-(-rows // size)} per rank"
             if rows % size
             else ""
         )
         return entry.with_axis(
             index,
-            storage=Shard(0),
+            storage=Shard(dim),
             compute=Replicate(),
             grad=average,
             reason=(
-                f"{self}: dim 0 sharded over {self.axis!r}{uneven}; gathered while its block "
-                f"runs, grads reduce-scattered (mean)"
+                f"{self}: dim {dim} sharded over {self.axis!r}{uneven}; gathered while its "
+                f"block runs, grads reduce-scattered (mean)"
             ),
         )
+
+
+def _free_dim(entry: ParamPlan) -> int:
+    """The first dim no other mesh axis shards (tensor parallelism may hold dim 0), else 0."""
+    taken = {p.dim for p in entry.storage if isinstance(p, Shard)}
+    return next((d for d in range(len(entry.shape)) if d not in taken), 0)
 
 
 def shard_params(
@@ -124,7 +131,8 @@ def shard_params(
 ) -> ShardParams:
     """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3).
 
-    Each param is stored ``Shard(0)`` over ``axis`` and gathered just in time: a block's params
+    Each param is stored ``Shard(0)`` over ``axis`` (its first dim that ``tensor_parallel``
+    does not already shard) and gathered just in time: a block's params
     when that block (a child of an ``nn.ModuleList``, e.g. ``layers.3``) starts, the others when
     the model is applied. With ``reshard_after_forward`` the gathered copies are dropped after
     the forward and gathered again for the backward, so a rank holds only its shards plus the

@@ -107,11 +107,15 @@ def run(
     )
 
 
-def llama(dtype: torch.dtype = torch.float32, n_layers: int = 2) -> Callable[[], d9d.Model]:
+def llama(
+    dtype: torch.dtype = torch.float32, n_layers: int = 2, **config: Any
+) -> Callable[[], d9d.Model]:
+    """The tiny d9d Llama; ``config`` overrides its fields (``n_heads=8``)."""
+
     def build() -> d9d.Model:
         from d9d.models import Llama, LlamaConfig
 
-        return d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=n_layers)).to(dtype))
+        return d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=n_layers, **config)).to(dtype))
 
     return build
 

@@ -47,10 +47,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the projections (-1): under tensor parallelism each rank
+        # holds n_heads / tp of them.
         batch, seq, _ = x.shape
-        q = rope(self.wq(x).view(batch, seq, self.n_heads, self.head_dim), cos, sin)
-        k = rope(self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q = rope(self.wq(x).view(batch, seq, -1, self.head_dim), cos, sin)
+        k = rope(self.wk(x).view(batch, seq, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

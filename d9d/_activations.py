@@ -1,0 +1,248 @@
+"""Tensor-parallel activations: the collectives at module boundaries, as Megatron places them.
+
+Blocks compute on local tensors: the param shards their plan gives them. Under
+``tensor_parallel`` the hooks that ``functionalize`` installs move activations between layouts
+where a module boundary needs it. Roles come from the plan: an ``nn.Linear`` whose weight is
+``Shard(0)`` on the tensor-parallel axis is column-parallel, ``Shard(1)`` row-parallel, an
+``nn.Embedding`` with ``Shard(0)`` vocab-parallel. A *region* is a child of a block (``attn``,
+``mlp``) or a linear outside any block (the output head).
+
+- A region holding column-parallel linears gets its input whole: an all-gather of the sequence
+  shards (sequence parallel; its backward is a reduce-scatter) or, without sequence
+  parallelism, the identity whose backward all-reduces.
+- A row-parallel linear's output is a partial sum: reduce-scattered over the sequence
+  (sequence parallel) or all-reduced. Its bias is added after that reduction.
+- A column-parallel linear outside blocks (the head) returns its vocab shard as a DTensor
+  ``Shard(-1)`` (loss parallel: ``d9d.losses.cross_entropy`` never gathers it) or all-gathered.
+- A vocab-parallel embedding looks up the ids in its rows, zeroes the others and all-reduces.
+- With sequence parallelism the first block slices the residual stream over the sequence
+  (dim 1): model code between the embedding and the blocks (masks and positions) sees the
+  whole sequence, and every block after it sees ``S / tp`` positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .errors import IndivisibleError, PlanError
+
+if TYPE_CHECKING:
+    from ._gather import _Frame
+
+__all__ = ["ActivationLayout"]
+
+SEQUENCE_DIM = 1
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """How ``tensor_parallel`` lays activations out on its mesh axis.
+
+    Attributes:
+        mesh: The one-dimensional mesh of the tensor-parallel axis.
+        axis: Its name.
+        index: Its position among the full mesh's axes.
+        rank: This rank's coordinate on it.
+        sequence_parallel: Norms and the residual stream hold ``S / tp`` positions.
+        loss_parallel: The head's logits stay vocab-sharded for the loss.
+    """
+
+    mesh: DeviceMesh
+    axis: str
+    index: int
+    rank: int
+    sequence_parallel: bool
+    loss_parallel: bool
+
+    @property
+    def size(self) -> int:
+        """Ranks on the axis."""
+        return self.mesh.size()
+
+    def slice_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of ``x`` (dim 1); the backward all-gathers."""
+        _check_sequence(x, self.size, self.axis)
+        return self._local(x, [Replicate()], [Shard(SEQUENCE_DIM)])
+
+    def enter_region(self, x: torch.Tensor, sequence_sharded: bool) -> torch.Tensor:
+        """``x`` whole for column-parallel linears; its grad is summed over the axis."""
+        source = [Shard(SEQUENCE_DIM)] if sequence_sharded else [Replicate()]
+        dtensor = DTensor.from_local(x, self.mesh, source, run_check=False)
+        if sequence_sharded:
+            dtensor = dtensor.redistribute(self.mesh, [Replicate()])
+        return dtensor.to_local(grad_placements=[Partial()])
+
+    def reduce_partial(self, y: torch.Tensor, sequence_sharded: bool) -> torch.Tensor:
+        """The sum over ranks of partial ``y``: sequence-sharded, or whole."""
+        if sequence_sharded:
+            _check_sequence(y, self.size, self.axis)
+            return self._local(y, [Partial()], [Shard(SEQUENCE_DIM)])
+        return self._local(y, [Partial()], [Replicate()])
+
+    def gather_last_dim(self, y: torch.Tensor, full: int) -> torch.Tensor:
+        """The whole of ``y``, sharded over its last dim (``full`` entries in all)."""
+        return self.vocab_dtensor(y, full).full_tensor()
+
+    def vocab_dtensor(self, y: torch.Tensor, full: int) -> DTensor:
+        """``y``, this rank's shard of a last dim of ``full`` entries, as a DTensor."""
+        shape = (*y.shape[:-1], full)
+        stride = torch.empty(shape, device="meta").stride()
+        placement = [Shard(y.ndim - 1)]
+        return DTensor.from_local(
+            y, self.mesh, placement, run_check=False, shape=torch.Size(shape), stride=stride
+        )
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """``(first, count)`` of this rank's rows of a dim of ``total`` (``torch.chunk``)."""
+        chunk = -(-total // self.size)
+        first = min(self.rank * chunk, total)
+        return first, min(chunk, total - first)
+
+    def _local(self, x: torch.Tensor, source: list, target: list) -> torch.Tensor:
+        dtensor = DTensor.from_local(x, self.mesh, source, run_check=False)
+        return dtensor.redistribute(self.mesh, target).to_local()
+
+
+def _check_sequence(x: torch.Tensor, size: int, axis: str) -> None:
+    if x.ndim <= SEQUENCE_DIM or x.shape[SEQUENCE_DIM] % size:
+        raise IndivisibleError(
+            f"sequence parallelism splits dim {SEQUENCE_DIM} of activations {tuple(x.shape)} "
+            f"over {size} {axis!r} ranks; use a sequence length divisible by {size}, or "
+            "tensor_parallel(..., sequence_parallel=False)"
+        )
+
+
+def linear_role(frame: _Frame, path: str) -> str | None:
+    """``"column"``, ``"row"`` or None for the linear at module ``path`` under the frame's plan."""
+    layout = frame.plan.activations
+    key = frame.model.tied.get(f"{path}.weight", f"{path}.weight")
+    entry = frame.plan.entries.get(key)
+    if layout is None or entry is None:
+        return None
+    placement = entry.compute[layout.index]
+    if isinstance(placement, Shard):
+        return "column" if placement.dim == 0 else "row"
+    return None
+
+
+def _replace_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], path: str, fn: Callable[[Any], Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with the activation (first positional tensor, or ``hidden_states``)
+    replaced by ``fn`` of it."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise PlanError(
+        f"tensor_parallel cannot find the activation input of module {path!r}: it takes it "
+        "as the first positional tensor or as hidden_states="
+    )
+
+
+def enter_block(frame: _Frame, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    """Slice the residual stream over the sequence when the first block starts."""
+    layout = frame.plan.activations
+    if layout is None or not layout.sequence_parallel or frame.sequence_sharded:
+        return None
+    frame.sequence_sharded = True
+    return _replace_input(args, kwargs, "block", layout.slice_sequence)
+
+
+def enter_module(
+    frame: _Frame, path: str, module: nn.Module, args: Any, kwargs: Any
+) -> tuple[Any, Any] | None:
+    """Forward pre-hook work of module ``path`` (see the module docstring)."""
+    layout = frame.plan.activations
+    assert layout is not None
+    changed = False
+    region = frame.model._regions.get(path)
+    if region is not None:
+        roles = {linear_role(frame, linear) for linear in region}
+        if "column" in roles:
+            _check_region(path, region, roles, module)
+            args, kwargs = _replace_input(
+                args, kwargs, path, lambda x: layout.enter_region(x, frame.sequence_sharded)
+            )
+            changed = True
+        elif "row" in roles:
+            raise PlanError(
+                f"module {path!r} holds row-parallel linears but no column-parallel one: "
+                "tensor_parallel shards a column-parallel linear's output (heads, mlp) and "
+                "the row-parallel linear after it; check the logical axes of its params"
+            )
+    if isinstance(module, nn.Embedding) and _embedding_sharded(frame, path):
+        tokens, first, count = args[0], *layout.rows(module.num_embeddings)
+        outside = (tokens < first) | (tokens >= first + count)
+        frame.stash[path] = outside
+        args, changed = ((tokens - first).masked_fill(outside, 0), *args[1:]), True
+    row = isinstance(module, nn.Linear) and linear_role(frame, path) == "row"
+    if row and module.bias is not None:
+        frame.stash[path] = module._parameters["bias"]
+        module._parameters["bias"] = None
+    return (args, kwargs) if changed else None
+
+
+def exit_module(frame: _Frame, path: str, module: nn.Module, output: Any) -> Any:
+    """Forward hook work of module ``path``: the new output, or None to keep it."""
+    layout = frame.plan.activations
+    assert layout is not None
+    if isinstance(module, nn.Embedding) and _embedding_sharded(frame, path):
+        outside = frame.stash.pop(path)
+        return layout.reduce_partial(output.masked_fill(outside.unsqueeze(-1), 0), False)
+    if not isinstance(module, nn.Linear):
+        return None
+    role = linear_role(frame, path)
+    if role == "row":
+        output = layout.reduce_partial(output, frame.sequence_sharded)
+        bias = frame.stash.pop(path, None)
+        if bias is not None:
+            module._parameters["bias"] = bias
+            output = output + bias
+        return output
+    if role == "column" and path in frame.model._regions:
+        if layout.loss_parallel:
+            return layout.vocab_dtensor(output, module.out_features)
+        return layout.gather_last_dim(output, module.out_features)
+    return None
+
+
+def _embedding_sharded(frame: _Frame, path: str) -> bool:
+    layout = frame.plan.activations
+    key = frame.model.tied.get(f"{path}.weight", f"{path}.weight")
+    placement = frame.plan.entries[key].compute[layout.index]
+    if isinstance(placement, Shard) and placement.dim != 0:
+        raise PlanError(
+            f"embedding {key!r} is sharded over its embedding dim on {layout.axis!r}; "
+            "tensor_parallel shards embeddings over the vocab: give it logical axes "
+            "('vocab', 'embed')"
+        )
+    return isinstance(placement, Shard)
+
+
+def _check_region(path: str, region: tuple[str, ...], roles: set, module: nn.Module) -> None:
+    if "row" not in roles and not isinstance(module, nn.Linear):
+        raise PlanError(
+            f"module {path!r} holds column-parallel linears but no row-parallel one, so its "
+            "output would stay sharded; shard the linear that consumes them on its input "
+            f"dim (linears here: {list(region)})"
+        )
+
+
+def check_heads(module: nn.Module, layout: ActivationLayout) -> None:
+    """Raise unless the model's attention head counts divide by the tensor-parallel size."""
+    config = getattr(module, "config", None)
+    for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % layout.size:
+            raise IndivisibleError(
+                f"{name}={heads} does not divide over {layout.size} {layout.axis!r} ranks: "
+                f"each rank computes whole heads; use a {layout.axis} size that divides {heads}"
+            )

@@ -1,0 +1,191 @@
+"""``tensor_parallel``: Megatron tensor parallelism with sequence parallelism, from logical axes.
+
+A param whose logical axis maps to the tensor-parallel mesh axis is stored and used as a shard
+of that dim: ``Shard(0)`` for the weights of column-parallel linears (q, k, v, gate, up: axes
+``heads``, ``kv_heads``, ``mlp``) and of the vocab-parallel embedding and head (``vocab``),
+``Shard(1)`` for row-parallel linears (output projections). Other params are replicated; with
+sequence parallelism they act on a slice of the sequence (norms) or of the heads, so their
+grads are summed over the axis. Activations move between those layouts at module boundaries
+(``d9d/_activations.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .._activations import ActivationLayout
+from .._plan import ParamPlan
+from .._step import Transform
+from ..errors import IndivisibleError, PlanError
+
+__all__ = ["DEFAULT_RULES", "TensorParallel", "tensor_parallel"]
+
+DEFAULT_RULES: Mapping[str, str | None] = {
+    "heads": "tp",
+    "kv_heads": "tp",
+    "mlp": "tp",
+    "vocab": "tp",
+    "embed": None,
+    "head_dim": None,
+}
+"""Logical axis -> mesh axis (``"tp"`` stands for the transform's axis; None: replicated)."""
+
+_HEAD_AXES = ("heads", "kv_heads")
+_PER_HEAD_AXES = ("head_dim",)
+
+
+@dataclass(frozen=True)
+class TensorParallel(Transform):
+    """The ``tensor_parallel`` transform; build it with :func:`tensor_parallel`."""
+
+    order: ClassVar[int] = 40
+    mesh: DeviceMesh
+    axis: str = "tp"
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    rules: Mapping[str, str | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._axis_index(self.axis, "axis")
+
+    def __str__(self) -> str:
+        return f"tensor_parallel(axis={self.axis!r})"
+
+    def claimed_axes(self) -> tuple[str, ...]:
+        return (self.axis,)
+
+    def activation_layout(self) -> ActivationLayout:
+        index = self._axis_index(self.axis, "axis")
+        coordinate = self.mesh.get_coordinate()
+        return ActivationLayout(
+            mesh=self.mesh[self.axis],
+            axis=self.axis,
+            index=index,
+            rank=coordinate[index] if coordinate is not None else 0,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+        )
+
+    def _target(self, name: str | None, path: str) -> str | None:
+        rules = {**DEFAULT_RULES, **self.rules}
+        if name not in rules:
+            raise PlanError(
+                f"param {path!r} has logical axis {name!r}, which tensor_parallel has no rule "
+                f"for (rules cover {sorted(rules)}); pass rules={{{name!r}: None}} to replicate "
+                f"it or {{{name!r}: {self.axis!r}}} to shard it, or give the param known axes "
+                "with d9d.functionalize(module, axes={...})"
+            )
+        target = rules[name]
+        return self.axis if target == "tp" else target
+
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        if entry.axes is None:
+            raise PlanError(
+                f"param {entry.path!r} has no logical axes, so tensor_parallel cannot place it; "
+                "pass them with d9d.functionalize(module, axes={path regex: names}) and "
+                "step.place(..., axes=model.axes)"
+            )
+        index = self._axis_index(self.axis, "axis")
+        dims = [
+            d for d, name in enumerate(entry.axes) if self._target(name, entry.path) == self.axis
+        ]
+        if len(dims) > 1:
+            raise PlanError(
+                f"param {entry.path!r} has logical axes {entry.axes}, of which {len(dims)} map "
+                f"to {self.axis!r}; a param is sharded over one dim: map only one to it"
+            )
+        if not dims:
+            per_head = any(name in _PER_HEAD_AXES for name in entry.axes)
+            partial = self.sequence_parallel or per_head
+            return entry.with_axis(
+                index,
+                storage=Replicate(),
+                compute=Replicate(),
+                grad=Partial("sum") if partial else Replicate(),
+                reason=(
+                    f"{self}: replicated over {self.axis!r}"
+                    + (
+                        ", used on a slice of the sequence or of the heads: grads summed"
+                        if partial
+                        else ""
+                    )
+                ),
+            )
+        dim, size = dims[0], self.mesh.shape[index]
+        name = entry.axes[dim]
+        if name in _HEAD_AXES and entry.shape[dim] % size:
+            raise IndivisibleError(
+                f"param {entry.path!r}: dim {dim} ({name}, {entry.shape[dim]}) does not divide "
+                f"over {size} {self.axis!r} ranks; each rank must hold whole heads"
+            )
+        kind = {0: "column-parallel (output dim)", 1: "row-parallel (input dim)"}.get(dim, "")
+        uneven = (
+            f", uneven: padded to {-(-entry.shape[dim] // size)} per rank"
+            if entry.shape[dim] % size
+            else ""
+        )
+        return entry.with_axis(
+            index,
+            storage=Shard(dim),
+            compute=Shard(dim),
+            grad=Shard(dim),
+            reason=f"{self}: dim {dim} ({name}) sharded over {self.axis!r}, {kind}{uneven}",
+        )
+
+
+def tensor_parallel(
+    mesh: DeviceMesh,
+    axis: str = "tp",
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    rules: Mapping[str, str | None] | None = None,
+) -> TensorParallel:
+    """Megatron tensor parallelism over a mesh axis, placed from the params' logical axes.
+
+    Column-parallel q/k/v and gate/up projections (``heads``, ``kv_heads``, ``mlp`` on the
+    output dim), row-parallel output projections (the same axes on the input dim), a
+    vocab-parallel embedding and head (``vocab``). Each attention and MLP gathers its input
+    once and reduces its output once. With ``sequence_parallel`` the residual stream and the
+    norms between blocks hold ``S / tp`` positions per rank: the gather is an all-gather and
+    the reduction a reduce-scatter over the sequence (dim 1 of ``[batch, seq, ...]``
+    activations). With ``loss_parallel`` the head's logits stay sharded over the vocab, as a
+    DTensor that :func:`d9d.losses.cross_entropy` reduces without gathering them. Every rank
+    of the axis passes the same batch.
+
+    Works on any model whose linears and embeddings have logical axes: the d9d Llama declares
+    them; give a Hugging Face model path rules with ``functionalize(module, axes=...)``.
+    Composes with ``shard_params`` (which then shards another dim of each weight).
+
+    Args:
+        mesh: The mesh, from :func:`d9d.make_mesh`.
+        axis: The mesh axis to split over. Default ``"tp"``.
+        sequence_parallel: Shard the residual stream over the sequence. Default True.
+        loss_parallel: Keep logits vocab-sharded for the loss. Default True.
+        rules: Logical axis -> mesh axis (``"tp"`` or None), added to :data:`DEFAULT_RULES`.
+
+    Returns:
+        The transform: decorate a step with it.
+
+    Raises:
+        PlanError: ``axis`` is not on the mesh; when placing, a param has no logical axes, an
+            axis with no rule, or two dims on the axis.
+        IndivisibleError: When placing, a heads dim does not divide over the axis.
+
+    Example:
+        >>> import d9d, torch
+        >>> from d9d.testing import run_on_ranks
+        >>> def rank_fn():
+        ...     mesh = d9d.make_mesh("cpu", tp=2)
+        ...     step = tensor_parallel(mesh)(lambda p, s, b: (p, s, {}))
+        ...     params, _ = step.place({"w": torch.ones(4, 6)}, (), axes={"w": ("mlp", "embed")})
+        ...     return params["w"].to_local().shape
+        >>> run_on_ranks(rank_fn, 2)
+        [torch.Size([2, 6]), torch.Size([2, 6])]
+    """
+    return TensorParallel(mesh, axis, sequence_parallel, loss_parallel, dict(rules or {}))

@@ -1,0 +1,264 @@
+"""``tensor_parallel`` (with and without sequence parallelism, alone and with ``shard_params``)
+against the same step on one device; its traffic, memory and errors."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from equivalence import HF_AXES, STEPS, batches, hf_llama, llama, reference, run, train_step
+
+import d9d
+from d9d.errors import RankFailedError
+from d9d.testing import assert_trees_all_close, run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+# tp=4 needs kv heads divisible by 4: 8 query heads of 8 dims, 4 kv heads (still grouped).
+WIDE_HEADS = {"n_heads": 8, "n_kv_heads": 4}
+
+LAYOUTS = {
+    "tp=2": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh)]),
+    "tp=2 no sp": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh, sequence_parallel=False)]),
+    "tp=4": ({"tp": 4}, lambda mesh: [d9d.tensor_parallel(mesh)]),
+    "fsdp=2 x tp=2": (
+        {"fsdp": 2, "tp": 2},
+        lambda mesh: [d9d.shard_params(mesh, "fsdp"), d9d.tensor_parallel(mesh)],
+    ),
+}
+
+
+@functools.cache
+def _build(model: str, dtype: torch.dtype, n_layers: int, layout: str):
+    if model == "hf":
+        return hf_llama(dtype, n_layers)
+    return llama(dtype, n_layers, **(WIDE_HEADS if "tp=4" in layout else {}))
+
+
+@functools.cache
+def _reference(model: str, dtype: torch.dtype, n_layers: int, layout: str, opt: str):
+    vocab = 97 if model == "hf" else 256
+    return reference(_build(model, dtype, n_layers, layout), batches(vocab), opt=opt)
+
+
+def _check(
+    model: str,
+    layout: str,
+    dtype: torch.dtype,
+    *,
+    jit: bool = False,
+    n_layers: int = 2,
+    opt: str = "adamw",
+    params_too: bool = True,
+    tol: dict[str, float] | None = None,
+) -> None:
+    mesh_axes, transforms = LAYOUTS[layout]
+    ref_losses, ref_params = _reference(model, dtype, n_layers, layout, opt)
+    build = _build(model, dtype, n_layers, layout)
+    vocab = 97 if model == "hf" else 256
+    if tol is None:
+        tol = (
+            {"rtol": 1e-9, "atol": 1e-12}
+            if dtype == torch.float64
+            else {"rtol": 1e-5, "atol": 1e-7}
+        )
+    for losses, params in run(build, transforms, mesh_axes, batches(vocab), jit=jit, opt=opt):
+        assert losses.shape == (STEPS,)
+        torch.testing.assert_close(losses, ref_losses, **tol)
+        if params_too:
+            assert_trees_all_close(params, ref_params, **tol)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_eager_equals_one_device(layout: str) -> None:
+    """float64 for AdamW params (see test_shard_params.py for why not float32)."""
+    _check("d9d", layout, torch.float64)
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
+def test_hf_llama_eager_equals_one_device(layout: str) -> None:
+    """From path rules alone; vocab 97 over 2 ranks is an uneven vocab shard."""
+    _check("hf", layout, torch.float64)
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
+def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
+    _check("d9d", layout, torch.float32, params_too=False)
+    _check("d9d", layout, torch.float32, opt="sgd")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
+def test_jit_equals_one_device(layout: str) -> None:
+    _check("d9d", layout, torch.float64, jit=True, n_layers=1)
+
+
+@pytest.mark.compile
+def test_jit_hf_llama_equals_one_device() -> None:
+    """float32 tolerance: Hugging Face norms compute in float32 (see test_shard_params.py)."""
+    _check("hf", "tp=2", torch.float64, jit=True, n_layers=1, tol={"rtol": 1e-5, "atol": 1e-6})
+
+
+def _comms_rank(sequence_parallel: bool, loss_parallel: bool):
+    mesh = d9d.make_mesh("cpu", tp=2)
+    model, opt = llama(torch.float64)(), d9d.optim.adamw(1e-3)
+    tp = d9d.tensor_parallel(mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    step = tp(train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), axes=model.axes)
+    return step.comms(params, state, batches(256)[0])
+
+
+@pytest.mark.parametrize("loss_parallel", [True, False])
+def test_sequence_parallel_moves_the_analytic_bytes(loss_parallel: bool) -> None:
+    """Per block, forward: one all-gather into attention and one into the MLP, one
+    reduce-scatter out of each; backward the mirror. Plus the embedding's all-reduce, the
+    slice of the first block (all-gather in backward), the head's all-gather (reduce-scatter
+    in backward), three all-reduces of one value per token in the loss and one all-reduce
+    per norm weight's grad. Without loss parallelism the logits are all-gathered instead."""
+    layers, batch, seq, dim, vocab, item = 2, 8, 16, 64, 256, 8
+    act = batch * seq * dim * item
+    for stats in run_on_ranks(_comms_rank, 2, True, loss_parallel):
+        gathers = {("all_gather", "tp"): 4 * layers + 2}
+        assert stats.count[("all_gather", "tp")] == 4 * layers + 2 + (not loss_parallel)
+        assert stats.count[("reduce_scatter", "tp")] == 4 * layers + 1
+        loss_reduces = 3 if loss_parallel else 0
+        assert stats.count[("all_reduce", "tp")] == 1 + loss_reduces + 2 * layers + 1
+        logits = 0 if loss_parallel else batch * seq * vocab * item
+        assert stats.bytes[("all_gather", "tp")] == gathers[("all_gather", "tp")] * act + logits
+        assert stats.bytes[("reduce_scatter", "tp")] == (4 * layers + 1) * act
+        norms = (2 * layers + 1) * dim * item
+        per_token = loss_reduces * batch * seq * item
+        assert stats.bytes[("all_reduce", "tp")] == act + per_token + norms
+        assert set(stats.count) == {
+            ("all_gather", "tp"),
+            ("reduce_scatter", "tp"),
+            ("all_reduce", "tp"),
+        }
+
+
+def test_without_sequence_parallel_all_reduces_activations() -> None:
+    """Megatron without SP: each attention and MLP all-reduces its output in forward and its
+    input grad in backward; norm grads are complete on every rank, so not reduced."""
+    layers, batch, seq, dim, item = 2, 8, 16, 64, 8
+    act = batch * seq * dim * item
+    for stats in run_on_ranks(_comms_rank, 2, False, True):
+        # forward: embedding + 2 per block; backward: 2 per block + the head's input grad
+        assert stats.count[("all_reduce", "tp")] == 1 + 2 * layers + 2 * layers + 1 + 3
+        assert stats.bytes[("all_reduce", "tp")] == (4 * layers + 2) * act + 3 * batch * seq * item
+        assert stats.total_count("all_gather") == stats.total_count("reduce_scatter") == 0
+
+
+def test_each_rank_stores_its_share_of_every_sharded_param() -> None:
+    def rank(axes: dict[str, int]):
+        mesh = d9d.make_mesh("cpu", **axes)
+        model, opt = llama()(), d9d.optim.adamw(1e-3)
+        transforms = [d9d.tensor_parallel(mesh)]
+        if "fsdp" in axes:
+            transforms.append(d9d.shard_params(mesh, "fsdp"))
+        step = train_step(model, opt)
+        for t in transforms:
+            step = t(step)
+        params, state = step.place(model.params, opt.init(model.params), axes=model.axes)
+        return step.memory(params, state), step.plan
+
+    model = llama()()
+    sharded = sum(p.numel() for k, p in model.params.items() if "norm" not in k) * 4
+    replicated = sum(p.numel() for k, p in model.params.items() if "norm" in k) * 4
+    for memory, plan in run_on_ranks(rank, 2, {"tp": 2}):
+        assert memory.params == sharded // 2 + replicated
+        assert 0 <= memory.opt_state - 2 * memory.params < 64  # mu, nu and step counters
+        assert "tp:S(0)" in plan.table() and "tp:S(1)" in plan.table()
+        assert "row-parallel" in plan.explain("layers.0.attn.wo.weight")
+    for memory, _ in run_on_ranks(rank, 4, {"fsdp": 2, "tp": 2}):
+        assert memory.params == sharded // 4 + replicated // 2  # norms: sharded on fsdp only
+
+
+def test_decorator_order_does_not_change_the_plan() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", fsdp=2, tp=2)
+        model = llama()()
+        fn = train_step(model, d9d.optim.sgd(0.1))
+        a = d9d.shard_params(mesh)(d9d.tensor_parallel(mesh)(fn))
+        b = d9d.tensor_parallel(mesh)(d9d.shard_params(mesh)(fn))
+        plans = [s.make_plan(model.params, model.axes) for s in (a, b)]
+        return [{k: (e.storage, e.compute, e.grad) for k, e in p.entries.items()} for p in plans]
+
+    for first, second in run_on_ranks(rank, 4):
+        assert first == second
+        assert first["layers.0.attn.wq.weight"][0] == (
+            torch.distributed.tensor.Shard(1),
+            torch.distributed.tensor.Shard(0),
+        )
+
+
+def test_heads_that_do_not_divide_over_tp_are_named() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=4)
+        model = llama()()  # 2 kv heads
+        step = d9d.tensor_parallel(mesh)(train_step(model, d9d.optim.sgd(0.1)))
+        params, state = step.place(model.params, (), axes=model.axes)
+        step(params, state, batches(256)[0])
+
+    with pytest.raises(
+        RankFailedError, match=r"IndivisibleError: n_kv_heads=2 does not divide over 4 'tp'"
+    ):
+        run_on_ranks(rank, 4)
+
+
+def test_a_sequence_that_does_not_divide_is_named() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        model = llama()()
+        step = d9d.tensor_parallel(mesh)(train_step(model, d9d.optim.sgd(0.1)))
+        params, state = step.place(model.params, (), axes=model.axes)
+        batch = batches(256, seq_len=15)[0]
+        step(params, state, batch)
+
+    with pytest.raises(
+        RankFailedError, match=r"IndivisibleError: .*activations \(8, 15, 64\) over 2 'tp' ranks"
+    ):
+        run_on_ranks(rank, 2)
+
+
+def test_a_param_without_a_rule_is_named() -> None:
+    """A Hugging Face model without path rules: its linears have the default axes
+    ("out", "in"), which tensor parallelism has no rule for."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        model = d9d.functionalize(hf_llama()().module)
+        d9d.tensor_parallel(mesh)(lambda p, s, b: (p, s, {})).make_plan(model.params, model.axes)
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"param 'model.layers.0.self_attn.q_proj.weight' has logical axis 'out'",
+    ):
+        run_on_ranks(rank, 2)
+
+
+def test_path_rules_make_a_hugging_face_model_placeable() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        model = d9d.functionalize(hf_llama()().module, axes=HF_AXES)
+        step = d9d.tensor_parallel(mesh)(lambda p, s, b: (p, s, {}))
+        return step.make_plan(model.params, model.axes)
+
+    plan = run_on_ranks(rank, 2)[0]
+    assert "uneven" in plan.explain("lm_head.weight")
+    assert plan.bytes_per_rank() < plan.total_bytes() * 0.6
+
+
+def test_large_plan_on_a_simulated_mesh() -> None:
+    """The 8b preset on 64 fake ranks (fsdp=8 x tp=8): every sharded param is 1/64 per rank."""
+    from d9d.models import Llama, LlamaConfig
+    from d9d.testing import fake_world
+
+    with fake_world(64), torch.device("meta"):
+        mesh = d9d.make_mesh("cpu", fsdp=8, tp=8)
+        model = d9d.functionalize(Llama(LlamaConfig.llama_8b()))
+        step = d9d.tensor_parallel(mesh)(d9d.shard_params(mesh)(lambda p, s, b: (p, s, {})))
+        plan = step.make_plan(model.params, model.axes)
+    norms = sum(math.prod(e.shape) * 4 for k, e in plan.entries.items() if "norm" in k)
+    assert plan.bytes_per_rank() == (plan.total_bytes() - norms) // 64 + norms // 8
