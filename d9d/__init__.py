@@ -26,6 +26,7 @@ from ._plan import Plan as Plan
 from ._step import Memory as Memory
 from ._step import Transform as Transform
 from ._step import TransformedStep as TransformedStep
+from .transforms import context_parallel as context_parallel
 from .transforms import shard_params as shard_params
 from .transforms import tensor_parallel as tensor_parallel
 
@@ -43,6 +44,7 @@ __all__ = [
     "Transform",
     "TransformedStep",
     "checkpoint",
+    "context_parallel",
     "data",
     "errors",
     "functionalize",

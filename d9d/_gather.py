@@ -23,12 +23,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from . import _activations
+from ._sequence_split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
 from .errors import PlanError
 
 if TYPE_CHECKING:
     from ._plan import Plan
 
-__all__ = ["apply_placed", "enter_block", "enter_module", "exit_block", "exit_module"]
+__all__ = [
+    "active_split",
+    "apply_placed",
+    "enter_block",
+    "enter_module",
+    "exit_block",
+    "exit_module",
+]
 
 
 class _State(threading.local):
@@ -123,17 +131,36 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
         store = slot.store()
         saved.append(store[slot.name])
         store[slot.name] = model.buffers[slot.key]
+    split = plan.sequence_split
+    config = hf_config(model.module) if split is not None else None
+    if split is not None:
+        kwargs = with_positions(split, model._position_kwarg, args, kwargs)
+    attention = config._attn_implementation if config is not None else None
     previous = _state.frame
     _state.frame = frame
     try:
+        if config is not None:
+            config._attn_implementation = HF_ATTENTION
         if frame.regather is None:
             return model.module(*args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(frame.regather.pack, frame.regather.unpack):
             return model.module(*args, **kwargs)
     finally:
         _state.frame = previous
+        if config is not None:
+            config._attn_implementation = attention
         for slot, old in zip((*model._root_slots, *model._buffer_slots), saved, strict=True):
             slot.store()[slot.name] = old
+
+
+def active_split() -> SequenceSplit | None:
+    """How ``context_parallel`` splits sequences in the step running on this thread, or None.
+
+    Attention code asks it: under a split, attend with ``split.attention(q, k, v)`` (ring
+    attention over the whole sequence) rather than over the local shard.
+    """
+    frame = _state.frame
+    return frame.plan.sequence_split if frame is not None else None
 
 
 def _frame_of(model: Any) -> _Frame | None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from ._active import active_plan
 from ._gather import apply_placed, enter_block, enter_module, exit_block, exit_module
+from ._sequence_split import position_kwarg
 from .errors import ParamTreeMismatchError
 
 __all__ = ["Axes", "Model", "functionalize"]
@@ -67,6 +68,7 @@ class Model:
     _buffer_slots: tuple[_Slot, ...] = field(default=(), repr=False)
     _regions: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
     _root_owners: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
+    _position_kwarg: str | None = field(default=None, repr=False)
 
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Call the module's forward with ``params`` in place of its own tensors.
@@ -193,6 +195,7 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
         _buffer_slots=tuple(s for s in unique if not s.is_param),
         _regions=_regions(module, block_paths),
         _root_owners=_root_owners(module, root_slots, tied),
+        _position_kwarg=position_kwarg(module),
     )
     for index, (block, _) in enumerate(blocks):
         block.register_forward_pre_hook(

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from ._activations import ActivationLayout
 from ._materialize import gather
 from ._module import Axes
+from ._sequence_split import SequenceSplit
 from .errors import PlanError
 
 __all__ = ["ParamPlan", "Plan"]
@@ -119,6 +120,7 @@ class Plan:
     reshard_after_forward: bool = True
     microbatches: int = 1
     activations: ActivationLayout | None = None
+    sequence_split: SequenceSplit | None = None
     _names: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from ._active import activate
 from ._comms import CollectiveCounter, CommStats
 from ._module import Axes
 from ._plan import ParamPlan, Plan
+from ._sequence_split import SequenceSplit
 from .errors import IndivisibleError, PlanError
 
 __all__ = ["Memory", "Transform", "TransformedStep"]
@@ -51,6 +52,10 @@ class Transform(abc.ABC):
 
     def activation_layout(self) -> ActivationLayout | None:
         """How activations are laid out between modules (tensor parallelism; default None)."""
+        return None
+
+    def sequence_split(self) -> SequenceSplit | None:
+        """How each rank's sequences are split over ranks (context parallelism; default None)."""
         return None
 
     @abc.abstractmethod
@@ -187,6 +192,9 @@ class TransformedStep:
             reshard_after_forward=not keep,
             microbatches=microbatches,
             activations=next((a for a in layouts if a is not None), None),
+            sequence_split=next(
+                (s for s in (t.sequence_split() for t in self.transforms) if s is not None), None
+            ),
         )
 
     def place(
@@ -228,15 +236,21 @@ class TransformedStep:
 
     def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         """One step, inputs checked and the plan active (``d9d.jit`` does both outside its graph)."""
+        split = self.plan.sequence_split
+        if split is not None:
+            batch = split.split_batch(batch)
         params, opt_state, metrics = self.fn(params, opt_state, batch)
-        return params, opt_state, self._mean_over_data_axes(metrics)
+        return params, opt_state, self._mean_over_ranks(metrics)
 
-    def _mean_over_data_axes(self, metrics: Any) -> Any:
+    def _mean_over_ranks(self, metrics: Any) -> Any:
+        """Metrics averaged over the data axes and the axis sequences are split over."""
         names = tuple(self.mesh.mesh_dim_names or ())
+        split = self.plan.sequence_split
+        axes = (*self.data_axes, *((split.axis,) if split is not None else ()))
         hops = [
             tuple(Partial("avg") if j == i else Replicate() for j in range(len(names)))
             for i, name in enumerate(names)
-            if name in self.data_axes
+            if name in axes
         ]
 
         def mean(leaf: Any) -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..._gather import active_split
+
 __all__ = ["attention", "rms_norm", "rope", "rope_cos_sin", "rope_inv_freq", "swiglu"]
 
 
@@ -65,8 +67,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     Grouped-query attention goes through ``enable_gqa`` rather than ``repeat_interleave``, so
     the kv heads are never copied ``H // KV`` times; it traces under
     ``torch.compile(fullgraph=True)`` and matches the repeated reference exactly on CPU
-    (tests/models/llama/test_llama_ops.py).
+    (tests/models/llama/test_llama_ops.py). Inside a ``context_parallel`` step it is ring
+    attention over the whole sequence split across the cp ranks.
     """
+    split = active_split()
+    if split is not None:  # context_parallel: q, k, v hold this rank's part of the sequence
+        return split.attention(q, k, v, causal=True)
     return F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
     )

@@ -1,0 +1,148 @@
+"""Context parallelism at run time: the batch's sequences split over ``cp``, positions that
+follow the split, and attention that sees the whole sequence (ring attention).
+
+``context_parallel`` puts a :class:`SequenceSplit` in the plan. The transformed step cuts every
+batch tensor of rank >= 2 along dim 1 (the sequence) into this rank's zigzag shard before the
+step body runs; ``Model.apply`` passes the global positions of the rank's tokens to the
+module (``positions=`` or ``position_ids=``, whichever its forward takes); attention calls
+:func:`ring_attention` instead of attending over the local shard only: the d9d Llama asks
+:func:`active_split`, a Hugging Face model is switched to the ``"d9d_ring"`` attention
+implementation for the call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from . import tree
+from .errors import PlanError
+from .parallel import positions_for, ring_attention, shard_sequence
+
+__all__ = ["HF_ATTENTION", "SequenceSplit"]
+
+SEQUENCE_DIM = 1
+HF_ATTENTION = "d9d_ring"
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How ``context_parallel`` splits sequences.
+
+    Attributes:
+        group: The process group of the cp axis.
+        axis: Its name.
+        rank: This rank's coordinate on it.
+        size: Ranks on it.
+        load_balance: ``"zigzag"`` or None (contiguous chunks).
+    """
+
+    group: ProcessGroup
+    axis: str
+    rank: int
+    size: int
+    load_balance: str | None
+
+    def split_batch(self, batch: Any) -> Any:
+        """Every tensor of rank >= 2 in ``batch`` cut to this rank's shard of dim 1."""
+
+        def cut(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor) or leaf.ndim <= SEQUENCE_DIM:
+                return leaf
+            return shard_sequence(
+                leaf, SEQUENCE_DIM, self.rank, self.size, load_balance=self.load_balance
+            )
+
+        return tree.map(cut, batch)
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens, in local order."""
+        whole = local_len * self.size
+        found = positions_for(self.rank, self.size, whole, load_balance=self.load_balance)
+        return found.to(device)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attention of this rank's queries over the whole sequence; ``[B, H, S_local, D]``."""
+        return ring_attention(
+            q, k, v, group=self.group, causal=causal, load_balance=self.load_balance, scale=scale
+        )
+
+
+def position_kwarg(module: nn.Module) -> str | None:
+    """The name under which ``module.forward`` takes token positions, if any."""
+    names = inspect.signature(module.forward).parameters
+    return next((n for n in ("positions", "position_ids") if n in names), None)
+
+
+def with_positions(
+    split: SequenceSplit, name: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``kwargs`` with the rank's global positions added under ``name``."""
+    if name is None:
+        raise PlanError(
+            "context_parallel gives each rank a slice of every sequence, so the model must "
+            "take the tokens' global positions: its forward has neither positions= nor "
+            "position_ids="
+        )
+    if kwargs.get(name) is not None:
+        return kwargs
+    tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("tokens"))
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
+        raise PlanError(
+            "context_parallel finds the sequence length from the first positional input "
+            f"(tokens [batch, seq]); got {type(tokens).__name__}"
+        )
+    positions = split.positions(tokens.shape[SEQUENCE_DIM], tokens.device)
+    if name == "position_ids":
+        positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+    return {**kwargs, name: positions}
+
+
+def hf_ring_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A ``transformers`` attention implementation: ring attention of the active split."""
+    from ._gather import active_split
+
+    split = active_split()
+    if split is None:
+        raise PlanError(
+            f"attention implementation {HF_ATTENTION!r} runs only inside a context_parallel step"
+        )
+    if dropout:
+        raise PlanError(f"context_parallel attention has no dropout; got dropout={dropout}")
+    causal = bool(getattr(module, "is_causal", True))
+    out = split.attention(query, key, value, causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hf_config(module: nn.Module) -> Any:
+    """The ``transformers`` config whose attention implementation to switch, or None."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return None
+    from transformers import AttentionInterface
+
+    if HF_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(HF_ATTENTION, hf_ring_attention)
+    return config

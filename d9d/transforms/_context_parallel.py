@@ -1,0 +1,108 @@
+"""``context_parallel``: each rank of the ``cp`` axis takes a slice of every sequence.
+
+Params stay whole on ``cp``; each rank's grads come from its own tokens and are averaged over
+the axis, as over a data-parallel axis. Before the step body runs the batch is cut along the
+sequence (zigzag by default, so causal work is equal on every rank), ``Model.apply`` passes the
+rank's global positions, and attention is ring attention (``d9d/_sequence_split.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate
+
+from .._plan import ParamPlan
+from .._sequence_split import SequenceSplit
+from .._step import Transform
+from ..parallel._zigzag import check_load_balance
+
+__all__ = ["ContextParallel", "context_parallel"]
+
+
+@dataclass(frozen=True)
+class ContextParallel(Transform):
+    """The ``context_parallel`` transform; build it with :func:`context_parallel`."""
+
+    order: ClassVar[int] = 30
+    mesh: DeviceMesh
+    axis: str = "cp"
+    load_balance: str | None = "zigzag"
+
+    def __post_init__(self) -> None:
+        self._axis_index(self.axis, "axis")
+        check_load_balance(self.load_balance)
+
+    def __str__(self) -> str:
+        return f"context_parallel(axis={self.axis!r})"
+
+    def claimed_axes(self) -> tuple[str, ...]:
+        return (self.axis,)
+
+    def sequence_split(self) -> SequenceSplit:
+        index = self._axis_index(self.axis, "axis")
+        coordinate = self.mesh.get_coordinate()
+        return SequenceSplit(
+            group=self.mesh.get_group(self.axis),
+            axis=self.axis,
+            rank=coordinate[index] if coordinate is not None else 0,
+            size=self.mesh.shape[index],
+            load_balance=self.load_balance,
+        )
+
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        return entry.with_axis(
+            self._axis_index(self.axis, "axis"),
+            storage=Replicate(),
+            compute=Replicate(),
+            grad=Partial("avg"),
+            reason=(
+                f"{self}: replicated over {self.axis!r}, each rank holding a slice of every "
+                "sequence; grads all-reduced (mean)"
+            ),
+        )
+
+
+def context_parallel(
+    mesh: DeviceMesh, axis: str = "cp", *, load_balance: str | None = "zigzag"
+) -> ContextParallel:
+    """Split every sequence of the batch over a mesh axis; attention is ring attention.
+
+    Each rank of ``axis`` passes the same batch; the step body sees this rank's part of every
+    batch tensor of rank >= 2 (cut along dim 1, the sequence). With ``load_balance="zigzag"``
+    the sequence is cut into ``2 * cp`` chunks and rank ``r`` takes chunks ``r`` and
+    ``2 * cp - 1 - r``, so every rank does the same causal attention work; ``None`` cuts
+    contiguous chunks. ``Model.apply`` passes the model the global positions of the rank's
+    tokens (``positions=`` for the d9d Llama, ``position_ids=`` for a Hugging Face model), and
+    attention runs as ring attention over the cp ranks (``docs/context_parallel.md``). Grads
+    and metrics are averaged over the axis. Composes with ``tensor_parallel`` and
+    ``shard_params``.
+
+    Args:
+        mesh: The mesh, from :func:`d9d.make_mesh`.
+        axis: The mesh axis to split sequences over. Default ``"cp"``.
+        load_balance: ``"zigzag"`` (default) or None.
+
+    Returns:
+        The transform: decorate a step with it.
+
+    Raises:
+        PlanError: ``axis`` is not on the mesh.
+        ValueError: ``load_balance`` is neither ``"zigzag"`` nor None.
+
+    Example:
+        >>> import d9d, torch
+        >>> from d9d.testing import run_on_ranks
+        >>> def rank_fn():
+        ...     mesh = d9d.make_mesh("cpu", cp=2)
+        ...     seen = []
+        ...     step = context_parallel(mesh)(lambda p, s, b: (p, s, seen.append(b.tolist())))
+        ...     params, _ = step.place({"w": torch.ones(2)}, ())
+        ...     step(params, (), torch.arange(8).view(1, 8))
+        ...     return seen[0]
+        >>> run_on_ranks(rank_fn, 2)  # zigzag: chunks 0 and 3, chunks 1 and 2
+        [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
+    """
+    return ContextParallel(mesh, axis, load_balance)

@@ -1,0 +1,129 @@
+"""``context_parallel`` (alone, with ``tensor_parallel`` and with ``shard_params``) against the
+same step on one device; its traffic and errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from equivalence import STEPS, batches, hf_llama, llama, reference, run, train_step
+
+import d9d
+from d9d.errors import RankFailedError
+from d9d.testing import assert_trees_all_close, run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = {
+    "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh)]),
+    "cp=2 contiguous": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh, load_balance=None)]),
+    "cp=4": ({"cp": 4}, lambda mesh: [d9d.context_parallel(mesh)]),
+    "cp=2 x tp=2": (
+        {"cp": 2, "tp": 2},
+        lambda mesh: [d9d.tensor_parallel(mesh), d9d.context_parallel(mesh)],
+    ),
+    "fsdp=2 x cp=2": (
+        {"fsdp": 2, "cp": 2},
+        lambda mesh: [d9d.context_parallel(mesh), d9d.shard_params(mesh, "fsdp")],
+    ),
+}
+
+
+@functools.cache
+def _reference(model: str, dtype: torch.dtype, n_layers: int, opt: str):
+    build = (hf_llama if model == "hf" else llama)(dtype, n_layers)
+    return reference(build, batches(97 if model == "hf" else 256), opt=opt)
+
+
+def _check(
+    model: str,
+    layout: str,
+    dtype: torch.dtype,
+    *,
+    jit: bool = False,
+    n_layers: int = 2,
+    opt: str = "adamw",
+    params_too: bool = True,
+) -> None:
+    mesh_axes, transforms = LAYOUTS[layout]
+    ref_losses, ref_params = _reference(model, dtype, n_layers, opt)
+    build = (hf_llama if model == "hf" else llama)(dtype, n_layers)
+    data = batches(97 if model == "hf" else 256)
+    f64 = dtype == torch.float64
+    tol = {"rtol": 1e-9, "atol": 1e-12} if f64 else {"rtol": 1e-5, "atol": 1e-7}
+    for losses, params in run(build, transforms, mesh_axes, data, jit=jit, opt=opt):
+        assert losses.shape == (STEPS,)
+        torch.testing.assert_close(losses, ref_losses, **tol)
+        if params_too:
+            assert_trees_all_close(params, ref_params, **tol)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_eager_equals_one_device(layout: str) -> None:
+    _check("d9d", layout, torch.float64)
+
+
+def test_hf_llama_equals_one_device() -> None:
+    """Positions go in as position_ids; attention runs as the "d9d_ring" implementation."""
+    _check("hf", "cp=2", torch.float64)
+
+
+def test_fp32_losses_and_sgd_params_equal_one_device() -> None:
+    _check("d9d", "cp=2", torch.float32, params_too=False)
+    _check("d9d", "cp=2", torch.float32, opt="sgd")
+
+
+@pytest.mark.compile
+def test_jit_equals_one_device() -> None:
+    _check("d9d", "cp=2", torch.float64, jit=True, n_layers=1)
+
+
+def test_ring_exchanges_and_grad_reduction_are_the_analytic_bytes() -> None:
+    """Per attention layer: cp - 1 K/V exchanges forward; backward cp - 1 exchanges of
+    K, V, dK, dV and one of dK, dV. Grads are all-reduced over cp once each, and the loss."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2)
+        model, opt = llama(torch.float64)(), d9d.optim.adamw(1e-3)
+        step = d9d.context_parallel(mesh)(train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params), axes=model.axes)
+        return (
+            step.comms(params, state, batches(256)[0]),
+            sum(p.numel() * 8 for p in model.params.values()),
+            len(model.params),
+        )
+
+    layers, cp, batch, kv_heads, local, head_dim, item = 2, 2, 8, 2, 8, 16, 8
+    kv = batch * kv_heads * local * head_dim * item
+    for stats, param_bytes, n_params in run_on_ranks(rank, 2):
+        assert stats.count[("all_to_all", "cp")] == layers * (2 * cp - 1)
+        per_layer = (cp - 1) * 2 * kv + (cp - 1) * 4 * kv + 2 * kv
+        assert stats.bytes[("all_to_all", "cp")] == layers * per_layer
+        assert stats.count[("all_reduce", "cp")] == n_params + 1
+        assert stats.bytes[("all_reduce", "cp")] == param_bytes + 8
+        assert set(stats.count) == {("all_to_all", "cp"), ("all_reduce", "cp")}
+
+
+def test_a_sequence_that_does_not_split_is_named() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2)
+        model = llama()()
+        step = d9d.context_parallel(mesh)(train_step(model, d9d.optim.sgd(0.1)))
+        params, state = step.place(model.params, (), axes=model.axes)
+        step(params, state, batches(256, seq_len=14)[0])
+
+    with pytest.raises(RankFailedError, match=r"IndivisibleError: .*14.*multiple of 4"):
+        run_on_ranks(rank, 2)
+
+
+def test_a_model_without_positions_is_named() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2)
+        model = d9d.functionalize(torch.nn.Sequential(torch.nn.Embedding(8, 4)))
+        step = d9d.context_parallel(mesh)(lambda p, s, b: (p, s, {"x": model.apply(p, b).sum()}))
+        params, state = step.place(model.params, ())
+        step(params, state, torch.zeros(2, 8, dtype=torch.long))
+
+    with pytest.raises(RankFailedError, match=r"neither positions= nor position_ids="):
+        run_on_ranks(rank, 2)
