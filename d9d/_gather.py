@@ -118,7 +118,7 @@ class _Regather:
 
 def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) -> Any:
     """``model.apply`` with params gathered per block (see the module docstring)."""
-    reshard = plan.reshard_after_forward and not torch.compiler.is_compiling()
+    reshard = plan.reshard_after_forward and plan.gathers and not torch.compiler.is_compiling()
     if plan.activations is not None:
         _activations.check_heads(model.module, plan.activations)
     frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None)

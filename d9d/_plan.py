@@ -112,6 +112,8 @@ class Plan:
 
     ``print(plan)`` shows path, global shape, storage and compute placements (``R``: replicated
     on every axis; ``fsdp:S(0)``: dim 0 sharded over ``fsdp``) and bytes per rank.
+    ``gathers`` says whether any param is computed in another layout than it is stored (only
+    then is there anything to free after the forward and gather again for the backward).
     """
 
     mesh: DeviceMesh
@@ -122,9 +124,11 @@ class Plan:
     activations: ActivationLayout | None = None
     sequence_split: SequenceSplit | None = None
     _names: tuple[str, ...] = field(init=False, repr=False)
+    gathers: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._names = tuple(self.mesh.mesh_dim_names or ())
+        self.gathers = any(e.compute != e.storage for e in self.entries.values())
 
     def __getitem__(self, path: str) -> ParamPlan:
         try:
