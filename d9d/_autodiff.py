@@ -65,7 +65,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
             value, aux, grads = _differentiate(fn, spec, leaves, args, kwargs, has_aux)
         else:
             value, aux, grads = _accumulate(fn, spec, leaves, args, kwargs, has_aux, microbatches)
-        grads = [_like(g, leaf) for g, leaf in zip(grads, leaves, strict=True)]
+        grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
         if has_aux:
             return (value, aux), tree.unflatten(spec, grads)
         return value, tree.unflatten(spec, grads)
@@ -171,8 +171,16 @@ def _check_value(value: Any, has_aux: bool) -> None:
     )
 
 
-def _like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The grad laid out like its param: a ``Partial`` DTensor grad is reduced here."""
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        grad = reduce_to(grad, tuple(param.placements))
+def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Any) -> torch.Tensor:
+    """The grad laid out like its param: a ``Partial`` DTensor grad is reduced here.
+
+    Under a plan the param's placements are the plan's (checked before the step), and those
+    are read from the plan: reading them from the param would make ``jit`` guard on the
+    identity of the param's placement objects, which each step's update creates anew.
+    """
+    if isinstance(grad, DTensor):
+        entry = plan.entries.get(path) if plan is not None else None
+        placements = entry.storage if entry is not None else tuple(param.placements)
+        if tuple(grad.placements) != placements:
+            grad = reduce_to(grad, placements)
     return grad.to(param.dtype)

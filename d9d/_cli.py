@@ -1,16 +1,21 @@
-"""The ``d9d`` command: ``d9d train`` and ``d9d plan``."""
+"""The ``d9d`` command: ``d9d train``, ``d9d plan`` and ``d9d bench kernels``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import torch
+
 from ._plan_command import show_plan
 from ._train import TrainConfig, train
+from .kernels import _bench
+from .kernels._bench_cases import OPS, SHAPES
 
 __all__ = ["main"]
 
@@ -118,7 +123,67 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--dp", type=int, default=1, help="ranks to replicate over (default 1)")
     show.add_argument("--fsdp", type=int, default=8, help="ranks to shard over (default 8)")
     show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
+    _add_bench(commands)
     return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmark d9d's kernels: d9d bench kernels")
+    bench.add_argument("target", choices=["kernels"], help="what to benchmark")
+    bench.add_argument(
+        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda if there is one"
+    )
+    bench.add_argument(
+        "--shapes",
+        choices=list(SHAPES),
+        default=None,
+        help="llama3-8b (default on cuda) or tiny (default on cpu: Triton runs interpreted)",
+    )
+    bench.add_argument(
+        "--dtype",
+        choices=_bench.DTYPES,
+        default="bfloat16",
+        help="activations' dtype; adamw is float32 (default %(default)s)",
+    )
+    bench.add_argument("--only", default="", help=f"comma-separated ops of {', '.join(OPS)}")
+    bench.add_argument("--warmup", type=int, default=None, help="default 5 on cuda, 1 on cpu")
+    bench.add_argument("--reps", type=int, default=None, help="default 20 on cuda, 2 on cpu")
+    bench.add_argument(
+        "--no-compile", action="store_true", help="skip the torch.compile baseline (cuda only)"
+    )
+    bench.add_argument(
+        "--out", type=Path, default=None, help="JSON report (default: ./kernels-<device>.json)"
+    )
+
+
+def _bench_kernels(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        # Triton runs on CPU only under its interpreter, which must be chosen before the
+        # first kernel is compiled: in a `d9d bench` process that is still to come.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    report = _bench.run(
+        device=device,
+        shapes=args.shapes or ("llama3-8b" if device == "cuda" else "tiny"),
+        dtype=args.dtype,
+        ops=[op.strip() for op in args.only.split(",") if op.strip()],
+        warmup=args.warmup,
+        reps=args.reps,
+        compile_baseline=not args.no_compile,
+        command=" ".join(["d9d", *argv]),
+        progress=lambda row: print(
+            f"{row['op']} {row['shape']} {row['mode']} {row['impl']}: "
+            + (f"{row['median_ms']} ms" if "error" not in row else "error"),
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    slug = report["device"].lower().replace(" ", "-")
+    out = args.out or Path(f"kernels-{slug}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(_bench.format_table(report))
+    print(f"wrote {out}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,9 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["train", "--steps", "0"])
         2
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k != "command"}
     try:
+        if args.command == "bench":
+            _bench_kernels(args, argv)
+            return 0
         if args.command == "plan":
             print(show_plan(args.preset, dp=args.dp, fsdp=args.fsdp, max_rows=args.rows))
             return 0

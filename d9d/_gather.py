@@ -1,10 +1,10 @@
 """Applying a model whose params are placed on a mesh: gather per block, regather for backward.
 
 ``Model.apply`` under an active plan (inside a transformed step) swaps in, for each param, the
-tensor its plan computes with (``Plan.materialize``: a gather of the stored shards). Params
-outside any block are gathered when ``apply`` starts; a block's params (a child of an
-``nn.ModuleList``) when the block's forward starts, and the block's slots get the stored
-params back when it ends. With ``reshard_after_forward`` (eager only), saved-tensor hooks
+tensor its plan computes with (``Plan.materialize_many``: one gather of the stored shards for
+all the params of a block, as FSDP2 gathers a unit). Params outside any block are gathered
+when ``apply`` starts; a block's params (a child of an ``nn.ModuleList``) when the block's
+forward starts, and the block's slots get the stored params back when it ends. With ``reshard_after_forward`` (eager only), saved-tensor hooks
 replace each gathered param that autograd saves for the backward by a handle, and gather it
 again when the backward needs it, so gathered params do not outlive their block. Under
 ``tensor_parallel`` the same hooks, and hooks on linears, embeddings and block children, move
@@ -62,11 +62,14 @@ class _Frame:
     sequence_sharded: bool = False
     stash: dict[str, Any] = field(default_factory=dict)
 
-    def materialize(self, key: str) -> torch.Tensor:
-        local = self.plan.materialize(key, self.params[key])
+    def materialize(self, slots: Any) -> list[torch.Tensor]:
+        """The tensors to compute with for ``slots`` (tied aliases gathered once)."""
+        keys = [self.model.tied.get(slot.key, slot.key) for slot in slots]
+        unique = list(dict.fromkeys(keys))
+        locals_ = self.plan.materialize_many(unique, self.params)
         if self.regather is not None:
-            self.regather.track(key, self.params[key], local)
-        return local
+            self.regather.track(locals_)
+        return [locals_[key] for key in keys]
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,13 @@ class _Regather:
         self.gathered: dict[int, tuple[str, weakref.ref]] = {}
         self.pending: dict[str, int] = {}
         self.cache: dict[str, torch.Tensor] = {}
+        self.together: dict[str, tuple[str, ...]] = {}
 
-    def track(self, key: str, stored: DTensor, local: torch.Tensor) -> None:
-        self.gathered[local.untyped_storage().data_ptr()] = (key, weakref.ref(local))
+    def track(self, gathered: dict[str, torch.Tensor]) -> None:
+        """Remember params gathered together, to gather them again together."""
+        for key, local in gathered.items():
+            self.gathered[local.untyped_storage().data_ptr()] = (key, weakref.ref(local))
+            self.together[key] = tuple(gathered)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, DTensor) or tensor.device.type == "meta":
@@ -107,9 +114,17 @@ class _Regather:
             return packed
         full = self.cache.get(packed.key)
         if full is None:
+            # Gather again, in one go, every param gathered with this one that the backward
+            # still needs (the embedding table, needed by nobody, is left out).
+            wanted = [
+                k
+                for k in self.together[packed.key]
+                if self.pending.get(k, 0) > 0 and k not in self.cache
+            ]
+            detached = {k: self.params[k].detach() for k in wanted}
             with torch.no_grad():
-                full = self.plan.materialize(packed.key, self.params[packed.key].detach())
-            self.cache[packed.key] = full
+                self.cache.update(self.plan.materialize_many(wanted, detached))
+            full = self.cache[packed.key]
         self.pending[packed.key] -= 1
         if not self.pending[packed.key]:
             del self.cache[packed.key]
@@ -123,10 +138,10 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
         _activations.check_heads(model.module, plan.activations)
     frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None)
     saved = []
-    for slot in model._root_slots:
+    for slot, local in zip(model._root_slots, frame.materialize(model._root_slots), strict=True):
         store = slot.store()
         saved.append(store[slot.name])
-        store[slot.name] = frame.materialize(model.tied.get(slot.key, slot.key))
+        store[slot.name] = local
     for slot in model._buffer_slots:
         store = slot.store()
         saved.append(store[slot.name])
@@ -177,8 +192,8 @@ def enter_block(
         return None
     slots = model._blocks[index][1]
     frame.originals[index] = [slot.store()[slot.name] for slot in slots]
-    for slot in slots:
-        slot.store()[slot.name] = frame.materialize(model.tied.get(slot.key, slot.key))
+    for slot, local in zip(slots, frame.materialize(slots), strict=True):
+        slot.store()[slot.name] = local
     return _activations.enter_block(frame, args, kwargs)
 
 

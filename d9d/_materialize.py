@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from ._active import accumulating
 
-__all__ = ["gather", "reduce_to"]
+__all__ = ["coalescible", "gather", "gather_many", "reduce_to"]
+
+# The functional collective ops themselves (what DTensor issues, Dynamo traces and
+# ``d9d._comms`` counts): their Python wrappers were renamed between torch 2.11 and 2.13.
+_c10d = torch.ops._c10d_functional
 
 
 def gather(
@@ -74,3 +79,140 @@ class _Gather(torch.autograd.Function):
         if not ctx.defer:
             out = reduce_to(out, ctx.storage).to(ctx.dtype)
         return out, None, None, None, None, None
+
+
+def coalescible(entry: Any) -> tuple[int, int] | None:
+    """``(mesh axis, tensor dim)`` when ``entry`` is gathered over exactly one mesh axis from a
+    plain ``Shard(dim)`` to ``Replicate`` (so its gather can share one collective with others),
+    else None."""
+    differ = [
+        i for i, (s, c) in enumerate(zip(entry.storage, entry.compute, strict=True)) if s != c
+    ]
+    if len(differ) != 1:
+        return None
+    axis = differ[0]
+    stored, used = entry.storage[axis], entry.compute[axis]
+    if not (isinstance(stored, Shard) and isinstance(used, Replicate)):
+        return None
+    if not isinstance(entry.grad[axis], Partial):
+        return None
+    dim = stored.dim
+    nested = any(isinstance(p, Shard) and p.dim == dim for p in _others(entry.storage, axis))
+    return None if nested else (axis, dim)
+
+
+def _others(placements: tuple[Placement, ...], axis: int) -> tuple[Placement, ...]:
+    return (*placements[:axis], *placements[axis + 1 :])
+
+
+def gather_many(
+    stored: list[DTensor], mesh: DeviceMesh, entries: list[Any], axis: int, group: str
+) -> list[torch.Tensor]:
+    """Like :func:`gather` for several params sharded over the same mesh ``axis``, with one
+    all-gather for all of them (and one reduce-scatter of their grads in the backward).
+
+    Each shard is padded to the largest shard's size along its sharded dim (as DTensor and
+    FSDP2 lay uneven shards out), flattened and concatenated; the gathered buffer is cut
+    back into params. Entries must share the compute dtype, reduce dtype and grad placements.
+    ``group`` is the name of the axis's process group (looked up once, outside any graph).
+    """
+    return list(_GatherMany.apply(mesh, axis, group, tuple(entries), *stored))
+
+
+def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
+    if rows.shape[0] == count:
+        return rows
+    out = rows.new_zeros((count, *rows.shape[1:]))
+    out[: rows.shape[0]] = rows
+    return out
+
+
+class _GatherMany(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, mesh: DeviceMesh, axis: int, group: str, entries: tuple, *stored: DTensor
+    ) -> Any:
+        ranks = mesh.shape[axis]
+        first = entries[0]
+        dtype = first.compute_dtype or stored[0].dtype
+        layouts, pieces = [], []
+        for tensor, entry in zip(stored, entries, strict=True):
+            dim = entry.storage[axis].dim
+            rows = tensor.to_local().to(dtype).movedim(dim, 0)
+            chunk = -(-entry.shape[dim] // ranks)
+            layouts.append((dim, chunk, tuple(rows.shape[1:]), rows.shape[0], tensor.stride()))
+            pieces.append(_padded(rows, chunk).reshape(-1))
+        ctx.mesh, ctx.axis, ctx.group, ctx.entries, ctx.layouts = (
+            mesh,
+            axis,
+            group,
+            entries,
+            layouts,
+        )
+        ctx.dtypes = [t.dtype for t in stored]
+        ctx.reduce_dtype = first.reduce_dtype or stored[0].dtype
+        ctx.defer = accumulating()
+        gathered = _c10d.wait_tensor(
+            _c10d.all_gather_into_tensor(torch.cat(pieces), ranks, group)
+        ).view(ranks, -1)
+        outs, offset = [], 0
+        for entry, (dim, chunk, rest, _, _) in zip(entries, layouts, strict=True):
+            size = chunk * math.prod(rest)
+            part = gathered[:, offset : offset + size].reshape(ranks * chunk, *rest)
+            out = part[: entry.shape[dim]].movedim(0, dim).contiguous()
+            if ranks == 1 or len(entries) == 1:
+                out = out.clone()  # a view of the buffer: the regather hooks key on storages
+            outs.append(out)
+            offset += size
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        mesh, axis, entries = ctx.mesh, ctx.axis, ctx.entries
+        if ctx.defer:
+            return (
+                None,
+                None,
+                None,
+                None,
+                *(
+                    DTensor.from_local(
+                        g.to(ctx.reduce_dtype),
+                        mesh,
+                        e.grad,
+                        run_check=False,
+                        shape=torch.Size(e.shape),
+                        stride=layout[4],
+                    )
+                    for g, e, layout in zip(grads, entries, ctx.layouts, strict=True)
+                ),
+            )
+        ranks, group = mesh.shape[axis], ctx.group
+        pieces = []
+        for grad, (dim, chunk, _, _, _) in zip(grads, ctx.layouts, strict=True):
+            rows = _padded(grad.to(ctx.reduce_dtype).movedim(dim, 0), ranks * chunk)
+            pieces.append(rows.reshape(ranks, -1))
+        flat = torch.cat(pieces, dim=1).reshape(-1)
+        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
+        if entries[0].grad[axis].reduce_op == "avg":
+            reduced = reduced / ranks
+        out, offset = [], 0
+        for entry, dtype, (dim, chunk, rest, mine, stride) in zip(
+            entries, ctx.dtypes, ctx.layouts, strict=True
+        ):
+            size = chunk * math.prod(rest)
+            local = reduced[offset : offset + size].view(chunk, *rest)[:mine].movedim(0, dim)
+            offset += size
+            placements = tuple(
+                entry.storage[i] if i == axis else p for i, p in enumerate(entry.grad)
+            )
+            grad = DTensor.from_local(
+                local.contiguous(),
+                mesh,
+                placements,
+                run_check=False,
+                shape=torch.Size(entry.shape),
+                stride=stride,
+            )
+            out.append(reduce_to(grad, entry.storage).to(dtype))
+        return (None, None, None, None, *out)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from ._activations import ActivationLayout
-from ._materialize import gather
+from ._materialize import coalescible, gather, gather_many
 from ._module import Axes
 from ._sequence_split import SequenceSplit
 from .errors import PlanError
@@ -125,10 +125,12 @@ class Plan:
     sequence_split: SequenceSplit | None = None
     _names: tuple[str, ...] = field(init=False, repr=False)
     gathers: bool = field(init=False, repr=False)
+    group_names: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._names = tuple(self.mesh.mesh_dim_names or ())
         self.gathers = any(e.compute != e.storage for e in self.entries.values())
+        self.group_names = tuple(self.mesh.get_group(i).group_name for i in range(self.mesh.ndim))
 
     def __getitem__(self, path: str) -> ParamPlan:
         try:
@@ -228,6 +230,31 @@ class Plan:
             compute_dtype=e.compute_dtype,
             reduce_dtype=e.reduce_dtype,
         )
+
+    def materialize_many(self, paths: list[str], params: Any) -> dict[str, torch.Tensor]:
+        """:meth:`materialize` of several params, with one collective per group of params
+        gathered alike (one mesh axis, same dtypes and grad layout): a block's params are
+        all-gathered together and their grads reduce-scattered together, as FSDP2 does."""
+        groups: dict[tuple, list[str]] = {}
+        out: dict[str, torch.Tensor] = {}
+        for path in paths:
+            e = self.entries[path]
+            found = coalescible(e) if isinstance(params[path], DTensor) else None
+            if found is None:
+                out[path] = self.materialize(path, params[path])
+                continue
+            axis = found[0]
+            key = (axis, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
+            groups.setdefault(key, []).append(path)
+        for (axis, *_), members in groups.items():
+            if len(members) == 1:
+                out[members[0]] = self.materialize(members[0], params[members[0]])
+                continue
+            stored = [params[p] for p in members]
+            entries = [self.entries[p] for p in members]
+            gathered = gather_many(stored, self.mesh, entries, axis, self.group_names[axis])
+            out.update(zip(members, gathered, strict=True))
+        return {p: out[p] for p in paths}
 
 
 class _Null:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import d9d
 from d9d._train import make_train_step
@@ -50,10 +50,12 @@ def test_fsdp_step_moves_the_analytic_bytes(n: int, reshard: bool) -> None:
     # The backward needs every gathered param again except the embedding table (its grad
     # needs only the token ids), so resharding gathers all but that one a second time.
     regathered = model_bytes - params["embed.weight"].numel() * 4
+    # One collective per unit, as FSDP2: the params outside blocks, then each of the 2 blocks.
+    units = 1 + 2
     for stats in _comms({"fsdp": n}, {"reshard_after_forward": reshard}):
-        assert stats.count[("all_gather", "fsdp")] == len(params) + (len(params) - 1) * reshard
+        assert stats.count[("all_gather", "fsdp")] == units * (1 + reshard)
         assert stats.bytes[("all_gather", "fsdp")] == model_bytes + regathered * reshard
-        assert stats.count[("reduce_scatter", "fsdp")] == len(params)
+        assert stats.count[("reduce_scatter", "fsdp")] == units
         assert stats.bytes[("reduce_scatter", "fsdp")] == model_bytes
         # The global grad norm (one fp32 per param, reduced once) and the mean loss.
         assert stats.count[("all_reduce", "fsdp")] == 2
@@ -69,7 +71,7 @@ def test_hsdp_adds_one_all_reduce_of_the_grad_shards_over_dp() -> None:
     params = _tiny().params
     model_bytes = sum(p.numel() * p.element_size() for p in params.values())
     for stats in _comms({"dp": 2, "fsdp": 2}, {"replicate_axis": "dp"}):
-        assert stats.count[("reduce_scatter", "fsdp")] == len(params)
+        assert stats.count[("reduce_scatter", "fsdp")] == 1 + 2  # one per unit
         assert stats.bytes[("reduce_scatter", "fsdp")] == model_bytes
         # One all-reduce per grad shard (half the model) plus the mean loss.
         assert stats.count[("all_reduce", "dp")] == len(params) + 1
@@ -126,18 +128,18 @@ def _peak_gathered_bytes(reshard: bool) -> tuple[int, int, int]:
         model, opt = _tiny(n_layers=4), _opt()
         step = d9d.shard_params(mesh, reshard_after_forward=reshard)(make_train_step(model, opt))
         params, state = step.place(model.params, opt.init(model.params))
-        alive: list[weakref.ref] = []
+        alive: list[tuple[StorageWeakRef, int]] = []
         peak = [0]
-        gather = step.plan.materialize
+        gather = step.plan.materialize_many
 
-        def tracked(path: str, stored: torch.Tensor) -> torch.Tensor:
-            out = gather(path, stored)
-            alive.append(weakref.ref(out))
-            live = sum(r().numel() * 4 for r in alive if r() is not None)
-            peak[0] = max(peak[0], live)
+        def tracked(paths: list[str], stored: dict) -> dict[str, torch.Tensor]:
+            # Autograd keeps saved tensors' storages, not their Python objects: watch storages.
+            out = gather(paths, stored)
+            alive.extend((StorageWeakRef(t.untyped_storage()), t.numel() * 4) for t in out.values())
+            peak[0] = max(peak[0], sum(size for ref, size in alive if not ref.expired()))
             return out
 
-        step.plan.materialize = tracked
+        step.plan.materialize_many = tracked
         step(params, state, _batch())
         block = sum(v.numel() * 4 for k, v in model.params.items() if k.startswith("layers.0."))
         root = sum(v.numel() * 4 for k, v in model.params.items() if not k.startswith("layers."))

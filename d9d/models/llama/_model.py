@@ -50,8 +50,9 @@ class Attention(nn.Module):
         # Head counts come from the projections (-1): under tensor parallelism each rank
         # holds n_heads / tp of them.
         batch, seq, _ = x.shape
-        q = rope(self.wq(x).view(batch, seq, -1, self.head_dim), cos, sin)
-        k = rope(self.wk(x).view(batch, seq, -1, self.head_dim), cos, sin)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        q, k = rope(q, k, cos, sin)  # d9d.kernels.rope rotates q and k in one call
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,7 +1,10 @@
-"""The math of a Llama block as plain functions: RMSNorm, RoPE, SwiGLU, causal GQA attention.
+"""The math of a Llama block: RMSNorm, RoPE, SwiGLU and causal GQA attention.
 
-Modules in ``_model.py`` only hold weights and call these, so that the kernel registry can
-later swap any of them for a fused backend without touching the model.
+``rms_norm``, ``rope`` and ``swiglu`` are the ``d9d.kernels`` ops: the registry picks their
+backend per call (Triton on CUDA, the pure-PyTorch reference on CPU), and
+``d9d.kernels.use(...)`` or ``D9D_KERNELS`` force one, with no change to the model. The
+references compute in float32 and round once to the activations' dtype, as the Triton
+backends do. Modules in ``_model.py`` only hold weights and call these.
 """
 
 from __future__ import annotations
@@ -10,16 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from ..._gather import active_split
+from ...kernels import rms_norm as rms_norm
+from ...kernels import rope as rope
+from ...kernels import swiglu as swiglu
 
 __all__ = ["attention", "rms_norm", "rope", "rope_cos_sin", "rope_inv_freq", "swiglu"]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last dim, computed in at least fp32, cast back to ``x.dtype``."""
-    wide = torch.promote_types(x.dtype, torch.float32)
-    xw = x.to(wide)
-    normed = xw * torch.rsqrt(xw.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed * weight.to(wide)).to(x.dtype)
 
 
 def rope_inv_freq(
@@ -43,22 +41,6 @@ def rope_cos_sin(
     angles = positions.to(wide)[:, None] * inv_freq.to(wide)[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, S, H, head_dim]`` by ``cos``/``sin`` ``[S, head_dim]`` (rotate-half).
-
-    Dim ``i`` of the first half pairs with dim ``i`` of the second half, as in Hugging Face
-    ``LlamaForCausalLM`` (not the interleaved pairs of Meta's original checkpoints).
-    """
-    first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation ``silu(gate) * up``."""
-    return F.silu(gate) * up
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

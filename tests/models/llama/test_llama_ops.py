@@ -13,6 +13,13 @@ def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> to
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated (``rope`` rotates q and k together; here both are ``x``)."""
+    q, k = rope(x, x, cos, sin)
+    torch.testing.assert_close(q, k, atol=0, rtol=0)
+    return q
+
+
 def test_rms_norm_matches_torch() -> None:
     x, w = _randn(3, 5, 24), _randn(24, seed=1)
     torch.testing.assert_close(rms_norm(x, w, 1e-6), F.rms_norm(x, (24,), w, eps=1e-6))
@@ -45,7 +52,7 @@ def test_rope_pairs_dim_i_with_dim_i_plus_half() -> None:
             4 * b.cos() + 2 * b.sin(),
         ]
     )
-    torch.testing.assert_close(rope(x, cos, sin).flatten(), expected)
+    torch.testing.assert_close(_rope_one(x, cos, sin).flatten(), expected)
 
 
 def test_rope_scores_depend_only_on_relative_position() -> None:
@@ -55,11 +62,12 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
     def score(pq: int, pk: int) -> torch.Tensor:
         cq, sq = rope_cos_sin(torch.tensor([pq]), inv_freq, torch.float32)
         ck, sk = rope_cos_sin(torch.tensor([pk]), inv_freq, torch.float32)
-        return (rope(q, cq, sq) * rope(k, ck, sk)).sum()
+        return (_rope_one(q, cq, sq) * _rope_one(k, ck, sk)).sum()
 
     torch.testing.assert_close(score(7, 3), score(1004, 1000))
     torch.testing.assert_close(
-        rope(q, *rope_cos_sin(torch.tensor([9]), inv_freq, torch.float32)).norm(), q.norm()
+        _rope_one(q, *rope_cos_sin(torch.tensor([9]), inv_freq, torch.float32)).norm(),
+        q.norm(),
     )
 
 
