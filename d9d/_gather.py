@@ -4,9 +4,10 @@
 tensor its plan computes with (``Plan.materialize_many``: one gather of the stored shards for
 all the params of a block, as FSDP2 gathers a unit). Params outside any block are gathered
 when ``apply`` starts; a block's params (a child of an ``nn.ModuleList``) when the block's
-forward starts, and the block's slots get the stored params back when it ends. With ``reshard_after_forward`` (eager only), saved-tensor hooks
-replace each gathered param that autograd saves for the backward by a handle, and gather it
-again when the backward needs it, so gathered params do not outlive their block. Under
+forward starts, and the block's slots get the stored params back when it ends. With
+``reshard_after_forward`` (eager only), saved-tensor hooks replace each gathered param that
+autograd saves for the backward by a handle, and gather it again when the backward needs it,
+so gathered params do not outlive their block. Under
 ``tensor_parallel`` the same hooks, and hooks on linears, embeddings and block children, move
 activations between layouts (``_activations``).
 """
@@ -136,6 +137,11 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
     reshard = plan.reshard_after_forward and plan.gathers and not torch.compiler.is_compiling()
     if plan.activations is not None:
         _activations.check_heads(model.module, plan.activations)
+    split = plan.sequence_split
+    config = hf_config(model.module) if split is not None else None
+    if split is not None:
+        kwargs = with_positions(split, model._position_kwarg, args, kwargs)
+    attention = config._attn_implementation if config is not None else None
     frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None)
     saved = []
     for slot, local in zip(model._root_slots, frame.materialize(model._root_slots), strict=True):
@@ -146,11 +152,6 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
         store = slot.store()
         saved.append(store[slot.name])
         store[slot.name] = model.buffers[slot.key]
-    split = plan.sequence_split
-    config = hf_config(model.module) if split is not None else None
-    if split is not None:
-        kwargs = with_positions(split, model._position_kwarg, args, kwargs)
-    attention = config._attn_implementation if config is not None else None
     previous = _state.frame
     _state.frame = frame
     try:

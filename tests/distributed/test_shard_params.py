@@ -76,9 +76,11 @@ def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["fsdp=2", "dp=2", "dp=2 x fsdp=2"])
 def test_jit_equals_one_device(layout: str) -> None:
-    """One block keeps the compile (about a minute per layout on 2 CPU cores) affordable."""
+    """One block keeps the compile affordable: each thread rank compiles its own graph, about
+    a minute per 2 ranks on 2 CPU cores with a cold cache. ``fsdp=4`` runs the code of
+    ``fsdp=2`` and is left to the eager test."""
     _check("d9d", layout, torch.float64, jit=True, n_layers=1)
 
 
@@ -88,7 +90,7 @@ def test_jit_hf_llama_equals_one_device() -> None:
     float64 inputs, and inductor fuses them differently from eager. Measured: 1.4e-9 relative on
     the loss, up to 2.3e-7 absolute (9e-6 relative) on params of scale 2e-2 after AdamW."""
     tol = {"rtol": 1e-5, "atol": 1e-6}
-    _check("hf", "dp=2 x fsdp=2", torch.float64, jit=True, n_layers=1, tol=tol)
+    _check("hf", "fsdp=2", torch.float64, jit=True, n_layers=1, tol=tol)
 
 
 def test_gradient_accumulation_equals_one_device_and_reduces_once() -> None:
