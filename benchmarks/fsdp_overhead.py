@@ -18,46 +18,16 @@ import platform
 import resource
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_timing import rank_device, time_steps, token_batches
 
 import d9d
 from d9d._train import make_train_step
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks
-
-
-def _batches(vocab: int, global_batch: int, seq_len: int, count: int) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g)
-        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
-    return out
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _timed(run, batches, device, warmup: int) -> list[float]:
-    times = []
-    for i, batch in enumerate(batches):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -67,7 +37,7 @@ def _peak_bytes(device: torch.device) -> int:
 
 
 def _d9d_rank(preset: str, batches: list[dict], warmup: int, jit: bool) -> dict:
-    device = _device()
+    device = rank_device()
     world = dist.get_world_size()
     mesh = d9d.make_mesh(device.type, fsdp=world)
     model = d9d.functionalize(Llama(LlamaConfig.preset(preset), device=device))
@@ -84,13 +54,13 @@ def _d9d_rank(preset: str, batches: list[dict], warmup: int, jit: bool) -> dict:
         holder["p"], holder["s"], metrics = step(holder["p"], holder["s"], local)
         return metrics["loss"]
 
-    return {"times": _timed(run, batches, device, warmup), "peak_bytes": _peak_bytes(device)}
+    return {"times": time_steps(run, batches, device, warmup), "peak_bytes": _peak_bytes(device)}
 
 
 def _fsdp2_rank(preset: str, batches: list[dict], warmup: int, jit: bool) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    device = _device()
+    device = rank_device()
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = d9d.make_mesh(device.type, fsdp=world)
     module = Llama(LlamaConfig.preset(preset), device=device)
@@ -109,7 +79,7 @@ def _fsdp2_rank(preset: str, batches: list[dict], warmup: int, jit: bool) -> dic
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return {"times": _timed(run, batches, device, warmup), "peak_bytes": _peak_bytes(device)}
+    return {"times": time_steps(run, batches, device, warmup), "peak_bytes": _peak_bytes(device)}
 
 
 def main() -> None:
@@ -126,7 +96,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     config = LlamaConfig.preset(args.preset)
-    batches = _batches(config.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps)
+    batches = token_batches(
+        config.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps
+    )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     variants = {"fsdp2 (fully_shard)": (_fsdp2_rank, False), "d9d shard_params": (_d9d_rank, False)}
     if args.jit:

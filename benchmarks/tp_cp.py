@@ -22,38 +22,17 @@ import json
 import platform
 import statistics
 import subprocess
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_timing import rank_device, time_steps, token_batches
 
 import d9d
 from d9d._train import make_train_step
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks
-
-
-def _batches(vocab: int, global_batch: int, seq_len: int, count: int) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g)
-        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
-    return out
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 @contextmanager
@@ -84,20 +63,8 @@ def _storages(tensors) -> set[int]:
     return out
 
 
-def _time(run, batches, device, warmup: int) -> list[float]:
-    times = []
-    for i, batch in enumerate(batches):
-        _sync(device)
-        start = time.perf_counter()
-        run(batch)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
-
-
 def _d9d_rank(preset: str, batches: list[dict], warmup: int, variant: str) -> dict:
-    device = _device()
+    device = rank_device()
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = d9d.functionalize(Llama(LlamaConfig.preset(preset), device=device))
     opt = d9d.optim.adamw(1e-4, weight_decay=0.1)
@@ -121,7 +88,7 @@ def _d9d_rank(preset: str, batches: list[dict], warmup: int, variant: str) -> di
         local = {k: v.to(device) for k, v in batch.items()}
         holder["p"], holder["s"], _ = step(holder["p"], holder["s"], local)
 
-    times = _time(run, batches, device, warmup)
+    times = time_steps(run, batches, device, warmup)
     saved = [0]
 
     def forward_only(params, batch):
@@ -150,7 +117,7 @@ def _torch_tp_rank(preset: str, batches: list[dict], warmup: int, variant: str) 
         parallelize_module,
     )
 
-    device = _device()
+    device = rank_device()
     mesh = d9d.make_mesh(device.type, tp=dist.get_world_size())
     module = Llama(LlamaConfig.preset(preset), device=device)
     plan = {
@@ -181,7 +148,7 @@ def _torch_tp_rank(preset: str, batches: list[dict], warmup: int, variant: str) 
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    times = _time(run, batches, device, warmup)
+    times = time_steps(run, batches, device, warmup)
     saved = [0]
     with _saved_bytes(_storages(module.parameters()), saved):
         loss_of({k: v.to(device) for k, v in batches[0].items()})
@@ -199,7 +166,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tp_cp-cpu.json"))
     args = parser.parse_args()
     config = LlamaConfig.preset(args.preset)
-    batches = _batches(config.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps)
+    batches = token_batches(
+        config.vocab_size, args.batch_size, args.seq_len, args.warmup + args.steps
+    )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     n = args.world
     variants = {

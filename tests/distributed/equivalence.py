@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import d9d
-from d9d.testing import run_on_ranks
+from d9d.testing import assert_trees_all_close, run_on_ranks
 
 STEPS = 5
 
@@ -105,6 +105,32 @@ def run(
     return run_on_ranks(
         _rank, world, build_model, make_transforms, mesh_axes, data, jit, opt, timeout=600
     )
+
+
+def assert_equivalent(
+    build_model,
+    make_transforms,
+    mesh_axes: dict[str, int],
+    data,
+    expected: tuple[torch.Tensor, Any],
+    *,
+    dtype: torch.dtype,
+    jit: bool = False,
+    opt: str = "adamw",
+    params_too: bool = True,
+    tol: dict[str, float] | None = None,
+) -> None:
+    """Every rank's losses (and final params) equal ``expected`` from :func:`reference`, at
+    ``tol`` (default: rel 1e-9 in float64, rel 1e-5 in float32)."""
+    ref_losses, ref_params = expected
+    if tol is None:
+        f64 = dtype == torch.float64
+        tol = {"rtol": 1e-9, "atol": 1e-12} if f64 else {"rtol": 1e-5, "atol": 1e-7}
+    for losses, params in run(build_model, make_transforms, mesh_axes, data, jit=jit, opt=opt):
+        assert losses.shape == (len(data),)
+        torch.testing.assert_close(losses, ref_losses, **tol)
+        if params_too:
+            assert_trees_all_close(params, ref_params, **tol)
 
 
 def llama(

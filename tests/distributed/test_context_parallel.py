@@ -7,11 +7,11 @@ import functools
 
 import pytest
 import torch
-from equivalence import STEPS, batches, hf_llama, llama, reference, run, train_step
+from equivalence import assert_equivalent, batches, hf_llama, llama, reference, train_step
 
 import d9d
 from d9d.errors import RankFailedError
-from d9d.testing import assert_trees_all_close, run_on_ranks
+from d9d.testing import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -47,16 +47,17 @@ def _check(
     params_too: bool = True,
 ) -> None:
     mesh_axes, transforms = LAYOUTS[layout]
-    ref_losses, ref_params = _reference(model, dtype, n_layers, opt)
-    build = (hf_llama if model == "hf" else llama)(dtype, n_layers)
-    data = batches(97 if model == "hf" else 256)
-    f64 = dtype == torch.float64
-    tol = {"rtol": 1e-9, "atol": 1e-12} if f64 else {"rtol": 1e-5, "atol": 1e-7}
-    for losses, params in run(build, transforms, mesh_axes, data, jit=jit, opt=opt):
-        assert losses.shape == (STEPS,)
-        torch.testing.assert_close(losses, ref_losses, **tol)
-        if params_too:
-            assert_trees_all_close(params, ref_params, **tol)
+    assert_equivalent(
+        (hf_llama if model == "hf" else llama)(dtype, n_layers),
+        transforms,
+        mesh_axes,
+        batches(97 if model == "hf" else 256),
+        _reference(model, dtype, n_layers, opt),
+        dtype=dtype,
+        jit=jit,
+        opt=opt,
+        params_too=params_too,
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -6,7 +6,16 @@ import functools
 
 import pytest
 import torch
-from equivalence import STEPS, batches, hf_llama, llama, optimizer, reference, run, train_step
+from equivalence import (
+    assert_equivalent,
+    batches,
+    hf_llama,
+    llama,
+    optimizer,
+    reference,
+    run,
+    train_step,
+)
 
 import d9d
 from d9d.testing import assert_trees_all_close, run_on_ranks
@@ -40,20 +49,18 @@ def _check(
     tol: dict[str, float] | None = None,
 ) -> None:
     mesh_axes, transforms = LAYOUTS[layout]
-    build = {"d9d": llama, "hf": hf_llama}[model](dtype, n_layers)
-    vocab = 256 if model == "d9d" else 97
-    ref_losses, ref_params = _reference(model, dtype, opt, n_layers)
-    if tol is None:
-        tol = (
-            {"rtol": 1e-9, "atol": 1e-12}
-            if dtype == torch.float64
-            else {"rtol": 1e-5, "atol": 1e-7}
-        )
-    for losses, params in run(build, transforms, mesh_axes, batches(vocab), jit=jit, opt=opt):
-        assert losses.shape == (STEPS,)
-        torch.testing.assert_close(losses, ref_losses, **tol)
-        if params_too:
-            assert_trees_all_close(params, ref_params, **tol)
+    assert_equivalent(
+        {"d9d": llama, "hf": hf_llama}[model](dtype, n_layers),
+        transforms,
+        mesh_axes,
+        batches(256 if model == "d9d" else 97),
+        _reference(model, dtype, opt, n_layers),
+        dtype=dtype,
+        jit=jit,
+        opt=opt,
+        params_too=params_too,
+        tol=tol,
+    )
 
 
 @pytest.mark.parametrize("model", ["d9d", "hf"])

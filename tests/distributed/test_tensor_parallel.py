@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from equivalence import HF_AXES, STEPS, batches, hf_llama, llama, reference, run, train_step
+from equivalence import HF_AXES, assert_equivalent, batches, hf_llama, llama, reference, train_step
 
 import d9d
 from d9d.errors import RankFailedError
-from d9d.testing import assert_trees_all_close, run_on_ranks
+from d9d.testing import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -55,20 +55,18 @@ def _check(
     tol: dict[str, float] | None = None,
 ) -> None:
     mesh_axes, transforms = LAYOUTS[layout]
-    ref_losses, ref_params = _reference(model, dtype, n_layers, layout, opt)
-    build = _build(model, dtype, n_layers, layout)
-    vocab = 97 if model == "hf" else 256
-    if tol is None:
-        tol = (
-            {"rtol": 1e-9, "atol": 1e-12}
-            if dtype == torch.float64
-            else {"rtol": 1e-5, "atol": 1e-7}
-        )
-    for losses, params in run(build, transforms, mesh_axes, batches(vocab), jit=jit, opt=opt):
-        assert losses.shape == (STEPS,)
-        torch.testing.assert_close(losses, ref_losses, **tol)
-        if params_too:
-            assert_trees_all_close(params, ref_params, **tol)
+    assert_equivalent(
+        _build(model, dtype, n_layers, layout),
+        transforms,
+        mesh_axes,
+        batches(97 if model == "hf" else 256),
+        _reference(model, dtype, n_layers, layout, opt),
+        dtype=dtype,
+        jit=jit,
+        opt=opt,
+        params_too=params_too,
+        tol=tol,
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -120,13 +118,13 @@ def test_sequence_parallel_moves_the_analytic_bytes(loss_parallel: bool) -> None
     layers, batch, seq, dim, vocab, item = 2, 8, 16, 64, 256, 8
     act = batch * seq * dim * item
     for stats in run_on_ranks(_comms_rank, 2, True, loss_parallel):
-        gathers = {("all_gather", "tp"): 4 * layers + 2}
-        assert stats.count[("all_gather", "tp")] == 4 * layers + 2 + (not loss_parallel)
+        gathers = 4 * layers + 2
+        assert stats.count[("all_gather", "tp")] == gathers + (not loss_parallel)
         assert stats.count[("reduce_scatter", "tp")] == 4 * layers + 1
         loss_reduces = 3 if loss_parallel else 0
         assert stats.count[("all_reduce", "tp")] == 1 + loss_reduces + 2 * layers + 1
         logits = 0 if loss_parallel else batch * seq * vocab * item
-        assert stats.bytes[("all_gather", "tp")] == gathers[("all_gather", "tp")] * act + logits
+        assert stats.bytes[("all_gather", "tp")] == gathers * act + logits
         assert stats.bytes[("reduce_scatter", "tp")] == (4 * layers + 1) * act
         norms = (2 * layers + 1) * dim * item
         per_token = loss_reduces * batch * seq * item
