@@ -27,6 +27,7 @@ from ._step import Memory as Memory
 from ._step import Transform as Transform
 from ._step import TransformedStep as TransformedStep
 from .transforms import context_parallel as context_parallel
+from .transforms import pipeline as pipeline
 from .transforms import shard_params as shard_params
 from .transforms import tensor_parallel as tensor_parallel
 
@@ -56,6 +57,7 @@ __all__ = [
     "models",
     "optim",
     "parallel",
+    "pipeline",
     "shard_params",
     "tensor_parallel",
     "testing",

@@ -36,7 +36,7 @@ from .errors import IndivisibleError, PlanError
 if TYPE_CHECKING:
     from ._gather import _Frame
 
-__all__ = ["ActivationLayout"]
+__all__ = ["ActivationLayout", "replace_input"]
 
 SEQUENCE_DIM = 1
 
@@ -132,7 +132,7 @@ def linear_role(frame: _Frame, path: str) -> str | None:
     return None
 
 
-def _replace_input(
+def replace_input(
     args: tuple[Any, ...], kwargs: dict[str, Any], path: str, fn: Callable[[Any], Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args``/``kwargs`` with the activation (first positional tensor, or ``hidden_states``)
@@ -142,8 +142,8 @@ def _replace_input(
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
     raise PlanError(
-        f"tensor_parallel cannot find the activation input of module {path!r}: it takes it "
-        "as the first positional tensor or as hidden_states="
+        f"cannot find the activation input of module {path!r}: it must take it as the first "
+        "positional tensor or as hidden_states="
     )
 
 
@@ -153,7 +153,7 @@ def enter_block(frame: _Frame, args: Any, kwargs: Any) -> tuple[Any, Any] | None
     if layout is None or not layout.sequence_parallel or frame.sequence_sharded:
         return None
     frame.sequence_sharded = True
-    return _replace_input(args, kwargs, "block", layout.slice_sequence)
+    return replace_input(args, kwargs, "block", layout.slice_sequence)
 
 
 def enter_module(
@@ -168,7 +168,7 @@ def enter_module(
         roles = {linear_role(frame, linear) for linear in region}
         if "column" in roles:
             _check_region(path, region, roles, module)
-            args, kwargs = _replace_input(
+            args, kwargs = replace_input(
                 args, kwargs, path, lambda x: layout.enter_region(x, frame.sequence_sharded)
             )
             changed = True

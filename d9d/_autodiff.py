@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from . import tree
 from ._active import accumulate, active_plan
 from ._materialize import reduce_to
+from ._pipeline_run import run_pipeline
 from .errors import IndivisibleError
 
 __all__ = ["grad", "value_and_grad"]
@@ -61,7 +62,10 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         leaves = [leaf for _, leaf in pairs]
         plan = active_plan()
         microbatches = plan.microbatches if plan is not None else 1
-        if microbatches == 1:
+        if plan is not None and plan.pipeline is not None:
+            chunks = _split((args, kwargs), plan.pipeline.microbatches)
+            value, aux, grads = run_pipeline(fn, pairs, chunks, has_aux, plan)
+        elif microbatches == 1:
             value, aux, grads = _differentiate(fn, spec, leaves, args, kwargs, has_aux)
         else:
             value, aux, grads = _accumulate(fn, spec, leaves, args, kwargs, has_aux, microbatches)

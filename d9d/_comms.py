@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter", "CommStats"]
+__all__ = ["CollectiveCounter", "CommStats", "record_p2p"]
 
 _functional = torch.ops._c10d_functional
 
@@ -55,11 +57,30 @@ class CommStats:
         return "\n".join(rows) if rows else "no collectives"
 
 
+class _Counting(threading.local):
+    def __init__(self) -> None:
+        self.counter: CollectiveCounter | None = None
+
+
+_counting = _Counting()
+
+
+def record_p2p(kind: str, axis: str, nbytes: int) -> None:
+    """Count one point-to-point ``send`` or ``recv`` of ``nbytes`` on ``axis`` (pipeline
+    stages), if a :class:`CollectiveCounter` is active on this thread."""
+    counter = _counting.counter
+    if counter is not None:
+        counter.stats.count[(kind, axis)] += 1
+        counter.stats.bytes[(kind, axis)] += nbytes
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """A dispatch mode that records every functional collective (what DTensor issues).
+    """A dispatch mode that records every functional collective (what DTensor issues), and
+    the point-to-point transfers of pipeline stages.
 
     Args:
         mesh: Names the axis of each collective from its process group.
+        labels: Axis names of other process groups, by group name.
 
     Example:
         >>> with CollectiveCounter(mesh) as counter:  # doctest: +SKIP
@@ -67,12 +88,22 @@ class CollectiveCounter(TorchDispatchMode):
         >>> counter.stats.count  # doctest: +SKIP
     """
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, labels: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.stats = CommStats()
         self._axis_of = {
             mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names or ()
         }
+        self._axis_of.update(labels or {})
+        self._outer: CollectiveCounter | None = None
+
+    def __enter__(self) -> CollectiveCounter:
+        self._outer, _counting.counter = _counting.counter, self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _counting.counter = self._outer
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):

@@ -24,7 +24,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from . import _activations
+from ._pipeline_run import StageDone, StageRun
 from ._sequence_split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
+from ._stage_apply import running_root_slots, stage_modules, start_stage
 from .errors import PlanError
 
 if TYPE_CHECKING:
@@ -62,10 +64,14 @@ class _Frame:
     originals: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     sequence_sharded: bool = False
     stash: dict[str, Any] = field(default_factory=dict)
+    stage: StageRun | None = None
 
     def materialize(self, slots: Any) -> list[torch.Tensor]:
-        """The tensors to compute with for ``slots`` (tied aliases gathered once)."""
+        """The tensors to compute with for ``slots`` (tied aliases gathered once); a
+        pipeline stage's params come gathered already."""
         keys = [self.model.tied.get(slot.key, slot.key) for slot in slots]
+        if self.stage is not None:
+            return [self.params[key] for key in keys]
         unique = list(dict.fromkeys(keys))
         locals_ = self.plan.materialize_many(unique, self.params)
         if self.regather is not None:
@@ -133,8 +139,15 @@ class _Regather:
 
 
 def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) -> Any:
-    """``model.apply`` with params gathered per block (see the module docstring)."""
-    reshard = plan.reshard_after_forward and plan.gathers and not torch.compiler.is_compiling()
+    """``model.apply`` with params gathered per block (see the module docstring); under
+    ``pipeline``, only the running stage's part of the model (``_stage_apply``)."""
+    stage = start_stage(model, plan) if plan.pipeline is not None else None
+    reshard = (
+        plan.reshard_after_forward
+        and plan.gathers
+        and stage is None
+        and not torch.compiler.is_compiling()
+    )
     if plan.activations is not None:
         _activations.check_heads(model.module, plan.activations)
     split = plan.sequence_split
@@ -142,9 +155,10 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
     if split is not None:
         kwargs = with_positions(split, model._position_kwarg, args, kwargs)
     attention = config._attn_implementation if config is not None else None
-    frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None)
+    frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None, stage=stage)
+    root_slots = model._root_slots if stage is None else running_root_slots(model, plan, stage)
     saved = []
-    for slot, local in zip(model._root_slots, frame.materialize(model._root_slots), strict=True):
+    for slot, local in zip(root_slots, frame.materialize(root_slots), strict=True):
         store = slot.store()
         saved.append(store[slot.name])
         store[slot.name] = local
@@ -157,6 +171,9 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
     try:
         if config is not None:
             config._attn_implementation = HF_ATTENTION
+        if stage is not None:
+            with stage_modules(model, plan, stage):
+                return model.module(*args, **kwargs)
         if frame.regather is None:
             return model.module(*args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(frame.regather.pack, frame.regather.unpack):
@@ -165,7 +182,7 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
         _state.frame = previous
         if config is not None:
             config._attn_implementation = attention
-        for slot, old in zip((*model._root_slots, *model._buffer_slots), saved, strict=True):
+        for slot, old in zip((*root_slots, *model._buffer_slots), saved, strict=True):
             slot.store()[slot.name] = old
 
 
@@ -195,6 +212,16 @@ def enter_block(
     frame.originals[index] = [slot.store()[slot.name] for slot in slots]
     for slot, local in zip(slots, frame.materialize(slots), strict=True):
         slot.store()[slot.name] = local
+    stage = frame.stage
+    if stage is not None:
+        stage.entered = True
+        if index == stage.start and stage.input is not None:
+            # The activation the previous stage sent, laid out as blocks pass it on.
+            args, kwargs = _activations.replace_input(args, kwargs, "block", lambda _: stage.input)
+            layout = frame.plan.activations
+            frame.sequence_sharded = layout is not None and layout.sequence_parallel
+            changed = _activations.enter_block(frame, args, kwargs)
+            return changed if changed is not None else (args, kwargs)
     return _activations.enter_block(frame, args, kwargs)
 
 
@@ -205,6 +232,10 @@ def exit_block(model: Any, index: int, module: nn.Module, args: Any, output: Any
         return
     for slot, old in zip(model._blocks[index][1], frame.originals.pop(index), strict=True):
         slot.store()[slot.name] = old
+    stage = frame.stage
+    if stage is not None and index == stage.stop - 1 and not stage.last:
+        stage.output = output if isinstance(output, torch.Tensor) else output[0]
+        raise StageDone
 
 
 def enter_module(

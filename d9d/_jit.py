@@ -15,7 +15,7 @@ import torch._inductor
 from . import tree
 from ._active import activate
 from ._step import TransformedStep
-from .errors import DonatedTreeError, RecompileError
+from .errors import DonatedTreeError, PlanError, RecompileError
 
 __all__ = ["Jitted", "jit"]
 
@@ -75,6 +75,12 @@ class Jitted:
             _check_not_donated(args[i], argnum=i)
         if isinstance(self.step, TransformedStep):
             self.step.check_inputs(args[0], args[2])
+            if self.step.plan.pipeline is not None:
+                raise PlanError(
+                    "d9d.jit does not compile a pipeline step: its schedule runs stages and "
+                    "point-to-point transfers eagerly; drop d9d.jit (compile the model's "
+                    "blocks with torch.compile instead)"
+                )
         try:
             with (
                 torch._dynamo.config.patch(trace_autograd_ops=True),

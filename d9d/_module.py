@@ -64,6 +64,7 @@ class Model:
     tied: dict[str, str] = field(default_factory=dict)
     _slots: tuple[_Slot, ...] = field(default=(), repr=False)
     _blocks: tuple[tuple[nn.Module, tuple[_Slot, ...]], ...] = field(default=(), repr=False)
+    _block_homes: tuple[tuple[str, nn.Module, str], ...] = field(default=(), repr=False)
     _root_slots: tuple[_Slot, ...] = field(default=(), repr=False)
     _buffer_slots: tuple[_Slot, ...] = field(default=(), repr=False)
     _regions: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
@@ -95,9 +96,9 @@ class Model:
             >>> model.apply(model.params, torch.ones(1, 3)).shape
             torch.Size([1, 2])
         """
-        if params.keys() != self.params.keys():
-            raise _mismatch(params.keys(), self.params.keys())
         plan = active_plan()
+        if params.keys() != self.params.keys() and (plan is None or plan.pipeline is None):
+            raise _mismatch(params.keys(), self.params.keys())
         if plan is not None:
             return apply_placed(self, plan, params, args, kwargs)
         saved = []
@@ -181,6 +182,12 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
     unique = tuple({(id(s.owner), s.name, s.is_param): s for s in slots}.values())
     block_paths = _block_paths(module)
     blocks = _blocks(block_paths, unique)
+    owning = {id(block) for block, _ in blocks}
+    homes = tuple(
+        (path, module.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2])
+        for path, block in block_paths
+        if id(block) in owning
+    )
     in_blocks = {id(s) for _, block_slots in blocks for s in block_slots}
     root_slots = tuple(s for s in unique if s.is_param and id(s) not in in_blocks)
     model = Model(
@@ -191,6 +198,7 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
         tied=tied,
         _slots=unique,
         _blocks=blocks,
+        _block_homes=homes,
         _root_slots=root_slots,
         _buffer_slots=tuple(s for s in unique if not s.is_param),
         _regions=_regions(module, block_paths),

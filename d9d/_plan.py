@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from ._activations import ActivationLayout
 from ._materialize import coalescible, gather, gather_many
 from ._module import Axes
+from ._pipeline_run import PipelineLayout
 from ._sequence_split import SequenceSplit
 from .errors import PlanError
 
@@ -37,6 +38,7 @@ class ParamPlan:
         reasons: One line per transform that set a placement, for ``Plan.explain``.
         compute_dtype: The dtype blocks compute with (None: the param's own).
         reduce_dtype: The dtype its grad is reduced in (None: the param's own).
+        stages: The pipeline stages holding it (empty without ``pipeline``).
     """
 
     path: str
@@ -49,6 +51,7 @@ class ParamPlan:
     reasons: tuple[str, ...] = ()
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    stages: tuple[int, ...] = ()
 
     def with_axis(
         self, index: int, *, storage: Placement, compute: Placement, grad: Placement, reason: str
@@ -114,6 +117,9 @@ class Plan:
     on every axis; ``fsdp:S(0)``: dim 0 sharded over ``fsdp``) and bytes per rank.
     ``gathers`` says whether any param is computed in another layout than it is stored (only
     then is there anything to free after the forward and gather again for the backward).
+    Under ``pipeline`` the plan lists every param with its stages, lays them out on the mesh
+    of one stage (``pipeline.stage_mesh``: the mesh without the pipeline axis), and ``held``
+    names the ones this rank stores.
     """
 
     mesh: DeviceMesh
@@ -123,13 +129,16 @@ class Plan:
     microbatches: int = 1
     activations: ActivationLayout | None = None
     sequence_split: SequenceSplit | None = None
+    pipeline: PipelineLayout | None = None
     _names: tuple[str, ...] = field(init=False, repr=False)
     gathers: bool = field(init=False, repr=False)
     group_names: tuple[str, ...] = field(init=False, repr=False)
+    held: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._names = tuple(self.mesh.mesh_dim_names or ())
-        self.gathers = any(e.compute != e.storage for e in self.entries.values())
+        self.held = self.pipeline.held if self.pipeline is not None else tuple(self.entries)
+        self.gathers = any(self.entries[p].compute != self.entries[p].storage for p in self.held)
         self.group_names = tuple(self.mesh.get_group(i).group_name for i in range(self.mesh.ndim))
 
     def __getitem__(self, path: str) -> ParamPlan:
@@ -141,11 +150,12 @@ class Plan:
             ) from None
 
     def bytes_per_rank(self) -> int:
-        """Param bytes stored on one rank (largest shards)."""
-        return sum(e.bytes_per_rank(self.mesh) for e in self.entries.values())
+        """Param bytes stored on this rank (largest shards; its stages' under ``pipeline``)."""
+        return sum(self.entries[p].bytes_per_rank(self.mesh) for p in self.held)
 
     def padding_bytes(self) -> int:
-        """Param bytes stored beyond the model's size over all ranks, from uneven shards."""
+        """Param bytes stored beyond the model's size over the ranks of one stage (all ranks
+        without ``pipeline``), from uneven shards."""
         return sum(e.padding_bytes(self.mesh) for e in self.entries.values())
 
     def total_bytes(self) -> int:
@@ -153,30 +163,46 @@ class Plan:
         return sum(math.prod(e.shape) * e.dtype.itemsize for e in self.entries.values())
 
     def table(self, *, max_rows: int | None = None) -> str:
-        """The plan as a text table; ``max_rows`` elides the middle of long plans."""
+        """The plan as a text table; ``max_rows`` elides the middle of long plans.
+
+        Under ``pipeline`` a ``stage`` column gives each param's stages, the mesh is a
+        stage's, and the total counts this rank's params."""
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self._names, self.mesh.shape, strict=True))
-        table = Table(
-            title=f"d9d plan on mesh {mesh} ({self.mesh.device_type})", title_justify="left"
-        )
-        for column in ("path", "shape", "dtype", "storage", "compute", "bytes/rank"):
+        title = f"d9d plan on mesh {mesh} ({self.mesh.device_type})"
+        if self.pipeline is not None:
+            p = self.pipeline
+            title += f", one of {p.split.count} stages over {p.axis}={p.size} ({p.schedule})"
+        table = Table(title=title, title_justify="left")
+        columns = ["path", "shape", "dtype", "storage", "compute", "bytes/rank"]
+        if self.pipeline is not None:
+            columns.insert(1, "stage")
+        for column in columns:
             table.add_column(column, justify="right" if column == "bytes/rank" else "left")
         entries = list(self.entries.values())
         if max_rows is not None and len(entries) > max_rows:
             entries = [*entries[: max_rows // 2], None, *entries[-(max_rows // 2) :]]
         for e in entries:
             if e is None:
-                table.add_row("...", "", "", "", "", "")
+                table.add_row("...", *[""] * (len(columns) - 1))
                 continue
-            table.add_row(
+            row = [
                 e.path,
                 str(list(e.shape)),
                 str(e.dtype).removeprefix("torch."),
                 _short(e.storage, self._names),
                 _short(e.compute, self._names),
                 f"{e.bytes_per_rank(self.mesh):,}",
-            )
+            ]
+            if self.pipeline is not None:
+                row.insert(1, ",".join(str(s) for s in e.stages))
+            table.add_row(*row)
         table.add_section()
-        table.add_row(f"{len(self.entries)} params", "", "", "", "", f"{self.bytes_per_rank():,}")
+        count = (
+            f"{len(self.held)} of {len(self.entries)} params held here"
+            if self.pipeline
+            else f"{len(self.entries)} params"
+        )
+        table.add_row(count, *[""] * (len(columns) - 2), f"{self.bytes_per_rank():,}")
         table.caption = (
             f"unsharded model {self.total_bytes():,} B; padding from uneven shards "
             f"{self.padding_bytes():,} B over all ranks"

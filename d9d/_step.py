@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -16,7 +16,8 @@ from . import tree
 from ._activations import ActivationLayout
 from ._active import activate
 from ._comms import CollectiveCounter, CommStats
-from ._module import Axes
+from ._module import Axes, Model
+from ._pipeline_run import PipelineLayout
 from ._plan import ParamPlan, Plan
 from ._sequence_split import SequenceSplit
 from .errors import IndivisibleError, PlanError
@@ -56,6 +57,10 @@ class Transform(abc.ABC):
 
     def sequence_split(self) -> SequenceSplit | None:
         """How each rank's sequences are split over ranks (context parallelism; default None)."""
+        return None
+
+    def pipeline_layout(self, model: Model | None) -> PipelineLayout | None:
+        """How ``model`` is cut into pipeline stages (default None: not cut)."""
         return None
 
     @abc.abstractmethod
@@ -164,8 +169,14 @@ class TransformedStep:
             raise PlanError("the step has no plan yet: call step.place(params, opt_state) first")
         return self._plan
 
-    def make_plan(self, params: Mapping[str, Any], axes: Mapping[str, Axes] | None = None) -> Plan:
-        """The plan for ``params`` (tensors or meta tensors; only shapes and dtypes are read)."""
+    def make_plan(
+        self,
+        params: Mapping[str, Any],
+        axes: Mapping[str, Axes] | None = None,
+        model: Model | None = None,
+    ) -> Plan:
+        """The plan for ``params`` (tensors or meta tensors; only shapes and dtypes are read);
+        ``model`` is needed by ``pipeline``, which cuts it into stages."""
         _check_all_axes_used(self.transforms, self.mesh)
         entries = {}
         replicated = (Replicate(),) * self.mesh.ndim
@@ -185,16 +196,34 @@ class TransformedStep:
         keep = any(t.keeps_gathered_params() for t in self.transforms)
         microbatches = max((t.microbatches_per_step() for t in self.transforms), default=1)
         layouts = [t.activation_layout() for t in self.transforms]
+        activations = next((a for a in layouts if a is not None), None)
+        pipeline = next(
+            (p for p in (t.pipeline_layout(model) for t in self.transforms) if p is not None), None
+        )
+        mesh = self.mesh
+        if pipeline is not None:
+            if microbatches > 1:
+                raise PlanError(
+                    "pipeline splits each batch into its own microbatches; drop "
+                    f"shard_params(microbatches={microbatches}) and set pipeline(microbatches=...)"
+                )
+            mesh = pipeline.stage_mesh
+            entries = {p: _onto_stage_mesh(e, pipeline) for p, e in entries.items()}
+            if activations is not None:
+                activations = replace(
+                    activations, index=activations.index - (activations.index > pipeline.index)
+                )
         return Plan(
-            self.mesh,
+            mesh,
             entries,
             self.transforms,
             reshard_after_forward=not keep,
             microbatches=microbatches,
-            activations=next((a for a in layouts if a is not None), None),
+            activations=activations,
             sequence_split=next(
                 (s for s in (t.sequence_split() for t in self.transforms) if s is not None), None
             ),
+            pipeline=pipeline,
         )
 
     def place(
@@ -203,26 +232,33 @@ class TransformedStep:
         opt_state: Any,
         *,
         axes: Mapping[str, Axes] | None = None,
+        model: Model | None = None,
     ) -> tuple[dict[str, DTensor], Any]:
         """Lay ``params`` and ``opt_state`` out on the mesh as DTensors, per the plan.
 
         Every rank must pass the same full tensors (e.g. from the same seed); each keeps its
         own shard, with no communication. Optimizer-state leaves shaped like a param whose
         path ends with that param's path take its placement; other leaves (step counts) are
-        moved to the mesh's device as plain tensors.
+        moved to the mesh's device as plain tensors. Under ``pipeline`` each rank keeps only
+        its stages' params, and drops the others' entries from the optimizer state's dicts.
 
         Args:
             params: ``{path: tensor}``.
             opt_state: The optimizer state for ``params`` (``opt.init(params)``).
-            axes: Logical axes per path (``model.axes``), for transforms that need them.
+            axes: Logical axes per path (default ``model.axes``), for transforms that need them.
+            model: The functionalized model (``pipeline`` cuts it into stages).
 
         Returns:
             ``(params, opt_state)`` placed on the mesh; ``self.plan`` describes them.
         """
-        plan = self.make_plan(params, axes)
+        if axes is None and model is not None:
+            axes = model.axes
+        plan = self.make_plan(params, axes, model)
         self._plan = plan
-        placed = {p: _distribute(t, self.mesh, plan.entries[p].storage) for p, t in params.items()}
-        return placed, _place_state(opt_state, plan, self.mesh)
+        placed = {p: _distribute(params[p], plan.mesh, plan.entries[p].storage) for p in plan.held}
+        if plan.pipeline is not None:
+            opt_state = _without(opt_state, set(plan.entries) - set(plan.held))
+        return placed, _place_state(opt_state, plan, plan.mesh)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         self.check_inputs(params, batch)
@@ -264,7 +300,13 @@ class TransformedStep:
 
     def comms(self, params: Any, opt_state: Any, batch: Any) -> CommStats:
         """Run one step (eagerly, results dropped) and count its collectives per kind and axis."""
-        with CollectiveCounter(self.mesh) as counter:
+        pipeline = self.plan.pipeline
+        labels = (
+            {pipeline.tie_group.group_name: pipeline.axis}
+            if pipeline is not None and pipeline.tie_group is not None
+            else None
+        )
+        with CollectiveCounter(self.mesh, labels) as counter:
             self(params, opt_state, batch)
         return counter.stats
 
@@ -320,6 +362,40 @@ def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DT
     return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
 
 
+def _onto_stage_mesh(entry: ParamPlan, pipeline: PipelineLayout) -> ParamPlan:
+    """``entry`` laid out on the stage mesh (the pipeline axis dropped), with its stages."""
+    i = pipeline.index
+
+    def drop(placements: tuple) -> tuple:
+        return (*placements[:i], *placements[i + 1 :]) or (Replicate(),)
+
+    stages = pipeline.split.stages_of(entry.path)
+    where = ", ".join(str(s) for s in stages)
+    return replace(
+        entry,
+        storage=drop(entry.storage),
+        compute=drop(entry.compute),
+        grad=drop(entry.grad),
+        stages=stages,
+        reasons=(
+            *entry.reasons,
+            f"pipeline: held by stage {where} of {pipeline.split.count}"
+            + (", grads summed over them (tied)" if len(stages) > 1 else ""),
+        ),
+    )
+
+
+def _without(state: Any, paths: set[str]) -> Any:
+    """``state`` with the entries keyed by ``paths`` dropped from its dicts."""
+    if isinstance(state, Mapping):
+        return type(state)({k: _without(v, paths) for k, v in state.items() if k not in paths})
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(_without(v, paths) for v in state))
+    if isinstance(state, list | tuple):
+        return type(state)(_without(v, paths) for v in state)
+    return state
+
+
 def _place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
     by_length = sorted(plan.entries, key=len, reverse=True)
 
@@ -337,10 +413,10 @@ def _place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
 
 def check_placed(params: Any, plan: Plan) -> None:
     """Raise unless ``params`` has the plan's paths, each a DTensor stored as planned."""
-    if not isinstance(params, Mapping) or params.keys() != plan.entries.keys():
+    if not isinstance(params, Mapping) or params.keys() != set(plan.held):
         given = set(params) if isinstance(params, Mapping) else set()
-        missing = sorted(set(plan.entries) - given)[:5]
-        extra = sorted(given - set(plan.entries))[:5]
+        missing = sorted(set(plan.held) - given)[:5]
+        extra = sorted(given - set(plan.held))[:5]
         raise PlanError(
             f"params do not match the placed plan (missing {missing}, unexpected {extra}); "
             "pass the params returned by step.place(...) or by the previous step"

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d import tree
+from d9d._active import active_plan
 from d9d.optim._checks import check_positive
 from d9d.optim._transform import GradientTransformation, by_kind
 
@@ -36,33 +37,53 @@ def global_norm(updates: Any) -> torch.Tensor:
 
     Returns:
         A 0-d plain tensor on the first leaf's device, equal on every rank; 0 for an empty
-        tree. It is float32, or float64 when a leaf is float64.
+        tree. It is float32, or float64 when a leaf is float64. Inside a ``pipeline`` step
+        it is the norm over every stage's leaves (a tied param counted once).
 
     Example:
         >>> import torch
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
         tensor(5.)
     """
+    leaves = tree.leaves(updates)
+    dtype = torch.float64 if any(leaf.dtype == torch.float64 for leaf in leaves) else torch.float32
+    square = _squared_norm(leaves, dtype)
+    plan = active_plan()
+    if plan is not None and plan.pipeline is not None:
+        square = _over_stages(square, updates, plan.pipeline, dtype)
+    return square.sqrt()
+
+
+def _squared_norm(leaves: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     groups: dict[Any, list[torch.Tensor]] = {}
-    for leaf in tree.leaves(updates):
+    for leaf in leaves:
         key = leaf.device_mesh if isinstance(leaf, DTensor) else leaf.device
         groups.setdefault(key, []).append(leaf)
     if not groups:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=dtype)
     squares = []
-    dtype = (
-        torch.float64
-        if any(leaf.dtype == torch.float64 for leaf in tree.leaves(updates))
-        else torch.float32
-    )
-    for leaves in groups.values():
-        norms = torch._foreach_norm(leaves, 2, dtype=dtype)
+    for group in groups.values():
+        norms = torch._foreach_norm(group, 2, dtype=dtype)
         total = torch.linalg.vector_norm(torch.stack(norms))
         if isinstance(total, DTensor):
             total = total.full_tensor()
         squares.append(total.square())
     device = next(iter(groups.values()))[0].device
-    return torch.stack([s.to(device) for s in squares]).sum().sqrt()
+    return torch.stack([s.to(device) for s in squares]).sum()
+
+
+def _over_stages(
+    square: torch.Tensor, updates: Any, pipeline: Any, dtype: torch.dtype
+) -> torch.Tensor:
+    """The squared norm summed over the pipeline's stages (one all-reduce); a leaf held by
+    two ranks (a tied param) counts once."""
+    pairs = tree.flatten_with_paths(updates)[0]
+    shared = [leaf for path, leaf in pairs if pipeline.ranks_holding(path) > 1]
+    if shared:
+        square = square - _squared_norm(shared, dtype).to(square.device) / 2
+    return torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_reduce(square, "sum", pipeline.group.group_name)
+    )
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

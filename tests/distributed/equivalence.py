@@ -81,7 +81,7 @@ def _rank(build_model, make_transforms, mesh_axes, data, jit, opt):
         step = transform(step)
     if jit:
         step = d9d.jit(step)
-    params, state = step.place(model.params, opt.init(model.params), axes=model.axes)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
     losses = []
     for batch in data:
         params, state, metrics = step(params, state, step.shard_batch(batch))
@@ -99,11 +99,22 @@ def run(
     *,
     jit: bool = False,
     opt: str = "adamw",
+    method: str = "thread",
 ):
-    """Per-rank ``(losses, full params)`` of the transformed step."""
+    """Per-rank ``(losses, full params)`` of the transformed step (``method="fork"`` for
+    pipelines: the threaded group has no point-to-point ops)."""
     world = math.prod(mesh_axes.values())
     return run_on_ranks(
-        _rank, world, build_model, make_transforms, mesh_axes, data, jit, opt, timeout=600
+        _rank,
+        world,
+        build_model,
+        make_transforms,
+        mesh_axes,
+        data,
+        jit,
+        opt,
+        method=method,
+        timeout=600,
     )
 
 
@@ -119,6 +130,7 @@ def assert_equivalent(
     opt: str = "adamw",
     params_too: bool = True,
     tol: dict[str, float] | None = None,
+    method: str = "thread",
 ) -> None:
     """Every rank's losses (and final params) equal ``expected`` from :func:`reference`, at
     ``tol`` (default: rel 1e-9 in float64, rel 1e-5 in float32)."""
@@ -126,11 +138,13 @@ def assert_equivalent(
     if tol is None:
         f64 = dtype == torch.float64
         tol = {"rtol": 1e-9, "atol": 1e-12} if f64 else {"rtol": 1e-5, "atol": 1e-7}
-    for losses, params in run(build_model, make_transforms, mesh_axes, data, jit=jit, opt=opt):
+    ranks = run(build_model, make_transforms, mesh_axes, data, jit=jit, opt=opt, method=method)
+    for losses, params in ranks:
         assert losses.shape == (len(data),)
         torch.testing.assert_close(losses, ref_losses, **tol)
-        if params_too:
-            assert_trees_all_close(params, ref_params, **tol)
+        if params_too:  # under pipeline each rank holds its stages' params only
+            assert_trees_all_close(params, {k: ref_params[k] for k in params}, **tol)
+    assert set().union(*(params for _, params in ranks)) == set(ref_params)
 
 
 def llama(

@@ -1,0 +1,530 @@
+"""The microbatch executor that ``d9d.value_and_grad`` becomes under ``pipeline``.
+
+Per step: the rank's stage params are gathered to their compute layout once (one all-gather
+per block under ``shard_params``) and become the parameters of one ``nn.Module`` per local
+stage; a ``torch.distributed.pipelining`` schedule runs the microbatches through
+``PipelineStage``s wrapping those modules; the accumulated grads are reduced to the stored
+layout once (one reduce-scatter per block). A stage module's forward calls the user's loss
+function on its microbatch with this thread's :class:`StageRun` set, and ``Model.apply``
+runs only the stage's blocks (``d9d/_gather.py``): it starts from the received activation
+and stops after the stage's last block by raising :class:`StageDone`; the last stage runs
+on to the loss.
+
+Activation shapes between stages are found once per batch signature by a probe: each stage
+runs microbatch 0 without grad, in stage order, and sends its output's shape to the next
+stage's rank, so the ``PipelineStage``s are built with static shapes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from . import tree
+from ._comms import record_p2p
+from ._stages import StageSplit
+from .errors import PlanError
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+__all__ = [
+    "SCHEDULES",
+    "PipelineLayout",
+    "StageDone",
+    "StageRun",
+    "current_stage_run",
+    "run_pipeline",
+    "stage_owner",
+    "stage_spans",
+]
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A ``torch.distributed.pipelining`` schedule: its class, stage placement and the
+    stages per rank it runs (None: any)."""
+
+    name: str
+    style: str
+    virtual_stages: int | None
+    multi: bool
+
+
+SCHEDULES = {
+    "gpipe": ScheduleKind("ScheduleGPipe", "loop", 1, False),
+    "1f1b": ScheduleKind("Schedule1F1B", "loop", 1, False),
+    "interleaved_1f1b": ScheduleKind("ScheduleInterleaved1F1B", "loop", None, True),
+    "interleaved_zb": ScheduleKind("ScheduleInterleavedZeroBubble", "loop", None, True),
+    "zbv": ScheduleKind("ScheduleZBVZeroBubble", "v", 2, True),
+}
+
+
+def stage_owner(stage: int, size: int, style: str) -> int:
+    """The pipeline rank running ``stage``: round robin (``loop``) or down and back (``v``)."""
+    if style == "v":
+        return stage if stage < size else 2 * size - 1 - stage
+    return stage % size
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """This rank's part of a pipeline: the split, its stages, the groups and the schedule."""
+
+    axis: str
+    index: int
+    group: Any
+    rank: int
+    size: int
+    split: StageSplit
+    schedule: str
+    microbatches: int
+    local_stages: tuple[int, ...]
+    stage_mesh: DeviceMesh
+    tie_group: Any
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """Paths of the params this rank holds, stage by stage."""
+        return tuple(dict.fromkeys(k for s in self.local_stages for k in self.split.keys[s]))
+
+    def owner(self, stage: int) -> int:
+        """The pipeline rank of ``stage``."""
+        return stage_owner(stage, self.size, SCHEDULES[self.schedule].style)
+
+    def ranks_holding(self, key: str) -> int:
+        """How many pipeline ranks hold param ``key`` (2 for a tied param on two ranks)."""
+        return len({self.owner(s) for s in self.split.stages_of(key)})
+
+
+@dataclass
+class StageRun:
+    """One stage's forward of one microbatch, in progress on this thread."""
+
+    stage: int
+    start: int
+    stop: int
+    first: bool
+    last: bool
+    input: torch.Tensor | None
+    output: torch.Tensor | None = None
+    entered: bool = False
+    applied: bool = False
+
+
+class StageDone(Exception):
+    """Raised after the last block of a stage that is not the last one."""
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.run: StageRun | None = None
+
+
+_state = _State()
+
+
+def current_stage_run() -> StageRun | None:
+    """The stage forward running on this thread, or None."""
+    return _state.run
+
+
+@contextmanager
+def _stage_run(run: StageRun) -> Iterator[None]:
+    previous = _state.run
+    _state.run = run
+    try:
+        yield
+    finally:
+        _state.run = previous
+
+
+class _StageParams(dict):
+    """The params a stage's loss function sees; a missing path names the stage holding it."""
+
+    def __init__(self, values: Mapping[str, torch.Tensor], split: StageSplit) -> None:
+        super().__init__(values)
+        self.split = split
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        stages = self.split.stages_of(key)
+        where = f"stage {stages[0]}" if stages else "no stage"
+        raise PlanError(
+            f"param {key!r} belongs to {where}, not to this rank's stages: under pipeline the "
+            "loss function may use params only through model.apply"
+        )
+
+
+class _StageModule(nn.Module):
+    """The module a ``PipelineStage`` runs: one stage of the user's loss function."""
+
+    def __init__(self, stage: int, runner: list[_Runner]) -> None:
+        super().__init__()
+        self.stage = stage
+        self.runner = runner  # a one-element box: the step in progress
+
+    def forward(self, *inputs: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+        return self.runner[0].run_stage(self.stage, inputs, int(mb.reshape(-1)[0]))
+
+
+class _Spans(threading.local):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int, float, float]] | None = None
+
+
+_spans = _Spans()
+
+
+@contextmanager
+def stage_spans() -> Iterator[list[tuple[str, int, int, float, float]]]:
+    """Record this thread's stage compute while the block runs: a list that fills with
+    ``(kind, stage, microbatch, start, end)`` (``time.perf_counter`` seconds; kind ``F``
+    forward, ``B`` backward, ``W`` weight grads of a zero-bubble schedule, and one
+    ``schedule`` span around the whole schedule, with stage -1). Schedule time outside the
+    compute spans is waiting: the pipeline's bubble (``benchmarks/pipeline.py``)."""
+    previous = _spans.events
+    _spans.events = []
+    try:
+        yield _spans.events
+    finally:
+        _spans.events = previous
+
+
+@contextmanager
+def _span(kind: str, stage: int, microbatch: int) -> Iterator[None]:
+    events = _spans.events
+    if events is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        events.append((kind, stage, microbatch, start, time.perf_counter()))
+
+
+class _CountedStage(pipelining.PipelineStage):
+    """A ``PipelineStage`` that reports the bytes it sends and receives to ``step.comms``
+    and its compute spans to :func:`stage_spans`."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with _span("F", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with _span("B", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with _span("W", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def _count(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        for op in ops:
+            record_p2p(kind, self.axis_name, op.tensor.numel() * op.tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("send", super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("send", super().get_bwd_send_ops(bwd_chunk_id))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("recv", super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("recv", super().get_bwd_recv_ops(bwd_chunk_id))
+
+
+@dataclass
+class _Runtime:
+    """Stage modules, ``PipelineStage``s and the schedule for one batch signature."""
+
+    modules: dict[int, _StageModule]
+    schedule: Any
+    box: list[Any]
+    loss_dtype: torch.dtype
+
+
+class _Runner:
+    """One step's call of the loss function, stage by stage and microbatch by microbatch."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        params: _StageParams,
+        chunks: list[Any],
+        has_aux: bool,
+        layout: PipelineLayout,
+    ) -> None:
+        self.fn, self.params, self.chunks, self.has_aux, self.layout = (
+            fn,
+            params,
+            chunks,
+            has_aux,
+            layout,
+        )
+        self.aux: dict[int, Any] = {}
+
+    def run_stage(self, stage: int, inputs: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+        split = self.layout.split
+        start, stop = split.blocks[stage]
+        run = StageRun(
+            stage, start, stop, stage == 0, stage == split.count - 1, inputs[0] if inputs else None
+        )
+        args, kwargs = self.chunks[index]
+        with _stage_run(run):
+            try:
+                out = self.fn(self.params, *args, **kwargs)
+            except StageDone:
+                return run.output
+        if not run.applied or not run.last:
+            raise PlanError(
+                f"pipeline stage {stage}: the loss function returned without calling "
+                "model.apply; under pipeline it must compute the loss from model.apply"
+            )
+        value, aux = out if self.has_aux else (out, None)
+        if not (isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()):
+            raise TypeError("the differentiated function must return a 0-d float tensor")
+        self.aux[index] = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        return value
+
+
+def run_pipeline(
+    fn: Callable[..., Any],
+    pairs: list[tuple[str, torch.Tensor]],
+    chunks: list[Any],
+    has_aux: bool,
+    plan: Plan,
+) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+    """``(mean loss, aux, grads)`` of ``fn`` over ``chunks`` (microbatches), run stage by
+    stage under the plan's pipeline schedule; grads laid out like the stored params."""
+    layout = plan.pipeline
+    assert layout is not None
+    paths = [path for path, _ in pairs]
+    stored = [leaf.detach().requires_grad_(True) for _, leaf in pairs]
+    with torch.enable_grad():
+        gathered = plan.materialize_many(paths, dict(zip(paths, stored, strict=True)))
+    weights = {p: nn.Parameter(gathered[p].detach()) for p in paths}
+    runner = _Runner(fn, _StageParams(weights, layout.split), chunks, has_aux, layout)
+    runtime = _runtime(runner, layout, chunks)
+    runtime.box[0] = runner
+    for stage, module in runtime.modules.items():
+        module._parameters.clear()
+        for i, key in enumerate(layout.split.keys[stage]):
+            module._parameters[f"p{i}"] = weights[key]
+    last = layout.owner(layout.split.count - 1) == layout.rank
+    count = len(chunks)
+    losses: list[torch.Tensor] = []
+    extra = {"target": torch.arange(count), "losses": losses} if last else {}
+    with torch.enable_grad(), _span("schedule", -1, count):
+        runtime.schedule.step(mb=torch.arange(count), return_outputs=False, **extra)
+    runtime.box[0] = None
+    compute_grads = [
+        weights[p].grad / count if weights[p].grad is not None else torch.zeros_like(weights[p])
+        for p in paths
+    ]
+    grads = torch.autograd.grad(
+        [gathered[p] for p in paths],
+        stored,
+        grad_outputs=compute_grads,
+        allow_unused=True,
+        materialize_grads=True,
+    )
+    grads = [_sum_tied(g, p, layout) for g, p in zip(grads, paths, strict=True)]
+    value = _loss_on_every_rank(losses, runtime.loss_dtype, last, layout)
+    aux = _aux_on_every_rank(runner, count, layout) if has_aux else None
+    return value, aux, grads
+
+
+def _sum_tied(grad: torch.Tensor, path: str, layout: PipelineLayout) -> torch.Tensor:
+    """A tied param's grad summed over the two ranks holding it."""
+    if layout.ranks_holding(path) < 2:
+        return grad
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    total = _c10d.wait_tensor(_c10d.all_reduce(local, "sum", layout.tie_group.group_name))
+    if isinstance(grad, DTensor):
+        return DTensor.from_local(
+            total,
+            grad.device_mesh,
+            grad.placements,
+            run_check=False,
+            shape=grad.shape,
+            stride=grad.stride(),
+        )
+    return total
+
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _loss_on_every_rank(
+    losses: list[torch.Tensor], dtype: torch.dtype, last: bool, layout: PipelineLayout
+) -> torch.Tensor:
+    """The mean microbatch loss of the last stage, on every pipeline rank (one all-reduce)."""
+    device = layout.stage_mesh.device_type
+    packed = torch.zeros(2, dtype=torch.float64, device=device)
+    if last:
+        packed[0] = torch.stack([loss.detach() for loss in losses]).mean().to(torch.float64)
+        packed[1] = _DTYPES.index(dtype)
+    packed = _c10d.wait_tensor(_c10d.all_reduce(packed, "sum", layout.group.group_name))
+    return packed[0].to(_DTYPES[int(packed[1])])
+
+
+def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> Any:
+    box = [None]
+    last = layout.owner(layout.split.count - 1)
+    if layout.rank == last:
+        auxes = [runner.aux[i] for i in range(count)]
+        box[0] = tree.map(
+            lambda *xs: torch.stack(xs).mean(0) if xs[0].ndim == 0 else torch.cat(xs), *auxes
+        )
+    dist.broadcast_object_list(
+        box, src=dist.get_global_rank(layout.group, last), group=layout.group
+    )
+    return box[0]
+
+
+def _signature(chunk: Any) -> tuple:
+    leaves, spec = tree.flatten(chunk)
+    shapes = tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves
+    )
+    return str(spec), shapes
+
+
+def _runtime(runner: _Runner, layout: PipelineLayout, chunks: list[Any]) -> _Runtime:
+    key = (_signature(chunks[0]), len(chunks), getattr(runner.fn, "__code__", runner.fn))
+    runtime = layout.cache.get(key)
+    if runtime is None:
+        if len(layout.cache) > 8:
+            layout.cache.clear()
+        runtime = _build(runner, layout, len(chunks))
+        layout.cache[key] = runtime
+    return runtime
+
+
+def _device(layout: PipelineLayout) -> torch.device:
+    kind = layout.stage_mesh.device_type
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
+    """Probe activation shapes, then build the stages and the schedule."""
+    box: list[Any] = [runner]
+    modules = {s: _StageModule(s, box) for s in layout.local_stages}
+    device = _device(layout)
+    shapes = _probe(runner, layout, device)
+    stages = []
+    for s in layout.local_stages:
+        entering, leaving = shapes[s]
+        stage = _CountedStage(
+            modules[s],
+            s,
+            layout.split.count,
+            device,
+            input_args=tuple(_example(shape, dtype, device) for shape, dtype in entering),
+            output_args=_example(*leaving, device),
+            group=layout.group,
+        )
+        stage.axis_name = layout.axis
+        stages.append(stage)
+    kind = SCHEDULES[layout.schedule]
+    schedule_type = getattr(pipelining.schedules, kind.name)
+    try:
+        schedule = schedule_type(
+            stages if kind.multi else stages[0],
+            n_microbatches=count,
+            loss_fn=_stage_loss,
+            scale_grads=False,
+        )
+    except (ValueError, AssertionError) as error:
+        raise PlanError(
+            f"pipeline(schedule={layout.schedule!r}) cannot run {count} microbatches on "
+            f"{layout.size} ranks x {len(layout.local_stages)} stages: {error}"
+        ) from error
+    last = layout.split.count - 1
+    loss_dtype = shapes[last][1][1] if last in shapes else torch.float32
+    return _Runtime(modules, schedule, box, loss_dtype)
+
+
+def _example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An example activation for ``PipelineStage``: float ones carry grads back."""
+    return torch.empty(shape, dtype=dtype, device=device, requires_grad=dtype.is_floating_point)
+
+
+def _stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss: the last stage's output already is the microbatch's loss."""
+    del target
+    return output
+
+
+_META_LENGTH = 10
+
+
+def _probe(
+    runner: _Runner, layout: PipelineLayout, device: torch.device
+) -> dict[
+    int, tuple[list[tuple[tuple[int, ...], torch.dtype]], tuple[tuple[int, ...], torch.dtype]]
+]:
+    """``{stage: (input shapes, output shape)}`` of this rank's stages, from a forward of
+    microbatch 0 without grad, stage after stage over the ranks."""
+    out: dict[int, Any] = {}
+    previous: tuple[tuple[int, ...], torch.dtype] | None = None
+    for stage in range(layout.split.count):
+        owner = layout.owner(stage)
+        if owner != layout.rank:
+            continue
+        entering: list[tuple[tuple[int, ...], torch.dtype]] = []
+        if stage > 0:
+            if layout.owner(stage - 1) != layout.rank:
+                previous = _recv_meta(layout, layout.owner(stage - 1), device)
+            assert previous is not None
+            entering = [previous]
+        inputs = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in entering)
+        with torch.no_grad():
+            value = runner.run_stage(stage, inputs, 0)
+        previous = (tuple(value.shape), value.dtype)
+        out[stage] = (entering, previous)
+        if stage + 1 < layout.split.count and layout.owner(stage + 1) != layout.rank:
+            _send_meta(layout, layout.owner(stage + 1), previous, device)
+    return out
+
+
+def _send_meta(
+    layout: PipelineLayout, to: int, meta: tuple[tuple[int, ...], torch.dtype], device: Any
+) -> None:
+    shape, dtype = meta
+    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
+    header[0], header[1] = len(shape), _ACTIVATION_DTYPES.index(dtype)
+    header[2 : 2 + len(shape)] = torch.tensor(shape)
+    dist.send(header, dst=dist.get_global_rank(layout.group, to), group=layout.group)
+
+
+def _recv_meta(
+    layout: PipelineLayout, source: int, device: Any
+) -> tuple[tuple[int, ...], torch.dtype]:
+    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
+    dist.recv(header, src=dist.get_global_rank(layout.group, source), group=layout.group)
+    ndim = int(header[0])
+    return tuple(int(x) for x in header[2 : 2 + ndim]), _ACTIVATION_DTYPES[int(header[1])]
+
+
+_ACTIVATION_DTYPES = (*_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
