@@ -178,6 +178,7 @@ class _StageModule(nn.Module):
         self.runner = runner  # a one-element box: the step in progress
 
     def forward(self, *inputs: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+        # ``mb``: this microbatch's index, chunked by the schedule like any batch kwarg.
         return self.runner[0].run_stage(self.stage, inputs, int(mb.reshape(-1)[0]))
 
 
@@ -302,7 +303,9 @@ class _Runner:
         if not (isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()):
             raise TypeError("the differentiated function must return a 0-d float tensor")
         self.aux[index] = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-        return value
+        # (1,), not 0-d: the schedule concatenates the last stage's outputs, and the
+        # zero-bubble schedules detach them in place, which a view forbids.
+        return value.reshape(1).clone()
 
 
 def run_pipeline(
@@ -333,7 +336,7 @@ def run_pipeline(
     losses: list[torch.Tensor] = []
     extra = {"target": torch.arange(count), "losses": losses} if last else {}
     with torch.enable_grad(), _span("schedule", -1, count):
-        runtime.schedule.step(mb=torch.arange(count), return_outputs=False, **extra)
+        runtime.schedule.step(mb=torch.arange(count), **extra)
     runtime.box[0] = None
     compute_grads = [
         weights[p].grad / count if weights[p].grad is not None else torch.zeros_like(weights[p])
@@ -473,7 +476,7 @@ def _example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 def _stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The schedule's loss: the last stage's output already is the microbatch's loss."""
     del target
-    return output
+    return output.sum()  # of its one element; not a view (zero-bubble detaches it in place)
 
 
 _META_LENGTH = 10

@@ -75,6 +75,25 @@ def test_fp32_losses_and_sgd_params_equal_one_device() -> None:
     _check("d9d", "cp=2", torch.float32, opt="sgd")
 
 
+def test_unevenly_ignored_labels_give_the_token_weighted_mean() -> None:
+    """The last quarter of every sequence is padding (-100): under zigzag cp=2 rank 0 holds
+    all of it, so the ranks' valid counts differ; losses and params still equal one
+    device's, whose mean is over all valid tokens."""
+    data = batches(256)
+    for batch in data:
+        batch["labels"] = batch["labels"].clone()  # a view of the tokens
+        batch["labels"][:, -batch["labels"].shape[1] // 4 :] = -100
+    build = llama(torch.float64)
+    assert_equivalent(
+        build,
+        LAYOUTS["cp=2"][1],
+        {"cp": 2},
+        data,
+        reference(build, data),
+        dtype=torch.float64,
+    )
+
+
 @pytest.mark.compile
 def test_jit_equals_one_device() -> None:
     _check("d9d", "cp=2", torch.float64, jit=True, n_layers=1)
@@ -82,7 +101,8 @@ def test_jit_equals_one_device() -> None:
 
 def test_ring_exchanges_and_grad_reduction_are_the_analytic_bytes() -> None:
     """Per attention layer: cp - 1 K/V exchanges forward; backward cp - 1 exchanges of
-    K, V, dK, dV and one of dK, dV. Grads are all-reduced over cp once each, and the loss."""
+    K, V, dK, dV and one of dK, dV. Grads are all-reduced over cp once each, and the loss,
+    and the loss's count of valid tokens (int64)."""
 
     def rank():
         mesh = d9d.make_mesh("cpu", cp=2)
@@ -101,8 +121,8 @@ def test_ring_exchanges_and_grad_reduction_are_the_analytic_bytes() -> None:
         assert stats.count[("all_to_all", "cp")] == layers * (2 * cp - 1)
         per_layer = (cp - 1) * 2 * kv + (cp - 1) * 4 * kv + 2 * kv
         assert stats.bytes[("all_to_all", "cp")] == layers * per_layer
-        assert stats.count[("all_reduce", "cp")] == n_params + 1
-        assert stats.bytes[("all_reduce", "cp")] == param_bytes + 8
+        assert stats.count[("all_reduce", "cp")] == n_params + 2
+        assert stats.bytes[("all_reduce", "cp")] == param_bytes + 8 + 8
         assert set(stats.count) == {("all_to_all", "cp"), ("all_reduce", "cp")}
 
 
