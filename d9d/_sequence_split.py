@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 
 from . import tree
 from .errors import PlanError
+from .kernels._registry import resolve
 from .parallel import positions_for, ring_attention, shard_sequence
 
 __all__ = ["HF_ATTENTION", "SequenceSplit"]
@@ -75,9 +76,18 @@ class SequenceSplit:
         causal: bool = True,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Attention of this rank's queries over the whole sequence; ``[B, H, S_local, D]``."""
+        """Attention of this rank's queries over the whole sequence; ``[B, H, S_local, D]``.
+
+        Each block's attention comes from the kernel registry's ``block_attention`` op."""
         return ring_attention(
-            q, k, v, group=self.group, causal=causal, load_balance=self.load_balance, scale=scale
+            q,
+            k,
+            v,
+            group=self.group,
+            causal=causal,
+            load_balance=self.load_balance,
+            scale=scale,
+            block=resolve("block_attention", q, None),
         )
 
 

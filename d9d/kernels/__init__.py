@@ -4,6 +4,7 @@ installed, or forced per call (``backend=``), per block (:func:`use`) or by the
 ``D9D_KERNELS`` environment variable. See ``docs/kernels.md``.
 """
 
+from . import _block_attention  # noqa: F401 - registers the block_attention op
 from ._adamw import adamw as adamw
 from ._cross_entropy import cross_entropy as cross_entropy
 from ._fused_linear_cross_entropy import fused_linear_cross_entropy as fused_linear_cross_entropy

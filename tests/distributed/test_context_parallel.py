@@ -3,6 +3,7 @@ same step on one device; its traffic and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -73,6 +74,27 @@ def test_hf_llama_equals_one_device() -> None:
 def test_fp32_losses_and_sgd_params_equal_one_device() -> None:
     _check("d9d", "cp=2", torch.float32, params_too=False)
     _check("d9d", "cp=2", torch.float32, opt="sgd")
+
+
+def test_sdpa_block_attention_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ring attention's blocks on the fused CPU SDPA kernel (forced through the registry)."""
+    from d9d.kernels import _registry
+    from d9d.parallel import BlockAttention
+
+    backends = _registry._OPS["block_attention"].backends
+    sdpa, calls = backends["sdpa"].impl, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa.forward(*args, **kwargs)
+
+    counted_backend = dataclasses.replace(
+        backends["sdpa"], impl=BlockAttention("sdpa", counted, sdpa.backward)
+    )
+    monkeypatch.setitem(backends, "sdpa", counted_backend)
+    monkeypatch.setenv("D9D_KERNELS", "block_attention=sdpa")
+    _check("d9d", "cp=2", torch.float64)
+    assert calls
 
 
 def test_unevenly_ignored_labels_give_the_token_weighted_mean() -> None:

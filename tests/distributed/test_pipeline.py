@@ -67,6 +67,19 @@ LAYOUTS = {
         4,
         lambda mesh: [d9d.pipeline(mesh, microbatches=2), d9d.tensor_parallel(mesh)],
     ),
+    "pp=2 x cp=2": (
+        {"pp": 2, "cp": 2},
+        4,
+        lambda mesh: [d9d.context_parallel(mesh), d9d.pipeline(mesh, microbatches=2)],
+    ),
+    "pp=2 x dp=2": (
+        {"pp": 2, "dp": 2},
+        4,
+        lambda mesh: [
+            d9d.pipeline(mesh, microbatches=2),
+            d9d.shard_params(mesh, None, replicate_axis="dp"),
+        ],
+    ),
 }
 
 

@@ -75,6 +75,7 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
     table = K.available()
     assert sorted(table) == [
         "adamw",
+        "block_attention",
         "cross_entropy",
         "fused_add_rms_norm",
         "fused_linear_cross_entropy",

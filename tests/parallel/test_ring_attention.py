@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from d9d._comms import CollectiveCounter
 from d9d.errors import IndivisibleError
 from d9d.parallel import (
+    MATH_BLOCK_ATTENTION,
     positions_for,
     ring_attention,
     shard_sequence,
@@ -18,6 +19,7 @@ from d9d.parallel import (
     zigzag_shard,
     zigzag_unshard,
 )
+from d9d.parallel._sdpa_block_attention import SDPA_BLOCK_ATTENTION
 from d9d.testing import run_on_ranks
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
@@ -36,7 +38,7 @@ def _inputs(heads, kv_heads, seq, dtype, *, batch=2, dim=8, seed=0):
     return q, k, v, dout
 
 
-def _rank(mesh_shape, names, tensors, causal, load_balance, scale=None):
+def _rank(mesh_shape, names, tensors, causal, load_balance, scale=None, block=MATH_BLOCK_ATTENTION):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     group = mesh.get_group("cp")
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -52,7 +54,7 @@ def _rank(mesh_shape, names, tensors, causal, load_balance, scale=None):
     assert not q.is_contiguous()
     with CollectiveCounter(mesh) as forward:
         out = ring_attention(
-            q, k, v, group=group, causal=causal, load_balance=load_balance, scale=scale
+            q, k, v, group=group, causal=causal, load_balance=load_balance, scale=scale, block=block
         )
     with CollectiveCounter(mesh) as backward:
         out.backward(dout)
@@ -73,11 +75,12 @@ def _check(
     scale=None,
     tol=None,
     method="thread",
+    block=MATH_BLOCK_ATTENTION,
 ):
     tensors = _inputs(heads, kv_heads, seq, dtype)
     shape, names = ((dp, cp), ("dp", "cp")) if dp > 1 else ((cp,), ("cp",))
     results = run_on_ranks(
-        _rank, dp * cp, shape, names, tensors, causal, load_balance, scale, method=method
+        _rank, dp * cp, shape, names, tensors, causal, load_balance, scale, block, method=method
     )
     q, k, v, dout = (t.clone().requires_grad_() for t in tensors)
     expected = _full_attention(q, k, v, causal=causal, scale=scale)
@@ -110,6 +113,45 @@ def test_matches_full_attention_float64(cp, heads, kv_heads, causal, load_balanc
 @pytest.mark.parametrize("load_balance", ["zigzag", None])
 def test_matches_full_attention_float32(cp, causal, load_balance):
     _check(cp, 3, 1, 6 * cp, torch.float32, causal, load_balance)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(3, 1), (6, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sdpa_blocks_match_full_attention(cp, heads, kv_heads, causal, dtype):
+    """The fused CPU SDPA kernel with log-sum-exp as the per-block attention."""
+    _check(cp, heads, kv_heads, 6 * cp, dtype, causal, "zigzag", block=SDPA_BLOCK_ATTENTION)
+
+
+@pytest.mark.parametrize(("seq_q", "seq_k", "causal"), [(5, 5, True), (3, 7, False), (6, 6, False)])
+def test_sdpa_block_equals_math_block(seq_q, seq_k, causal):
+    """Forward (output, log-sum-exp) and backward from a final output and log-sum-exp, on odd
+    sizes with grouped-query heads."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, seq_q, 5, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 2, seq_k, 5, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 2, seq_k, 7, generator=gen, dtype=torch.float64)
+    dout = torch.randn(2, 6, seq_q, 7, generator=gen, dtype=torch.float64)
+    options = {"scale": 0.3, "causal": causal}
+    out, lse = MATH_BLOCK_ATTENTION.forward(q, k, v, **options)
+    got = SDPA_BLOCK_ATTENTION.forward(q, k, v, **options)
+    torch.testing.assert_close(got, (out, lse), rtol=1e-12, atol=1e-12)
+    want = MATH_BLOCK_ATTENTION.backward(q, k, v, out, dout, lse, **options)
+    got = SDPA_BLOCK_ATTENTION.backward(q, k, v, out, dout, lse, **options)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_block_attention_backend_comes_from_the_registry():
+    from d9d import kernels
+    from d9d.kernels._registry import resolve
+
+    q = torch.ones(1, 2, 4, 8)
+    assert resolve("block_attention", q, None) is MATH_BLOCK_ATTENTION
+    with kernels.use(block_attention="sdpa"):
+        assert resolve("block_attention", q, None) is SDPA_BLOCK_ATTENTION
+    assert kernels.available()["block_attention"]["sdpa"] is None
 
 
 @pytest.mark.distributed
