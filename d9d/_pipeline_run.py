@@ -1,24 +1,22 @@
 """The microbatch executor that ``d9d.value_and_grad`` becomes under ``pipeline``.
 
-Per step: the rank's stage params are gathered to their compute layout once (one all-gather
-per block under ``shard_params``) and become the parameters of one ``nn.Module`` per local
-stage; a ``torch.distributed.pipelining`` schedule runs the microbatches through
-``PipelineStage``s wrapping those modules; the accumulated grads are reduced to the stored
-layout once (one reduce-scatter per block). A stage module's forward calls the user's loss
+Per step: the rank's stage params are gathered to their compute layout once (under
+``shard_params`` one all-gather for all of them) and become the parameters of one
+``nn.Module`` per local stage; a ``torch.distributed.pipelining`` schedule runs the
+microbatches through ``PipelineStage``s wrapping those modules; the accumulated grads are
+reduced to the stored layout once (one reduce-scatter). A stage module's forward calls the user's loss
 function on its microbatch with this thread's :class:`StageRun` set, and ``Model.apply``
 runs only the stage's blocks (``d9d/_gather.py``): it starts from the received activation
 and stops after the stage's last block by raising :class:`StageDone`; the last stage runs
 on to the loss.
 
-Activation shapes between stages are found once per batch signature by a probe: each stage
-runs microbatch 0 without grad, in stage order, and sends its output's shape to the next
-stage's rank, so the ``PipelineStage``s are built with static shapes.
+The ``PipelineStage``s are built once per batch signature, with activation shapes from a
+probe (``_stage_shapes``), and report their traffic and compute spans (``_stage_trace``).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import tree
-from ._comms import record_p2p
+from ._stage_shapes import LOSS_DTYPES, probe
+from ._stage_trace import TracedStage, span
 from ._stages import StageSplit
 from .errors import PlanError
 
@@ -47,7 +46,6 @@ __all__ = [
     "current_stage_run",
     "run_pipeline",
     "stage_owner",
-    "stage_spans",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -182,76 +180,6 @@ class _StageModule(nn.Module):
         return self.runner[0].run_stage(self.stage, inputs, int(mb.reshape(-1)[0]))
 
 
-class _Spans(threading.local):
-    def __init__(self) -> None:
-        self.events: list[tuple[str, int, int, float, float]] | None = None
-
-
-_spans = _Spans()
-
-
-@contextmanager
-def stage_spans() -> Iterator[list[tuple[str, int, int, float, float]]]:
-    """Record this thread's stage compute while the block runs: a list that fills with
-    ``(kind, stage, microbatch, start, end)`` (``time.perf_counter`` seconds; kind ``F``
-    forward, ``B`` backward, ``W`` weight grads of a zero-bubble schedule, and one
-    ``schedule`` span around the whole schedule, with stage -1). Schedule time outside the
-    compute spans is waiting: the pipeline's bubble (``benchmarks/pipeline.py``)."""
-    previous = _spans.events
-    _spans.events = []
-    try:
-        yield _spans.events
-    finally:
-        _spans.events = previous
-
-
-@contextmanager
-def _span(kind: str, stage: int, microbatch: int) -> Iterator[None]:
-    events = _spans.events
-    if events is None:
-        yield
-        return
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        events.append((kind, stage, microbatch, start, time.perf_counter()))
-
-
-class _CountedStage(pipelining.PipelineStage):
-    """A ``PipelineStage`` that reports the bytes it sends and receives to ``step.comms``
-    and its compute spans to :func:`stage_spans`."""
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with _span("F", self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with _span("B", self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with _span("W", self.stage_index, bwd_chunk_id):
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-
-    def _count(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-        for op in ops:
-            record_p2p(kind, self.axis_name, op.tensor.numel() * op.tensor.element_size())
-        return ops
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._count("send", super().get_fwd_send_ops(fwd_chunk_id))
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._count("send", super().get_bwd_send_ops(bwd_chunk_id))
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._count("recv", super().get_fwd_recv_ops(fwd_chunk_id))
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._count("recv", super().get_bwd_recv_ops(bwd_chunk_id))
-
-
 @dataclass
 class _Runtime:
     """Stage modules, ``PipelineStage``s and the schedule for one batch signature."""
@@ -335,13 +263,15 @@ def run_pipeline(
     count = len(chunks)
     losses: list[torch.Tensor] = []
     extra = {"target": torch.arange(count), "losses": losses} if last else {}
-    with torch.enable_grad(), _span("schedule", -1, count):
+    with torch.enable_grad(), span("schedule", -1, count):
         runtime.schedule.step(mb=torch.arange(count), **extra)
     runtime.box[0] = None
     compute_grads = [
         weights[p].grad / count if weights[p].grad is not None else torch.zeros_like(weights[p])
         for p in paths
     ]
+    for module in runtime.modules.values():  # the cached stages must not keep them alive
+        module._parameters.clear()
     grads = torch.autograd.grad(
         [gathered[p] for p in paths],
         stored,
@@ -373,9 +303,6 @@ def _sum_tied(grad: torch.Tensor, path: str, layout: PipelineLayout) -> torch.Te
     return total
 
 
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
 def _loss_on_every_rank(
     losses: list[torch.Tensor], dtype: torch.dtype, last: bool, layout: PipelineLayout
 ) -> torch.Tensor:
@@ -384,9 +311,9 @@ def _loss_on_every_rank(
     packed = torch.zeros(2, dtype=torch.float64, device=device)
     if last:
         packed[0] = torch.stack([loss.detach() for loss in losses]).mean().to(torch.float64)
-        packed[1] = _DTYPES.index(dtype)
+        packed[1] = LOSS_DTYPES.index(dtype)
     packed = _c10d.wait_tensor(_c10d.all_reduce(packed, "sum", layout.group.group_name))
-    return packed[0].to(_DTYPES[int(packed[1])])
+    return packed[0].to(LOSS_DTYPES[int(packed[1])])
 
 
 def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> Any:
@@ -434,11 +361,11 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
     box: list[Any] = [runner]
     modules = {s: _StageModule(s, box) for s in layout.local_stages}
     device = _device(layout)
-    shapes = _probe(runner, layout, device)
+    shapes = probe(runner, layout, device)
     stages = []
     for s in layout.local_stages:
         entering, leaving = shapes[s]
-        stage = _CountedStage(
+        stage = TracedStage(
             modules[s],
             s,
             layout.split.count,
@@ -477,57 +404,3 @@ def _stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The schedule's loss: the last stage's output already is the microbatch's loss."""
     del target
     return output.sum()  # of its one element; not a view (zero-bubble detaches it in place)
-
-
-_META_LENGTH = 10
-
-
-def _probe(
-    runner: _Runner, layout: PipelineLayout, device: torch.device
-) -> dict[
-    int, tuple[list[tuple[tuple[int, ...], torch.dtype]], tuple[tuple[int, ...], torch.dtype]]
-]:
-    """``{stage: (input shapes, output shape)}`` of this rank's stages, from a forward of
-    microbatch 0 without grad, stage after stage over the ranks."""
-    out: dict[int, Any] = {}
-    previous: tuple[tuple[int, ...], torch.dtype] | None = None
-    for stage in range(layout.split.count):
-        owner = layout.owner(stage)
-        if owner != layout.rank:
-            continue
-        entering: list[tuple[tuple[int, ...], torch.dtype]] = []
-        if stage > 0:
-            if layout.owner(stage - 1) != layout.rank:
-                previous = _recv_meta(layout, layout.owner(stage - 1), device)
-            assert previous is not None
-            entering = [previous]
-        inputs = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in entering)
-        with torch.no_grad():
-            value = runner.run_stage(stage, inputs, 0)
-        previous = (tuple(value.shape), value.dtype)
-        out[stage] = (entering, previous)
-        if stage + 1 < layout.split.count and layout.owner(stage + 1) != layout.rank:
-            _send_meta(layout, layout.owner(stage + 1), previous, device)
-    return out
-
-
-def _send_meta(
-    layout: PipelineLayout, to: int, meta: tuple[tuple[int, ...], torch.dtype], device: Any
-) -> None:
-    shape, dtype = meta
-    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
-    header[0], header[1] = len(shape), _ACTIVATION_DTYPES.index(dtype)
-    header[2 : 2 + len(shape)] = torch.tensor(shape)
-    dist.send(header, dst=dist.get_global_rank(layout.group, to), group=layout.group)
-
-
-def _recv_meta(
-    layout: PipelineLayout, source: int, device: Any
-) -> tuple[tuple[int, ...], torch.dtype]:
-    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
-    dist.recv(header, src=dist.get_global_rank(layout.group, source), group=layout.group)
-    ndim = int(header[0])
-    return tuple(int(x) for x in header[2 : 2 + ndim]), _ACTIVATION_DTYPES[int(header[1])]
-
-
-_ACTIVATION_DTYPES = (*_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)

@@ -1,0 +1,62 @@
+"""Activation shapes between pipeline stages, found by a probe.
+
+``PipelineStage``s are built with static shapes: stage after stage over the ranks, each runs
+microbatch 0 without grad from zeros of the shape it received and sends the shape of its
+output to the next stage's rank (a small int64 header). One forward of one microbatch per
+new batch shape; PyTorch's own inference would run the stage on meta tensors (torch 2.11)
+or a real forward and backward (2.13).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LOSS_DTYPES", "probe"]
+
+LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_ACTIVATION_DTYPES = (*LOSS_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
+_META_LENGTH = 10  # ndim, dtype, up to 8 sizes
+Shape = tuple[tuple[int, ...], torch.dtype]
+
+
+def probe(runner: Any, layout: Any, device: torch.device) -> dict[int, tuple[list[Shape], Shape]]:
+    """``{stage: (input shapes, output shape)}`` of this rank's stages, from a forward of
+    microbatch 0 without grad, stage after stage over the ranks."""
+    out: dict[int, tuple[list[Shape], Shape]] = {}
+    previous: Shape | None = None
+    for stage in range(layout.split.count):
+        owner = layout.owner(stage)
+        if owner != layout.rank:
+            continue
+        entering: list[Shape] = []
+        if stage > 0:
+            if layout.owner(stage - 1) != layout.rank:
+                previous = _recv_meta(layout, layout.owner(stage - 1), device)
+            assert previous is not None
+            entering = [previous]
+        inputs = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in entering)
+        with torch.no_grad():
+            value = runner.run_stage(stage, inputs, 0)
+        previous = (tuple(value.shape), value.dtype)
+        out[stage] = (entering, previous)
+        if stage + 1 < layout.split.count and layout.owner(stage + 1) != layout.rank:
+            _send_meta(layout, layout.owner(stage + 1), previous, device)
+    return out
+
+
+def _send_meta(layout: Any, to: int, meta: Shape, device: Any) -> None:
+    shape, dtype = meta
+    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
+    header[0], header[1] = len(shape), _ACTIVATION_DTYPES.index(dtype)
+    header[2 : 2 + len(shape)] = torch.tensor(shape)
+    dist.send(header, dst=dist.get_global_rank(layout.group, to), group=layout.group)
+
+
+def _recv_meta(layout: Any, source: int, device: Any) -> Shape:
+    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
+    dist.recv(header, src=dist.get_global_rank(layout.group, source), group=layout.group)
+    ndim = int(header[0])
+    return tuple(int(x) for x in header[2 : 2 + ndim]), _ACTIVATION_DTYPES[int(header[1])]

@@ -1,0 +1,92 @@
+"""What a pipeline stage does, for ``step.comms`` and for traces of the schedule.
+
+:class:`TracedStage` is PyTorch's ``PipelineStage`` reporting the bytes it sends and receives
+(``send``/``recv`` on the pipeline axis) and, inside :func:`stage_spans`, the spans of its
+compute: forward, backward, and the weight-grad half of zero-bubble schedules.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import pipelining
+
+from ._comms import record_p2p
+
+__all__ = ["TracedStage", "span", "stage_spans"]
+
+
+class _Spans(threading.local):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int, float, float]] | None = None
+
+
+_spans = _Spans()
+
+
+@contextmanager
+def stage_spans() -> Iterator[list[tuple[str, int, int, float, float]]]:
+    """Record this thread's stage compute while the block runs: a list that fills with
+    ``(kind, stage, microbatch, start, end)`` (``time.perf_counter`` seconds; kind ``F``
+    forward, ``B`` backward, ``W`` weight grads of a zero-bubble schedule, and one
+    ``schedule`` span around the whole schedule, with stage -1). Schedule time outside the
+    compute spans is waiting: the pipeline's bubble (``benchmarks/pipeline.py``)."""
+    previous = _spans.events
+    _spans.events = []
+    try:
+        yield _spans.events
+    finally:
+        _spans.events = previous
+
+
+@contextmanager
+def span(kind: str, stage: int, microbatch: int) -> Iterator[None]:
+    """Record the block as one span while :func:`stage_spans` is on."""
+    events = _spans.events
+    if events is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        events.append((kind, stage, microbatch, start, time.perf_counter()))
+
+
+class TracedStage(pipelining.PipelineStage):
+    """A ``PipelineStage`` that reports the bytes it sends and receives to ``step.comms``
+    and its compute spans to :func:`stage_spans`."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with span("F", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with span("B", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with span("W", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def _count(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        for op in ops:
+            record_p2p(kind, self.axis_name, op.tensor.numel() * op.tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("send", super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("send", super().get_bwd_send_ops(bwd_chunk_id))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("recv", super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count("recv", super().get_bwd_recv_ops(bwd_chunk_id))
