@@ -64,7 +64,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         microbatches = plan.microbatches if plan is not None else 1
         if plan is not None and plan.pipeline is not None:
             chunks = _split((args, kwargs), plan.pipeline.microbatches)
-            value, aux, grads = run_pipeline(fn, pairs, chunks, has_aux, plan)
+            value, aux, grads = run_pipeline(fn, pairs, chunks, has_aux, plan, _check_value)
         elif microbatches == 1:
             value, aux, grads = _differentiate(fn, spec, leaves, args, kwargs, has_aux)
         else:

@@ -220,8 +220,7 @@ def enter_block(
             args, kwargs = _activations.replace_input(args, kwargs, "block", lambda _: stage.input)
             layout = frame.plan.activations
             frame.sequence_sharded = layout is not None and layout.sequence_parallel
-            changed = _activations.enter_block(frame, args, kwargs)
-            return changed if changed is not None else (args, kwargs)
+            return args, kwargs  # already sequence-sharded: nothing for enter_block to slice
     return _activations.enter_block(frame, args, kwargs)
 
 

@@ -200,6 +200,7 @@ class _Runner:
         chunks: list[Any],
         has_aux: bool,
         layout: PipelineLayout,
+        check_value: Callable[[Any, bool], None],
     ) -> None:
         self.fn, self.params, self.chunks, self.has_aux, self.layout = (
             fn,
@@ -208,6 +209,7 @@ class _Runner:
             has_aux,
             layout,
         )
+        self.check_value = check_value
         self.aux: dict[int, Any] = {}
 
     def run_stage(self, stage: int, inputs: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
@@ -228,8 +230,7 @@ class _Runner:
                 "model.apply; under pipeline it must compute the loss from model.apply"
             )
         value, aux = out if self.has_aux else (out, None)
-        if not (isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()):
-            raise TypeError("the differentiated function must return a 0-d float tensor")
+        self.check_value(value, self.has_aux)
         self.aux[index] = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         # (1,), not 0-d: the schedule concatenates the last stage's outputs, and the
         # zero-bubble schedules detach them in place, which a view forbids.
@@ -242,9 +243,11 @@ def run_pipeline(
     chunks: list[Any],
     has_aux: bool,
     plan: Plan,
+    check_value: Callable[[Any, bool], None],
 ) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
     """``(mean loss, aux, grads)`` of ``fn`` over ``chunks`` (microbatches), run stage by
-    stage under the plan's pipeline schedule; grads laid out like the stored params."""
+    stage under the plan's pipeline schedule; grads laid out like the stored params.
+    ``check_value(value, has_aux)`` raises unless the loss is a 0-d float tensor."""
     layout = plan.pipeline
     assert layout is not None
     paths = [path for path, _ in pairs]
@@ -252,7 +255,7 @@ def run_pipeline(
     with torch.enable_grad():
         gathered = plan.materialize_many(paths, dict(zip(paths, stored, strict=True)))
     weights = {p: nn.Parameter(gathered[p].detach()) for p in paths}
-    runner = _Runner(fn, _StageParams(weights, layout.split), chunks, has_aux, layout)
+    runner = _Runner(fn, _StageParams(weights, layout.split), chunks, has_aux, layout, check_value)
     runtime = _runtime(runner, layout, chunks)
     runtime.box[0] = runner
     for stage, module in runtime.modules.items():

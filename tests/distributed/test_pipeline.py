@@ -202,6 +202,10 @@ def test_each_rank_holds_only_its_stage() -> None:
         assert memory.opt_state == 2 * stage_bytes + counters  # mu and nu, and step counts
         assert "stage" in table and f"{len(held)} of 39 params held here" in table
     assert seen == set(model.params)
+    # Four equal blocks and a head lighter than one block: two blocks per stage.
+    first = {"embed.weight"} | {p for p in model.params if p.startswith(("layers.0.", "layers.1."))}
+    assert set(results[0][1]) == first
+    assert set(results[1][1]) == set(model.params) - first
 
 
 def test_p2p_traffic_is_one_activation_per_microbatch_and_boundary() -> None:
