@@ -35,6 +35,7 @@ class Jitted:
         *,
         donate: Sequence[int],
         fail_on_recompile: bool,
+        backend: str,
         compile_options: dict[str, Any],
     ) -> None:
         self.step = step
@@ -43,7 +44,13 @@ class Jitted:
         self.traces = 0
         self.calls = 0
         mode, dynamic = compile_options.pop("mode"), compile_options["dynamic"]
+        if mode and backend != "inductor":
+            raise ValueError(
+                f"mode={mode!r} is an inductor option but backend={backend!r}; drop mode or "
+                "use backend='inductor'"
+            )
         self._inductor_options = torch._inductor.list_mode_options(mode, dynamic) if mode else {}
+        self._compiler = None if backend == "inductor" else torch._dynamo.lookup_backend(backend)
         self._compiled = torch.compile(
             _own_code(self._donating_step), backend=self._backend, **compile_options
         )
@@ -51,6 +58,8 @@ class Jitted:
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.traces += 1
+        if self._compiler is not None:
+            return self._compiler(graph, example_inputs)
         return torch._inductor.compile(graph, example_inputs, options=self._inductor_options)
 
     def __getattr__(self, name: str) -> Any:
@@ -118,6 +127,7 @@ def jit(
     fullgraph: bool = False,
     mode: str | None = None,
     dynamic: bool | None = False,
+    backend: str = "inductor",
 ) -> Any:
     """Compile a whole training step with ``torch.compile``, updating donated inputs in place.
 
@@ -135,6 +145,9 @@ def jit(
         fullgraph: Passed to ``torch.compile``: error on any graph break.
         mode: Passed to ``torch.compile`` (``"max-autotune"``, ...).
         dynamic: Passed to ``torch.compile``; ``False`` (default) specializes on shapes.
+        backend: A ``torch.compile`` backend name. ``"inductor"`` (default) generates
+            fused kernels; ``"aot_eager"`` runs the same captured forward+backward graph on
+            eager kernels (no code generation: a quick check that a step captures).
 
     Returns:
         The compiled step (a :class:`Jitted`), called like ``step``.
@@ -142,6 +155,7 @@ def jit(
     Raises:
         DonatedTreeError: An argument holds a tree donated to an earlier call.
         RecompileError: With ``fail_on_recompile``, a call would trace the step again.
+        ValueError: ``mode`` with a backend other than inductor.
 
     Example:
         >>> @jit(donate=())
@@ -154,7 +168,11 @@ def jit(
 
     def build(fn: Callable[..., Any]) -> Jitted:
         return Jitted(
-            fn, donate=donate, fail_on_recompile=fail_on_recompile, compile_options=options
+            fn,
+            donate=donate,
+            fail_on_recompile=fail_on_recompile,
+            backend=backend,
+            compile_options=dict(options),
         )
 
     return build if step is None else build(step)

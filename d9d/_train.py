@@ -190,10 +190,17 @@ def train(config: TrainConfig, console: Console | None = None) -> list[dict[str,
     _check(config)
     started_group = _init_distributed(config)
     try:
-        return _train(config, console)
-    finally:
+        records = _train(config, console)
+    except BaseException:
         if started_group:
             dist.destroy_process_group()
+        raise
+    if started_group:
+        # Ranks leave together: rank 0 is still plotting when the others finish, and a gloo
+        # rank tearing its groups down while a peer is busy has aborted (SIGABRT) in CI.
+        dist.barrier()
+        dist.destroy_process_group()
+    return records
 
 
 def _init_distributed(config: TrainConfig) -> bool:

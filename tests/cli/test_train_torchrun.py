@@ -31,7 +31,12 @@ def test_two_ranks_train_like_one(tmp_path: Path) -> None:
         "--nproc-per-node",
         "2",
     ]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",  # a crashing rank prints every thread's stack
+    }
     result = subprocess.run(
         [*command, "-m", "d9d", *_ARGS, "--fsdp", "2", "--out", str(tmp_path / "two")],
         capture_output=True,
@@ -39,7 +44,7 @@ def test_two_ranks_train_like_one(tmp_path: Path) -> None:
         timeout=300,
         env=env,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     assert result.stdout.count("wrote") == 1, "only rank 0 reports"
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(two) == 4

@@ -62,3 +62,27 @@ def test_jit_step_equals_eager_for_five_steps_without_recompiling() -> None:
     short = {k: v[:, :16] for k, v in batches[0].items()}
     with pytest.raises(RecompileError, match=r"(?s)would be traced again on call 7.*size mismatch"):
         jitted(jparams, jstate, short)
+
+
+def test_aot_eager_backend_runs_the_captured_step_on_eager_kernels() -> None:
+    model, opt, step, batches = _setup()
+    params, state = _clone(model.params), opt.init(model.params)
+    jparams, jstate = _clone(model.params), opt.init(model.params)
+    compile_with = d9d.jit(backend="aot_eager")
+    jitted = compile_with(step)
+    for batch in batches[:2]:
+        params, state, metrics = step(params, state, batch)
+        jparams, jstate, jmetrics = jitted(jparams, jstate, batch)
+        torch.testing.assert_close(jmetrics["loss"], metrics["loss"], rtol=1e-6, atol=0)
+    assert_trees_all_close(jparams, params, rtol=1e-5, atol=1e-7)
+    assert jitted.traces == 1
+    assert compile_with(step).traces == 0, "one set of options builds several jitted steps"
+
+
+def test_mode_needs_the_inductor_backend() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"mode='max-autotune' is an inductor option but "
+        r"backend='aot_eager'",
+    ):
+        d9d.jit(lambda p, s, b: (p, s, b), mode="max-autotune", backend="aot_eager")

@@ -80,7 +80,7 @@ def _rank(build_model, make_transforms, mesh_axes, data, jit, opt):
     for transform in make_transforms(mesh):
         step = transform(step)
     if jit:
-        step = d9d.jit(step)
+        step = d9d.jit(step, backend=jit if isinstance(jit, str) else "inductor")
     params, state = step.place(model.params, opt.init(model.params), model=model)
     losses = []
     for batch in data:
@@ -97,7 +97,7 @@ def run(
     mesh_axes: dict[str, int],
     data,
     *,
-    jit: bool = False,
+    jit: bool | str = False,
     opt: str = "adamw",
     method: str = "thread",
 ):
@@ -126,7 +126,7 @@ def assert_equivalent(
     expected: tuple[torch.Tensor, Any],
     *,
     dtype: torch.dtype,
-    jit: bool = False,
+    jit: bool | str = False,
     opt: str = "adamw",
     params_too: bool = True,
     tol: dict[str, float] | None = None,

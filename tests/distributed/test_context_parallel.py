@@ -42,7 +42,7 @@ def _check(
     layout: str,
     dtype: torch.dtype,
     *,
-    jit: bool = False,
+    jit: bool | str = False,
     n_layers: int = 2,
     opt: str = "adamw",
     params_too: bool = True,
@@ -119,6 +119,15 @@ def test_unevenly_ignored_labels_give_the_token_weighted_mean() -> None:
 @pytest.mark.compile
 def test_jit_equals_one_device() -> None:
     _check("d9d", "cp=2", torch.float64, jit=True, n_layers=1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("layout", ["cp=4", "cp=2 x tp=2", "fsdp=2 x cp=2"])
+def test_jit_captures_the_wider_layouts_as_one_graph(layout: str) -> None:
+    """The captured forward+backward graph on eager kernels (``backend="aot_eager"``): the
+    capture is what these layouts add over cp=2; inductor's code generation for it is
+    tested above, and per layout would cost 2-3 min of CI each on two cores."""
+    _check("d9d", layout, torch.float64, jit="aot_eager", n_layers=1)
 
 
 def test_ring_exchanges_and_grad_reduction_are_the_analytic_bytes() -> None:

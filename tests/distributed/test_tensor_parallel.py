@@ -48,7 +48,7 @@ def _check(
     layout: str,
     dtype: torch.dtype,
     *,
-    jit: bool = False,
+    jit: bool | str = False,
     n_layers: int = 2,
     opt: str = "adamw",
     params_too: bool = True,
@@ -97,6 +97,15 @@ def test_jit_equals_one_device(layout: str) -> None:
 def test_jit_hf_llama_equals_one_device() -> None:
     """float32 tolerance: Hugging Face norms compute in float32 (see test_shard_params.py)."""
     _check("hf", "tp=2", torch.float64, jit=True, n_layers=1, tol={"rtol": 1e-5, "atol": 1e-6})
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("model", "layout"), [("d9d", "tp=4"), ("hf", "fsdp=2 x tp=2")])
+def test_jit_captures_the_wider_layouts_as_one_graph(model: str, layout: str) -> None:
+    """The captured forward+backward graph on eager kernels (``backend="aot_eager"``): the
+    capture is what these layouts add over tp=2; inductor's code generation for it is
+    tested above, and per layout would cost 2-3 min of CI each on two cores."""
+    _check(model, layout, torch.float64, jit="aot_eager", n_layers=1)
 
 
 def _comms_rank(sequence_parallel: bool, loss_parallel: bool):
