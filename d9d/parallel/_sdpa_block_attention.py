@@ -1,31 +1,122 @@
-"""Block attention on PyTorch's fused SDPA kernel that returns the log-sum-exp (CPU).
+"""Block attention on PyTorch's fused SDPA kernels that return the log-sum-exp.
 
-``aten._scaled_dot_product_flash_attention_for_cpu`` returns the output and the log-sum-exp of
-each query row, and its backward takes the *final* output and log-sum-exp, which is the
-contract of :class:`~d9d.parallel._block_attention.BlockAttention`: the fused kernel never
-materializes the ``[Sq, Sk]`` scores, unlike the math version. Grouped-query attention repeats
-K/V heads for the kernel and sums their grads back; the kernel wants one head size for Q, K
-and V, so the smaller of the two is zero-padded (zeros change neither the scores, whose scale
-is explicit, nor the output's real columns) and sliced off again. The CUDA kernels with a log-sum-exp
-(flash, memory-efficient) have other signatures and are not wired here yet.
+Each kernel returns the output and the log-sum-exp of each query row, and its backward takes
+the *final* output and log-sum-exp, which is the contract of
+:class:`~d9d.parallel._block_attention.BlockAttention`; none materializes the ``[Sq, Sk]``
+scores, unlike the math version. Three kernels, one backend each:
+
+- ``sdpa``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, any float dtype);
+- ``sdpa_flash``: ``aten._scaled_dot_product_flash_attention`` (CUDA, bfloat16 and float16);
+- ``sdpa_efficient``: ``aten._scaled_dot_product_efficient_attention`` (CUDA, float32 too);
+  its log-sum-exp has the query rows padded to a multiple of 32, sliced off here and padded
+  back for the backward.
+
+The glue is shared: grouped-query attention repeats K/V heads for the kernel and sums their
+grads back; the kernels want one head size for Q, K and V (a multiple of 8 on CUDA), so the
+head sizes are zero-padded (zeros change neither the scores, whose scale is explicit, nor the
+output's real columns) and sliced off again. Dropout is always 0, so the kernels' random
+state is never read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from ._block_attention import BlockAttention, compute_dtype
 
-__all__ = ["SDPA_BLOCK_ATTENTION", "sdpa_unavailable"]
+__all__ = [
+    "SDPA_BLOCK_ATTENTION",
+    "SDPA_EFFICIENT_BLOCK_ATTENTION",
+    "SDPA_FLASH_BLOCK_ATTENTION",
+    "cuda_sdpa_unavailable",
+    "sdpa_unavailable",
+]
 
 _aten = torch.ops.aten
+_EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel pads its log-sum-exp rows to this
 
 
-def sdpa_unavailable(device_type: str | None) -> str | None:
-    """Why the SDPA block attention cannot run on ``device_type`` (None: it can)."""
-    if device_type in (None, "cpu"):
-        return None
-    return f"its fused kernel runs on CPU only; {device_type} uses the math version"
+@dataclass(frozen=True)
+class _Kernel:
+    """A fused SDPA kernel with log-sum-exp, on tensors of one head count and head size.
+
+    ``forward(q, k, v, causal, scale) -> (out, lse [B, H, Sq])`` and
+    ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``; ``head_multiple``:
+    the head size the kernel wants a multiple of.
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    head_multiple: int
+
+
+def _cpu_forward(q, k, v, causal, scale):
+    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _flash_forward(q, k, v, causal, scale):
+    out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    unused = torch.empty((), dtype=torch.int64, device=q.device)  # random state, dropout 0
+    # cum_seq_q / cum_seq_k undefined: one sequence per batch row, not packed (varlen).
+    return _aten._scaled_dot_product_flash_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        causal,
+        unused,
+        unused,
+        scale=scale,
+    )
+
+
+def _efficient_forward(q, k, v, causal, scale):
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.shape[2]]
+
+
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    rows = -(-q.shape[2] // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS
+    unused = torch.empty((), dtype=torch.int64, device=q.device)  # random state, dropout 0
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        None,
+        out,
+        F.pad(lse, (0, rows - q.shape[2])),
+        unused,
+        unused,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
+    return dq, dk, dv
 
 
 def _repeat(kv: torch.Tensor, group: int) -> torch.Tensor:
@@ -33,57 +124,87 @@ def _repeat(kv: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _pad(x: torch.Tensor, size: int) -> torch.Tensor:
-    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    group = q.shape[1] // k.shape[1]
-    size = max(q.shape[-1], v.shape[-1])
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        _pad(q, size),
-        _pad(_repeat(k, group), size),
-        _pad(_repeat(v, group), size),
-        0.0,
-        causal,
-        scale=scale,
-    )
-    dtype = compute_dtype(q.dtype)
-    return out[..., : v.shape[-1]].to(dtype), lse.to(dtype)
+def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
+    """The :class:`BlockAttention` of ``kernel``: grouped heads and head sizes adapted to it."""
+
+    def padded_size(q: torch.Tensor, v: torch.Tensor) -> int:
+        size = max(q.shape[-1], v.shape[-1])
+        return -(-size // kernel.head_multiple) * kernel.head_multiple
+
+    def forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        group, size = q.shape[1] // k.shape[1], padded_size(q, v)
+        out, lse = kernel.forward(
+            _pad(q, size),
+            _pad(_repeat(k, group), size),
+            _pad(_repeat(v, group), size),
+            causal,
+            scale,
+        )
+        dtype = compute_dtype(q.dtype)
+        return out[..., : v.shape[-1]].to(dtype), lse.to(dtype)
+
+    def backward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        dout: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, kv_heads = k.shape[:2]
+        group, size = q.shape[1] // kv_heads, padded_size(q, v)
+        head, v_head = q.shape[-1], v.shape[-1]
+        dq, dk, dv = kernel.backward(
+            _pad(dout.to(q.dtype), size),
+            _pad(q, size),
+            _pad(_repeat(k, group), size),
+            _pad(_repeat(v, group), size),
+            _pad(out.to(q.dtype), size),
+            lse.to(torch.promote_types(q.dtype, torch.float32)),
+            causal,
+            scale,
+        )
+        dtype = compute_dtype(q.dtype)
+        dk = dk[..., :head].reshape(batch, kv_heads, group, *dk.shape[2:-1], head).sum(2)
+        dv = dv[..., :v_head].reshape(batch, kv_heads, group, *dv.shape[2:-1], v_head).sum(2)
+        return dq[..., :head].to(dtype), dk.to(dtype), dv.to(dtype)
+
+    return BlockAttention(name, forward, backward)
 
 
-def _backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, kv_heads = k.shape[:2]
-    group = q.shape[1] // kv_heads
-    head, v_head = q.shape[-1], v.shape[-1]
-    size = max(head, v_head)
-    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _pad(dout.to(q.dtype), size),
-        _pad(q, size),
-        _pad(_repeat(k, group), size),
-        _pad(_repeat(v, group), size),
-        _pad(out.to(q.dtype), size),
-        lse.to(torch.promote_types(q.dtype, torch.float32)),
-        0.0,
-        causal,
-        scale=scale,
-    )
-    dtype = compute_dtype(q.dtype)
-    dk = dk[..., :head].reshape(batch, kv_heads, group, *dk.shape[2:-1], head).sum(2)
-    dv = dv[..., :v_head].reshape(batch, kv_heads, group, *dv.shape[2:-1], v_head).sum(2)
-    return dq[..., :head].to(dtype), dk.to(dtype), dv.to(dtype)
+def sdpa_unavailable(device_type: str | None) -> str | None:
+    """Why the CPU SDPA block attention cannot run on ``device_type`` (None: it can)."""
+    if device_type in (None, "cpu"):
+        return None
+    return f"its fused kernel runs on CPU only; on {device_type} use sdpa_flash or sdpa_efficient"
 
 
-SDPA_BLOCK_ATTENTION = BlockAttention("sdpa", _forward, _backward)
+def cuda_sdpa_unavailable(device_type: str | None) -> str | None:
+    """Why a CUDA SDPA block attention cannot run on ``device_type`` (None: it can)."""
+    if device_type not in (None, "cuda"):
+        return f"its fused kernel runs on CUDA only; on {device_type} use sdpa or reference"
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA device"
+    return None
+
+
+SDPA_BLOCK_ATTENTION = _block_attention("sdpa", _Kernel(_cpu_forward, _cpu_backward, 1))
 """Block attention on the fused CPU SDPA kernel with log-sum-exp (see the module docstring)."""
+
+SDPA_FLASH_BLOCK_ATTENTION = _block_attention(
+    "sdpa_flash", _Kernel(_flash_forward, _flash_backward, 8)
+)
+"""Block attention on CUDA's flash-attention SDPA kernel (bfloat16, float16)."""
+
+SDPA_EFFICIENT_BLOCK_ATTENTION = _block_attention(
+    "sdpa_efficient", _Kernel(_efficient_forward, _efficient_backward, 8)
+)
+"""Block attention on CUDA's memory-efficient SDPA kernel (float32, bfloat16, float16)."""
