@@ -12,6 +12,7 @@ from typing import NoReturn
 
 import torch
 
+from ._pipeline_run import SCHEDULES
 from ._plan_command import show_plan
 from ._train import TrainConfig, train
 from .kernels import _bench
@@ -115,6 +116,22 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="under torchrun: ranks to shard over (default: the rest)",
+    )
+    run.add_argument("--tp", type=int, default=None, help="under torchrun: tensor-parallel ranks")
+    run.add_argument("--cp", type=int, default=None, help="under torchrun: context-parallel ranks")
+    run.add_argument("--pp", type=int, default=None, help="under torchrun: pipeline stages")
+    run.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default="1f1b",
+        help="pipeline schedule with --pp; interleaved ones and zbv run 2 stages per rank "
+        "(default %(default)s)",
+    )
+    run.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline microbatches per step with --pp (default: 2 x pp)",
     )
     show = commands.add_parser(
         "plan", help="print the sharding plan of a preset on a simulated mesh"

@@ -1,5 +1,6 @@
 """The training loop behind ``d9d train``: a Llama preset on a token corpus, on one process or
-on every rank of a ``torchrun`` job (FSDP over ``--fsdp`` ranks, replicated over ``--dp``)."""
+on every rank of a ``torchrun`` job (FSDP over ``--fsdp`` ranks, replicated over ``--dp``,
+tensor, context and pipeline parallel over ``--tp``, ``--cp``, ``--pp``)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from ._autodiff import value_and_grad
 from ._jit import jit
 from ._mesh import make_mesh
 from ._module import Model, functionalize
+from ._pipeline_run import SCHEDULES
 from ._step import TransformedStep
 from .errors import DataError
 from .models import Llama, LlamaConfig
-from .transforms import shard_params
+from .transforms import context_parallel, pipeline, shard_params, tensor_parallel
 
 __all__ = ["TrainConfig", "make_train_step", "train"]
 
@@ -54,6 +56,11 @@ class TrainConfig:
     resume: bool = False  # continue from the latest complete checkpoint, if there is one
     dp: int | None = None  # ranks the model is replicated over (HSDP/DDP); None: 1
     fsdp: int | None = None  # ranks the model is sharded over; None: the rest of the world
+    tp: int | None = None  # tensor-parallel ranks (Megatron TP, sequence parallel); None: 1
+    cp: int | None = None  # context-parallel ranks (ring attention); None: 1
+    pp: int | None = None  # pipeline stages; None: 1
+    schedule: str = "1f1b"  # pipeline schedule, with --pp
+    microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
 
 
 def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable[..., Any]:
@@ -156,6 +163,13 @@ def _check(config: TrainConfig) -> None:
         raise ValueError(f"--lr must be a positive number, got {config.lr}")
     if config.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
+    for name in ("dp", "fsdp", "tp", "cp", "pp", "microbatches"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
+    if config.jit and (config.pp or 1) > 1:
+        raise ValueError(
+            "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"
+        )
     if config.save_every < 0 or (config.keep is not None and config.keep < 1):
         raise ValueError(
             f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
@@ -206,12 +220,14 @@ def train(config: TrainConfig, console: Console | None = None) -> list[dict[str,
 def _init_distributed(config: TrainConfig) -> bool:
     """Join the torchrun job when there is one; whether this call started the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if (world == 1 and not (config.dp or config.fsdp)) or dist.is_initialized():
+    layout = {name: getattr(config, name) for name in _AXES if getattr(config, name)}
+    if (world == 1 and not layout) or dist.is_initialized():
         return False
     if "RANK" not in os.environ:
+        flags = ", ".join(f"{k}={v}" for k, v in layout.items())
         raise ValueError(
-            f"--dp/--fsdp need several ranks: launch with `torchrun --nproc-per-node N -m d9d "
-            f"train ...` (got dp={config.dp}, fsdp={config.fsdp} in one process)"
+            f"--dp/--fsdp/--tp/--cp/--pp need several ranks: launch with `torchrun "
+            f"--nproc-per-node N -m d9d train ...` (got {flags} in one process)"
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -219,19 +235,43 @@ def _init_distributed(config: TrainConfig) -> bool:
     return True
 
 
-def _sharded(config: TrainConfig, step: Callable[..., Any]) -> Any:
-    """``step`` under ``shard_params`` on a ``dp x fsdp`` mesh of the whole job, or as it is."""
+_AXES = ("pp", "dp", "fsdp", "cp", "tp")
+
+
+def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
+    """``step`` under the transforms of the job's ``pp x dp x fsdp x cp x tp`` mesh (``fsdp``:
+    the ranks the others leave), or as it is outside a job."""
     if not dist.is_initialized():
         return step
-    world, dp = dist.get_world_size(), config.dp or 1
-    fsdp = config.fsdp or world // dp
-    if dp * fsdp != world:
+    world = dist.get_world_size()
+    sizes = {name: getattr(config, name) or 1 for name in _AXES if name != "fsdp"}
+    others = math.prod(sizes.values())
+    fsdp = config.fsdp or max(world // others, 1)
+    if others * fsdp != world:
+        product = " x ".join(f"--{k} {v}" for k, v in {**sizes, "fsdp": fsdp}.items())
         raise ValueError(
-            f"--dp {dp} x --fsdp {fsdp} is {dp * fsdp} ranks but torchrun started {world}; "
-            "make their product the number of ranks"
+            f"{product} is {others * fsdp} ranks but torchrun started {world}; make their "
+            "product the number of ranks"
         )
-    mesh = make_mesh(dp=dp, fsdp=fsdp)
-    return shard_params(mesh, "fsdp", replicate_axis="dp" if dp > 1 else None)(step)
+    # Only the axes in use: DTensor's sharding propagation slows down steeply with the
+    # number of mesh dims (a foreach op on a 5-D mesh takes minutes to plan).
+    axes = {name: size for name, size in {**sizes, "fsdp": fsdp}.items() if size > 1}
+    mesh = make_mesh(**(axes or {"fsdp": 1}))
+    if "dp" in axes or "fsdp" in axes:
+        shard_axis = "fsdp" if "fsdp" in axes else None
+        step = shard_params(mesh, shard_axis, replicate_axis="dp" if "dp" in axes else None)(step)
+    if sizes["tp"] > 1:
+        step = tensor_parallel(mesh)(step)
+    if sizes["cp"] > 1:
+        step = context_parallel(mesh)(step)
+    if sizes["pp"] > 1:
+        step = pipeline(
+            mesh,
+            schedule=config.schedule,
+            microbatches=config.microbatches or 2 * sizes["pp"],
+            virtual_stages=2 if SCHEDULES[config.schedule].multi else 1,
+        )(step)
+    return step
 
 
 def _train(config: TrainConfig, console: Console | None) -> list[dict[str, float]]:
@@ -241,18 +281,23 @@ def _train(config: TrainConfig, console: Console | None) -> list[dict[str, float
     device = _device()
     model = functionalize(Llama(model_config, device=device))
     opt = _optimizer(config)
-    step = _sharded(config, make_train_step(model, opt))
+    step = _parallel(config, make_train_step(model, opt))
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):
-        params, opt_state = step.place(params, opt_state, axes=model.axes)
+        params, opt_state = step.place(params, opt_state, model=model)
         loader = _loader(config, loader.tokens, *step.batch_shard())
     if config.jit:
         step = jit(step)
     first_step = 0
     latest = checkpoint.latest(config.out / "checkpoints") if config.resume else None
     if latest is not None:
-        state = checkpoint.restore_train_state(latest, params=params, opt_state=opt_state)
+        state = checkpoint.restore_train_state(
+            latest,
+            params=params,
+            opt_state=opt_state,
+            partial=(config.pp or 1) > 1,  # a pipeline rank restores its stage's params only
+        )
         params, opt_state, first_step = state.params, state.opt_state, state.step
         loader.load_state_dict(state.data)
     if rank0:

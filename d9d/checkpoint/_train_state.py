@@ -108,6 +108,7 @@ def restore_train_state(
     params: Any,
     opt_state: Any,
     restore_rng: bool = True,
+    partial: bool = False,
 ) -> TrainState:
     """Restore a :func:`save_train_state` checkpoint onto the layout of ``params``/``opt_state``.
 
@@ -120,6 +121,8 @@ def restore_train_state(
         opt_state: Target optimizer state tree.
         restore_rng: Set the RNG states (default ``True``); needs the same world size
             as the run that saved.
+        partial: Restore only the targets' paths from a checkpoint that holds more (a
+            pipeline rank's stage of a checkpoint of every stage).
 
     Returns:
         A :class:`TrainState` with new params and optimizer state.
@@ -153,7 +156,7 @@ def restore_train_state(
             "pass restore_rng=False to keep this run's RNG states."
         )
     target = {"params": params, "opt_state": opt_state}
-    tree = restore(path, target)
+    tree = restore(path, target, partial=partial)
     if restore_rng:
         torch.set_rng_state(_decode(rng[rank]["cpu"]))
         if "cuda" in rng[rank] and torch.cuda.is_available():
