@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 
 import d9d.optim as optim
+from d9d.optim._transform import by_kind
 from d9d.testing import run_on_ranks
 
 SHAPES = {"a.bias": (7,), "a.weight": (6, 3), "b.weight": (4, 3, 2), "c.weight": (5, 4)}
@@ -76,3 +85,55 @@ def _on_2x2_mesh():
 def test_four_ranks_on_a_2x2_mesh() -> None:
     for rank, (norm_error, param_error) in enumerate(run_on_ranks(_on_2x2_mesh, 4)):
         assert norm_error <= 2e-6 and param_error <= 1e-6, f"{rank=}"
+
+
+def _foreach_on_shards_or_not(counted: dict[int, int]) -> list[str]:
+    """by_kind on a 3-D mesh (two size-1 axes) against DTensor's own foreach, bitwise; the
+    shard path wraps each output with one ``from_local``, the DTensor path with none."""
+    mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "cp", "tp"))
+    generator = torch.Generator().manual_seed(1)
+    full = [torch.randn(5, 3, generator=generator) for _ in range(6)]
+    layouts = [[Replicate(), Replicate(), Shard(i % 2)] for i in range(3)]
+    layouts += [[Replicate()] * 3, [Shard(0), Replicate(), Shard(1)], [Replicate()] * 3]
+    xs = [distribute_tensor(x, mesh, p) for x, p in zip(full, layouts, strict=True)]
+    ys = [distribute_tensor(2 * x + 1, mesh, p) for x, p in zip(full, layouts, strict=True)]
+    halves = [  # sum over tp: 2 * x + 1 again
+        DTensor.from_local((x + 0.5).contiguous(), mesh, [Replicate(), Replicate(), Partial()])
+        for x in full
+    ]
+    scale = torch.tensor(0.25)
+
+    def step(a, b):
+        return torch._foreach_addcmul(a, b, b, 0.5), torch._foreach_mul(a, scale)
+
+    cases = {
+        "aligned": (xs, ys, 2 * len(xs)),
+        "placements differ": (xs, ys[1:] + ys[:1], 0),
+        "partial": (xs, halves, 0),
+    }
+    failures = []
+    for name, (a, b, wraps) in cases.items():
+        before = counted[dist.get_rank()]
+        got = by_kind(step, a, b, outputs=2)
+        calls = counted[dist.get_rank()] - before
+        if calls != wraps:
+            failures.append(f"{name}: {calls} from_local calls, not {wraps}")
+        for g, w in zip(got, step(a, b), strict=True):
+            for x, y in zip(g, w, strict=True):
+                if x.placements != y.placements or not torch.equal(
+                    x.full_tensor(), y.full_tensor()
+                ):
+                    failures.append(f"{name}: differs from DTensor's foreach")
+    return failures
+
+
+def test_foreach_runs_on_local_shards_when_layouts_align(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = {0: 0, 1: 0}  # per rank: the ranks are threads
+    from_local = DTensor.from_local
+
+    def counting(*args, **kwargs):
+        counted[dist.get_rank()] += 1
+        return from_local(*args, **kwargs)
+
+    monkeypatch.setattr(DTensor, "from_local", counting)
+    assert run_on_ranks(_foreach_on_shards_or_not, 2, counted) == [[], []]
