@@ -123,6 +123,9 @@ def _define(backend: str, loss_and_grad_: _ChunkLoss) -> Callable[..., Tensor]:
     def setup_context(ctx, inputs, output) -> None:
         hidden, _, labels, ignore_index, _, need_grad_hidden, need_grad_weight = inputs
         ctx.save_for_backward(labels, output[1], output[2])
+        # The gradients are outputs only to reach the backward: without this, autograd would
+        # pass it zeros as large as both of them (doubling the peak memory).
+        ctx.set_materialize_grads(False)
         ctx.ignore_index = ignore_index
         ctx.hidden_shape = hidden.shape
         ctx.needs = (need_grad_hidden, need_grad_weight)

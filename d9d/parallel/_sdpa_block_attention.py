@@ -9,7 +9,8 @@ scores, unlike the math version. Three kernels, one backend each:
 - ``sdpa_flash``: ``aten._scaled_dot_product_flash_attention`` (CUDA, bfloat16 and float16);
 - ``sdpa_efficient``: ``aten._scaled_dot_product_efficient_attention`` (CUDA, float32 too);
   its log-sum-exp has the query rows padded to a multiple of 32, sliced off here and padded
-  back for the backward.
+  back for the backward, whose ``out`` and ``dout`` are stored heads-inner ([B, S, H, D]) as
+  the forward writes ``out``.
 
 The glue is shared: grouped-query attention repeats K/V heads for the kernel and sums their
 grads back; the kernels want one head size for Q, K and V (a multiple of 8 on CUDA), so the
@@ -98,16 +99,23 @@ def _efficient_forward(q, k, v, causal, scale):
     return out, lse[..., : q.shape[2]]
 
 
+def _heads_inner(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, S, D] stored as [B, S, H, D], the layout of the efficient kernel's output."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
     rows = -(-q.shape[2] // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # random state, dropout 0
+    # The kernel reads out (and dout) in the layout its forward wrote out in: given a
+    # contiguous [B, H, S, D] out, its bfloat16 dq and dk were wrong on an H100 (float32 right).
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout,
+        _heads_inner(dout),
         q,
         k,
         v,
         None,
-        out,
+        _heads_inner(out),
         F.pad(lse, (0, rows - q.shape[2])),
         unused,
         unused,

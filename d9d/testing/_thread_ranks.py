@@ -101,6 +101,10 @@ def run_threads(
     # registry per thread, as it is per process for real ranks.
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     world = threaded._install_threaded_pg()
+    if not hasattr(type(world), "comms"):
+        # torch 2.11's destroy_process_group iterates the world's ``comms`` (torchcomms
+        # communicators), which that version's threaded world lacks; a threaded group has none.
+        world.comms = []
     threads = [
         threading.Thread(
             target=_rank_main,

@@ -94,7 +94,7 @@ def test_float32_weight_with_bfloat16_activations(device, assert_close):
         assert_close(actual, expected, torch.bfloat16)
 
 
-def test_errors():
+def test_errors(device):
     x = torch.randn(2, 8)
     with pytest.raises(KernelInputError, match=r"rms_norm: weight.shape=\(7,\), expected \(8,\)"):
         K.rms_norm(x, torch.ones(7))
@@ -109,4 +109,6 @@ def test_errors():
     with pytest.raises(KernelInputError, match=r"residual.shape=\(2, 4\), expected \(2, 8\)"):
         K.fused_add_rms_norm(x, torch.ones(2, 4), torch.ones(8))
     with pytest.raises(KernelInputError, match=r"hidden size 65537 > 65536"):
-        K.rms_norm(torch.ones(1, 65537), torch.ones(65537), backend="triton")
+        K.rms_norm(
+            torch.ones(1, 65537, device=device), torch.ones(65537, device=device), backend="triton"
+        )

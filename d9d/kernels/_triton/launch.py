@@ -61,7 +61,9 @@ def tile_rows(block: int, n_rows: int) -> int:
 def persistent_programs(device: torch.device, n_tiles: int) -> tuple[int, int]:
     """``(programs, tiles per program)`` for a kernel that loops over ``n_tiles`` (> 0) tiles."""
     if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        # Two per SM: the RMSNorm backward at 8192 x 4096 and x 14336 (bfloat16, H100) ran
+        # 11% and 7% faster than with four.
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 1  # the interpreter runs programs one after another: fewer is faster
     per_program = triton.cdiv(n_tiles, min(target, n_tiles))

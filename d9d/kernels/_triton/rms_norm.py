@@ -113,7 +113,8 @@ def forward(
             HAS_RESIDUAL=residual is not None,
             ROWS=rows,
             BLOCK=block,
-            num_warps=num_warps(rows * block),
+            # At most 8: at hidden 14336 (H100, bfloat16) 8 warps ran 7% faster than 16.
+            num_warps=min(8, num_warps(rows * block)),
         )
     res_out = res_out.view(x.shape) if res_out is not None else None
     return y.view(x.shape), res_out, rstd.view(x.shape[:-1])
