@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from ._active import accumulating
 
-__all__ = ["coalescible", "gather", "gather_many", "reduce_to"]
+__all__ = ["coalescible", "gather", "gather_many", "local_like", "reduce_to"]
 
 # The functional collective ops themselves (what DTensor issues, Dynamo traces and
 # ``d9d._comms`` counts): their Python wrappers were renamed between torch 2.11 and 2.13.
@@ -50,6 +50,19 @@ def reduce_to(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
         if tuple(current) != tuple(grad.placements):
             grad = grad.redistribute(grad.device_mesh, current)
     return grad
+
+
+def local_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local``, a shard computed from ``like``'s (same shape), as a DTensor laid out like
+    ``like``: no check, no communication."""
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 class _Gather(torch.autograd.Function):

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import tree
+from ._materialize import local_like
 from ._stage_shapes import LOSS_DTYPES, probe
 from ._stage_trace import TracedStage, span
 from ._stages import StageSplit
@@ -294,16 +295,7 @@ def _sum_tied(grad: torch.Tensor, path: str, layout: PipelineLayout) -> torch.Te
         return grad
     local = grad.to_local() if isinstance(grad, DTensor) else grad
     total = _c10d.wait_tensor(_c10d.all_reduce(local, "sum", layout.tie_group.group_name))
-    if isinstance(grad, DTensor):
-        return DTensor.from_local(
-            total,
-            grad.device_mesh,
-            grad.placements,
-            run_check=False,
-            shape=grad.shape,
-            stride=grad.stride(),
-        )
-    return total
+    return local_like(total, grad) if isinstance(grad, DTensor) else total
 
 
 def _loss_on_every_rank(

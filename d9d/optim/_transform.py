@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d import tree
+from d9d._materialize import local_like
 from d9d.errors import OptimTreeMismatchError
 
 __all__ = [
@@ -168,17 +169,7 @@ def _on_shards_if_aligned(
         return tuple(list(result) for result in fn(*lists))
     results = fn(*([leaf.to_local() for leaf in values] for values in lists))
     return tuple(
-        [
-            DTensor.from_local(
-                local,
-                like.device_mesh,
-                like.placements,
-                run_check=False,
-                shape=like.shape,
-                stride=like.stride(),
-            )
-            for local, like in zip(result, first, strict=True)
-        ]
+        [local_like(local, like) for local, like in zip(result, first, strict=True)]
         for result in results
     )
 
