@@ -23,6 +23,7 @@ from ._module import Model as Model
 from ._module import functionalize as functionalize
 from ._plan import ParamPlan as ParamPlan
 from ._plan import Plan as Plan
+from ._process_group import init_process_group as init_process_group
 from ._step import Memory as Memory
 from ._step import Transform as Transform
 from ._step import TransformedStep as TransformedStep
@@ -50,6 +51,7 @@ __all__ = [
     "errors",
     "functionalize",
     "grad",
+    "init_process_group",
     "jit",
     "kernels",
     "losses",

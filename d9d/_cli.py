@@ -133,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="pipeline microbatches per step with --pp (default: 2 x pp)",
     )
+    run.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=defaults.dist_timeout,
+        help="under torchrun: seconds a collective may wait for a peer before the run stops "
+        "with an error (default %(default)s)",
+    )
     show = commands.add_parser(
         "plan", help="print the sharding plan of a preset on a simulated mesh"
     )

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,6 +26,7 @@ from ._jit import jit
 from ._mesh import make_mesh
 from ._module import Model, functionalize
 from ._pipeline_run import SCHEDULES
+from ._process_group import init_process_group
 from ._step import TransformedStep
 from .errors import DataError
 from .models import Llama, LlamaConfig
@@ -61,6 +63,7 @@ class TrainConfig:
     pp: int | None = None  # pipeline stages; None: 1
     schedule: str = "1f1b"  # pipeline schedule, with --pp
     microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
+    dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
 
 
 def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable[..., Any]:
@@ -229,9 +232,7 @@ def _init_distributed(config: TrainConfig) -> bool:
             f"--dp/--fsdp/--tp/--cp/--pp need several ranks: launch with `torchrun "
             f"--nproc-per-node N -m d9d train ...` (got {flags} in one process)"
         )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group(timeout=timedelta(seconds=config.dist_timeout))
     return True
 
 

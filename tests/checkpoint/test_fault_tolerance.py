@@ -81,9 +81,6 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": str(Path(__file__).parents[2]),
-        # torch's c10d rendezvous shares one TCPStore across restarts by default, and
-        # gloo then reads the dead attempt's addresses from it (pytorch/pytorch#135712).
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
     command = [
         sys.executable,

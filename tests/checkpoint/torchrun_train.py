@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from d9d import checkpoint, functionalize, losses, optim, value_and_grad
+from d9d import checkpoint, functionalize, init_process_group, losses, optim, value_and_grad
 from d9d.models import Llama, LlamaConfig
 
 CONFIG = LlamaConfig.tiny(n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=48)
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--reference-out", default=None)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     result = run(args.out, args.steps, args.save_every, args.kill_at)
     if args.reference_out:
         result["reference"] = run(args.reference_out, args.steps, args.save_every)["losses"]

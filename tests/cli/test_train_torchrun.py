@@ -33,7 +33,6 @@ def test_two_ranks_train_like_one(tmp_path: Path) -> None:
     ]
     env = {
         **os.environ,
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONFAULTHANDLER": "1",  # a crashing rank prints every thread's stack
     }

@@ -1,0 +1,59 @@
+"""Joining a ``torchrun`` job so that a restarted attempt never meets the dead one's keys.
+
+[Note: the store shared across restarts] ``torchrun``'s c10d rendezvous hosts one TCPStore in
+the agent and, by default, hands it to every attempt's workers (``TORCHELASTIC_USE_AGENT_STORE``).
+``init_process_group`` prefixes its keys with ``default_pg`` only, so after a restart the new
+workers find the dead attempt's keys still there: gloo reads a dead peer's address and fails
+``connectFullMesh ... Connection refused`` or waits on it (pytorch/pytorch#135712; seen here 3 of
+3 times with a rank killed mid-run). :func:`init_process_group` prefixes the store with the
+attempt number, which is what ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` achieves from outside.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_process_group"]
+
+
+def init_process_group(
+    backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10)
+) -> None:
+    """Join the job ``torchrun`` started this process in, safely across restarts.
+
+    Like ``torch.distributed.init_process_group()`` with the ``env://`` rendezvous torchrun
+    sets up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), except that the
+    store's keys are scoped to the restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a job
+    restarted by ``torchrun --max-restarts N`` after a rank died starts cleanly, and that every
+    store wait and collective gives up after ``timeout`` with an error instead of hanging.
+    On CUDA it also selects the device of ``LOCAL_RANK``.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, ... (default: NCCL with CUDA, else gloo).
+        timeout: How long a collective or store wait may block (default 10 minutes).
+
+    Raises:
+        ValueError: The process was not started by ``torchrun`` (no ``RANK`` set).
+
+    Example:
+        >>> import d9d
+        >>> d9d.init_process_group()  # doctest: +SKIP  (inside `torchrun ... script.py`)
+    """
+    if "RANK" not in os.environ:
+        raise ValueError(
+            "d9d.init_process_group joins a torchrun job, but RANK is not set: launch with "
+            "`torchrun --nproc-per-node N script.py`"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"d9d/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
