@@ -1,4 +1,5 @@
-"""The plan of the transformed step now running on this thread, read by ``Model.apply``.
+"""The plan of the transformed step now running on this thread, read by ``Model.apply``,
+and the valid-token counts its loss records for weighing microbatches.
 
 A ``threading.local`` rather than a ``ContextVar``: Dynamo traces attribute reads of a thread
 local but graph-breaks on ``ContextVar.get`` (torch 2.13), and ranks run as threads in tests.
@@ -12,9 +13,18 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from ._plan import Plan
 
-__all__ = ["accumulate", "accumulating", "activate", "active_plan"]
+__all__ = [
+    "accumulate",
+    "accumulating",
+    "activate",
+    "active_plan",
+    "count_tokens",
+    "record_tokens",
+]
 
 
 class _State(threading.local):
@@ -23,6 +33,7 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.plan: Plan | None = None
         self.accumulating = False
+        self.token_counts: list[torch.Tensor] | None = None
 
 
 _state = _State()
@@ -58,3 +69,23 @@ def accumulate() -> Iterator[None]:
         yield
     finally:
         _state.accumulating = previous
+
+
+@contextmanager
+def count_tokens() -> Iterator[list[torch.Tensor]]:
+    """Within the block, the global valid-token counts that token means record (one 0-d
+    tensor per call of :func:`d9d.losses.token_mean`) are appended to the yielded list."""
+    previous = _state.token_counts
+    counts: list[torch.Tensor] = []
+    _state.token_counts = counts
+    try:
+        yield counts
+    finally:
+        _state.token_counts = previous
+
+
+def record_tokens(count: torch.Tensor) -> None:
+    """Record a token mean's global count of valid tokens, if a :func:`count_tokens` block
+    is open (``value_and_grad`` opens one per microbatch to weigh it)."""
+    if _state.token_counts is not None:
+        _state.token_counts.append(count)

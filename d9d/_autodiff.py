@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import tree
-from ._active import accumulate, active_plan
+from ._active import accumulate, active_plan, count_tokens
 from ._materialize import reduce_to
 from ._pipeline_run import run_pipeline
 from .errors import IndivisibleError
@@ -66,7 +66,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
             chunks = _split((args, kwargs), plan.pipeline.microbatches)
             value, aux, grads = run_pipeline(fn, pairs, chunks, has_aux, plan, _check_value)
         elif microbatches == 1:
-            value, aux, grads = _differentiate(fn, spec, leaves, args, kwargs, has_aux)
+            value, aux, grads, _ = _differentiate(fn, spec, leaves, args, kwargs, has_aux)
         else:
             value, aux, grads = _accumulate(fn, spec, leaves, args, kwargs, has_aux, microbatches)
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
@@ -84,15 +84,22 @@ def _differentiate(
     args: Any,
     kwargs: Any,
     has_aux: bool,
-) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
-    with torch.enable_grad():
+    *,
+    weighted: bool = False,
+) -> tuple[torch.Tensor, Any, list[torch.Tensor], torch.Tensor | None]:
+    """``(value, aux, grads, weight)``; ``weight`` is the valid-token count the value's token
+    means recorded (None if none did), and with ``weighted`` the grads are those of
+    ``weight * value``, ready to be summed over microbatches."""
+    with torch.enable_grad(), count_tokens() as counts:
         inputs = [leaf.detach().requires_grad_(True) for leaf in leaves]
         out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
         _check_value(value, has_aux)
-        grads = torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+        weight = torch.stack(counts).sum().to(value.dtype) if counts else None
+        scaled = value * weight if weighted and weight is not None else value
+        grads = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
     aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-    return value.detach(), aux, list(grads)
+    return value.detach(), aux, list(grads), weight
 
 
 def _accumulate(
@@ -104,35 +111,65 @@ def _accumulate(
     has_aux: bool,
     microbatches: int,
 ) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
-    """Mean value and grads over ``microbatches`` equal slices of the batch (dim 0 of every
-    tensor argument); grads are summed unreduced and reduced once, by the caller."""
+    """Value and grads over ``microbatches`` equal slices of the batch (dim 0 of every tensor
+    argument); grads are summed unreduced and reduced once, by the caller.
+
+    Each microbatch weighs by the valid tokens its loss counted (:func:`d9d.losses.token_mean`),
+    applied to its loss before its backward, so the step's value is the mean over all of the
+    step's tokens; a loss that counts none gives every microbatch the same weight.
+    """
     chunks = _split((args, kwargs), microbatches)
-    values, auxes, total = [], [], None
+    values, weights, auxes, total = [], [], [], None
     with accumulate():
         for chunk_args, chunk_kwargs in chunks:
-            value, aux, grads = _differentiate(fn, spec, leaves, chunk_args, chunk_kwargs, has_aux)
-            values.append(value)
+            value, aux, grads, weight = _differentiate(
+                fn, spec, leaves, chunk_args, chunk_kwargs, has_aux, weighted=True
+            )
+            values.append(value if weight is None else value * weight)
+            weights.append(weight)
             auxes.append(aux)
             total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-    grads = [g / microbatches for g in total]
+    if any(w is None for w in weights) and any(w is not None for w in weights):
+        raise TypeError(
+            "the loss counted its tokens (d9d.losses.token_mean) in some microbatches and not "
+            "in others; compute it the same way in every microbatch"
+        )
+    count = microbatches if weights[0] is None else torch.stack(weights).sum().clamp(min=1)
+    grads = [g / count for g in total]
     aux = (
         tree.map(lambda *xs: torch.stack(xs).mean(0) if xs[0].ndim == 0 else torch.cat(xs), *auxes)
         if has_aux
         else None
     )
-    return torch.stack(values).mean(), aux, grads
+    return torch.stack(values).sum() / count, aux, grads
 
 
-def _split(batch: Any, parts: int) -> list[Any]:
-    pairs, spec = tree.flatten_with_paths(batch)
+def _split(batch: tuple[tuple[Any, ...], dict[str, Any]], parts: int) -> list[Any]:
+    """``parts`` slices (along dim 0) of ``(args, kwargs)``.
+
+    The keyword dict is rebuilt by hand, not flattened: Dynamo's optree polyfill cannot flatten
+    a dict created inside the traced step (``**kwargs`` is one), and broke the graph of every
+    accumulating step under ``jit``.
+    """
+    args, kwargs = batch
+    arg_parts = _split_tree(args, parts, "argument")
+    kwarg_parts = {k: _split_tree(v, parts, f"argument {k}") for k, v in kwargs.items()}
+    return [
+        (arg_parts[i], {k: chunks[i] for k, chunks in kwarg_parts.items()}) for i in range(parts)
+    ]
+
+
+def _split_tree(value: Any, parts: int, what: str) -> list[Any]:
+    leaves, spec = tree.flatten(value)
     columns = []
-    for path, leaf in pairs:
+    for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
             columns.append([leaf] * parts)
             continue
         if leaf.shape[0] % parts:
+            path = tree.paths(value)[i]
             raise IndivisibleError(
-                f"argument {path!r} holds {leaf.shape[0]} examples, which do not split into "
+                f"{what} {path!r} holds {leaf.shape[0]} examples, which do not split into "
                 f"{parts} microbatches; use a per-rank batch that is a multiple of {parts}"
             )
         columns.append(list(leaf.chunk(parts)))

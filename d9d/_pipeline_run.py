@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import tree
+from ._active import count_tokens
 from ._materialize import local_like
 from ._stage_shapes import LOSS_DTYPES, probe
 from ._stage_trace import TracedStage, span
@@ -212,6 +213,7 @@ class _Runner:
         )
         self.check_value = check_value
         self.aux: dict[int, Any] = {}
+        self.weights: dict[int, torch.Tensor | None] = {}
 
     def run_stage(self, stage: int, inputs: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
         split = self.layout.split
@@ -220,7 +222,7 @@ class _Runner:
             stage, start, stop, stage == 0, stage == split.count - 1, inputs[0] if inputs else None
         )
         args, kwargs = self.chunks[index]
-        with _stage_run(run):
+        with _stage_run(run), count_tokens() as counts:
             try:
                 out = self.fn(self.params, *args, **kwargs)
             except StageDone:
@@ -233,6 +235,12 @@ class _Runner:
         value, aux = out if self.has_aux else (out, None)
         self.check_value(value, self.has_aux)
         self.aux[index] = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        # The microbatch weighs by the valid tokens its loss counted (d9d.losses.token_mean),
+        # applied before its backward: the step divides by the total once all have run.
+        weight = torch.stack(counts).sum().to(value.dtype) if counts else None
+        self.weights[index] = weight
+        if weight is not None:
+            value = value * weight
         # (1,), not 0-d: the schedule concatenates the last stage's outputs, and the
         # zero-bubble schedules detach them in place, which a view forbids.
         return value.reshape(1).clone()
@@ -270,8 +278,9 @@ def run_pipeline(
     with torch.enable_grad(), span("schedule", -1, count):
         runtime.schedule.step(mb=torch.arange(count), **extra)
     runtime.box[0] = None
+    value, total = _loss_on_every_rank(losses, runner, runtime.loss_dtype, last, layout)
     compute_grads = [
-        weights[p].grad / count if weights[p].grad is not None else torch.zeros_like(weights[p])
+        weights[p].grad / total if weights[p].grad is not None else torch.zeros_like(weights[p])
         for p in paths
     ]
     for module in runtime.modules.values():  # the cached stages must not keep them alive
@@ -284,7 +293,6 @@ def run_pipeline(
         materialize_grads=True,
     )
     grads = [_sum_tied(g, p, layout) for g, p in zip(grads, paths, strict=True)]
-    value = _loss_on_every_rank(losses, runtime.loss_dtype, last, layout)
     aux = _aux_on_every_rank(runner, count, layout) if has_aux else None
     return value, aux, grads
 
@@ -299,16 +307,25 @@ def _sum_tied(grad: torch.Tensor, path: str, layout: PipelineLayout) -> torch.Te
 
 
 def _loss_on_every_rank(
-    losses: list[torch.Tensor], dtype: torch.dtype, last: bool, layout: PipelineLayout
-) -> torch.Tensor:
-    """The mean microbatch loss of the last stage, on every pipeline rank (one all-reduce)."""
+    losses: list[torch.Tensor],
+    runner: _Runner,
+    dtype: torch.dtype,
+    last: bool,
+    layout: PipelineLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, total weight)`` on every pipeline rank (one all-reduce): the last stage's
+    microbatch losses, each weighed by its valid-token count (or all alike when the loss
+    counts none), and the total the summed grads are divided by."""
     device = layout.stage_mesh.device_type
-    packed = torch.zeros(2, dtype=torch.float64, device=device)
+    packed = torch.zeros(3, dtype=torch.float64, device=device)
     if last:
-        packed[0] = torch.stack([loss.detach() for loss in losses]).mean().to(torch.float64)
+        weights = list(runner.weights.values())
+        packed[0] = torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
         packed[1] = LOSS_DTYPES.index(dtype)
+        packed[2] = len(losses) if weights[0] is None else torch.stack(weights).sum()
     packed = _c10d.wait_tensor(_c10d.all_reduce(packed, "sum", layout.group.group_name))
-    return packed[0].to(LOSS_DTYPES[int(packed[1])])
+    total = packed[2].clamp(min=1)
+    return (packed[0] / total).to(LOSS_DTYPES[int(packed[1])]), total
 
 
 def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> Any:

@@ -119,7 +119,8 @@ class Plan:
     then is there anything to free after the forward and gather again for the backward).
     Under ``pipeline`` the plan lists every param with its stages, lays them out on the mesh
     of one stage (``pipeline.stage_mesh``: the mesh without the pipeline axis), and ``held``
-    names the ones this rank stores.
+    names the ones this rank stores. ``token_groups`` holds ``(group name, ranks)`` of each
+    axis over which ranks hold different tokens, for losses' token counts.
     """
 
     mesh: DeviceMesh
@@ -130,6 +131,7 @@ class Plan:
     activations: ActivationLayout | None = None
     sequence_split: SequenceSplit | None = None
     pipeline: PipelineLayout | None = None
+    token_groups: tuple[tuple[str, int], ...] = ()
     _names: tuple[str, ...] = field(init=False, repr=False)
     gathers: bool = field(init=False, repr=False)
     group_names: tuple[str, ...] = field(init=False, repr=False)

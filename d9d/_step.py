@@ -43,6 +43,11 @@ class Transform(abc.ABC):
         """The mesh axes over which ranks see different batches (default none)."""
         return ()
 
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes over which ranks hold different tokens of the global batch (default:
+        the data axes): losses and grads are means over their ranks' tokens."""
+        return self.data_axes()
+
     def keeps_gathered_params(self) -> bool:
         """Whether gathered params stay alive from the forward to the backward (default no)."""
         return False
@@ -125,6 +130,11 @@ class TransformedStep:
     def data_axes(self) -> tuple[str, ...]:
         """Mesh axes over which ranks see different batches."""
         return tuple(a for t in self.transforms for a in t.data_axes())
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which ranks hold different tokens (data axes and the cp axis)."""
+        return tuple(a for t in self.transforms for a in t.token_axes())
 
     def batch_shard(self) -> tuple[int, int]:
         """``(index, count)`` of this rank's batch among the data-parallel ranks.
@@ -213,6 +223,12 @@ class TransformedStep:
                 activations = replace(
                     activations, index=activations.index - (activations.index > pipeline.index)
                 )
+        names = tuple(mesh.mesh_dim_names or ())
+        token_groups = tuple(
+            (mesh.get_group(a).group_name, mesh.shape[names.index(a)])
+            for a in self.token_axes
+            if mesh.shape[names.index(a)] > 1
+        )
         return Plan(
             mesh,
             entries,
@@ -224,6 +240,7 @@ class TransformedStep:
                 (s for s in (t.sequence_split() for t in self.transforms) if s is not None), None
             ),
             pipeline=pipeline,
+            token_groups=token_groups,
         )
 
     def place(
@@ -279,14 +296,12 @@ class TransformedStep:
         return params, opt_state, self._mean_over_ranks(metrics)
 
     def _mean_over_ranks(self, metrics: Any) -> Any:
-        """Metrics averaged over the data axes and the axis sequences are split over."""
+        """Metrics averaged over the axes on which ranks hold different tokens."""
         names = tuple(self.mesh.mesh_dim_names or ())
-        split = self.plan.sequence_split
-        axes = (*self.data_axes, *((split.axis,) if split is not None else ()))
         hops = [
             tuple(Partial("avg") if j == i else Replicate() for j in range(len(names)))
             for i, name in enumerate(names)
-            if name in axes
+            if name in self.token_axes
         ]
 
         def mean(leaf: Any) -> Any:

@@ -6,7 +6,7 @@ from typing import Literal
 
 import torch
 
-from .._active import active_plan
+from ._token_mean import token_mean
 from ._vocab_parallel import is_vocab_sharded, sharded_lse_and_target
 
 __all__ = ["cross_entropy"]
@@ -35,9 +35,10 @@ def cross_entropy(
     Logits sharded over the vocab (a DTensor ``Shard(-1)``, as ``tensor_parallel`` returns
     them) are never gathered: each rank reduces its shard and three all-reduces of one value
     per token give the log-sum-exp and the target logit (loss parallelism). The result is
-    then a plain tensor, the same on every rank of the mesh. Inside a ``context_parallel``
-    step, ``"mean"`` counts the valid tokens over the cp axis, so the step's loss is one
-    device's token-weighted mean (see ``docs/context_parallel.md``).
+    then a plain tensor, the same on every rank of the mesh. ``"mean"`` is
+    :func:`token_mean`: inside a transformed step it is the mean over the valid tokens of the
+    global batch (every data-parallel rank, cp rank and microbatch), so every layout equals
+    one device fed the whole batch (``docs/losses.md``).
 
     Args:
         logits: Scores ``[..., V]``, any floating dtype.
@@ -80,26 +81,7 @@ def cross_entropy(
         case "sum":
             return per_token.sum()
         case _:
-            return _mean(per_token, valid)
-
-
-def _mean(per_token: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The mean over valid tokens; inside a ``context_parallel`` step, over the valid tokens
-    of every rank of the cp axis.
-
-    Each cp rank holds part of every sequence, and the step averages its loss over the axis;
-    so a rank returns its sum times ``cp`` over the axis's count (one all-reduce of one
-    value), and the average is the token-weighted mean of one device, however unevenly the
-    ignored labels fall. (Labels the ranks share whole give their own mean unchanged.)
-    """
-    count = valid.sum()
-    plan = active_plan()
-    split = plan.sequence_split if plan is not None else None
-    if split is None:
-        return per_token.sum() / count.clamp(min=1)
-    ops = torch.ops._c10d_functional
-    total = ops.wait_tensor(ops.all_reduce(count, "sum", split.group.group_name))
-    return per_token.sum() * split.size / total.clamp(min=1)
+            return token_mean(per_token, valid)
 
 
 def _check_args(logits: torch.Tensor, labels: torch.Tensor, z_loss: float, reduction: str) -> None:

@@ -41,6 +41,9 @@ class ContextParallel(Transform):
     def claimed_axes(self) -> tuple[str, ...]:
         return (self.axis,)
 
+    def token_axes(self) -> tuple[str, ...]:
+        return (self.axis,)
+
     def sequence_split(self) -> SequenceSplit:
         index = self._axis_index(self.axis, "axis")
         coordinate = self.mesh.get_coordinate()

@@ -57,9 +57,10 @@ def test_fsdp_step_moves_the_analytic_bytes(n: int, reshard: bool) -> None:
         assert stats.bytes[("all_gather", "fsdp")] == model_bytes + regathered * reshard
         assert stats.count[("reduce_scatter", "fsdp")] == units
         assert stats.bytes[("reduce_scatter", "fsdp")] == model_bytes
-        # The global grad norm (one fp32 per param, reduced once) and the mean loss.
-        assert stats.count[("all_reduce", "fsdp")] == 2
-        assert stats.bytes[("all_reduce", "fsdp")] == 4 * len(params) + 4
+        # The global grad norm (one fp32 per param, reduced once), the mean loss, and the
+        # loss's count of valid tokens (one int64).
+        assert stats.count[("all_reduce", "fsdp")] == 3
+        assert stats.bytes[("all_reduce", "fsdp")] == 4 * len(params) + 4 + 8
         assert set(stats.count) == {
             ("all_gather", "fsdp"),
             ("reduce_scatter", "fsdp"),
@@ -73,17 +74,18 @@ def test_hsdp_adds_one_all_reduce_of_the_grad_shards_over_dp() -> None:
     for stats in _comms({"dp": 2, "fsdp": 2}, {"replicate_axis": "dp"}):
         assert stats.count[("reduce_scatter", "fsdp")] == 1 + 2  # one per unit
         assert stats.bytes[("reduce_scatter", "fsdp")] == model_bytes
-        # One all-reduce per grad shard (half the model) plus the mean loss.
-        assert stats.count[("all_reduce", "dp")] == len(params) + 1
-        assert stats.bytes[("all_reduce", "dp")] == model_bytes // 2 + 4
+        # One all-reduce per grad shard (half the model), the mean loss and the token count.
+        assert stats.count[("all_reduce", "dp")] == len(params) + 2
+        assert stats.bytes[("all_reduce", "dp")] == model_bytes // 2 + 4 + 8
 
 
 def test_ddp_all_reduces_each_grad_once() -> None:
     params = _tiny().params
     model_bytes = sum(p.numel() * p.element_size() for p in params.values())
     for stats in _comms({"dp": 2}, {"axis": None, "replicate_axis": "dp"}):
-        assert dict(stats.count) == {("all_reduce", "dp"): len(params) + 1}
-        assert stats.bytes[("all_reduce", "dp")] == model_bytes + 4
+        # Each grad, the mean loss and the loss's count of valid tokens (int64).
+        assert dict(stats.count) == {("all_reduce", "dp"): len(params) + 2}
+        assert stats.bytes[("all_reduce", "dp")] == model_bytes + 4 + 8
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -1,0 +1,147 @@
+"""The loss is the mean over the valid tokens of the global batch, in every layout.
+
+SFT-like batches: each row's labels are ignored (-100) up to a prompt length that differs
+wildly between rows, and two rows are ignored whole, so data-parallel ranks, cp ranks and
+microbatches each hold a different number of valid tokens. Every layout must equal one device
+fed the whole batch (float64, 5 AdamW steps with clipping): a mean of per-rank or
+per-microbatch means does not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from equivalence import assert_equivalent, batches, llama, reference
+
+import d9d
+from d9d.errors import RankFailedError
+from d9d.testing import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+F64 = torch.float64
+
+# Prompt length per row of a global batch of 8 x 16: rows 0-3 (rank 0 of 2) keep 25 labels,
+# rows 4-7 keep 47; rows 2 and 5 keep none.
+PROMPTS = (3, 12, 16, 10, 0, 16, 5, 1)
+
+LAYOUTS = {
+    "fsdp=2": ({"fsdp": 2}, "thread", lambda m: [d9d.shard_params(m, "fsdp")]),
+    "dp=2 x fsdp=2": ({"dp": 2, "fsdp": 2}, "thread", lambda m: [d9d.shard_params(m, "fsdp", "dp")]),
+    "fsdp=2, 2 microbatches": (
+        {"fsdp": 2},
+        "thread",
+        lambda m: [d9d.shard_params(m, "fsdp", microbatches=2)],
+    ),
+    "fsdp=1, 4 microbatches": (
+        {"fsdp": 1},
+        "thread",
+        lambda m: [d9d.shard_params(m, "fsdp", microbatches=4)],
+    ),
+    "fsdp=2 x cp=2": (
+        {"fsdp": 2, "cp": 2},
+        "thread",
+        lambda m: [d9d.context_parallel(m), d9d.shard_params(m, "fsdp")],
+    ),
+    "fsdp=2 x tp=2": (
+        {"fsdp": 2, "tp": 2},
+        "thread",
+        lambda m: [d9d.tensor_parallel(m), d9d.shard_params(m, "fsdp")],
+    ),
+    "pp=2 1f1b, 4 microbatches": (
+        {"pp": 2},
+        "fork",
+        lambda m: [d9d.pipeline(m, schedule="1f1b", microbatches=4)],
+    ),
+    "pp=2 x dp=2, 2 microbatches": (
+        {"pp": 2, "dp": 2},
+        "fork",
+        lambda m: [d9d.pipeline(m, microbatches=2), d9d.shard_params(m, None, "dp")],
+    ),
+}
+
+
+def sft_batches() -> list[dict]:
+    data = batches(256)
+    for batch in data:
+        labels = batch["labels"].clone()  # a view of the tokens
+        for row, prompt in enumerate(PROMPTS):
+            labels[row, :prompt] = -100
+        batch["labels"] = labels
+    return data
+
+
+@functools.cache
+def _reference(n_layers: int):
+    return reference(llama(F64, n_layers), sft_batches())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_unevenly_ignored_labels_give_the_global_token_mean(layout: str) -> None:
+    mesh_axes, method, transforms = LAYOUTS[layout]
+    n_layers = 4 if "pp" in mesh_axes else 2
+    assert_equivalent(
+        llama(F64, n_layers),
+        transforms,
+        mesh_axes,
+        sft_batches(),
+        _reference(n_layers),
+        dtype=F64,
+        method=method,
+    )
+
+
+@pytest.mark.compile
+def test_jit_weighs_microbatches_by_their_tokens() -> None:
+    """The count each microbatch records is traced into the one captured graph."""
+    assert_equivalent(
+        llama(F64, 1),
+        LAYOUTS["fsdp=2, 2 microbatches"][2],
+        {"fsdp": 2},
+        sft_batches(),
+        _reference(1),
+        dtype=F64,
+        jit="aot_eager",
+    )
+
+
+def test_a_loss_without_token_means_weighs_microbatches_alike() -> None:
+    """A loss that counts no tokens (a plain mean) gives each microbatch weight 1/k."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", fsdp=1)
+
+        def step(params, opt_state, batch):
+            loss, _ = d9d.value_and_grad(lambda p, x: (p["w"].to_local() * x).mean())(params, batch["x"])
+            return params, opt_state, {"loss": loss}
+
+        step = d9d.shard_params(mesh, microbatches=2)(step)
+        params, state = step.place({"w": torch.ones(3, dtype=F64)}, ())
+        x = torch.tensor([[1.0, 1, 1], [5, 5, 5]], dtype=F64)
+        return step(params, state, {"x": x})[2]["loss"]
+
+    assert run_on_ranks(rank, 1) == [torch.tensor(3.0, dtype=F64)]
+
+
+def test_a_loss_counting_tokens_in_some_microbatches_only_is_refused() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", fsdp=1)
+
+        def loss_fn(params, x):
+            values = params["w"].to_local() * x
+            if x.sum() > 5:  # only the second microbatch counts its tokens
+                return d9d.losses.token_mean(values, torch.ones_like(x, dtype=torch.bool))
+            return values.mean()
+
+        def step(params, opt_state, batch):
+            loss, _ = d9d.value_and_grad(loss_fn)(params, batch["x"])
+            return params, opt_state, {"loss": loss}
+
+        step = d9d.shard_params(mesh, microbatches=2)(step)
+        params, state = step.place({"w": torch.ones(3, dtype=F64)}, ())
+        step(params, state, {"x": torch.tensor([[1.0, 1, 1], [5, 5, 5]], dtype=F64)})
+
+    with pytest.raises(RankFailedError, match=r"counted its tokens .* in some microbatches"):
+        run_on_ranks(rank, 1)
