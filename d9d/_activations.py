@@ -179,9 +179,12 @@ def enter_module(
                 "the row-parallel linear after it; check the logical axes of its params"
             )
     if isinstance(module, nn.Embedding) and _embedding_sharded(frame, path):
+        _check_embedding(path, module)
         tokens, first, count = args[0], *layout.rows(module.num_embeddings)
         outside = (tokens < first) | (tokens >= first + count)
-        frame.stash[path] = outside
+        # The padding row (no gradient) is global: local on the rank holding it, else none.
+        frame.stash[path] = outside, module.padding_idx
+        module.padding_idx = _local_row(module.padding_idx, first, count)
         args, changed = ((tokens - first).masked_fill(outside, 0), *args[1:]), True
     row = isinstance(module, nn.Linear) and linear_role(frame, path) == "row"
     if row and module.bias is not None:
@@ -195,7 +198,7 @@ def exit_module(frame: _Frame, path: str, module: nn.Module, output: Any) -> Any
     layout = frame.plan.activations
     assert layout is not None
     if isinstance(module, nn.Embedding) and _embedding_sharded(frame, path):
-        outside = frame.stash.pop(path)
+        outside, module.padding_idx = frame.stash.pop(path)
         return layout.reduce_partial(output.masked_fill(outside.unsqueeze(-1), 0), False)
     if not isinstance(module, nn.Linear):
         return None
@@ -225,6 +228,23 @@ def _embedding_sharded(frame: _Frame, path: str) -> bool:
             "('vocab', 'embed')"
         )
     return isinstance(placement, Shard)
+
+
+def _local_row(row: int | None, first: int, count: int) -> int | None:
+    """Global ``row`` as an index into the local rows ``[first, first + count)``, or None."""
+    return row - first if row is not None and first <= row < first + count else None
+
+
+def _check_embedding(path: str, module: nn.Embedding) -> None:
+    """Raise for options whose effect depends on rows outside the local vocab shard."""
+    if module.max_norm is not None or module.scale_grad_by_freq:
+        raise PlanError(
+            f"embedding {path!r} has max_norm={module.max_norm} and "
+            f"scale_grad_by_freq={module.scale_grad_by_freq}, which a vocab-parallel lookup "
+            "cannot honour (each rank sees only its rows); build it without them, or keep it "
+            "whole on the axis with logical axes that map to no mesh axis (e.g. "
+            "('embed', 'embed'))"
+        )
 
 
 def _check_region(path: str, region: tuple[str, ...], roles: set, module: nn.Module) -> None:

@@ -8,7 +8,16 @@ import math
 
 import pytest
 import torch
-from equivalence import HF_AXES, assert_equivalent, batches, hf_llama, llama, reference, train_step
+from equivalence import (
+    HF_AXES,
+    assert_equivalent,
+    batches,
+    hf_llama,
+    hf_model,
+    llama,
+    reference,
+    train_step,
+)
 
 import d9d
 from d9d.errors import RankFailedError
@@ -32,14 +41,14 @@ LAYOUTS = {
 
 @functools.cache
 def _build(model: str, dtype: torch.dtype, n_layers: int, layout: str):
-    if model == "hf":
-        return hf_llama(dtype, n_layers)
+    if model.startswith("hf"):
+        return hf_model(model.partition(":")[2] or "llama", dtype, n_layers)
     return llama(dtype, n_layers, **(WIDE_HEADS if "tp=4" in layout else {}))
 
 
 @functools.cache
 def _reference(model: str, dtype: torch.dtype, n_layers: int, layout: str, opt: str):
-    vocab = 97 if model == "hf" else 256
+    vocab = 97 if model.startswith("hf") else 256
     return reference(_build(model, dtype, n_layers, layout), batches(vocab), opt=opt)
 
 
@@ -59,7 +68,7 @@ def _check(
         _build(model, dtype, n_layers, layout),
         transforms,
         mesh_axes,
-        batches(97 if model == "hf" else 256),
+        batches(97 if model.startswith("hf") else 256),
         _reference(model, dtype, n_layers, layout, opt),
         dtype=dtype,
         jit=jit,
@@ -81,6 +90,18 @@ def test_hf_llama_eager_equals_one_device(layout: str) -> None:
     _check("hf", layout, torch.float64)
 
 
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [("qwen2-pad0", "tp=2"), ("qwen2-pad96", "tp=2"), ("gemma", "tp=2 no sp")],
+)
+def test_hf_padding_row_grads_equal_one_device(family: str, layout: str) -> None:
+    """``padding_idx`` 0 (a row of rank 0: rank 1's local row 0 is global row 49, which
+    must get its gradient) and 96 (local row 47 of rank 1; rank 0 holds 49 rows). Gemma
+    without sequence parallelism: its norms sum their weight grads in float32, so split
+    sequences round differently (rel 1e-5)."""
+    _check(f"hf:{family}", layout, torch.float64)
+
+
 @pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
 def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
     _check("d9d", layout, torch.float32, params_too=False)
@@ -100,11 +121,15 @@ def test_jit_hf_llama_equals_one_device() -> None:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize(("model", "layout"), [("d9d", "tp=4"), ("hf", "fsdp=2 x tp=2")])
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [("d9d", "tp=4"), ("hf", "fsdp=2 x tp=2"), ("hf:qwen2-pad96", "tp=2")],
+)
 def test_jit_captures_the_wider_layouts_as_one_graph(model: str, layout: str) -> None:
     """The captured forward+backward graph on eager kernels (``backend="aot_eager"``): the
-    capture is what these layouts add over tp=2; inductor's code generation for it is
-    tested above, and per layout would cost 2-3 min of CI each on two cores."""
+    capture is what these layouts add over tp=2 (and the padding row's swap, which Dynamo
+    must replay); inductor's code generation for it is tested above, and per layout would
+    cost 2-3 min of CI each on two cores."""
     _check(model, layout, torch.float64, jit="aot_eager", n_layers=1)
 
 
@@ -269,3 +294,16 @@ def test_large_plan_on_a_simulated_mesh() -> None:
         plan = step.make_plan(model.params, model.axes)
     norms = sum(math.prod(e.shape) * 4 for k, e in plan.entries.items() if "norm" in k)
     assert plan.bytes_per_rank() == (plan.total_bytes() - norms) // 64 + norms // 8
+
+
+def test_an_embedding_option_a_vocab_shard_cannot_honour_is_named() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        module = torch.nn.Sequential(torch.nn.Embedding(16, 8, max_norm=1.0))
+        model = d9d.functionalize(module)
+        step = d9d.tensor_parallel(mesh)(lambda p, s, b: (p, s, model.apply(p, b)))
+        params, state = step.place(model.params, (), model=model)
+        step(params, state, torch.zeros(2, 4, dtype=torch.long))
+
+    with pytest.raises(RankFailedError, match=r"PlanError: embedding '0' has max_norm=1.0"):
+        run_on_ranks(rank, 2)
