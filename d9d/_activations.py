@@ -256,6 +256,26 @@ def _check_region(path: str, region: tuple[str, ...], roles: set, module: nn.Mod
         )
 
 
+def check_own_loss(frame: _Frame, kwargs: dict[str, Any]) -> None:
+    """Raise when the model is asked for its own loss (``labels=``) while its head returns
+    vocab-sharded logits, which a loss written for whole logits (``F.cross_entropy``) cannot
+    take."""
+    layout = frame.plan.activations
+    if layout is None or not layout.loss_parallel or kwargs.get("labels") is None:
+        return
+    regions = frame.model._regions
+    heads = [p for p, r in regions.items() if r == (p,) and linear_role(frame, p) == "column"]
+    if heads:
+        raise PlanError(
+            f"Model.apply got labels=, so the model computes its own loss from the logits of "
+            f"{heads[0]!r}, which tensor_parallel(loss_parallel=True) leaves sharded over the "
+            f"vocab on {layout.axis!r} (a DTensor that F.cross_entropy cannot take); call "
+            "model.apply without labels and take d9d.losses.cross_entropy(out.logits[:, :-1], "
+            "tokens[:, 1:]), which never gathers them, or build tensor_parallel(..., "
+            "loss_parallel=False) to gather the whole logits on every rank"
+        )
+
+
 def check_heads(module: nn.Module, layout: ActivationLayout) -> None:
     """Raise unless the model's attention head counts divide by the tensor-parallel size."""
     config = getattr(module, "config", None)

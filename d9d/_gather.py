@@ -156,6 +156,7 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
         kwargs = with_positions(split, model._position_kwarg, args, kwargs)
     attention = config._attn_implementation if config is not None else None
     frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None, stage=stage)
+    _activations.check_own_loss(frame, kwargs)
     root_slots = model._root_slots if stage is None else running_root_slots(model, plan, stage)
     saved = []
     for slot, local in zip(root_slots, frame.materialize(root_slots), strict=True):

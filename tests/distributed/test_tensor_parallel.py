@@ -21,7 +21,7 @@ from equivalence import (
 
 import d9d
 from d9d.errors import RankFailedError
-from d9d.testing import run_on_ranks
+from d9d.testing import assert_trees_all_close, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -307,3 +307,44 @@ def test_an_embedding_option_a_vocab_shard_cannot_honour_is_named() -> None:
 
     with pytest.raises(RankFailedError, match=r"PlanError: embedding '0' has max_norm=1.0"):
         run_on_ranks(rank, 2)
+
+
+def _hf_own_loss_rank(build, loss_parallel: bool):
+    """Loss and grads of ``model.apply(p, input_ids=x, labels=x).loss`` (the Hugging Face
+    way) under tp=2, gathered whole."""
+    mesh = d9d.make_mesh("cpu", tp=2)
+    model = build()
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            return model.apply(p, input_ids=batch["tokens"], labels=batch["tokens"]).loss
+
+        loss, grads = d9d.value_and_grad(loss_fn)(params)
+        return params, opt_state, {"loss": loss, "grads": grads}
+
+    step = d9d.tensor_parallel(mesh, loss_parallel=loss_parallel)(step)
+    params, state = step.place(model.params, (), model=model)
+    metrics = step(params, state, batches(97)[0])[2]
+    return metrics["loss"], {k: g.full_tensor() for k, g in metrics["grads"].items()}
+
+
+def test_hf_own_loss_with_vocab_sharded_logits_is_named() -> None:
+    """``F.cross_entropy`` inside transformers cannot take the head's DTensor logits."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: Model.apply got labels=.*'lm_head'.*d9d.losses.cross_entropy"
+        r".*loss_parallel=False",
+    ):
+        run_on_ranks(_hf_own_loss_rank, 2, hf_llama(torch.float64), True)
+
+
+def test_hf_own_loss_without_loss_parallel_equals_one_device() -> None:
+    """transformers computes its loss in float32 (``logits.float()``), so float32 tolerances."""
+    build, tokens = hf_llama(torch.float64), batches(97)[0]["tokens"]
+    model = build()
+    loss, grads = d9d.value_and_grad(
+        lambda p: model.apply(p, input_ids=tokens, labels=tokens).loss
+    )(model.params)
+    for got_loss, got_grads in run_on_ranks(_hf_own_loss_rank, 2, build, False):
+        torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-7)
+        assert_trees_all_close(got_grads, grads, rtol=1e-5, atol=1e-7)
