@@ -22,7 +22,8 @@ where a module boundary needs it. Roles come from the plan: an ``nn.Linear`` who
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -254,6 +255,86 @@ def _check_region(path: str, region: tuple[str, ...], roles: set, module: nn.Mod
             "output would stay sharded; shard the linear that consumes them on its input "
             f"dim (linears here: {list(region)})"
         )
+
+
+def check_modules(model: Any, entries: Mapping[str, Any], layout: ActivationLayout) -> None:
+    """Raise, before any collective, for params the runtime cannot lay out: see
+    :func:`_check_sharded` and :func:`_check_sequence_regions`."""
+    _check_sharded(model, entries, layout)
+    if layout.sequence_parallel:
+        _check_sequence_regions(model, entries, layout)
+
+
+def _check_sequence_regions(
+    model: Any, entries: Mapping[str, Any], layout: ActivationLayout
+) -> None:
+    """Under sequence parallelism a region with no sharded linear runs on ``S / tp``
+    positions: right for a norm, wrong for attention or a head. Raise for a weight (2 dims
+    or more) whole on the axis in such a region."""
+
+    def sharded(key: str) -> bool:
+        entry = entries.get(model.tied.get(key, key))
+        return entry is not None and isinstance(entry.compute[layout.index], Shard)
+
+    for region, linears in model._regions.items():
+        if any(sharded(f"{linear}.weight") for linear in linears):
+            continue
+        for slot in model._slots:
+            entry = entries.get(model.tied.get(slot.key, slot.key)) if slot.is_param else None
+            if (
+                entry is not None
+                and slot.key.startswith(region + ".")
+                and len(entry.shape) >= 2
+                and not sharded(slot.key)
+            ):
+                raise PlanError(
+                    f"module {region!r} holds {slot.key!r} whole on {layout.axis!r} and no "
+                    "sharded nn.Linear, so under sequence parallelism it would run on this "
+                    f"rank's S / {layout.size} positions only (wrong for attention, or for a "
+                    "head whose loss the ranks do not sum); shard its linears (logical axes "
+                    "heads, mlp, vocab) or use tensor_parallel(..., sequence_parallel=False)"
+                )
+
+
+def _check_sharded(model: Any, entries: Mapping[str, Any], layout: ActivationLayout) -> None:
+    """Raise unless every param sharded over the axis belongs to a module whose shard the
+    runtime knows how to use: an ``nn.Linear``'s weight (column- or row-parallel) or a
+    column-parallel linear's bias, an ``nn.Embedding``'s weight over the vocab."""
+    for slot in model._slots:
+        key = model.tied.get(slot.key, slot.key)
+        entry = entries.get(key)
+        placement = entry.compute[layout.index] if slot.is_param and entry is not None else None
+        if not isinstance(placement, Shard):
+            continue
+        owner, name = slot.owner, slot.name
+        weight_key = f"{slot.key.rpartition('.')[0]}.weight"
+        weight = entries.get(model.tied.get(weight_key, weight_key))
+        column = weight is not None and weight.compute[layout.index] == Shard(0)
+        match owner, name, placement.dim:
+            case nn.Linear(), "weight", 0 | 1:
+                continue
+            case nn.Linear(), "bias", 0 if column:
+                continue
+            case nn.Embedding(), "weight", 0:
+                continue
+        path = slot.key.rpartition(".")[0]
+        raise PlanError(
+            f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
+            f"axis {entry.axes[placement.dim]!r}), but its module {path!r} is a "
+            f"{type(owner).__name__}, which tensor_parallel does not know how to run on a "
+            "shard: it shards nn.Linear weights (column- or row-parallel), a column-parallel "
+            "linear's bias and nn.Embedding weights over the vocab. Keep this param whole on "
+            f"{layout.axis!r}: give it logical axes that map to no mesh axis (e.g. "
+            f"functionalize(module, axes={{{_rule(slot.key)!r}: "
+            f"{('embed',) * len(entry.shape)}}})). (A transformers Conv1D is a transposed "
+            "linear, and a fused q/k/v weight splits per head group, not per row range.)"
+        )
+
+
+def _rule(key: str) -> str:
+    """An ``axes=`` pattern for the param at ``key``: its module's name and its own."""
+    module, _, name = key.rpartition(".")
+    return re.escape(f"{module.rpartition('.')[2]}.{name}") + "$"
 
 
 def check_own_loss(frame: _Frame, kwargs: dict[str, Any]) -> None:

@@ -150,6 +150,7 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
     )
     if plan.activations is not None:
         _activations.check_heads(model.module, plan.activations)
+        _activations.check_modules(model, plan.entries, plan.activations)
     split = plan.sequence_split
     config = hf_config(model.module) if split is not None else None
     if split is not None:

@@ -163,9 +163,7 @@ def llama(
 
 HF_AXES = {
     r"q_proj\.weight$": ("heads", "embed"),
-    r"q_proj\.bias$": ("heads",),
     r"[kv]_proj\.weight$": ("kv_heads", "embed"),
-    r"[kv]_proj\.bias$": ("kv_heads",),
     r"o_proj\.weight$": ("embed", "heads"),
     r"(gate|up)_proj\.weight$": ("mlp", "embed"),
     r"down_proj\.weight$": ("embed", "mlp"),
@@ -173,7 +171,10 @@ HF_AXES = {
     r"embed_tokens\.weight$": ("vocab", "embed"),
     r"norm\.weight$": ("embed",),
 }
-"""Path rules of the Llama-like families (Llama, Qwen2 with its q/k/v biases, Gemma)."""
+"""Path rules of the Llama-like families (Llama, Qwen2, Gemma)."""
+
+HF_BIAS_AXES = {r"q_proj\.bias$": ("heads",), r"[kv]_proj\.bias$": ("kv_heads",)}
+"""Qwen2's q/k/v biases, column-parallel like their weights."""
 
 GPT2_AXES = {
     r"\.c_(attn|proj|fc)\.weight$": ("embed", "embed"),
@@ -188,7 +189,7 @@ _HF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-pad0": ("Qwen2", {"pad_token_id": 0, "tie_word_embeddings": False}),
     "qwen2-pad96": ("Qwen2", {"pad_token_id": 96, "tie_word_embeddings": True}),
     "gemma": ("Gemma", {"head_dim": 8}),
-    "gpt2": ("GPT2", {}),
+    "gpt2": ("GPT2", {"bos_token_id": 96, "eos_token_id": 96}),
 }
 
 
@@ -205,7 +206,15 @@ def hf_model(
     name, extra = _HF_CONFIGS[family]
     if name == "GPT2":
         config = transformers.GPT2Config(
-            vocab_size=97, n_embd=48, n_layer=n_layers, n_head=6, n_positions=64, **extra
+            vocab_size=97,
+            n_embd=48,
+            n_layer=n_layers,
+            n_head=6,
+            n_positions=64,
+            embd_pdrop=0.0,  # dropout would differ between ranks and the reference
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            **extra,
         )
     else:
         config = getattr(transformers, f"{name}Config")(
@@ -224,7 +233,7 @@ def hf_model(
             transformers, f"{name}LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
         )(config).to(dtype)
     paths = [path for path, _ in module.named_parameters()]  # tied aliases left out
-    rules = GPT2_AXES if name == "GPT2" else HF_AXES
+    rules = GPT2_AXES if name == "GPT2" else {**HF_AXES, **HF_BIAS_AXES}
     axes = {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
 
     def build() -> d9d.Model:

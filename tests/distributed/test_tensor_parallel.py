@@ -3,6 +3,7 @@ against the same step on one device; its traffic, memory and errors."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -35,6 +36,13 @@ LAYOUTS = {
     "fsdp=2 x tp=2": (
         {"fsdp": 2, "tp": 2},
         lambda mesh: [d9d.shard_params(mesh, "fsdp"), d9d.tensor_parallel(mesh)],
+    ),
+    "fsdp=2 x tp=2 no sp": (
+        {"fsdp": 2, "tp": 2},
+        lambda mesh: [
+            d9d.shard_params(mesh, "fsdp"),
+            d9d.tensor_parallel(mesh, sequence_parallel=False),
+        ],
     ),
 }
 
@@ -100,6 +108,31 @@ def test_hf_padding_row_grads_equal_one_device(family: str, layout: str) -> None
     without sequence parallelism: its norms sum their weight grads in float32, so split
     sequences round differently (rel 1e-5)."""
     _check(f"hf:{family}", layout, torch.float64)
+
+
+@pytest.mark.parametrize("layout", ["tp=2 no sp", "fsdp=2 x tp=2 no sp"])
+def test_hf_gpt2_equals_one_device(layout: str) -> None:
+    """GPT-2's ``Conv1D`` layers whole on ``tp``, its embeddings and tied head
+    vocab-parallel; without sequence parallelism (see the next test)."""
+    _check("hf:gpt2", layout, torch.float64)
+
+
+def test_a_region_sequence_parallelism_would_split_wrongly_is_named() -> None:
+    """GPT-2 with its ``Conv1D`` layers whole: under sequence parallelism its attention
+    would attend over ``S / tp`` positions, silently."""
+    build = hf_model("gpt2", torch.float64, 1)
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        model = build()
+        d9d.tensor_parallel(mesh)(lambda p, s, b: (p, s, {})).place(model.params, (), model=model)
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: module 'transformer.h.0.attn' holds "
+        r"'transformer.h.0.attn.c_attn.weight' whole on 'tp' and no sharded nn.Linear",
+    ):
+        run_on_ranks(rank, 2)
 
 
 @pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
@@ -348,3 +381,39 @@ def test_hf_own_loss_without_loss_parallel_equals_one_device() -> None:
     for got_loss, got_grads in run_on_ranks(_hf_own_loss_rank, 2, build, False):
         torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-7)
         assert_trees_all_close(got_grads, grads, rtol=1e-5, atol=1e-7)
+
+
+GPT2_SHARDED = {  # what the Llama rules suggest for GPT-2's Conv1D ([in, out]) layers
+    r"c_attn\.weight$": ("embed", "heads"),
+    r"c_attn\.bias$": ("heads",),
+    r"attn\.c_proj\.weight$": ("heads", "embed"),
+    r"c_fc\.weight$": ("embed", "mlp"),
+    r"c_fc\.bias$": ("mlp",),
+    r"mlp\.c_proj\.weight$": ("mlp", "embed"),
+    r"c_proj\.bias$": ("embed",),
+}
+
+
+@pytest.mark.parametrize("at", ["place", "call"])
+def test_a_sharded_param_of_a_module_tensor_parallel_does_not_know_is_named(at: str) -> None:
+    """GPT-2's fused q/k/v ``Conv1D``: a row range of it is not a group of heads. Named at
+    ``place`` when it gets the model, else at the call, before any collective."""
+    module = hf_model("gpt2", torch.float64, 1)().module
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        model = d9d.functionalize(copy.deepcopy(module), axes=GPT2_SHARDED)
+        step = d9d.tensor_parallel(mesh, sequence_parallel=False)(
+            train_step(model, opt := d9d.optim.sgd(0.1))
+        )
+        known = {"model": model} if at == "place" else {"axes": model.axes}
+        params, state = step.place(model.params, opt.init(model.params), **known)
+        step(params, state, batches(97)[0])
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: param 'transformer.h.0.attn.c_attn.weight' is sharded over 'tp' "
+        r"\(dim 1, logical axis 'heads'\), but its module 'transformer.h.0.attn.c_attn' is a "
+        r"Conv1D, which tensor_parallel does not know",
+    ):
+        run_on_ranks(rank, 2)
