@@ -276,24 +276,27 @@ def _check_sequence_regions(
         entry = entries.get(model.tied.get(key, key))
         return entry is not None and isinstance(entry.compute[layout.index], Shard)
 
-    for region, linears in model._regions.items():
-        if any(sharded(f"{linear}.weight") for linear in linears):
+    regions = model._regions
+    for slot in model._slots:
+        parts = slot.key.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+        region = next((p for p in prefixes if p in regions), None)
+        entry = entries.get(model.tied.get(slot.key, slot.key)) if slot.is_param else None
+        if (
+            region is None
+            or entry is None
+            or len(entry.shape) < 2
+            or sharded(slot.key)
+            or any(sharded(f"{linear}.weight") for linear in regions[region])
+        ):
             continue
-        for slot in model._slots:
-            entry = entries.get(model.tied.get(slot.key, slot.key)) if slot.is_param else None
-            if (
-                entry is not None
-                and slot.key.startswith(region + ".")
-                and len(entry.shape) >= 2
-                and not sharded(slot.key)
-            ):
-                raise PlanError(
-                    f"module {region!r} holds {slot.key!r} whole on {layout.axis!r} and no "
-                    "sharded nn.Linear, so under sequence parallelism it would run on this "
-                    f"rank's S / {layout.size} positions only (wrong for attention, or for a "
-                    "head whose loss the ranks do not sum); shard its linears (logical axes "
-                    "heads, mlp, vocab) or use tensor_parallel(..., sequence_parallel=False)"
-                )
+        raise PlanError(
+            f"module {region!r} holds {slot.key!r} whole on {layout.axis!r} and no sharded "
+            "nn.Linear, so under sequence parallelism it would run on this rank's "
+            f"S / {layout.size} positions only (wrong for attention, or for a head whose loss "
+            "the ranks do not sum); shard its linears (logical axes heads, mlp, vocab) or use "
+            "tensor_parallel(..., sequence_parallel=False)"
+        )
 
 
 def _check_sharded(model: Any, entries: Mapping[str, Any], layout: ActivationLayout) -> None:
