@@ -218,6 +218,18 @@ def exit_module(frame: _Frame, path: str, module: nn.Module, output: Any) -> Any
     return None
 
 
+def restore_modules(frame: _Frame) -> None:
+    """Put back what pre-hooks swapped out of modules whose hook never ran: an embedding's
+    ``padding_idx``, a row-parallel linear's bias."""
+    for path, stashed in frame.stash.items():
+        module = frame.model.module.get_submodule(path)
+        if isinstance(module, nn.Embedding):
+            module.padding_idx = stashed[1]
+        else:
+            module._parameters["bias"] = stashed
+    frame.stash.clear()
+
+
 def _embedding_sharded(frame: _Frame, path: str) -> bool:
     layout = frame.plan.activations
     key = frame.model.tied.get(f"{path}.weight", f"{path}.weight")

@@ -182,6 +182,8 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
             return model.module(*args, **kwargs)
     finally:
         _state.frame = previous
+        if frame.stash:  # a forward raised between a module's pre-hook and its hook
+            _activations.restore_modules(frame)
         if config is not None:
             config._attn_implementation = attention
         for slot, old in zip((*root_slots, *model._buffer_slots), saved, strict=True):

@@ -417,3 +417,27 @@ def test_a_sharded_param_of_a_module_tensor_parallel_does_not_know_is_named(at: 
         r"Conv1D, which tensor_parallel does not know",
     ):
         run_on_ranks(rank, 2)
+
+
+def test_a_forward_that_raises_leaves_the_module_as_it_was() -> None:
+    """The hooks swap a vocab shard's padding row and a row-parallel bias in and out; a
+    forward that raises in between must not leave them swapped."""
+    build = hf_model("qwen2-pad96", torch.float64, 1)
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        model = build()
+        embedding = model.module.model.embed_tokens
+
+        def fail(*_):
+            raise RuntimeError("out of memory")
+
+        handle = embedding.register_forward_pre_hook(fail)
+        step = d9d.tensor_parallel(mesh)(train_step(model, opt := d9d.optim.sgd(0.1)))
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            step(params, state, batches(97)[0])
+        handle.remove()
+        return embedding.padding_idx
+
+    assert run_on_ranks(rank, 2) == [96, 96]
