@@ -22,7 +22,8 @@ where a module boundary needs it. Roles come from the plan: an ``nn.Linear`` who
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -179,9 +180,12 @@ def enter_module(
                 "the row-parallel linear after it; check the logical axes of its params"
             )
     if isinstance(module, nn.Embedding) and _embedding_sharded(frame, path):
+        _check_embedding(path, module)
         tokens, first, count = args[0], *layout.rows(module.num_embeddings)
         outside = (tokens < first) | (tokens >= first + count)
-        frame.stash[path] = outside
+        # The padding row (no gradient) is global: local on the rank holding it, else none.
+        frame.stash[path] = outside, module.padding_idx
+        module.padding_idx = _local_row(module.padding_idx, first, count)
         args, changed = ((tokens - first).masked_fill(outside, 0), *args[1:]), True
     row = isinstance(module, nn.Linear) and linear_role(frame, path) == "row"
     if row and module.bias is not None:
@@ -195,7 +199,7 @@ def exit_module(frame: _Frame, path: str, module: nn.Module, output: Any) -> Any
     layout = frame.plan.activations
     assert layout is not None
     if isinstance(module, nn.Embedding) and _embedding_sharded(frame, path):
-        outside = frame.stash.pop(path)
+        outside, module.padding_idx = frame.stash.pop(path)
         return layout.reduce_partial(output.masked_fill(outside.unsqueeze(-1), 0), False)
     if not isinstance(module, nn.Linear):
         return None
@@ -214,6 +218,18 @@ def exit_module(frame: _Frame, path: str, module: nn.Module, output: Any) -> Any
     return None
 
 
+def restore_modules(frame: _Frame) -> None:
+    """Put back what pre-hooks swapped out of modules whose hook never ran: an embedding's
+    ``padding_idx``, a row-parallel linear's bias."""
+    for path, stashed in frame.stash.items():
+        module = frame.model.module.get_submodule(path)
+        if isinstance(module, nn.Embedding):
+            module.padding_idx = stashed[1]
+        else:
+            module._parameters["bias"] = stashed
+    frame.stash.clear()
+
+
 def _embedding_sharded(frame: _Frame, path: str) -> bool:
     layout = frame.plan.activations
     key = frame.model.tied.get(f"{path}.weight", f"{path}.weight")
@@ -227,12 +243,132 @@ def _embedding_sharded(frame: _Frame, path: str) -> bool:
     return isinstance(placement, Shard)
 
 
+def _local_row(row: int | None, first: int, count: int) -> int | None:
+    """Global ``row`` as an index into the local rows ``[first, first + count)``, or None."""
+    return row - first if row is not None and first <= row < first + count else None
+
+
+def _check_embedding(path: str, module: nn.Embedding) -> None:
+    """Raise for options whose effect depends on rows outside the local vocab shard."""
+    if module.max_norm is not None or module.scale_grad_by_freq:
+        raise PlanError(
+            f"embedding {path!r} has max_norm={module.max_norm} and "
+            f"scale_grad_by_freq={module.scale_grad_by_freq}, which a vocab-parallel lookup "
+            "cannot honour (each rank sees only its rows); build it without them, or keep it "
+            "whole on the axis with logical axes that map to no mesh axis (e.g. "
+            "('embed', 'embed'))"
+        )
+
+
 def _check_region(path: str, region: tuple[str, ...], roles: set, module: nn.Module) -> None:
     if "row" not in roles and not isinstance(module, nn.Linear):
         raise PlanError(
             f"module {path!r} holds column-parallel linears but no row-parallel one, so its "
             "output would stay sharded; shard the linear that consumes them on its input "
             f"dim (linears here: {list(region)})"
+        )
+
+
+def check_modules(model: Any, entries: Mapping[str, Any], layout: ActivationLayout) -> None:
+    """Raise, before any collective, for params the runtime cannot lay out: see
+    :func:`_check_sharded` and :func:`_check_sequence_regions`."""
+    _check_sharded(model, entries, layout)
+    if layout.sequence_parallel:
+        _check_sequence_regions(model, entries, layout)
+
+
+def _check_sequence_regions(
+    model: Any, entries: Mapping[str, Any], layout: ActivationLayout
+) -> None:
+    """Under sequence parallelism a region with no sharded linear runs on ``S / tp``
+    positions: right for a norm, wrong for attention or a head. Raise for a weight (2 dims
+    or more) whole on the axis in such a region."""
+
+    def sharded(key: str) -> bool:
+        entry = entries.get(model.tied.get(key, key))
+        return entry is not None and isinstance(entry.compute[layout.index], Shard)
+
+    regions = model._regions
+    for slot in model._slots:
+        parts = slot.key.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+        region = next((p for p in prefixes if p in regions), None)
+        entry = entries.get(model.tied.get(slot.key, slot.key)) if slot.is_param else None
+        if (
+            region is None
+            or entry is None
+            or len(entry.shape) < 2
+            or sharded(slot.key)
+            or any(sharded(f"{linear}.weight") for linear in regions[region])
+        ):
+            continue
+        raise PlanError(
+            f"module {region!r} holds {slot.key!r} whole on {layout.axis!r} and no sharded "
+            "nn.Linear, so under sequence parallelism it would run on this rank's "
+            f"S / {layout.size} positions only (wrong for attention, or for a head whose loss "
+            "the ranks do not sum); shard its linears (logical axes heads, mlp, vocab) or use "
+            "tensor_parallel(..., sequence_parallel=False)"
+        )
+
+
+def _check_sharded(model: Any, entries: Mapping[str, Any], layout: ActivationLayout) -> None:
+    """Raise unless every param sharded over the axis belongs to a module whose shard the
+    runtime knows how to use: an ``nn.Linear``'s weight (column- or row-parallel) or a
+    column-parallel linear's bias, an ``nn.Embedding``'s weight over the vocab."""
+    for slot in model._slots:
+        key = model.tied.get(slot.key, slot.key)
+        entry = entries.get(key)
+        placement = entry.compute[layout.index] if slot.is_param and entry is not None else None
+        if not isinstance(placement, Shard):
+            continue
+        owner, name = slot.owner, slot.name
+        weight_key = f"{slot.key.rpartition('.')[0]}.weight"
+        weight = entries.get(model.tied.get(weight_key, weight_key))
+        column = weight is not None and weight.compute[layout.index] == Shard(0)
+        match owner, name, placement.dim:
+            case nn.Linear(), "weight", 0 | 1:
+                continue
+            case nn.Linear(), "bias", 0 if column:
+                continue
+            case nn.Embedding(), "weight", 0:
+                continue
+        path = slot.key.rpartition(".")[0]
+        raise PlanError(
+            f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
+            f"axis {entry.axes[placement.dim]!r}), but its module {path!r} is a "
+            f"{type(owner).__name__}, which tensor_parallel does not know how to run on a "
+            "shard: it shards nn.Linear weights (column- or row-parallel), a column-parallel "
+            "linear's bias and nn.Embedding weights over the vocab. Keep this param whole on "
+            f"{layout.axis!r}: give it logical axes that map to no mesh axis (e.g. "
+            f"functionalize(module, axes={{{_rule(slot.key)!r}: "
+            f"{('embed',) * len(entry.shape)}}})). (A transformers Conv1D is a transposed "
+            "linear, and a fused q/k/v weight splits per head group, not per row range.)"
+        )
+
+
+def _rule(key: str) -> str:
+    """An ``axes=`` pattern for the param at ``key``: its module's name and its own."""
+    module, _, name = key.rpartition(".")
+    return re.escape(f"{module.rpartition('.')[2]}.{name}") + "$"
+
+
+def check_own_loss(frame: _Frame, kwargs: dict[str, Any]) -> None:
+    """Raise when the model is asked for its own loss (``labels=``) while its head returns
+    vocab-sharded logits, which a loss written for whole logits (``F.cross_entropy``) cannot
+    take."""
+    layout = frame.plan.activations
+    if layout is None or not layout.loss_parallel or kwargs.get("labels") is None:
+        return
+    regions = frame.model._regions
+    heads = [p for p, r in regions.items() if r == (p,) and linear_role(frame, p) == "column"]
+    if heads:
+        raise PlanError(
+            f"Model.apply got labels=, so the model computes its own loss from the logits of "
+            f"{heads[0]!r}, which tensor_parallel(loss_parallel=True) leaves sharded over the "
+            f"vocab on {layout.axis!r} (a DTensor that F.cross_entropy cannot take); call "
+            "model.apply without labels and take d9d.losses.cross_entropy(out.logits[:, :-1], "
+            "tokens[:, 1:]), which never gathers them, or build tensor_parallel(..., "
+            "loss_parallel=False) to gather the whole logits on every rank"
         )
 
 

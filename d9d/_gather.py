@@ -150,12 +150,14 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
     )
     if plan.activations is not None:
         _activations.check_heads(model.module, plan.activations)
+        _activations.check_modules(model, plan.entries, plan.activations)
     split = plan.sequence_split
     config = hf_config(model.module) if split is not None else None
     if split is not None:
         kwargs = with_positions(split, model._position_kwarg, args, kwargs)
     attention = config._attn_implementation if config is not None else None
     frame = _Frame(model, params, plan, _Regather(plan, params) if reshard else None, stage=stage)
+    _activations.check_own_loss(frame, kwargs)
     root_slots = model._root_slots if stage is None else running_root_slots(model, plan, stage)
     saved = []
     for slot, local in zip(root_slots, frame.materialize(root_slots), strict=True):
@@ -180,6 +182,8 @@ def apply_placed(model: Any, plan: Plan, params: Any, args: Any, kwargs: Any) ->
             return model.module(*args, **kwargs)
     finally:
         _state.frame = previous
+        if frame.stash:  # a forward raised between a module's pre-hook and its hook
+            _activations.restore_modules(frame)
         if config is not None:
             config._attn_implementation = attention
         for slot, old in zip((*root_slots, *model._buffer_slots), saved, strict=True):

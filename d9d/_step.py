@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from . import tree
-from ._activations import ActivationLayout
+from ._activations import ActivationLayout, check_modules
 from ._active import activate
 from ._comms import CollectiveCounter, CommStats
 from ._module import Axes, Model
@@ -223,6 +223,8 @@ class TransformedStep:
                 activations = replace(
                     activations, index=activations.index - (activations.index > pipeline.index)
                 )
+        if activations is not None and model is not None:
+            check_modules(model, entries, activations)
         names = tuple(mesh.mesh_dim_names or ())
         token_groups = tuple(
             (mesh.get_group(a).group_name, mesh.shape[names.index(a)])

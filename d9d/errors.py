@@ -14,6 +14,7 @@ __all__ = [
     "IndivisibleError",
     "KernelInputError",
     "KernelUnavailableError",
+    "LabelError",
     "MeshError",
     "OptimTreeMismatchError",
     "ParamTreeMismatchError",
@@ -73,6 +74,10 @@ class KernelUnavailableError(RuntimeError):
 
 class UnknownKernelError(ValueError):
     """A ``d9d.kernels`` op or backend name is not registered: lists the names there are."""
+
+
+class LabelError(ValueError):
+    """A loss got a label that is neither a class id of the logits nor the ignore index."""
 
 
 class MeshError(ValueError):

@@ -6,6 +6,7 @@ from typing import Literal
 
 import torch
 
+from ..errors import LabelError
 from ._token_mean import token_mean
 from ._vocab_parallel import is_vocab_sharded, sharded_lse_and_target
 
@@ -27,7 +28,11 @@ def cross_entropy(
     The per-token loss is ``logsumexp(logits) - logits[label]``, computed in fp32 whatever
     the logits' dtype. With ``z_loss > 0`` each token adds ``z_loss * logsumexp(logits)**2``
     (PaLM's auxiliary loss, arXiv:2204.02311, which keeps the softmax normalizer near 1).
-    Tokens labelled ``ignore_index`` contribute 0 to the loss and to the gradient.
+    Tokens labelled ``ignore_index`` contribute 0 to the loss and to the gradient. Any
+    other label must be a class id in ``[0, V)``: eagerly, one outside raises
+    :class:`~d9d.errors.LabelError` (whole or vocab-sharded logits alike; the check reads one
+    value back); under ``torch.compile`` nothing is read back, so such a token's loss is NaN
+    (and so is a ``"mean"`` or ``"sum"``), with no gradient from it.
     ``"mean"`` divides by the number of valid tokens, and returns 0 (with zero gradients,
     not NaN) when every token is ignored. Shapes are static and no value is read back to
     Python, so it traces under ``torch.compile(fullgraph=True)`` without graph breaks.
@@ -54,6 +59,7 @@ def cross_entropy(
     Raises:
         ValueError: ``labels`` is not integer or its shape is not ``logits.shape[:-1]``,
             ``logits`` is not floating, ``reduction`` is unknown, or ``z_loss < 0``.
+        LabelError: Eagerly, a label is neither in ``[0, V)`` nor ``ignore_index``.
 
     Example:
         >>> logits = torch.tensor([[2.0, 0.0], [0.0, 2.0]])
@@ -64,7 +70,10 @@ def cross_entropy(
     _check_args(logits, labels, z_loss, reduction)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     valid = labels != ignore_index
-    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    outside = valid & ((labels < 0) | (labels >= logits.shape[-1]))
+    if not torch.compiler.is_compiling():
+        _check_labels(labels, outside, logits.shape[-1], ignore_index)
+    safe_labels = torch.where(valid & ~outside, labels, torch.zeros_like(labels))
     if is_vocab_sharded(logits):
         lse, target = sharded_lse_and_target(logits, safe_labels, dtype)
     else:
@@ -75,6 +84,7 @@ def cross_entropy(
     if z_loss:
         per_token = per_token + z_loss * lse.square()
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    per_token = torch.where(outside, torch.full_like(per_token, torch.nan), per_token)
     match reduction:
         case "none":
             return per_token
@@ -82,6 +92,20 @@ def cross_entropy(
             return per_token.sum()
         case _:
             return token_mean(per_token, valid)
+
+
+def _check_labels(
+    labels: torch.Tensor, outside: torch.Tensor, vocab: int, ignore_index: int
+) -> None:
+    if not outside.any():
+        return
+    where = outside.nonzero()[0]
+    raise LabelError(
+        f"cross_entropy labels must be in [0, {vocab}) or ignore_index={ignore_index}: got "
+        f"{labels[tuple(where)].item()} at {tuple(where.tolist())} ({int(outside.sum())} such "
+        f"labels in all); check the tokenizer's vocabulary against the model's ({vocab} logits) "
+        "and the padding label"
+    )
 
 
 def _check_args(logits: torch.Tensor, labels: torch.Tensor, z_loss: float, reduction: str) -> None:

@@ -156,7 +156,8 @@ def tensor_parallel(
     the reduction a reduce-scatter over the sequence (dim 1 of ``[batch, seq, ...]``
     activations). With ``loss_parallel`` the head's logits stay sharded over the vocab, as a
     DTensor that :func:`d9d.losses.cross_entropy` reduces without gathering them. Every rank
-    of the axis passes the same batch.
+    of the axis passes the same batch. A vocab-parallel embedding's ``padding_idx`` stays the
+    global padding row (the only row whose gradient is zero).
 
     Works on any model whose linears and embeddings have logical axes: the d9d Llama declares
     them; give a Hugging Face model path rules with ``functionalize(module, axes=...)``.
@@ -174,7 +175,13 @@ def tensor_parallel(
 
     Raises:
         PlanError: ``axis`` is not on the mesh; when placing, a param has no logical axes, an
-            axis with no rule, or two dims on the axis.
+            axis with no rule, or two dims on the axis; when placing with ``model=`` (else
+            at the first call, before any collective), a param sharded on the axis whose
+            module is not an ``nn.Linear`` or ``nn.Embedding`` (GPT-2's ``Conv1D``), or,
+            under sequence parallelism, a block child or head with a weight whole on the axis
+            and no sharded linear; at a call, ``labels=`` (a model's own loss) under
+            ``loss_parallel``, or a vocab-sharded embedding with ``max_norm`` or
+            ``scale_grad_by_freq``.
         IndivisibleError: When placing, a heads dim does not divide over the axis.
 
     Example:

@@ -8,6 +8,7 @@ return their losses and their params gathered whole (``full_tensor``).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -170,30 +171,77 @@ HF_AXES = {
     r"embed_tokens\.weight$": ("vocab", "embed"),
     r"norm\.weight$": ("embed",),
 }
+"""Path rules of the Llama-like families (Llama, Qwen2, Gemma)."""
+
+HF_BIAS_AXES = {r"q_proj\.bias$": ("heads",), r"[kv]_proj\.bias$": ("kv_heads",)}
+"""Qwen2's q/k/v biases, column-parallel like their weights."""
+
+GPT2_AXES = {
+    r"\.c_(attn|proj|fc)\.weight$": ("embed", "embed"),
+    r"\.c_(attn|proj|fc)\.bias$": ("embed",),
+}
+"""GPT-2's ``Conv1D`` layers kept whole on ``tp`` (``tensor_parallel`` shards only
+``nn.Linear`` and ``nn.Embedding``); its embeddings and tied head are vocab-parallel."""
+
+_HF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {"tie_word_embeddings": False}),
+    # pad_token_id=0 (Gemma's default) and a pad row in the second vocab shard (issue 12.1)
+    "qwen2-pad0": ("Qwen2", {"pad_token_id": 0, "tie_word_embeddings": False}),
+    "qwen2-pad96": ("Qwen2", {"pad_token_id": 96, "tie_word_embeddings": True}),
+    "gemma": ("Gemma", {"head_dim": 8}),
+    "gpt2": ("GPT2", {"bos_token_id": 96, "eos_token_id": 96}),
+}
 
 
-def hf_llama(dtype: torch.dtype = torch.float32, n_layers: int = 2) -> Callable[[], d9d.Model]:
-    """A small ``transformers.LlamaForCausalLM``, built once here and copied for each rank
-    (ranks may be threads sharing the global RNG, so none of them draws from it)."""
+def hf_model(
+    family: str = "llama", dtype: torch.dtype = torch.float32, n_layers: int = 2
+) -> Callable[[], d9d.Model]:
+    """A small ``transformers`` causal LM of ``family`` (a key of ``_HF_CONFIGS``), built once
+    here and copied for each rank (ranks may be threads sharing the global RNG, so none of
+    them draws from it). Vocab 97 is an uneven shard over 2 ranks."""
     import copy
 
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=100,
-        num_hidden_layers=n_layers,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    name, extra = _HF_CONFIGS[family]
+    if name == "GPT2":
+        config = transformers.GPT2Config(
+            vocab_size=97,
+            n_embd=48,
+            n_layer=n_layers,
+            n_head=6,
+            n_positions=64,
+            embd_pdrop=0.0,  # dropout would differ between ranks and the reference
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            **extra,
+        )
+    else:
+        config = getattr(transformers, f"{name}Config")(
+            vocab_size=97,
+            hidden_size=48,
+            intermediate_size=100,
+            num_hidden_layers=n_layers,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **extra,
+        )
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        module = transformers.LlamaForCausalLM(config).to(dtype)
+        module = getattr(
+            transformers, f"{name}LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
+        )(config).to(dtype)
+    paths = [path for path, _ in module.named_parameters()]  # tied aliases left out
+    rules = GPT2_AXES if name == "GPT2" else {**HF_AXES, **HF_BIAS_AXES}
+    axes = {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
 
     def build() -> d9d.Model:
-        return d9d.functionalize(copy.deepcopy(module), axes=HF_AXES)
+        return d9d.functionalize(copy.deepcopy(module), axes=axes)
 
     return build
+
+
+def hf_llama(dtype: torch.dtype = torch.float32, n_layers: int = 2) -> Callable[[], d9d.Model]:
+    """A small ``transformers.LlamaForCausalLM`` (see :func:`hf_model`)."""
+    return hf_model("llama", dtype, n_layers)

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from equivalence import assert_equivalent, batches, hf_llama, llama, reference, train_step
+from equivalence import assert_equivalent, batches, hf_llama, hf_model, llama, reference, train_step
 
 import d9d
 from d9d.errors import RankFailedError
@@ -179,3 +179,14 @@ def test_a_model_without_positions_is_named() -> None:
 
     with pytest.raises(RankFailedError, match=r"neither positions= nor position_ids="):
         run_on_ranks(rank, 2)
+
+
+@pytest.mark.parametrize("family", ["qwen2-pad0", "gemma", "gpt2"])
+def test_hf_families_equal_one_device(family: str) -> None:
+    """``pad_token_id`` set (Qwen2 with q/k/v biases; Gemma, tied, whose norms sum weight
+    grads in float32: rel 1e-5) and GPT-2 (``Conv1D``, learned positions, tied head)."""
+    build, data = hf_model(family, torch.float64), batches(97)
+    tol = {"rtol": 1e-5, "atol": 1e-8} if family == "gemma" else None
+    mesh_axes, transforms = LAYOUTS["cp=2"]
+    expected = reference(build, data)
+    assert_equivalent(build, transforms, mesh_axes, data, expected, dtype=torch.float64, tol=tol)

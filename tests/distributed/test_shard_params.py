@@ -10,6 +10,7 @@ from equivalence import (
     assert_equivalent,
     batches,
     hf_llama,
+    hf_model,
     llama,
     optimizer,
     reference,
@@ -146,3 +147,14 @@ def test_mixed_precision_computes_in_bf16_and_reduces_in_fp32() -> None:
     assert mixed.bytes[("reduce_scatter", "fsdp")] == full.bytes[("reduce_scatter", "fsdp")]
     torch.testing.assert_close(mixed_losses, full_losses, rtol=2e-2, atol=0)
     assert "in bfloat16, grads reduced in float32" in explained
+
+
+@pytest.mark.parametrize("family", ["qwen2-pad0", "gemma", "gpt2"])
+def test_hf_families_equal_one_device(family: str) -> None:
+    """``pad_token_id`` set (Qwen2 with q/k/v biases; Gemma, tied, whose norms sum weight
+    grads in float32: rel 1e-5) and GPT-2 (``Conv1D``, learned positions, tied head)."""
+    build, data = hf_model(family, torch.float64), batches(97)
+    tol = {"rtol": 1e-5, "atol": 1e-8} if family == "gemma" else None
+    mesh_axes, transforms = LAYOUTS["fsdp=2"]
+    expected = reference(build, data)
+    assert_equivalent(build, transforms, mesh_axes, data, expected, dtype=torch.float64, tol=tol)

@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import d9d
+from d9d.errors import LabelError, RankFailedError
 from d9d.losses import cross_entropy
 from d9d.testing import run_on_ranks
 
@@ -35,3 +36,47 @@ def test_sharded_logits_give_the_loss_and_grads_of_whole_logits(vocab: int, z_lo
         assert not isinstance(loss, torch.distributed.tensor.DTensor)
         torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad, whole.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [8, 100, -3])
+def test_a_label_outside_the_vocab_is_an_error_whole_or_sharded(bad: int) -> None:
+    """Sharded logits used to return the log-sum-exp, as if the target logit were 0."""
+    logits = torch.randn(2, 3, 8, dtype=torch.float64)
+    labels = torch.tensor([[1, 2, 3], [4, bad, -100]])
+    match = rf"labels must be in \[0, 8\) or ignore_index=-100: got {bad} at \(1, 1\)"
+    with pytest.raises(LabelError, match=match):
+        cross_entropy(logits, labels)
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        cross_entropy(distribute_tensor(logits, mesh, [Shard(2)], src_data_rank=None), labels)
+
+    with pytest.raises(RankFailedError, match=f"LabelError: cross_entropy {match}"):
+        run_on_ranks(rank, 2)
+
+
+@pytest.mark.compile  # aot_eager: checks tracing without inductor codegen
+def test_under_compile_a_label_outside_the_vocab_gives_nan_whole_or_sharded() -> None:
+    """No value is read back in a graph, so the documented result is a NaN loss (the
+    token's own loss under ``reduction="none"``), on both paths; other tokens are exact."""
+    logits = torch.randn(2, 3, 8, dtype=torch.float64)
+    labels = torch.tensor([[1, 2, 3], [4, 8, -100]])
+    good = labels.clone()
+    good[1, 1] = -100
+    expected = cross_entropy(logits, good, reduction="none")
+    compiled = torch.compile(cross_entropy, fullgraph=True, backend="aot_eager")
+
+    def check(loss: torch.Tensor) -> None:
+        assert loss[1, 1].isnan() and loss.isnan().sum() == 1
+        torch.testing.assert_close(loss.nan_to_num(0.0), expected)
+
+    check(compiled(logits, labels, reduction="none"))
+    assert compiled(logits, labels).isnan()
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        sharded = distribute_tensor(logits, mesh, [Shard(2)], src_data_rank=None)
+        return compiled(sharded, labels, reduction="none")
+
+    for loss in run_on_ranks(rank, 2):
+        check(loss)
