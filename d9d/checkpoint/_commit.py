@@ -21,7 +21,7 @@ from typing import Any
 import tensorstore as ts
 import torch
 
-from ..errors import CheckpointSaveError
+from ..errors import CheckpointExistsError, CheckpointSaveError
 from . import _format
 from ._layout import box_slices, brief, to_numpy
 
@@ -101,16 +101,24 @@ class WriteJob:
                 self.store.wait(keys, _COMMIT_TIMEOUT)
                 outcomes = [self.store.get(k).decode() for k in keys]
                 failures += [f"rank {r}: {o}" for r, o in enumerate(outcomes, 1) if o != "ok"]
+            if self.final.exists():  # another save of this step won; its rotation may
+                # have swept this save's folder mid-write, so its own errors say nothing
+                failures = [f"{str(self.final)!r} is already committed by another save"]
             if failures:
-                shutil.rmtree(self.tmp, ignore_errors=True)
                 raise CheckpointSaveError(
                     f"Checkpoint of step {self.meta['step']} was not committed: "
                     + "; ".join(failures)
                 )
             self.tmp.mkdir(parents=True, exist_ok=True)
-            _format.commit(self.tmp, self.final, self.meta)
+            try:
+                _format.commit(self.tmp, self.final, self.meta)
+            except CheckpointExistsError as exc:
+                raise CheckpointSaveError(
+                    f"Checkpoint of step {self.meta['step']} was not committed: {exc}"
+                ) from None
             _format.rotate(self.final.parent, self.meta["step"], self.keep)
         except BaseException as exc:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # no-op once committed (renamed)
             if self.world > 1:
                 why = str(exc) if isinstance(exc, CheckpointSaveError) else brief(exc)
                 self.store.set(f"{self.key}/done", f"rank 0 did not commit: {why}")
