@@ -9,9 +9,9 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from . import _train_resume as resume
 from . import checkpoint, data, losses, optim
 from ._autodiff import value_and_grad
 from ._jit import jit
@@ -26,11 +27,12 @@ from ._mesh import make_mesh
 from ._module import Model, functionalize
 from ._pipeline_run import SCHEDULES
 from ._step import TransformedStep
+from ._train_log import MetricsLog
 from .errors import DataError
 from .models import Llama, LlamaConfig
 from .transforms import context_parallel, pipeline, shard_params, tensor_parallel
 
-__all__ = ["TrainConfig", "make_train_step", "train"]
+__all__ = ["TrainConfig", "TrainRun", "make_train_step", "train"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,9 @@ class TrainConfig:
     log_every: int = 1
     save_every: int = 0  # steps between checkpoints in out/checkpoints; 0: none
     keep: int | None = None  # newest checkpoints kept; None: all
-    resume: bool = False  # continue from the latest complete checkpoint, if there is one
+    resume: bool = False  # continue from the newest readable checkpoint, if there is one
+    resume_from: Path | None = None  # continue from this checkpoint folder (implies resume)
+    allow_config_change: bool = False  # resume although a schedule or model flag changed
     dp: int | None = None  # ranks the model is replicated over (HSDP/DDP); None: 1
     fsdp: int | None = None  # ranks the model is sharded over; None: the rest of the world
     tp: int | None = None  # tensor-parallel ranks (Megatron TP, sequence parallel); None: 1
@@ -71,8 +75,10 @@ def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable
         opt: The optimizer.
 
     Returns:
-        ``step(params, opt_state, batch) -> (params, opt_state, {"loss": loss})`` where
-        ``batch`` holds ``"tokens"`` and ``"labels"`` of shape ``[batch, seq_len]``.
+        ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where ``batch``
+        holds ``"tokens"`` and ``"labels"`` of shape ``[batch, seq_len]`` and ``metrics``
+        the 0-d ``"loss"`` and ``"grad_norm"`` (the global norm of the gradients, before
+        clipping), equal on every rank.
 
     Example:
         >>> model = functionalize(Llama(LlamaConfig.tiny()))
@@ -89,8 +95,9 @@ def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable
 
     def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
         loss, grads = value_and_grad(loss_fn)(params, batch)
+        metrics = {"loss": loss, "grad_norm": optim.global_norm(grads)}
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, {"loss": loss}
+        return optim.apply_updates(params, updates), opt_state, metrics
 
     return step
 
@@ -113,13 +120,37 @@ def _decays(path: str, param: torch.Tensor) -> bool:
 
 
 def _tokens(config: TrainConfig) -> Any:
-    if config.data is None:
+    """What the loader reads: text, or a ``.bin`` file of uint16 token ids (``train.bin`` of a
+    folder holding one, nanoGPT's layout); a binary file is never read as text."""
+    path = config.data
+    if path is None:
         return data.stdlib_corpus()
-    if not config.data.exists():
+    if not path.exists():
         raise DataError(
-            f"--data {str(config.data)!r} does not exist; pass a text file, a folder of text files or a .bin token file"
+            f"--data {str(path)!r} does not exist; pass a text file, a folder of text files or a .bin token file"
         )
-    return config.data
+    if path.is_dir():
+        if (path / "train.bin").is_file():
+            resume.say(f"--data: reading uint16 token ids from {str(path / 'train.bin')!r}")
+            return path / "train.bin"
+        token_files = sorted(str(p.relative_to(path)) for p in path.rglob("*.bin"))
+        if token_files:
+            raise DataError(
+                f"--data {str(path)!r} holds token files {token_files[:5]} but no train.bin; "
+                "pass one of them as --data, or a folder of text files only"
+            )
+        return path
+    if path.suffix != ".bin" and _binary(path):
+        raise DataError(
+            f"--data {str(path)!r} is not text (it holds NUL bytes); if it holds uint16 token "
+            "ids, name it with the .bin suffix; otherwise pass a text file"
+        )
+    return path
+
+
+def _binary(path: Path) -> bool:
+    with path.open("rb") as file:
+        return b"\0" in file.read(8192)
 
 
 def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig:
@@ -182,29 +213,49 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def train(config: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
+@dataclass(frozen=True)
+class TrainRun:
+    """What one call of :func:`train` did.
+
+    Attributes:
+        records: One record per step logged by this call: ``step``, ``loss``,
+            ``grad_norm``, ``lr``, ``tokens_per_s``, ``elapsed_s``.
+        first_step: Steps done before this call (the restored checkpoint's step, or 0).
+        last_step: Steps done after it.
+    """
+
+    records: list[dict[str, float]] = field(default_factory=list)
+    first_step: int = 0
+    last_step: int = 0
+
+
+def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
     """Train a Llama preset and write ``metrics.jsonl``, ``loss.png`` and ``config.json``.
 
     With ``save_every``, train-state checkpoints (params, optimizer state, data position,
-    RNG) go to ``out/checkpoints`` asynchronously; with ``resume``, the run continues from
-    the latest complete one there and gives the losses an uninterrupted run would.
+    RNG) go to ``out/checkpoints`` asynchronously, each only after its step's loss and
+    gradient norm were found finite; with ``resume``, the run continues from the newest
+    readable one there (``resume_from``: from that one) and gives the losses and
+    ``metrics.jsonl`` an uninterrupted run would.
 
     Args:
         config: The run's options.
         console: Where the progress bar goes (default: standard output).
 
     Returns:
-        One record per step run by this call: ``step``, ``loss``, ``lr``, ``tokens_per_s``,
-        ``elapsed_s``.
+        A :class:`TrainRun` of the steps this call ran.
 
     Raises:
         DataError: The data path is missing or empty, or holds ids past the vocab.
         ValueError: An option is out of range.
+        ConfigError: Resuming with a flag that changes the schedule or the model.
+        CheckpointCorruptError: ``resume_from`` is damaged, or every checkpoint is.
+        FloatingPointError: A loss or gradient norm is not finite (that step is not saved).
     """
     _check(config)
     started_group = _init_distributed(config)
     try:
-        records = _train(config, console)
+        run = _train(config, console)
     except BaseException:
         if started_group:
             dist.destroy_process_group()
@@ -214,7 +265,7 @@ def train(config: TrainConfig, console: Console | None = None) -> list[dict[str,
         # rank tearing its groups down while a peer is busy has aborted (SIGABRT) in CI.
         dist.barrier()
         dist.destroy_process_group()
-    return records
+    return run
 
 
 def _init_distributed(config: TrainConfig) -> bool:
@@ -274,8 +325,23 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     return step
 
 
-def _train(config: TrainConfig, console: Console | None) -> list[dict[str, float]]:
+def _config_json(config: TrainConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    config = replace(config, warmup=min(config.warmup, config.steps - 1))  # what the schedule uses
+    directory = config.out / "checkpoints"
+    resuming = config.resume or config.resume_from is not None
+    if resuming and (config.resume_from or checkpoint.all_checkpoints(directory)):
+        source = config.resume_from.parent if config.resume_from else directory
+        resume.check_unchanged(
+            _config_json(config), source.parent / "config.json", allow=config.allow_config_change
+        )
+    if rank0:  # no save is in flight yet: whatever is unfinished is a dead run's
+        for path in checkpoint.sweep(directory):
+            resume.say(f"removed {str(path)!r}, left by an interrupted save")
     loader = _loader(config, _tokens(config))
     model_config = _model_config(config, loader.tokens)
     device = _device()
@@ -289,42 +355,47 @@ def _train(config: TrainConfig, console: Console | None) -> list[dict[str, float
         loader = _loader(config, loader.tokens, *step.batch_shard())
     if config.jit:
         step = jit(step)
-    first_step = 0
-    latest = checkpoint.latest(config.out / "checkpoints") if config.resume else None
-    if latest is not None:
-        state = checkpoint.restore_train_state(
-            latest,
+
+    def restore_one(path: Path, restore_rng: bool) -> checkpoint.TrainState:
+        return checkpoint.restore_train_state(
+            path,
             params=params,
             opt_state=opt_state,
+            restore_rng=restore_rng,
             partial=(config.pp or 1) > 1,  # a pipeline rank restores its stage's params only
         )
+
+    first_step = 0
+    state = resume.restore(directory, config.resume_from, restore_one) if resuming else None
+    if state is not None:
         params, opt_state, first_step = state.params, state.opt_state, state.step
         loader.load_state_dict(state.data)
+        resume.set_aside_newer(directory, first_step)
     if rank0:
         config.out.mkdir(parents=True, exist_ok=True)
-        (config.out / "config.json").write_text(
-            json.dumps(asdict(config), default=str, indent=2) + "\n"
-        )
+        (config.out / "config.json").write_text(json.dumps(_config_json(config), indent=2) + "\n")
     saver = _Checkpointer(config)
+    log_path = config.out / "metrics.jsonl" if rank0 else None
     try:
-        records = _loop(
-            config,
-            step,
-            params,
-            opt_state,
-            loader,
-            device,
-            console or Console(),
-            first_step,
-            saver,
-            rank0,
-        )
+        with MetricsLog(log_path, first_step) as log:
+            records = _loop(
+                config,
+                step,
+                params,
+                opt_state,
+                loader,
+                device,
+                console or Console(),
+                first_step,
+                saver,
+                log,
+            )
     finally:
         saver.wait()  # even after a crash, the checkpoint in flight gets committed
     if rank0:
         logged = [json.loads(r) for r in (config.out / "metrics.jsonl").read_text().splitlines()]
         _plot(logged, config.out / "loss.png", title=f"d9d train --preset {config.preset}")
-    return records
+    return TrainRun(records, first_step, max(first_step, config.steps))
 
 
 class _Checkpointer:
@@ -334,32 +405,42 @@ class _Checkpointer:
         self._config = config
         self._pending: checkpoint.SaveHandle | None = None
 
-    def maybe_save(self, step: int, params: Any, opt_state: Any, loader: data.TokenLoader) -> None:
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved."""
         every = self._config.save_every
-        if every and step % every == 0:
-            self.wait()
-            self._pending = checkpoint.save_train_state(
-                self._config.out / "checkpoints",
-                step=step,
-                params=params,
-                opt_state=opt_state,
-                data=loader.state_dict(),
-                keep=self._config.keep,
-            )
+        return bool(every) and step % every == 0
+
+    def save(self, step: int, params: Any, opt_state: Any, loader: data.TokenLoader) -> None:
+        self.wait()
+        self._pending = checkpoint.save_train_state(
+            self._config.out / "checkpoints",
+            step=step,
+            params=params,
+            opt_state=opt_state,
+            data=loader.state_dict(),
+            keep=self._config.keep,
+        )
 
     def wait(self) -> None:
         if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            pending.wait()
 
 
-def _metrics_log(path: Path, first_step: int) -> TextIO:
-    """The metrics file; when resuming, keeps the records up to ``first_step`` and appends."""
-    if first_step == 0 or not path.exists():
-        return path.open("w")
-    kept = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= first_step]
-    path.write_text("".join(r + "\n" for r in kept))
-    return path.open("a")
+def _check_finite(step: int, metrics: dict[str, Any], config: TrainConfig) -> tuple[float, float]:
+    """The step's loss and gradient norm; raises before a non-finite one is logged or saved."""
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        kept = (
+            f"; the checkpoints in {str(config.out / 'checkpoints')!r} stay"
+            if config.save_every
+            else ""
+        )
+        raise FloatingPointError(
+            f"loss is {loss} and gradient norm {grad_norm} at step {step}; not saved{kept}. "
+            "Lower --lr or check the data"
+        )
+    return loss, grad_norm
 
 
 def _loop(
@@ -372,7 +453,7 @@ def _loop(
     console: Console,
     first_step: int,
     saver: _Checkpointer,
-    rank0: bool,
+    log: MetricsLog,
 ) -> list[dict[str, float]]:
     records: list[dict[str, float]] = []
     tokens_per_step = config.batch_size * config.seq_len
@@ -384,11 +465,10 @@ def _loop(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
-        disable=not rank0,
+        disable=dist.is_initialized() and dist.get_rank() != 0,
     )
     start = time.perf_counter()
-    log_path = config.out / "metrics.jsonl" if rank0 else Path(os.devnull)
-    with progress, _metrics_log(log_path, first_step) as log:
+    with progress:
         task = progress.add_task(
             "train", total=config.steps, completed=first_step, loss=float("nan"), tok_s=0.0
         )
@@ -396,27 +476,30 @@ def _loop(
         for i in range(first_step, config.steps):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
             params, opt_state, metrics = step(params, opt_state, batch)
-            saver.maybe_save(i + 1, params, opt_state, loader)
-            if (i + 1) % config.log_every and i + 1 != config.steps:
+            n, saving = i + 1, saver.due(i + 1)
+            logging = n % config.log_every == 0 or n == config.steps
+            if not (saving or logging):
                 progress.advance(task)
                 continue
-            loss = float(metrics["loss"])
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss is {loss} at step {i + 1}; lower --lr or check the data"
-                )
-            now = time.perf_counter()
-            record = {
-                "step": i + 1,
-                "loss": loss,
-                "lr": float(optim.get_state(opt_state, "learning_rate")),
-                "tokens_per_s": tokens_per_step * (i + 1 - last_step) / (now - last),
-                "elapsed_s": now - start,
-            }
-            last, last_step = now, i + 1
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            progress.update(task, advance=1, loss=loss, tok_s=record["tokens_per_s"])
+            loss, grad_norm = _check_finite(n, metrics, config)  # every rank sees the same
+            if logging:
+                now = time.perf_counter()
+                record = {
+                    "step": n,
+                    "loss": loss,
+                    "grad_norm": grad_norm,
+                    "lr": float(optim.get_state(opt_state, "learning_rate")),
+                    "tokens_per_s": tokens_per_step * (n - last_step) / (now - last),
+                    "elapsed_s": now - start,
+                }
+                last, last_step = now, n
+                records.append(record)
+                log.write(record)
+            if saving:
+                log.sync()  # the records up to a committed checkpoint are on disk
+                saver.save(n, params, opt_state, loader)
+            speed = {"tok_s": records[-1]["tokens_per_s"]} if logging else {}
+            progress.update(task, advance=1, loss=loss, **speed)
     return records
 
 

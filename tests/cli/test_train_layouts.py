@@ -25,7 +25,7 @@ _RUN = {"steps": 4, "batch_size": 4, "seq_len": 32}
 
 def _losses(out: Path, **layout: Any) -> list[float]:
     config = TrainConfig(out=out, **{**_RUN, **layout})
-    return [r["loss"] for r in train(config, console=Console(file=io.StringIO()))]
+    return [r["loss"] for r in train(config, console=Console(file=io.StringIO())).records]
 
 
 @functools.cache
