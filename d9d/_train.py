@@ -399,11 +399,17 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
 
 
 class _Checkpointer:
-    """Train-state checkpoints every ``save_every`` steps, one asynchronous save at a time."""
+    """Train-state checkpoints every ``save_every`` steps, one asynchronous save at a time.
+
+    A checkpoint is held (written, not committed) until the next step's loss and gradient
+    norm, computed from its params, are found finite: an update after a finite loss can
+    still ruin the params (at ``--lr 1e6`` step 2's params are finite, their gradient NaN).
+    """
 
     def __init__(self, config: TrainConfig) -> None:
         self._config = config
         self._pending: checkpoint.SaveHandle | None = None
+        self.held: int | None = None  # the step of a save awaiting vouch() or discard()
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved."""
@@ -419,28 +425,50 @@ class _Checkpointer:
             opt_state=opt_state,
             data=loader.state_dict(),
             keep=self._config.keep,
+            hold=True,
         )
+        self.held = step
+
+    def vouch(self) -> None:
+        """The held checkpoint's params gave a finite step: let it commit."""
+        if self.held is not None:
+            self._pending.commit()
+            self.held = None
+
+    def discard(self) -> None:
+        """The held checkpoint's params gave a non-finite step: drop it."""
+        if self.held is not None:
+            self._pending.discard()
+            self.held = None
+        self.wait()
 
     def wait(self) -> None:
+        """Wait for the save in flight; a held one commits (its own step was finite)."""
+        self.vouch()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.wait()
 
 
-def _check_finite(step: int, metrics: dict[str, Any], config: TrainConfig) -> tuple[float, float]:
+def _check_finite(
+    step: int, metrics: dict[str, Any], config: TrainConfig, held: int | None
+) -> tuple[float, float]:
     """The step's loss and gradient norm; raises before a non-finite one is logged or saved."""
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return loss, grad_norm
+    directory = str(config.out / "checkpoints")
+    if held is not None:
         kept = (
-            f"; the checkpoints in {str(config.out / 'checkpoints')!r} stay"
-            if config.save_every
-            else ""
+            f"; step {held}'s checkpoint, whose params gave them, is dropped and the older "
+            f"ones in {directory!r} stay"
         )
-        raise FloatingPointError(
-            f"loss is {loss} and gradient norm {grad_norm} at step {step}; not saved{kept}. "
-            "Lower --lr or check the data"
-        )
-    return loss, grad_norm
+    else:
+        kept = f"; the checkpoints in {directory!r} stay" if config.save_every else ""
+    raise FloatingPointError(
+        f"loss is {loss} and gradient norm {grad_norm} at step {step}{kept}. "
+        "Lower --lr or check the data"
+    )
 
 
 def _loop(
@@ -478,10 +506,15 @@ def _loop(
             params, opt_state, metrics = step(params, opt_state, batch)
             n, saving = i + 1, saver.due(i + 1)
             logging = n % config.log_every == 0 or n == config.steps
-            if not (saving or logging):
+            if not (saving or logging or saver.held is not None):
                 progress.advance(task)
                 continue
-            loss, grad_norm = _check_finite(n, metrics, config)  # every rank sees the same
+            try:  # every rank sees the same loss and norm, so decides the same
+                loss, grad_norm = _check_finite(n, metrics, config, saver.held)
+            except FloatingPointError:
+                saver.discard()
+                raise
+            saver.vouch()
             if logging:
                 now = time.perf_counter()
                 record = {

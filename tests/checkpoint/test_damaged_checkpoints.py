@@ -89,3 +89,18 @@ def test_two_saves_of_one_step_leave_no_tmp_folder(tmp_path: Path) -> None:
     for outcome in outcomes:
         assert outcome == "step_4" or re.search(r"step_4' is already committed", outcome)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+
+
+def test_a_held_save_commits_only_when_told(tmp_path: Path) -> None:
+    held = checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=1, hold=True)
+    with pytest.raises(RuntimeError, match=r"step 1 is held: call commit\(\) or discard\(\)"):
+        held.wait()
+    assert checkpoint.latest(tmp_path) is None
+    held.commit()
+    assert held.wait() == tmp_path / "step_1"
+    dropped = checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=2, hold=True, keep=1)
+    dropped.discard()
+    assert dropped.wait() is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # keep deleted nothing
+    with pytest.raises(ValueError, match="hold=True needs async_=True"):
+        checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=3, hold=True, async_=False)

@@ -112,23 +112,22 @@ def test_non_finite_loss_keeps_the_last_finite_checkpoints(
     err = _err(capsys).strip().splitlines()
     assert len(err) == 1
     found = re.search(
-        r"d9d train: error: loss is \S+ and gradient norm \S+ at step (\d+); not saved", err[0]
+        r"d9d train: error: loss is \S+ and gradient norm \S+ at step (\d+); step (\d+)'s "
+        r"checkpoint, whose params gave them, is dropped and the older ones in '.*' stay",
+        err[0],
     )
     assert found, err
     bad = int(found.group(1))
-    saved = [p.name for p in checkpoint.all_checkpoints(out / "checkpoints")]
-    assert saved == [f"step_{bad - 2}", f"step_{bad - 1}"]
-    for path in checkpoint.all_checkpoints(out / "checkpoints"):
-        assert all(
-            torch.isfinite(v).all()
-            for v in checkpoint.restore(path).values()
-            if isinstance(v, torch.Tensor)
-        )
-    # The newest one's params gave the non-finite gradient; the one before recovers.
-    older = out / "checkpoints" / f"step_{bad - 2}"
-    again = _args(out, "--steps", "6", "--lr", "1e-3", "--resume-from", str(older))
+    assert int(found.group(2)) == bad - 1
+    saved = checkpoint.all_checkpoints(out / "checkpoints")
+    assert [p.name for p in saved] == [f"step_{s}" for s in range(max(1, bad - 3), bad - 1)]
+    for path in saved:
+        leaves = checkpoint.restore(path).values()
+        assert all(torch.isfinite(v).all() for v in leaves if isinstance(v, torch.Tensor))
+    # --resume recovers with a lower learning rate.
+    again = _args(out, "--steps", "6", "--lr", "1e-3", "--save-every", "1", "--resume")
     assert main([*again, "--allow-config-change"]) == 0
-    assert f"resumed from '{older}' at step {bad - 1}" in _err(capsys)
+    assert f"resumed from '{saved[-1]}' at step {bad - 1}" in _err(capsys)
     assert [s for s, _, _ in _records(out)] == list(range(1, 7))
 
 
@@ -137,22 +136,25 @@ def test_non_finite_grad_norm_alone_stops_before_saving(
 ) -> None:
     make_step = _train.make_train_step
 
-    def inf_norm_at_2(*args: Any) -> Any:
+    def inf_norm_at_3(*args: Any) -> Any:
         step, calls = make_step(*args), []
 
         def wrapped(*step_args: Any) -> Any:
             calls.append(1)
             params, opt_state, metrics = step(*step_args)
-            if len(calls) == 2:
+            if len(calls) == 3:
                 metrics = {**metrics, "grad_norm": torch.tensor(float("inf"))}
             return params, opt_state, metrics
 
         return wrapped
 
-    monkeypatch.setattr(_train, "make_train_step", inf_norm_at_2)
-    assert main(_args(tmp_path, "--save-every", "1")) == 1
-    assert "gradient norm inf at step 2; not saved" in _err(capsys)
+    monkeypatch.setattr(_train, "make_train_step", inf_norm_at_3)
+    assert main(_args(tmp_path, "--save-every", "1", "--log-every", "4")) == 1
+    assert "gradient norm inf at step 3; step 2's checkpoint, whose params gave them" in _err(
+        capsys
+    )
     assert [p.name for p in checkpoint.all_checkpoints(tmp_path / "checkpoints")] == ["step_1"]
+    assert not (tmp_path / "metrics.jsonl").read_text()  # nothing logged: --log-every 4
 
 
 # Item 10: metrics.jsonl survives a crash, without duplicates.
