@@ -27,6 +27,7 @@ from ._mesh import make_mesh
 from ._module import Model, functionalize
 from ._pipeline_run import SCHEDULES
 from ._step import TransformedStep
+from ._train_data import training_tokens
 from ._train_log import MetricsLog
 from .errors import DataError
 from .models import Llama, LlamaConfig
@@ -117,40 +118,6 @@ def _optimizer(config: TrainConfig) -> optim.GradientTransformation:
 
 def _decays(path: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2
-
-
-def _tokens(config: TrainConfig) -> Any:
-    """What the loader reads: text, or a ``.bin`` file of uint16 token ids (``train.bin`` of a
-    folder holding one, nanoGPT's layout); a binary file is never read as text."""
-    path = config.data
-    if path is None:
-        return data.stdlib_corpus()
-    if not path.exists():
-        raise DataError(
-            f"--data {str(path)!r} does not exist; pass a text file, a folder of text files or a .bin token file"
-        )
-    if path.is_dir():
-        if (path / "train.bin").is_file():
-            resume.say(f"--data: reading uint16 token ids from {str(path / 'train.bin')!r}")
-            return path / "train.bin"
-        token_files = sorted(str(p.relative_to(path)) for p in path.rglob("*.bin"))
-        if token_files:
-            raise DataError(
-                f"--data {str(path)!r} holds token files {token_files[:5]} but no train.bin; "
-                "pass one of them as --data, or a folder of text files only"
-            )
-        return path
-    if path.suffix != ".bin" and _binary(path):
-        raise DataError(
-            f"--data {str(path)!r} is not text (it holds NUL bytes); if it holds uint16 token "
-            "ids, name it with the .bin suffix; otherwise pass a text file"
-        )
-    return path
-
-
-def _binary(path: Path) -> bool:
-    with path.open("rb") as file:
-        return b"\0" in file.read(8192)
 
 
 def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig:
@@ -342,7 +309,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     if rank0:  # no save is in flight yet: whatever is unfinished is a dead run's
         for path in checkpoint.sweep(directory):
             resume.say(f"removed {str(path)!r}, left by an interrupted save")
-    loader = _loader(config, _tokens(config))
+    loader = _loader(config, training_tokens(config.data))
     model_config = _model_config(config, loader.tokens)
     device = _device()
     model = functionalize(Llama(model_config, device=device))
