@@ -92,9 +92,10 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
     if allow:
         say(f"warning: resuming with changed flags: {listed} (--allow-config-change)")
         return
+    verb = "differs" if len(changed) == 1 else "differ"
     raise ConfigError(
-        f"{listed} differ from {str(saved_file)!r}, the run that wrote the checkpoint; they change "
-        "the schedule or the model. Pass the old values to resume that run, or "
+        f"{listed} {verb} from {str(saved_file)!r} of the run that wrote the checkpoint, and "
+        "changes the schedule or the model. Pass the old values to resume that run, or "
         "--allow-config-change to resume with the new ones"
     )
 
