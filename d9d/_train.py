@@ -28,6 +28,7 @@ from ._module import Model, functionalize
 from ._pipeline_run import SCHEDULES
 from ._step import TransformedStep
 from ._train_data import training_tokens
+from ._train_group import init_process_group
 from ._train_log import MetricsLog
 from .errors import DataError
 from .models import Llama, LlamaConfig
@@ -249,7 +250,7 @@ def _init_distributed(config: TrainConfig) -> bool:
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group()  # one store prefix per torchrun attempt; timeouts, never a hang
     return True
 
 

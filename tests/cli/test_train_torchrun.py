@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,4 +79,36 @@ def test_mesh_must_match_the_job(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main([*_ARGS, "--fsdp", "2", "--out", str(tmp_path)]) == 2
     assert "--dp/--fsdp/--tp/--cp/--pp need several ranks: launch with `torchrun" in (
         capsys.readouterr().err
+    )
+
+
+def test_a_killed_rank_restarts_and_resumes_under_plain_torchrun(tmp_path: Path) -> None:
+    """The documented launch, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torchrun's shared
+    store would hand the restarted ranks the dead attempt's keys (d9d/_train_group.py)."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *("--max-restarts", "1", "--monitor-interval", "0.1", "-m", "d9d", *_ARGS),
+        *("--steps", "6", "--fsdp", "2", "--save-every", "2", "--resume", "--out", str(out)),
+    ]
+    agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while agent.poll() is None and time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.02)
+        workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True)
+        os.kill(max(map(int, workers.stdout.split())), signal.SIGKILL)
+        output = agent.communicate(timeout=240)[0].decode()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, output[-3000:]
+    assert "resumed from" in output
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(
+        range(1, 7)
     )
