@@ -69,18 +69,21 @@ class TrainConfig:
     microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
 
 
-def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(
+    model: Model, opt: optim.GradientTransformation, *, grad_norm: bool = False
+) -> Callable[..., Any]:
     """The step ``d9d train`` runs: next-token cross entropy, grads, one optimizer update.
 
     Args:
         model: A functionalized language model: ``model.apply(params, tokens) -> logits``.
         opt: The optimizer.
+        grad_norm: Also return the global norm of the gradients, before clipping (one more
+            norm over the grads per step; ``d9d train`` checks it). Default ``False``.
 
     Returns:
         ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where ``batch``
         holds ``"tokens"`` and ``"labels"`` of shape ``[batch, seq_len]`` and ``metrics``
-        the 0-d ``"loss"`` and ``"grad_norm"`` (the global norm of the gradients, before
-        clipping), equal on every rank.
+        the 0-d ``"loss"`` (and ``"grad_norm"``), equal on every rank.
 
     Example:
         >>> model = functionalize(Llama(LlamaConfig.tiny()))
@@ -97,7 +100,9 @@ def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable
 
     def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
         loss, grads = value_and_grad(loss_fn)(params, batch)
-        metrics = {"loss": loss, "grad_norm": optim.global_norm(grads)}
+        metrics = {"loss": loss}
+        if grad_norm:
+            metrics["grad_norm"] = optim.global_norm(grads)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, metrics
 
@@ -315,7 +320,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     device = _device()
     model = functionalize(Llama(model_config, device=device))
     opt = _optimizer(config)
-    step = _parallel(config, make_train_step(model, opt))
+    step = _parallel(config, make_train_step(model, opt, grad_norm=True))
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):

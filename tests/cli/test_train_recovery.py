@@ -50,8 +50,8 @@ def _patch_step(patch: pytest.MonkeyPatch, before_call: Any) -> None:
     """Run ``before_call(n)`` before the n-th call of the train step (n from 1)."""
     make_step = _train.make_train_step
 
-    def patched(*args: Any) -> Any:
-        step, calls = make_step(*args), []
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        step, calls = make_step(*args, **kwargs), []
 
         def wrapped(*step_args: Any) -> Any:
             calls.append(1)
@@ -136,8 +136,8 @@ def test_non_finite_grad_norm_alone_stops_before_saving(
 ) -> None:
     make_step = _train.make_train_step
 
-    def inf_norm_at_3(*args: Any) -> Any:
-        step, calls = make_step(*args), []
+    def inf_norm_at_3(*args: Any, **kwargs: Any) -> Any:
+        step, calls = make_step(*args, **kwargs), []
 
         def wrapped(*step_args: Any) -> Any:
             calls.append(1)
