@@ -15,6 +15,7 @@ import torch
 from ._pipeline_run import SCHEDULES
 from ._plan_command import show_plan
 from ._train import TrainConfig, train
+from .errors import CheckpointSaveError
 from .kernels import _bench
 from .kernels._bench_cases import OPS, SHAPES
 
@@ -106,7 +107,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest complete checkpoint in OUT/checkpoints, if any",
+        help="continue from the newest readable checkpoint in OUT/checkpoints, if any "
+        "(damaged newer ones are skipped with a warning)",
+    )
+    run.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="continue from this checkpoint folder (OUT/checkpoints/step_N)",
+    )
+    run.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume although --steps, --lr, --warmup, --preset or another flag that changes "
+        "the schedule or the model differs from the run's config.json",
+    )
+    run.add_argument(
+        "--debug", action="store_true", help="on an error, show the traceback, not one line"
     )
     run.add_argument(
         "--dp", type=int, default=None, help="under torchrun: ranks to replicate over (HSDP/DDP)"
@@ -217,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        0 on success, 2 on a bad argument or input (reported on one line).
+        0 on success, 2 on a bad argument or input, 1 on another failure (a non-finite
+        loss, a failed checkpoint save, a file system error); errors are one line on
+        standard error (``--debug``: raised, with the traceback).
 
     Example:
         >>> main(["train", "--steps", "0"])
@@ -225,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k != "command"}
+    debug = getattr(args, "debug", False)
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "debug")}
     try:
         if args.command == "bench":
             _bench_kernels(args, argv)
@@ -233,19 +254,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             print(show_plan(args.preset, dp=args.dp, fsdp=args.fsdp, max_rows=args.rows))
             return 0
-        records = train(TrainConfig(**options))
+        run = train(TrainConfig(**options))
     except (ValueError, KeyError, FileNotFoundError) as error:
+        if debug:
+            raise
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"d9d {args.command}: error: {message}", file=sys.stderr)
+        print(f"d9d {args.command}: error: {' '.join(str(message).split())}", file=sys.stderr)
         return 2
-    if not records:
-        print(f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later")
-        return 0
+    except (ArithmeticError, RuntimeError, OSError) as error:  # a failure, not a bad input
+        if debug:
+            raise
+        known = isinstance(error, FloatingPointError | CheckpointSaveError | OSError)
+        message = str(error) if known else f"{type(error).__name__}: {error}"
+        print(
+            f"d9d {args.command}: error: {' '.join(message.split())} (--debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    first, last = records[0], records[-1]
+    if not run.records:
+        print(f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later")
+        return 0
+    first, last = run.records[0], run.records[-1]
     print(
-        f"loss {first['loss']:.3f} -> {last['loss']:.3f} in {last['step']} steps, "
-        f"{last['elapsed_s']:.1f} s; wrote {args.out}/metrics.jsonl and {args.out}/loss.png"
+        f"loss {first['loss']:.3f} -> {last['loss']:.3f} in {run.last_step - run.first_step} "
+        f"steps ({run.first_step + 1}-{run.last_step}), {last['elapsed_s']:.1f} s; "
+        f"wrote {args.out}/metrics.jsonl and {args.out}/loss.png"
     )
     return 0

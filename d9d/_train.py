@@ -9,10 +9,10 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from . import _train_resume as resume
 from . import checkpoint, data, losses, optim
 from ._autodiff import value_and_grad
 from ._jit import jit
@@ -28,11 +29,13 @@ from ._module import Model, functionalize
 from ._pipeline_run import SCHEDULES
 from ._process_group import init_process_group
 from ._step import TransformedStep
+from ._train_data import training_tokens
+from ._train_log import MetricsLog
 from .errors import DataError
 from .models import Llama, LlamaConfig
 from .transforms import context_parallel, pipeline, shard_params, tensor_parallel
 
-__all__ = ["TrainConfig", "make_train_step", "train"]
+__all__ = ["TrainConfig", "TrainRun", "make_train_step", "train"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,9 @@ class TrainConfig:
     log_every: int = 1
     save_every: int = 0  # steps between checkpoints in out/checkpoints; 0: none
     keep: int | None = None  # newest checkpoints kept; None: all
-    resume: bool = False  # continue from the latest complete checkpoint, if there is one
+    resume: bool = False  # continue from the newest readable checkpoint, if there is one
+    resume_from: Path | None = None  # continue from this checkpoint folder (implies resume)
+    allow_config_change: bool = False  # resume although a schedule or model flag changed
     dp: int | None = None  # ranks the model is replicated over (HSDP/DDP); None: 1
     fsdp: int | None = None  # ranks the model is sharded over; None: the rest of the world
     tp: int | None = None  # tensor-parallel ranks (Megatron TP, sequence parallel); None: 1
@@ -66,16 +71,21 @@ class TrainConfig:
     dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
 
 
-def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(
+    model: Model, opt: optim.GradientTransformation, *, grad_norm: bool = False
+) -> Callable[..., Any]:
     """The step ``d9d train`` runs: next-token cross entropy, grads, one optimizer update.
 
     Args:
         model: A functionalized language model: ``model.apply(params, tokens) -> logits``.
         opt: The optimizer.
+        grad_norm: Also return the global norm of the gradients, before clipping (one more
+            norm over the grads per step; ``d9d train`` checks it). Default ``False``.
 
     Returns:
-        ``step(params, opt_state, batch) -> (params, opt_state, {"loss": loss})`` where
-        ``batch`` holds ``"tokens"`` and ``"labels"`` of shape ``[batch, seq_len]``.
+        ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where ``batch``
+        holds ``"tokens"`` and ``"labels"`` of shape ``[batch, seq_len]`` and ``metrics``
+        the 0-d ``"loss"`` (and ``"grad_norm"``), equal on every rank.
 
     Example:
         >>> model = functionalize(Llama(LlamaConfig.tiny()))
@@ -92,8 +102,11 @@ def make_train_step(model: Model, opt: optim.GradientTransformation) -> Callable
 
     def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
         loss, grads = value_and_grad(loss_fn)(params, batch)
+        metrics = {"loss": loss}
+        if grad_norm:
+            metrics["grad_norm"] = optim.global_norm(grads)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, {"loss": loss}
+        return optim.apply_updates(params, updates), opt_state, metrics
 
     return step
 
@@ -113,16 +126,6 @@ def _optimizer(config: TrainConfig) -> optim.GradientTransformation:
 
 def _decays(path: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2
-
-
-def _tokens(config: TrainConfig) -> Any:
-    if config.data is None:
-        return data.stdlib_corpus()
-    if not config.data.exists():
-        raise DataError(
-            f"--data {str(config.data)!r} does not exist; pass a text file, a folder of text files or a .bin token file"
-        )
-    return config.data
 
 
 def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig:
@@ -185,29 +188,49 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def train(config: TrainConfig, console: Console | None = None) -> list[dict[str, float]]:
+@dataclass(frozen=True)
+class TrainRun:
+    """What one call of :func:`train` did.
+
+    Attributes:
+        records: One record per step logged by this call: ``step``, ``loss``,
+            ``grad_norm``, ``lr``, ``tokens_per_s``, ``elapsed_s``.
+        first_step: Steps done before this call (the restored checkpoint's step, or 0).
+        last_step: Steps done after it.
+    """
+
+    records: list[dict[str, float]] = field(default_factory=list)
+    first_step: int = 0
+    last_step: int = 0
+
+
+def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
     """Train a Llama preset and write ``metrics.jsonl``, ``loss.png`` and ``config.json``.
 
     With ``save_every``, train-state checkpoints (params, optimizer state, data position,
-    RNG) go to ``out/checkpoints`` asynchronously; with ``resume``, the run continues from
-    the latest complete one there and gives the losses an uninterrupted run would.
+    RNG) go to ``out/checkpoints`` asynchronously, each only after its step's loss and
+    gradient norm were found finite; with ``resume``, the run continues from the newest
+    readable one there (``resume_from``: from that one) and gives the losses and
+    ``metrics.jsonl`` an uninterrupted run would.
 
     Args:
         config: The run's options.
         console: Where the progress bar goes (default: standard output).
 
     Returns:
-        One record per step run by this call: ``step``, ``loss``, ``lr``, ``tokens_per_s``,
-        ``elapsed_s``.
+        A :class:`TrainRun` of the steps this call ran.
 
     Raises:
         DataError: The data path is missing or empty, or holds ids past the vocab.
         ValueError: An option is out of range.
+        ConfigError: Resuming with a flag that changes the schedule or the model.
+        CheckpointCorruptError: ``resume_from`` is damaged, or every checkpoint is.
+        FloatingPointError: A loss or gradient norm is not finite (that step is not saved).
     """
     _check(config)
     started_group = _init_distributed(config)
     try:
-        records = _train(config, console)
+        run = _train(config, console)
     except BaseException:
         if started_group:
             dist.destroy_process_group()
@@ -217,7 +240,7 @@ def train(config: TrainConfig, console: Console | None = None) -> list[dict[str,
         # rank tearing its groups down while a peer is busy has aborted (SIGABRT) in CI.
         dist.barrier()
         dist.destroy_process_group()
-    return records
+    return run
 
 
 def _init_distributed(config: TrainConfig) -> bool:
@@ -275,14 +298,29 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     return step
 
 
-def _train(config: TrainConfig, console: Console | None) -> list[dict[str, float]]:
+def _config_json(config: TrainConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    loader = _loader(config, _tokens(config))
+    config = replace(config, warmup=min(config.warmup, config.steps - 1))  # what the schedule uses
+    directory = config.out / "checkpoints"
+    resuming = config.resume or config.resume_from is not None
+    if resuming and (config.resume_from or checkpoint.all_checkpoints(directory)):
+        source = config.resume_from.parent if config.resume_from else directory
+        resume.check_unchanged(
+            _config_json(config), source.parent / "config.json", allow=config.allow_config_change
+        )
+    if rank0:  # no save is in flight yet: whatever is unfinished is a dead run's
+        for path in checkpoint.sweep(directory):
+            resume.say(f"removed {str(path)!r}, left by an interrupted save")
+    loader = _loader(config, training_tokens(config.data))
     model_config = _model_config(config, loader.tokens)
     device = _device()
     model = functionalize(Llama(model_config, device=device))
     opt = _optimizer(config)
-    step = _parallel(config, make_train_step(model, opt))
+    step = _parallel(config, make_train_step(model, opt, grad_norm=True))
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):
@@ -290,77 +328,120 @@ def _train(config: TrainConfig, console: Console | None) -> list[dict[str, float
         loader = _loader(config, loader.tokens, *step.batch_shard())
     if config.jit:
         step = jit(step)
-    first_step = 0
-    latest = checkpoint.latest(config.out / "checkpoints") if config.resume else None
-    if latest is not None:
-        state = checkpoint.restore_train_state(
-            latest,
+
+    def restore_one(path: Path, restore_rng: bool) -> checkpoint.TrainState:
+        return checkpoint.restore_train_state(
+            path,
             params=params,
             opt_state=opt_state,
+            restore_rng=restore_rng,
             partial=(config.pp or 1) > 1,  # a pipeline rank restores its stage's params only
         )
+
+    first_step = 0
+    state = resume.restore(directory, config.resume_from, restore_one) if resuming else None
+    if state is not None:
         params, opt_state, first_step = state.params, state.opt_state, state.step
         loader.load_state_dict(state.data)
+        resume.set_aside_newer(directory, first_step)
     if rank0:
         config.out.mkdir(parents=True, exist_ok=True)
-        (config.out / "config.json").write_text(
-            json.dumps(asdict(config), default=str, indent=2) + "\n"
-        )
+        (config.out / "config.json").write_text(json.dumps(_config_json(config), indent=2) + "\n")
     saver = _Checkpointer(config)
+    log_path = config.out / "metrics.jsonl" if rank0 else None
     try:
-        records = _loop(
-            config,
-            step,
-            params,
-            opt_state,
-            loader,
-            device,
-            console or Console(),
-            first_step,
-            saver,
-            rank0,
-        )
+        with MetricsLog(log_path, first_step) as log:
+            records = _loop(
+                config,
+                step,
+                params,
+                opt_state,
+                loader,
+                device,
+                console or Console(),
+                first_step,
+                saver,
+                log,
+            )
     finally:
         saver.wait()  # even after a crash, the checkpoint in flight gets committed
     if rank0:
         logged = [json.loads(r) for r in (config.out / "metrics.jsonl").read_text().splitlines()]
         _plot(logged, config.out / "loss.png", title=f"d9d train --preset {config.preset}")
-    return records
+    return TrainRun(records, first_step, max(first_step, config.steps))
 
 
 class _Checkpointer:
-    """Train-state checkpoints every ``save_every`` steps, one asynchronous save at a time."""
+    """Train-state checkpoints every ``save_every`` steps, one asynchronous save at a time.
+
+    A checkpoint is held (written, not committed) until the next step's loss and gradient
+    norm, computed from its params, are found finite: an update after a finite loss can
+    still ruin the params (at ``--lr 1e6`` step 2's params are finite, their gradient NaN).
+    """
 
     def __init__(self, config: TrainConfig) -> None:
         self._config = config
         self._pending: checkpoint.SaveHandle | None = None
+        self.held: int | None = None  # the step of a save awaiting vouch() or discard()
 
-    def maybe_save(self, step: int, params: Any, opt_state: Any, loader: data.TokenLoader) -> None:
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved."""
         every = self._config.save_every
-        if every and step % every == 0:
-            self.wait()
-            self._pending = checkpoint.save_train_state(
-                self._config.out / "checkpoints",
-                step=step,
-                params=params,
-                opt_state=opt_state,
-                data=loader.state_dict(),
-                keep=self._config.keep,
-            )
+        return bool(every) and step % every == 0
+
+    def save(self, step: int, params: Any, opt_state: Any, loader: data.TokenLoader) -> None:
+        self.wait()
+        self._pending = checkpoint.save_train_state(
+            self._config.out / "checkpoints",
+            step=step,
+            params=params,
+            opt_state=opt_state,
+            data=loader.state_dict(),
+            keep=self._config.keep,
+            hold=True,
+        )
+        self.held = step
+
+    def vouch(self) -> None:
+        """The held checkpoint's params gave a finite step: let it commit."""
+        if self.held is not None:
+            self._pending.commit()
+            self.held = None
+
+    def discard(self) -> None:
+        """The held checkpoint's params gave a non-finite step: drop it."""
+        if self.held is not None:
+            self._pending.discard()
+            self.held = None
+        self.wait()
 
     def wait(self) -> None:
+        """Wait for the save in flight; a held one commits (its own step was finite)."""
+        self.vouch()
         if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            pending.wait()
 
 
-def _metrics_log(path: Path, first_step: int) -> TextIO:
-    """The metrics file; when resuming, keeps the records up to ``first_step`` and appends."""
-    if first_step == 0 or not path.exists():
-        return path.open("w")
-    kept = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= first_step]
-    path.write_text("".join(r + "\n" for r in kept))
-    return path.open("a")
+def _check_finite(
+    step: int, metrics: dict[str, Any], config: TrainConfig, held: int | None
+) -> tuple[float, float]:
+    """The step's loss and gradient norm; raises before a non-finite one is logged or saved."""
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return loss, grad_norm
+    directory = str(config.out / "checkpoints")
+    if held is not None:
+        kept = (
+            f"; step {held}'s checkpoint, whose params gave them, is dropped and the older "
+            f"ones in {directory!r} stay"
+        )
+    else:
+        kept = f"; the checkpoints in {directory!r} stay" if config.save_every else ""
+    raise FloatingPointError(
+        f"loss is {loss} and gradient norm {grad_norm} at step {step}{kept}. "
+        "Lower --lr or check the data"
+    )
 
 
 def _loop(
@@ -373,7 +454,7 @@ def _loop(
     console: Console,
     first_step: int,
     saver: _Checkpointer,
-    rank0: bool,
+    log: MetricsLog,
 ) -> list[dict[str, float]]:
     records: list[dict[str, float]] = []
     tokens_per_step = config.batch_size * config.seq_len
@@ -385,11 +466,10 @@ def _loop(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
-        disable=not rank0,
+        disable=dist.is_initialized() and dist.get_rank() != 0,
     )
     start = time.perf_counter()
-    log_path = config.out / "metrics.jsonl" if rank0 else Path(os.devnull)
-    with progress, _metrics_log(log_path, first_step) as log:
+    with progress:
         task = progress.add_task(
             "train", total=config.steps, completed=first_step, loss=float("nan"), tok_s=0.0
         )
@@ -397,27 +477,35 @@ def _loop(
         for i in range(first_step, config.steps):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
             params, opt_state, metrics = step(params, opt_state, batch)
-            saver.maybe_save(i + 1, params, opt_state, loader)
-            if (i + 1) % config.log_every and i + 1 != config.steps:
+            n, saving = i + 1, saver.due(i + 1)
+            logging = n % config.log_every == 0 or n == config.steps
+            if not (saving or logging or saver.held is not None):
                 progress.advance(task)
                 continue
-            loss = float(metrics["loss"])
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss is {loss} at step {i + 1}; lower --lr or check the data"
-                )
-            now = time.perf_counter()
-            record = {
-                "step": i + 1,
-                "loss": loss,
-                "lr": float(optim.get_state(opt_state, "learning_rate")),
-                "tokens_per_s": tokens_per_step * (i + 1 - last_step) / (now - last),
-                "elapsed_s": now - start,
-            }
-            last, last_step = now, i + 1
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            progress.update(task, advance=1, loss=loss, tok_s=record["tokens_per_s"])
+            try:  # every rank sees the same loss and norm, so decides the same
+                loss, grad_norm = _check_finite(n, metrics, config, saver.held)
+            except FloatingPointError:
+                saver.discard()
+                raise
+            saver.vouch()
+            if logging:
+                now = time.perf_counter()
+                record = {
+                    "step": n,
+                    "loss": loss,
+                    "grad_norm": grad_norm,
+                    "lr": float(optim.get_state(opt_state, "learning_rate")),
+                    "tokens_per_s": tokens_per_step * (n - last_step) / (now - last),
+                    "elapsed_s": now - start,
+                }
+                last, last_step = now, n
+                records.append(record)
+                log.write(record)
+            if saving:
+                log.sync()  # the records up to a committed checkpoint are on disk
+                saver.save(n, params, opt_state, loader)
+            speed = {"tok_s": records[-1]["tokens_per_s"]} if logging else {}
+            progress.update(task, advance=1, loss=loss, **speed)
     return records
 
 

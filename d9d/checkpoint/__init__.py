@@ -6,8 +6,10 @@ Train-state helpers bundle params, optimizer state, step, data position and RNG;
 Hugging Face helpers convert the d9d Llama to and from ``transformers`` folders.
 """
 
+from ._format import all_checkpoints as all_checkpoints
 from ._format import latest as latest
 from ._format import metadata as metadata
+from ._format import sweep as sweep
 from ._hf import LLAMA_KEYS as LLAMA_KEYS
 from ._hf import export_hf as export_hf
 from ._hf import import_hf as import_hf
@@ -26,6 +28,7 @@ __all__ = [
     "Abstract",
     "SaveHandle",
     "TrainState",
+    "all_checkpoints",
     "export_hf",
     "import_hf",
     "latest",
@@ -36,4 +39,5 @@ __all__ = [
     "restore_train_state",
     "save",
     "save_train_state",
+    "sweep",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 import tensorstore as ts
 import torch
 
-from ..errors import CheckpointSaveError
+from ..errors import CheckpointExistsError, CheckpointSaveError
 from . import _format
 from ._layout import box_slices, brief, to_numpy
 
@@ -52,6 +52,8 @@ class WriteJob:
     world: int
     store: Any  # a torch.distributed Store, None on one process
     key: str
+    gate: threading.Event | None = None  # a held save commits once it is set
+    discarded: bool = False  # set with the gate: drop the written data instead
     error: BaseException | None = field(default=None)
 
     def run(self) -> None:
@@ -91,7 +93,7 @@ class WriteJob:
             if error is None:
                 self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
                 done = self.store.get(f"{self.key}/done").decode()
-                if done != "ok":
+                if done not in ("ok", "discarded"):
                     raise CheckpointSaveError(done)
             return
         try:
@@ -101,16 +103,31 @@ class WriteJob:
                 self.store.wait(keys, _COMMIT_TIMEOUT)
                 outcomes = [self.store.get(k).decode() for k in keys]
                 failures += [f"rank {r}: {o}" for r, o in enumerate(outcomes, 1) if o != "ok"]
+            if self.final.exists():  # another save of this step won; its rotation may
+                # have swept this save's folder mid-write, so its own errors say nothing
+                failures = [f"{str(self.final)!r} is already committed by another save"]
             if failures:
-                shutil.rmtree(self.tmp, ignore_errors=True)
                 raise CheckpointSaveError(
                     f"Checkpoint of step {self.meta['step']} was not committed: "
                     + "; ".join(failures)
                 )
+            if self.gate is not None:
+                self.gate.wait()
+            if self.discarded:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                if self.world > 1:
+                    self.store.set(f"{self.key}/done", "discarded")
+                return
             self.tmp.mkdir(parents=True, exist_ok=True)
-            _format.commit(self.tmp, self.final, self.meta)
+            try:
+                _format.commit(self.tmp, self.final, self.meta)
+            except CheckpointExistsError as exc:
+                raise CheckpointSaveError(
+                    f"Checkpoint of step {self.meta['step']} was not committed: {exc}"
+                ) from None
             _format.rotate(self.final.parent, self.meta["step"], self.keep)
         except BaseException as exc:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # no-op once committed (renamed)
             if self.world > 1:
                 why = str(exc) if isinstance(exc, CheckpointSaveError) else brief(exc)
                 self.store.set(f"{self.key}/done", f"rank 0 did not commit: {why}")
@@ -135,13 +152,37 @@ class SaveHandle:
         """Whether the save has ended (committed, or failed: then :meth:`wait` raises)."""
         return self._thread is None or not self._thread.is_alive()
 
-    def wait(self) -> Path:
+    def commit(self) -> None:
+        """Let a save made with ``hold=True`` commit once written (call it on every rank)."""
+        self._decide(discard=False)
+
+    def discard(self) -> None:
+        """Drop a save made with ``hold=True``: nothing is committed, ``keep`` deletes
+        nothing, and :meth:`wait` returns ``None`` (call it on every rank)."""
+        self._decide(discard=True)
+
+    def _decide(self, *, discard: bool) -> None:
+        if self._job.gate is None:
+            raise RuntimeError("only a save made with hold=True waits for commit() or discard()")
+        self._job.discarded = self._job.discarded or discard
+        self._job.gate.set()
+
+    def wait(self) -> Path | None:
         """Block until the checkpoint is committed on every rank, and return its path.
+
+        Returns:
+            The checkpoint's path, or ``None`` when a held save was discarded.
 
         Raises:
             CheckpointSaveError: Some rank failed to write, or rank 0 failed to commit;
                 nothing was committed and older checkpoints are untouched.
+            RuntimeError: A save made with ``hold=True`` was neither committed nor discarded.
         """
+        if self._job.gate is not None and not self._job.gate.is_set():
+            raise RuntimeError(
+                f"the save of step {self._job.meta['step']} is held: call commit() or discard() "
+                "before wait()"
+            )
         if self._thread is not None:
             self._thread.join()
         if self._job.error is not None:
@@ -151,4 +192,4 @@ class SaveHandle:
                 f"Saving step {self._job.meta['step']} to {str(self.path)!r} failed on rank "
                 f"{self._job.rank}: {brief(self._job.error)}"
             ) from self._job.error
-        return self.path
+        return None if self._job.discarded else self.path

@@ -9,7 +9,10 @@ A directory of checkpoints holds ``step_<N>/`` folders, each complete and commit
 A save writes into ``step_<N>.tmp-<nonce>/`` and rank 0 commits it by writing
 ``COMMIT`` and renaming the folder, which is atomic on POSIX file systems. Readers only
 look at ``step_<N>`` folders holding ``COMMIT``; a crash at any point leaves either the
-old set of checkpoints or the new one, plus a ``.tmp-`` folder that is ignored.
+old set of checkpoints or the new one, plus a ``.tmp-`` folder that is ignored (and
+removed by the next commit of that step, by ``keep``'s rotation if it is rotation trash, or by
+:func:`sweep`). A committed checkpoint whose ``metadata.json`` does not parse is damaged:
+:func:`latest` skips it with a warning and :func:`metadata` raises ``CheckpointCorruptError``.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 
 __all__ = [
+    "all_checkpoints",
     "array_file",
     "array_spec",
     "commit",
@@ -33,6 +38,7 @@ __all__ = [
     "metadata",
     "rotate",
     "step_path",
+    "sweep",
     "tmp_path",
 ]
 
@@ -41,6 +47,9 @@ METADATA = "metadata.json"
 COMMIT = "COMMIT"
 _STEP = re.compile(r"^step_(\d+)$")
 _TMP = ".tmp-"
+_TRASH = f"{_TMP}deleted-"
+_KEYS = ("format", "step", "world_size", "leaves", "metadata")
+_LEAF_KEYS = {"array": ("shape", "dtype", "chunks", "file"), "value": ("value",)}
 
 
 def step_path(directory: Path, step: int) -> Path:
@@ -94,25 +103,53 @@ def _committed(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint in ``directory``, or ``None`` if it holds none.
+def all_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """Every committed checkpoint in ``directory``, oldest step first.
 
-    Only committed ``step_<N>`` folders count: folders still being written
-    (``step_<N>.tmp-*``), left by a crash, or lacking their ``COMMIT`` marker are ignored.
+    Committed means a ``step_<N>`` folder holding ``COMMIT`` and ``metadata.json``; whether
+    its metadata parses and its arrays are intact is not checked here.
 
     Args:
         directory: A folder that :func:`save` wrote checkpoints into; it need not exist.
 
     Returns:
-        The path of the committed checkpoint with the highest step, or ``None``.
+        The checkpoint folders, sorted by step.
+
+    Example:
+        >>> import tempfile
+        >>> all_checkpoints(tempfile.mkdtemp())
+        []
+    """
+    return [path for _, path in _committed(Path(directory))]
+
+
+def latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint in ``directory``, or ``None`` if it holds none.
+
+    Only committed ``step_<N>`` folders count: folders still being written
+    (``step_<N>.tmp-*``), left by a crash, or lacking their ``COMMIT`` marker are ignored.
+    A committed one whose ``metadata.json`` does not parse is skipped with a warning, so a
+    damaged newest checkpoint never hides the older ones.
+
+    Args:
+        directory: A folder that :func:`save` wrote checkpoints into; it need not exist.
+
+    Returns:
+        The path of the readable committed checkpoint with the highest step, or ``None``.
 
     Example:
         >>> import tempfile
         >>> latest(tempfile.mkdtemp()) is None
         True
     """
-    found = _committed(Path(directory))
-    return found[-1][1] if found else None
+    for path in reversed(all_checkpoints(directory)):
+        try:
+            metadata(path)
+        except CheckpointCorruptError as error:
+            warnings.warn(f"{error}; skipped", stacklevel=2)
+            continue
+        return path
+    return None
 
 
 def metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -130,7 +167,9 @@ def metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         The metadata dict.
 
     Raises:
-        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint, or of another format.
+        CheckpointCorruptError: ``metadata.json`` is not valid JSON or lacks a field; the
+            message names the file.
 
     Example:
         >>> import tempfile, torch
@@ -150,12 +189,44 @@ def metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointNotFoundError(
             f"{str(path)!r} is not a complete checkpoint (no {COMMIT} and {METADATA} in it)." + hint
         )
-    meta = json.loads((path / METADATA).read_text())
-    if meta.get("format") != FORMAT:
+    file = path / METADATA
+    try:
+        meta = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointCorruptError(
+            f"{str(file)!r} is not valid JSON ({error}); the checkpoint is damaged: restore an "
+            "older one"
+        ) from None
+    if isinstance(meta, dict) and "format" in meta and meta["format"] != FORMAT:
         raise CheckpointNotFoundError(
             f"{str(path)!r} holds format {meta.get('format')!r}, this d9d reads {FORMAT!r}."
         )
+    problem = _malformed(meta)
+    if problem:
+        raise CheckpointCorruptError(
+            f"{str(file)!r} is not a d9d checkpoint's metadata: {problem}; the checkpoint is "
+            "damaged: restore an older one"
+        )
     return meta
+
+
+def _malformed(meta: Any) -> str | None:
+    """What is missing from parsed metadata, or ``None``."""
+    if not isinstance(meta, dict):
+        return f"a {type(meta).__name__}, missing every field {list(_KEYS)}"
+    missing = [key for key in _KEYS if key not in meta]
+    if missing:
+        return f"missing {missing}"
+    if not isinstance(meta["step"], int) or not isinstance(meta["leaves"], dict):
+        return f"step {meta['step']!r} or leaves of type {type(meta['leaves']).__name__}"
+    for leaf, record in meta["leaves"].items():
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if kind not in _LEAF_KEYS:
+            return f"leaf {leaf!r} has kind {kind!r}, not 'array' or 'value'"
+        missing = [key for key in _LEAF_KEYS[kind] if key not in record]
+        if missing:
+            return f"leaf {leaf!r} is missing {missing}"
+    return None
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -178,24 +249,53 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     _write_synced(tmp / METADATA, json.dumps(meta, indent=1) + "\n")
     _write_synced(tmp / COMMIT, json.dumps({"step": meta["step"]}) + "\n")
     _sync_dir(tmp)
+    if final.exists():  # another save of this step committed first
+        raise CheckpointExistsError(f"{str(final)!r} is already committed by another save")
     os.rename(tmp, final)  # raises if `final` exists: a commit never replaces a checkpoint
     _sync_dir(final.parent)
 
 
 def rotate(directory: Path, step: int, keep: int | None) -> None:
-    """After committing ``step``: drop leftovers of crashed saves of ``step``, and all but
-    the newest ``keep`` checkpoints.
+    """After committing ``step``: drop leftovers of crashed saves of ``step``, the trash of
+    an interrupted earlier rotation, and all but the newest ``keep`` checkpoints.
 
-    A checkpoint is first renamed to a ``.tmp-`` name, so a crash mid-delete never leaves
-    a half-deleted folder that looks complete.
+    A checkpoint is first renamed to a ``.tmp-deleted-`` name, so a crash mid-delete never
+    leaves a half-deleted folder that looks complete.
     """
     doomed = [p for p in directory.glob(f"step_{step}{_TMP}*") if p.is_dir()]
+    doomed += [p for p in directory.glob(f"step_*{_TRASH}*") if p.is_dir() and p not in doomed]
     if keep is not None:
         committed = _committed(directory)
         others = [path for s, path in committed if s != step]  # never the one just made
         for path in others[: max(0, len(committed) - keep)]:
-            trash = path.with_name(f"{path.name}{_TMP}deleted-{secrets.token_hex(4)}")
+            trash = path.with_name(f"{path.name}{_TRASH}{secrets.token_hex(4)}")
             os.rename(path, trash)
             doomed.append(trash)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete every unfinished save (``step_<N>.tmp-*`` folder) in ``directory``.
+
+    Call it only when no save into ``directory`` is in flight (e.g. when a run starts):
+    an in-flight save writes into such a folder. ``d9d train`` does, on rank 0.
+
+    Args:
+        directory: A folder of checkpoints; it need not exist.
+
+    Returns:
+        The folders removed.
+
+    Example:
+        >>> import tempfile
+        >>> sweep(tempfile.mkdtemp())
+        []
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    doomed = sorted(p for p in directory.glob(f"step_*{_TMP}*") if p.is_dir())
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

@@ -160,6 +160,7 @@ def save(
     metadata: Any = None,
     async_: bool = True,
     keep: int | None = None,
+    hold: bool = False,
 ) -> SaveHandle:
     """Save ``tree`` as the checkpoint of ``step`` in ``directory``, sharded and atomically.
 
@@ -187,6 +188,9 @@ def save(
             commits before returning, straight from CPU tensors without a host copy.
         keep: After committing, delete all but the newest ``keep`` checkpoints in
             ``directory`` (default ``None``: keep all).
+        hold: Write, but commit only once ``handle.commit()`` is called, or drop the
+            data on ``handle.discard()`` (asynchronous saves only; default ``False``).
+            ``d9d train`` holds each checkpoint until the next step's loss is finite.
 
     Returns:
         A :class:`SaveHandle`; ``handle.wait()`` blocks until committed and returns the
@@ -210,6 +214,8 @@ def save(
     """
     directory = Path(directory)
     _check_args(step, metadata, keep)
+    if hold and not async_:
+        raise ValueError("hold=True needs async_=True: a synchronous save commits before returning")
     final = _format.step_path(directory, step)
     if final.exists():
         raise CheckpointExistsError(
@@ -233,7 +239,9 @@ def save(
         "metadata": metadata,
         "checksum": "crc32c in every chunk (zarr v3 crc32c codec), verified on every read",
     }
-    job = WriteJob(tmp, final, meta, keep, creates, writes, rank, world, store, f"d9d/ckpt/{nonce}")
+    gate = threading.Event() if hold else None
+    key = f"d9d/ckpt/{nonce}"
+    job = WriteJob(tmp, final, meta, keep, creates, writes, rank, world, store, key, gate)
     if not async_:
         job.run()
         handle = SaveHandle(final, job, None)

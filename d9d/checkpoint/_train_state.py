@@ -67,6 +67,7 @@ def save_train_state(
     metadata: Any = None,
     keep: int | None = None,
     async_: bool = True,
+    hold: bool = False,
 ) -> SaveHandle:
     """Save params, optimizer state, step, data position and every rank's RNG state.
 
@@ -83,6 +84,7 @@ def save_train_state(
         metadata: JSON-serializable user metadata.
         keep: Keep only the newest ``keep`` checkpoints (default: all).
         async_: Write in the background (default ``True``).
+        hold: Commit only on ``handle.commit()`` (see :func:`~d9d.checkpoint.save`).
 
     Returns:
         The :class:`~d9d.checkpoint.SaveHandle` of the save.
@@ -99,7 +101,7 @@ def save_train_state(
     """
     extra = {"data": data, "rng": _rng_states(), "user": metadata}
     tree = {"params": params, "opt_state": opt_state}
-    return save(directory, tree, step=step, metadata=extra, keep=keep, async_=async_)
+    return save(directory, tree, step=step, metadata=extra, keep=keep, async_=async_, hold=hold)
 
 
 def restore_train_state(

@@ -39,8 +39,8 @@ class _Crash(Exception):
 def _crash_at_call(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     make_step = _train.make_train_step
 
-    def crashing(*args: Any) -> Any:
-        step, calls = make_step(*args), []
+    def crashing(*args: Any, **kwargs: Any) -> Any:
+        step, calls = make_step(*args, **kwargs), []
 
         def wrapped(*step_args: Any) -> Any:
             calls.append(1)

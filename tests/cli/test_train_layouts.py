@@ -25,7 +25,7 @@ _RUN = {"steps": 4, "batch_size": 4, "seq_len": 32}
 
 def _losses(out: Path, **layout: Any) -> list[float]:
     config = TrainConfig(out=out, **{**_RUN, **layout})
-    return [r["loss"] for r in train(config, console=Console(file=io.StringIO()))]
+    return [r["loss"] for r in train(config, console=Console(file=io.StringIO())).records]
 
 
 @functools.cache
@@ -79,8 +79,8 @@ def _stop_and_resume(out: Path) -> tuple[list[float], list[float]]:
     layout = {"pp": 2, "steps": 6, "save_every": 3}
     make_step = _train.make_train_step
 
-    def crashing(*args: Any) -> Any:
-        step, calls = make_step(*args), []
+    def crashing(*args: Any, **kwargs: Any) -> Any:
+        step, calls = make_step(*args, **kwargs), []
 
         def stop_at_5(*step_args: Any) -> Any:
             calls.append(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_train_like_one(tmp_path: Path) -> None:
+def test_two_ranks_train_like_one_and_resume_on_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([*_ARGS, "--out", str(tmp_path / "one")]) == 0
     command = [
         sys.executable,
@@ -37,7 +40,18 @@ def test_two_ranks_train_like_one(tmp_path: Path) -> None:
         "PYTHONFAULTHANDLER": "1",  # a crashing rank prints every thread's stack
     }
     result = subprocess.run(
-        [*command, "-m", "d9d", *_ARGS, "--fsdp", "2", "--out", str(tmp_path / "two")],
+        [
+            *command,
+            "-m",
+            "d9d",
+            *_ARGS,
+            "--fsdp",
+            "2",
+            "--save-every",
+            "2",
+            "--out",
+            str(tmp_path / "two"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -48,6 +62,13 @@ def test_two_ranks_train_like_one(tmp_path: Path) -> None:
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(two) == 4
     for a, b in zip(one, two, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    # The 2-rank checkpoint of step 2 resumes in one process: resharded, RNG reset.
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "step_4")
+    capsys.readouterr()
+    assert main([*_ARGS, "--out", str(tmp_path / "two"), "--resume"]) == 0
+    assert "step_2' was saved by 2 ranks and this run has 1" in capsys.readouterr().err
+    for a, b in zip(one, _losses(tmp_path / "two"), strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 

@@ -1,0 +1,45 @@
+"""Which tokens ``d9d train --data`` reads: text, or uint16 token ids; never binary as text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import data
+from ._train_resume import say
+from .errors import DataError
+
+__all__ = ["training_tokens"]
+
+
+def training_tokens(path: Path | None) -> Any:
+    """What the loader reads: text, or a ``.bin`` file of uint16 token ids (``train.bin`` of a
+    folder holding one, nanoGPT's layout); a binary file is never read as text."""
+    if path is None:
+        return data.stdlib_corpus()
+    if not path.exists():
+        raise DataError(
+            f"--data {str(path)!r} does not exist; pass a text file, a folder of text files or a .bin token file"
+        )
+    if path.is_dir():
+        if (path / "train.bin").is_file():
+            say(f"--data: reading uint16 token ids from {str(path / 'train.bin')!r}")
+            return path / "train.bin"
+        token_files = sorted(str(p.relative_to(path)) for p in path.rglob("*.bin"))
+        if token_files:
+            raise DataError(
+                f"--data {str(path)!r} holds token files {token_files[:5]} but no train.bin; "
+                "pass one of them as --data, or a folder of text files only"
+            )
+        return path
+    if path.suffix != ".bin" and _binary(path):
+        raise DataError(
+            f"--data {str(path)!r} is not text (it holds NUL bytes); if it holds uint16 token "
+            "ids, name it with the .bin suffix; otherwise pass a text file"
+        )
+    return path
+
+
+def _binary(path: Path) -> bool:
+    with path.open("rb") as file:
+        return b"\0" in file.read(8192)

@@ -1,0 +1,180 @@
+"""How ``d9d train --resume`` / ``--resume-from`` picks, checks and restores a checkpoint.
+
+* The flags that change the schedule or the model must equal the ``config.json`` of the run
+  that wrote the checkpoint, unless ``--allow-config-change``.
+* ``--resume`` tries the committed checkpoints newest first and falls back past damaged ones
+  (unparsable metadata, a chunk failing its checksum) with a warning; ``--resume-from PATH``
+  restores exactly PATH or fails. Every rank must read its slices; ranks agree on the outcome.
+* Committed checkpoints newer than the restored one are moved aside (``step_<N>.abandoned``):
+  the resumed run writes its own ``step_<N>``, and they are kept for inspection.
+* A checkpoint saved by another number of ranks restores onto this run's layout; its per-rank
+  RNG states cannot be, so they are left as this run seeded them (with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from . import checkpoint
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+
+__all__ = ["SCHEDULE_FLAGS", "check_unchanged", "restore", "say", "set_aside_newer"]
+
+# Flags that change the model, the learning-rate schedule or the data order.
+SCHEDULE_FLAGS = (
+    "preset",
+    "steps",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "clip",
+    "batch_size",
+    "seq_len",
+    "seed",
+    "data",
+    "vocab_size",
+)
+
+
+def say(text: str) -> None:
+    """One line to standard error, from rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"d9d train: {text}", file=sys.stderr, flush=True)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _schedule(config: dict[str, Any]) -> dict[str, Any]:
+    """The schedule flags of a ``config.json`` dict, warmup as the schedule uses it."""
+    values = {name: config.get(name) for name in SCHEDULE_FLAGS}
+    if isinstance(values["warmup"], int) and isinstance(values["steps"], int):
+        values["warmup"] = min(values["warmup"], max(values["steps"] - 1, 0))
+    return values
+
+
+def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -> None:
+    """Refuse, naming each flag, when a schedule flag differs from ``saved_file``.
+
+    Args:
+        current: This run's config as ``config.json`` would hold it.
+        saved_file: The ``config.json`` of the run that wrote the checkpoint.
+        allow: ``--allow-config-change``: warn instead of refusing.
+
+    Raises:
+        ConfigError: A flag differs and ``allow`` is false.
+    """
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (OSError, ValueError) as error:
+        say(f"warning: cannot check the flags against {str(saved_file)!r} ({error})")
+        return
+    if not isinstance(saved, dict):
+        say(f"warning: cannot check the flags against {str(saved_file)!r} (not a JSON object)")
+        return
+    old, new = _schedule(saved), _schedule(current)
+    changed = [
+        f"{_flag(name)} {new[name]} (was {old[name]})"
+        for name in SCHEDULE_FLAGS
+        if old[name] != new[name]
+    ]
+    if not changed:
+        return
+    listed = ", ".join(changed)
+    if allow:
+        say(f"warning: resuming with changed flags: {listed} (--allow-config-change)")
+        return
+    verb = "differs" if len(changed) == 1 else "differ"
+    raise ConfigError(
+        f"{listed} {verb} from {str(saved_file)!r} of the run that wrote the checkpoint, and "
+        "changes the schedule or the model. Pass the old values to resume that run, or "
+        "--allow-config-change to resume with the new ones"
+    )
+
+
+def _agree(problem: BaseException | None) -> BaseException | None:
+    """The first rank's problem, on every rank (``None``: every rank succeeded)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return problem
+    mine = None if problem is None else (isinstance(problem, CheckpointNotFoundError), str(problem))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for rank, theirs in enumerate(gathered):
+        if theirs is not None:
+            kind = CheckpointNotFoundError if theirs[0] else CheckpointCorruptError
+            return kind(f"rank {rank}: {theirs[1]}")
+    return None
+
+
+def _try_restore(path: Path, restore_one: Callable[[Path, bool], Any]) -> tuple[Any, Any]:
+    """``restore_one(path, restore_rng)``, or why it failed (agreed by every rank)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    state, problem = None, None
+    try:
+        saved_world = checkpoint.metadata(path)["world_size"]
+        if saved_world != world:
+            say(
+                f"warning: {str(path)!r} was saved by {saved_world} ranks and this run has "
+                f"{world}; params, optimizer state and data position are resharded, the RNG "
+                "states start afresh from --seed"
+            )
+        state = restore_one(path, saved_world == world)
+    except (CheckpointCorruptError, CheckpointNotFoundError) as error:
+        problem = error
+    return state, _agree(problem)
+
+
+def restore(
+    directory: Path, resume_from: Path | None, restore_one: Callable[[Path, bool], Any]
+) -> Any:
+    """The train state to continue from, or ``None`` to start at step 1.
+
+    Args:
+        directory: The run's checkpoint folder (``OUT/checkpoints``).
+        resume_from: ``--resume-from``; ``None``: the newest readable one in ``directory``.
+        restore_one: ``restore_one(path, restore_rng) -> TrainState``.
+
+    Raises:
+        CheckpointCorruptError: ``resume_from`` is damaged, or every checkpoint is.
+        CheckpointNotFoundError: ``resume_from`` is not a committed checkpoint.
+    """
+    candidates = [resume_from] if resume_from else checkpoint.all_checkpoints(directory)[::-1]
+    if not candidates:
+        say(f"no checkpoint in {str(directory)!r}; starting at step 1")
+        return None
+    for path in candidates:
+        state, problem = _try_restore(path, restore_one)
+        if problem is None:
+            say(f"resumed from {str(path)!r} at step {state.step + 1}")
+            return state
+        if resume_from:
+            raise problem
+        say(f"warning: {str(path)!r} cannot be restored ({problem}); trying an older checkpoint")
+    raise CheckpointCorruptError(
+        f"every checkpoint in {str(directory)!r} is damaged ({[p.name for p in candidates]}); "
+        "pass --resume-from with a good copy, or delete the folder to start afresh"
+    )
+
+
+def set_aside_newer(directory: Path, step: int) -> None:
+    """Rename the committed checkpoints past ``step`` to ``step_<N>.abandoned`` (rank 0)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for path in checkpoint.all_checkpoints(directory):
+        if int(path.name.removeprefix("step_")) <= step:
+            continue
+        aside, n = path.with_name(f"{path.name}.abandoned"), 1
+        while aside.exists():
+            aside, n = path.with_name(f"{path.name}.abandoned-{n}"), n + 1
+        os.rename(path, aside)
+        say(
+            f"warning: moved {str(path)!r} aside to {aside.name!r}: this run resumed at step {step + 1}"
+        )

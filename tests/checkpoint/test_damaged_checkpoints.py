@@ -1,0 +1,106 @@
+"""A damaged newest checkpoint never hides the older ones; leftovers of dead saves are swept."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from d9d import checkpoint
+from d9d.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
+
+
+def _save(directory: Path, step: int, **kwargs) -> Path:
+    return checkpoint.save(
+        directory, {"w": torch.full((3,), float(step))}, step=step, **kwargs
+    ).wait()
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        ("", r"metadata.json' is not valid JSON"),
+        ('{"format": "d9d.checkpoint/1", "st', r"metadata.json' is not valid JSON"),
+        ("[1, 2]", r"metadata.json' is not a d9d checkpoint's metadata: .*missing"),
+        ('{"format": "d9d.checkpoint/1", "step": 2}', r"metadata.json' .*missing .*'leaves'"),
+    ],
+)
+def test_unreadable_metadata_is_corrupt_and_latest_skips_it(
+    tmp_path: Path, damage: str, match: str
+) -> None:
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    (newest / "metadata.json").write_text(damage)
+    with pytest.raises(CheckpointCorruptError, match=match):
+        checkpoint.metadata(newest)
+    with pytest.raises(CheckpointCorruptError, match=match):
+        checkpoint.restore(newest, {"w": torch.zeros(3)})
+    with pytest.warns(UserWarning, match=r"step_2.* skipped"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
+    assert checkpoint.all_checkpoints(tmp_path) == [tmp_path / "step_1", tmp_path / "step_2"]
+
+
+def test_leaf_record_without_its_fields_is_corrupt(tmp_path: Path) -> None:
+    path = _save(tmp_path, 1)
+    meta = json.loads((path / "metadata.json").read_text())
+    del meta["leaves"]["w"]["shape"]
+    (path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointCorruptError, match=r"metadata.json' .*leaf 'w'.*'shape'"):
+        checkpoint.restore(path, {"w": torch.zeros(3)})
+
+
+def test_keep_sweeps_the_trash_of_an_interrupted_rotation(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    trash = tmp_path / "step_1.tmp-deleted-0badf00d"  # a kill mid-delete of step_1 left this
+    (tmp_path / "step_1").rename(trash)
+    _save(tmp_path, 2, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+
+
+def test_sweep_removes_every_unfinished_save(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    for name in ("step_1.tmp-aaaa", "step_7.tmp-bbbb", "step_3.tmp-deleted-cccc"):
+        (tmp_path / name / "arrays").mkdir(parents=True)
+    removed = checkpoint.sweep(tmp_path)
+    assert sorted(p.name for p in removed) == [
+        "step_1.tmp-aaaa",
+        "step_3.tmp-deleted-cccc",
+        "step_7.tmp-bbbb",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    assert checkpoint.sweep(tmp_path / "absent") == []
+
+
+def test_two_saves_of_one_step_leave_no_tmp_folder(tmp_path: Path) -> None:
+    handles = [checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=4)]
+    with contextlib.suppress(CheckpointExistsError):  # the first one committed already
+        handles.append(checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=4))
+    outcomes = []
+    for handle in handles:
+        try:
+            outcomes.append(handle.wait().name)
+        except CheckpointSaveError as error:
+            outcomes.append(str(error))
+    assert outcomes.count("step_4") == 1
+    for outcome in outcomes:
+        assert outcome == "step_4" or re.search(r"step_4' is already committed", outcome)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+
+
+def test_a_held_save_commits_only_when_told(tmp_path: Path) -> None:
+    held = checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=1, hold=True)
+    with pytest.raises(RuntimeError, match=r"step 1 is held: call commit\(\) or discard\(\)"):
+        held.wait()
+    assert checkpoint.latest(tmp_path) is None
+    held.commit()
+    assert held.wait() == tmp_path / "step_1"
+    dropped = checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=2, hold=True, keep=1)
+    dropped.discard()
+    assert dropped.wait() is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # keep deleted nothing
+    with pytest.raises(ValueError, match="hold=True needs async_=True"):
+        checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=3, hold=True, async_=False)
