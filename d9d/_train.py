@@ -29,6 +29,7 @@ from ._module import Model, functionalize
 from ._pipeline_run import SCHEDULES
 from ._process_group import init_process_group
 from ._step import TransformedStep
+from ._train_checkpoints import Checkpointer, check_finite
 from ._train_data import training_tokens
 from ._train_log import MetricsLog
 from .errors import DataError
@@ -347,7 +348,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     if rank0:
         config.out.mkdir(parents=True, exist_ok=True)
         (config.out / "config.json").write_text(json.dumps(_config_json(config), indent=2) + "\n")
-    saver = _Checkpointer(config)
+    saver = Checkpointer(config.out / "checkpoints", config.save_every, config.keep)
     log_path = config.out / "metrics.jsonl" if rank0 else None
     try:
         with MetricsLog(log_path, first_step) as log:
@@ -371,79 +372,6 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     return TrainRun(records, first_step, max(first_step, config.steps))
 
 
-class _Checkpointer:
-    """Train-state checkpoints every ``save_every`` steps, one asynchronous save at a time.
-
-    A checkpoint is held (written, not committed) until the next step's loss and gradient
-    norm, computed from its params, are found finite: an update after a finite loss can
-    still ruin the params (at ``--lr 1e6`` step 2's params are finite, their gradient NaN).
-    """
-
-    def __init__(self, config: TrainConfig) -> None:
-        self._config = config
-        self._pending: checkpoint.SaveHandle | None = None
-        self.held: int | None = None  # the step of a save awaiting vouch() or discard()
-
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is saved."""
-        every = self._config.save_every
-        return bool(every) and step % every == 0
-
-    def save(self, step: int, params: Any, opt_state: Any, loader: data.TokenLoader) -> None:
-        self.wait()
-        self._pending = checkpoint.save_train_state(
-            self._config.out / "checkpoints",
-            step=step,
-            params=params,
-            opt_state=opt_state,
-            data=loader.state_dict(),
-            keep=self._config.keep,
-            hold=True,
-        )
-        self.held = step
-
-    def vouch(self) -> None:
-        """The held checkpoint's params gave a finite step: let it commit."""
-        if self.held is not None:
-            self._pending.commit()
-            self.held = None
-
-    def discard(self) -> None:
-        """The held checkpoint's params gave a non-finite step: drop it."""
-        if self.held is not None:
-            self._pending.discard()
-            self.held = None
-        self.wait()
-
-    def wait(self) -> None:
-        """Wait for the save in flight; a held one commits (its own step was finite)."""
-        self.vouch()
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.wait()
-
-
-def _check_finite(
-    step: int, metrics: dict[str, Any], config: TrainConfig, held: int | None
-) -> tuple[float, float]:
-    """The step's loss and gradient norm; raises before a non-finite one is logged or saved."""
-    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return loss, grad_norm
-    directory = str(config.out / "checkpoints")
-    if held is not None:
-        kept = (
-            f"; step {held}'s checkpoint, whose params gave them, is dropped and the older "
-            f"ones in {directory!r} stay"
-        )
-    else:
-        kept = f"; the checkpoints in {directory!r} stay" if config.save_every else ""
-    raise FloatingPointError(
-        f"loss is {loss} and gradient norm {grad_norm} at step {step}{kept}. "
-        "Lower --lr or check the data"
-    )
-
-
 def _loop(
     config: TrainConfig,
     step: Callable[..., Any],
@@ -453,7 +381,7 @@ def _loop(
     device: torch.device,
     console: Console,
     first_step: int,
-    saver: _Checkpointer,
+    saver: Checkpointer,
     log: MetricsLog,
 ) -> list[dict[str, float]]:
     records: list[dict[str, float]] = []
@@ -483,7 +411,7 @@ def _loop(
                 progress.advance(task)
                 continue
             try:  # every rank sees the same loss and norm, so decides the same
-                loss, grad_norm = _check_finite(n, metrics, config, saver.held)
+                loss, grad_norm = check_finite(n, metrics, saver)
             except FloatingPointError:
                 saver.discard()
                 raise
