@@ -8,6 +8,9 @@ from . import _block_attention  # noqa: F401 - registers the block_attention op
 from ._adamw import adamw as adamw
 from ._cross_entropy import cross_entropy as cross_entropy
 from ._fused_linear_cross_entropy import fused_linear_cross_entropy as fused_linear_cross_entropy
+from ._grouped_gemm import grouped_gemm as grouped_gemm
+from ._moe_permute import moe_permute as moe_permute
+from ._moe_permute import moe_unpermute as moe_unpermute
 from ._registry import available as available
 from ._registry import register_backend as register_backend
 from ._registry import use as use
@@ -22,6 +25,9 @@ __all__ = [
     "cross_entropy",
     "fused_add_rms_norm",
     "fused_linear_cross_entropy",
+    "grouped_gemm",
+    "moe_permute",
+    "moe_unpermute",
     "register_backend",
     "rms_norm",
     "rope",

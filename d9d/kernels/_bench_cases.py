@@ -19,6 +19,8 @@ from . import _reference as R
 from ._adamw import adamw
 from ._cross_entropy import cross_entropy
 from ._fused_linear_cross_entropy import fused_linear_cross_entropy
+from ._grouped_gemm import grouped_gemm
+from ._moe_permute import moe_permute, moe_unpermute, permute_reference, route, unpermute_reference
 from ._rms_norm import fused_add_rms_norm, rms_norm
 from ._rope import rope
 from ._swiglu import swiglu
@@ -27,6 +29,8 @@ __all__ = ["OPS", "SHAPES", "Case", "cases"]
 
 # Llama-3 8B: hidden 4096, MLP 14336, vocab 128256, 32 query and 8 key/value heads of 128,
 # one batch of 8192 tokens. "tiny" only exercises the code path (CPU, Triton interpreter).
+# The MoE ops run at the "moe" models' shapes with the same tokens: OLMoE-1B-7B (64 experts,
+# top-8, hidden 2048, expert MLP 1024) and Qwen3-30B-A3B (128 experts, top-8, 2048, 768).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
         "tokens": 8192,
@@ -34,8 +38,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "mlp": 14336,
         "vocab": 128256,
         "heads": (32, 8, 128),
+        "moe": {
+            "olmoe-1b-7b": {"experts": 64, "top_k": 8, "hidden": 2048, "expert_mlp": 1024},
+            "qwen3-30b-a3b": {"experts": 128, "top_k": 8, "hidden": 2048, "expert_mlp": 768},
+        },
     },
-    "tiny": {"tokens": 24, "hidden": 40, "mlp": 56, "vocab": 300, "heads": (4, 2, 16)},
+    "tiny": {
+        "tokens": 24,
+        "hidden": 40,
+        "mlp": 56,
+        "vocab": 300,
+        "heads": (4, 2, 16),
+        "moe": {"tiny-moe": {"experts": 5, "top_k": 2, "hidden": 40, "expert_mlp": 24}},
+    },
 }
 OPS = (
     "rms_norm",
@@ -45,6 +60,9 @@ OPS = (
     "cross_entropy",
     "fused_linear_cross_entropy",
     "adamw",
+    "grouped_gemm",
+    "moe_permute",
+    "moe_unpermute",
 )
 
 
@@ -240,6 +258,85 @@ def _adamw_case(sizes: dict, m: _Maker) -> Case:
     return Case("adamw", "decoder-layer-fp32", inputs, impls, 7 * 4 * elements, None, graph=False)
 
 
+def _expert_loop(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """The common baseline: one matmul per expert over split rows (syncs the host)."""
+    chunks = x.split(group_sizes.tolist())
+    return torch.cat([chunk @ w[e] for e, chunk in enumerate(chunks)])
+
+
+def _moe_model_cases(n: int, model: str, moe: dict, m: _Maker) -> list[Case]:
+    """One MoE model's ops: permute, the gate+up and down grouped GEMMs, unpermute.
+
+    Routing is uniform: each token picks ``top_k`` distinct experts at random.
+    """
+    experts, top_k, h, inter = moe["experts"], moe["top_k"], moe["hidden"], moe["expert_mlp"]
+    rows = n * top_k
+
+    def routing() -> torch.Tensor:
+        return torch.rand(n, experts, device=m.device).topk(top_k, dim=1).indices
+
+    def permute_inputs():
+        return {"x": m.randn(n, h), "expert_ids": routing(), "num_experts": experts}
+
+    def unpermute_inputs():
+        row_map, _ = route(routing(), experts)
+        weights = torch.rand(n, top_k, device=m.device).requires_grad_()
+        return {"permuted_out": m.randn(rows, h), "row_map": row_map, "weights": weights}
+
+    def gemm_inputs(k: int, out: int) -> Callable[[], dict]:
+        def make():
+            sizes = torch.bincount(routing().flatten(), minlength=experts).to(torch.int32)
+            w = m.randn(experts, k, out, scale=k**-0.5)
+            return {"x": m.randn(rows, k), "w": w, "group_sizes": sizes}
+
+        return make
+
+    permuted, tokens = rows * h * m.size, n * h * m.size
+    gemms = {
+        "torch": lambda **kw: grouped_gemm(**kw, backend="torch"),
+        "triton": _triton(grouped_gemm),
+        "eager": _expert_loop,
+    }
+    cases = [
+        Case(
+            "moe_permute",
+            f"{model}:{n}x{top_k}x{h}",
+            permute_inputs,
+            {"triton": _triton(moe_permute), "eager": permute_reference},
+            tokens + permuted,
+            2 * (tokens + permuted),
+        )
+    ]
+    for name, k, out in (("gate_up", h, 2 * inter), ("down", inter, h)):
+        operands = (rows * k + experts * k * out + rows * out) * m.size
+        flops = 2 * rows * k * out
+        shape = f"{model}:{name}:{rows}x{k}x{out}/E{experts}"
+        cases.append(
+            Case(
+                "grouped_gemm",
+                shape,
+                gemm_inputs(k, out),
+                gemms,
+                operands,
+                3 * operands,
+                flops_fwd=flops,
+                flops_fwd_bwd=3 * flops,
+                graph=False,  # the eager loop syncs the host, which a capture cannot
+            )
+        )
+    cases.append(
+        Case(
+            "moe_unpermute",
+            f"{model}:{n}x{top_k}x{h}",
+            unpermute_inputs,
+            {"triton": _triton(moe_unpermute), "eager": unpermute_reference},
+            permuted + tokens,
+            3 * permuted + 2 * tokens,  # the weight gradient reads the expert outputs again
+        )
+    )
+    return cases
+
+
 def _liger():
     """Liger-Kernel's ``transformers`` module if installed, else None."""
     try:
@@ -258,4 +355,11 @@ def cases(sizes: dict[str, Any], dtype: torch.dtype, device: str, *, liger: bool
         _rope_case(sizes, maker, module),
         *_loss_cases(sizes, maker, module),
         _adamw_case(sizes, maker),
+        # Last: they are captured in CUDA graphs for the first time, and a failed capture
+        # would leave CUDA's random-number state unusable for the cases after it.
+        *(
+            case
+            for model, moe in sizes["moe"].items()
+            for case in _moe_model_cases(sizes["tokens"], model, moe, maker)
+        ),
     ]

@@ -79,11 +79,15 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
         "cross_entropy",
         "fused_add_rms_norm",
         "fused_linear_cross_entropy",
+        "grouped_gemm",
+        "moe_permute",
+        "moe_unpermute",
         "rms_norm",
         "rope",
         "swiglu",
     ]
     assert list(table["fused_linear_cross_entropy"]) == ["triton", "chunked", "reference"]
+    assert list(table["grouped_gemm"]) == ["torch", "triton", "reference"]
     assert all(backends["reference"] is None for backends in table.values())
     monkeypatch.setattr(_triton_env, "_installed", lambda: False)
     assert (
