@@ -20,7 +20,7 @@ from ._module import Axes, Model
 from ._pipeline_run import PipelineLayout
 from ._plan import ParamPlan, Plan
 from ._sequence_split import SequenceSplit
-from .errors import IndivisibleError, PlanError
+from .errors import IndivisibleError, ParamShapeError, PlanError
 
 __all__ = ["Memory", "Transform", "TransformedStep"]
 
@@ -250,9 +250,15 @@ class TransformedStep:
 
         Returns:
             ``(params, opt_state)`` placed on the mesh; ``self.plan`` describes them.
+
+        Raises:
+            ParamTreeMismatchError: With ``model``, ``params`` has other paths than the model's.
+            ParamShapeError: With ``model``, a param's shape is not the model's.
         """
-        if axes is None and model is not None:
-            axes = model.axes
+        if model is not None:
+            model.check_params(params)
+            if axes is None:
+                axes = model.axes
         plan = self.make_plan(params, axes, model)
         self._plan = plan
         placed = {p: _distribute(params[p], plan.mesh, plan.entries[p].storage) for p in plan.held}
@@ -422,12 +428,17 @@ def check_placed(params: Any, plan: Plan) -> None:
             "pass the params returned by step.place(...) or by the previous step"
         )
     for path, leaf in params.items():
-        want = plan.entries[path].storage
-        if not isinstance(leaf, DTensor) or tuple(leaf.placements) != want:
+        entry = plan.entries[path]
+        if not isinstance(leaf, DTensor) or tuple(leaf.placements) != entry.storage:
             got = tuple(leaf.placements) if isinstance(leaf, DTensor) else "a plain tensor"
             raise PlanError(
-                f"param {path!r} is {got} but the plan stores it as {want}; pass the params "
-                "returned by step.place(...) or by the previous step"
+                f"param {path!r} is {got} but the plan stores it as {entry.storage}; pass the "
+                "params returned by step.place(...) or by the previous step"
+            )
+        if leaf.shape != entry.shape:
+            raise ParamShapeError(
+                f"param {path!r} has shape {tuple(leaf.shape)} but the plan's is {entry.shape}; "
+                "pass the params returned by step.place(...) or by the previous step"
             )
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "KernelUnavailableError",
     "MeshError",
     "OptimTreeMismatchError",
+    "ParamShapeError",
     "ParamTreeMismatchError",
     "PlanError",
     "RankFailedError",
@@ -30,6 +31,10 @@ class ParamTreeMismatchError(KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class ParamShapeError(ValueError):
+    """A param's shape differs from the model's or the plan's: names the path and both shapes."""
 
 
 class DonatedTreeError(RuntimeError):

@@ -7,7 +7,7 @@ import torch
 
 import d9d
 from d9d._train import make_train_step
-from d9d.errors import DonatedTreeError, RecompileError
+from d9d.errors import DonatedTreeError, ParamShapeError, RecompileError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import assert_trees_all_close
 
@@ -86,3 +86,17 @@ def test_mode_needs_the_inductor_backend() -> None:
         r"backend='aot_eager'",
     ):
         d9d.jit(lambda p, s, b: (p, s, b), mode="max-autotune", backend="aot_eager")
+
+
+def test_param_of_wrong_shape_stops_the_trace_with_its_path() -> None:
+    """The model's check runs while Dynamo traces, so the error comes before any compile."""
+    model, opt, step, batches = _setup()
+    params = {**_clone(model.params), "layers.1.mlp.w_up.weight": torch.zeros(176, 65)}
+    jitted = d9d.jit(step)
+    with pytest.raises(
+        ParamShapeError,
+        match=r"param 'layers\.1\.mlp\.w_up\.weight' has shape \(176, 65\) but the model's is "
+        r"\(176, 64\)",
+    ):
+        jitted(params, opt.init(params), batches[0])
+    assert jitted.traces == 0
