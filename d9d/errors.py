@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "BatchShapeError",
     "CheckpointCorruptError",
     "CheckpointExistsError",
     "CheckpointMismatchError",
@@ -86,6 +87,10 @@ class MeshError(ValueError):
 
 class PlanError(ValueError):
     """Transforms conflict, or a param cannot be laid out as asked: names the path and the fix."""
+
+
+class BatchShapeError(ValueError):
+    """Ranks pass batches of different shapes or dtypes to one step: names both ranks."""
 
 
 class IndivisibleError(ValueError):

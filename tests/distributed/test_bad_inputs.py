@@ -1,16 +1,20 @@
-"""A transformed step refuses bad inputs before any collective of the step."""
+"""A transformed step refuses bad inputs before any collective of the step: params of the wrong
+shape, and ranks passing batches of different shapes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 import d9d
+import d9d._step
+from d9d._batch_check import check_batch
 from d9d._train import make_train_step
-from d9d.errors import ParamShapeError
+from d9d.errors import BatchShapeError, ParamShapeError
 from d9d.models import Llama, LlamaConfig
-from d9d.testing import fake_world
+from d9d.testing import fake_world, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -50,3 +54,39 @@ def test_param_of_wrong_shape_is_named_by_place_and_by_the_step() -> None:
             r"is \(176, 64\); pass the params returned by step\.place",
         ):
             step(params, state, _batch(2))
+
+
+def test_ranks_passing_batches_of_different_shapes_are_named_on_the_first_call() -> None:
+    def rank() -> None:
+        model, opt, step = _setup(dp=2, fsdp=2)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        with pytest.raises(
+            BatchShapeError,
+            match=r"rank 0 \(dp=0, fsdp=0\) passes \{labels: int64\[2, 8\], tokens: int64\[2, 8\]\} "
+            r"but rank 3 \(dp=1, fsdp=1\) passes \{labels: int64\[3, 8\], tokens: int64\[3, 8\]\}; "
+            r"every rank must pass a batch of the same shapes",
+        ):
+            step(params, state, _batch(3 if dist.get_rank() == 3 else 2))
+
+    run_on_ranks(rank, 4)
+
+
+def test_batch_shapes_are_checked_again_only_when_they_change(monkeypatch) -> None:
+    checks = []
+
+    def counting_check(batch, mesh) -> None:
+        checks.append(dist.get_rank())
+        check_batch(batch, mesh)
+
+    monkeypatch.setattr(d9d._step, "check_batch", counting_check)
+
+    def rank() -> None:
+        model, opt, step = _setup(fsdp=2)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        params, state, _ = step(params, state, _batch())
+        params, state, _ = step(params, state, _batch())
+        with pytest.raises(BatchShapeError, match=r"tokens: int64\[2, 4\].*tokens: int64\[2, 6\]"):
+            step(params, state, _batch(seq_len=4 if dist.get_rank() == 0 else 6))
+
+    run_on_ranks(rank, 2)
+    assert sorted(checks) == [0, 0, 1, 1], "one check on the first call, one on the change"
