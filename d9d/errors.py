@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DonatedTreeError",
+    "IndexRangeError",
     "IndivisibleError",
     "KernelInputError",
     "KernelUnavailableError",
@@ -91,6 +92,10 @@ class PlanError(ValueError):
 
 class BatchShapeError(ValueError):
     """Ranks pass batches of different shapes or dtypes to one step: names both ranks."""
+
+
+class IndexRangeError(IndexError):
+    """A step's integer input indexes past its table (token ids past the vocab): names it."""
 
 
 class IndivisibleError(ValueError):

@@ -7,7 +7,7 @@ import torch
 
 import d9d
 from d9d._train import make_train_step
-from d9d.errors import DonatedTreeError, ParamShapeError, RecompileError
+from d9d.errors import DonatedTreeError, IndexRangeError, ParamShapeError, RecompileError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import assert_trees_all_close
 
@@ -100,3 +100,25 @@ def test_param_of_wrong_shape_stops_the_trace_with_its_path() -> None:
     ):
         jitted(params, opt.init(params), batches[0])
     assert jitted.traces == 0
+
+
+def test_out_of_range_ids_raise_naming_the_input_and_leave_donated_params_untouched() -> None:
+    """Inductor's own bounds check aborts the process (exit 134); the guard raises first."""
+    model, opt, step, batches = _setup()
+    params, state = _clone(model.params), opt.init(model.params)
+    jitted = d9d.jit(step)
+    bad_tokens, bad_labels, ignored = (_clone(batches[0]) for _ in range(3))  # same strides
+    bad_tokens["tokens"][1, 5] = 256
+    with pytest.raises(
+        IndexRangeError,
+        match=r"batch\['tokens'\], the index of an embedding over 256 entries, holds 256 at "
+        r"position \(1, 5\), outside \[0, 256\); check the data against the model",
+    ):
+        jitted(params, state, bad_tokens)
+    bad_labels["labels"][0, 2] = -1
+    with pytest.raises(IndexRangeError, match=r"batch\['labels'\], the index of a gather .* -1"):
+        jitted(params, state, bad_labels)
+    assert_trees_all_close(params, model.params, rtol=0, atol=0)
+    ignored["labels"][0, 2] = -100  # the ignore index is not looked up
+    _, _, metrics = jitted(params, state, ignored)
+    assert torch.isfinite(metrics["loss"]) and jitted.traces == 1
