@@ -122,3 +122,32 @@ def test_out_of_range_ids_raise_naming_the_input_and_leave_donated_params_untouc
     ignored["labels"][0, 2] = -100  # the ignore index is not looked up
     _, _, metrics = jitted(params, state, ignored)
     assert torch.isfinite(metrics["loss"]) and jitted.traces == 1
+
+
+def test_out_of_range_ids_of_a_hugging_face_model_are_named_under_any_backend() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = d9d.functionalize(transformers.LlamaForCausalLM(config))
+
+    @d9d.jit(backend="aot_eager", donate=())
+    def step(params, opt_state, batch):
+        logits = model.apply(params, batch["tokens"]).logits
+        return params, opt_state, {"loss": d9d.losses.cross_entropy(logits, batch["labels"])}
+
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone()}
+    batch["tokens"][0, 7] = 97
+    with pytest.raises(
+        IndexRangeError,
+        match=r"batch\['tokens'\], the index of an embedding over 97 entries, holds 97 at "
+        r"position \(0, 7\)",
+    ):
+        step(model.params, (), batch)
