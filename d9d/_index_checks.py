@@ -1,11 +1,12 @@
 """Integer inputs checked against the table they index, inside a compiled step.
 
-Inductor turns an out-of-range index into a C++ ``TORCH_CHECK`` inside an OpenMP region (or a
-CUDA device assert), which aborts the process instead of raising. Before a captured graph is
-compiled, every lookup of a plain integer tensor into a table (``F.embedding``, ``gather``) gets
-its index passed through ``d9d::check_index``: an opaque op that raises
-:class:`~d9d.errors.IndexRangeError`, naming the step input the index comes from, before the
-lookup runs. Donated inputs are then still untouched: their copies come at the graph's end.
+Inductor turns an out-of-range index into a C++ ``TORCH_CHECK`` inside an OpenMP region, which
+aborts the process instead of raising (on CUDA, a device-side assert, sticky for the process).
+Before a captured graph is compiled, every lookup into a table (``F.embedding``, ``gather``)
+whose index is computed from the step's integer inputs alone (token ids, labels) gets that index
+passed through ``d9d::check_index``: an opaque op that raises :class:`~d9d.errors.IndexRangeError`,
+naming the step inputs the index comes from, before the lookup runs. Donated inputs are then
+still untouched: their copies come at the graph's end.
 """
 
 from __future__ import annotations
@@ -46,24 +47,22 @@ def _(index: torch.Tensor, size: int, what: str) -> torch.Tensor:
     return torch.empty_like(index)
 
 
-def _embedding(node: fx.Node) -> tuple[fx.Node, fx.Node, int, str] | None:
-    index, weight = (
-        node.args[0],
-        node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None),
-    )
-    return (index, weight, 0, "an embedding") if isinstance(weight, fx.Node) else None
+_Lookup = tuple[object, object, int, str]
+"""A lookup's index node, table node, the table dim it indexes, and what it is."""
 
 
-def _gather(node: fx.Node) -> tuple[fx.Node, fx.Node, int, str] | None:
-    source, dim, index = (*node.args, None, None)[:3]
-    dim = node.kwargs.get("dim", dim)
-    index = node.kwargs.get("index", index)
-    return (index, source, dim, "a gather") if isinstance(dim, int) else None
+def _embedding(node: fx.Node) -> _Lookup:
+    args = dict(zip(("input", "weight"), node.args, strict=False)) | node.kwargs
+    return args.get("input"), args.get("weight"), 0, "an embedding"
 
 
-_LOOKUPS: dict[
-    tuple[str, object], Callable[[fx.Node], tuple[fx.Node, fx.Node, int, str] | None]
-] = {
+def _gather(node: fx.Node) -> _Lookup | None:
+    args = dict(zip(("input", "dim", "index"), node.args, strict=False)) | node.kwargs
+    dim = args.get("dim")
+    return (args.get("index"), args.get("input"), dim, "a gather") if isinstance(dim, int) else None
+
+
+_LOOKUPS: dict[tuple[str, object], Callable[[fx.Node], _Lookup | None]] = {
     ("call_function", F.embedding): _embedding,
     ("call_function", torch.gather): _gather,
     ("call_method", "gather"): _gather,
@@ -80,12 +79,14 @@ def guard_indices(graph: fx.GraphModule) -> int:
         if found is None:
             continue
         index, table, dim, kind = found
-        index_value = _value(index)
-        table_value = _value(table)
+        index_value, table_value = _value(index), _value(table)
         if not _plain_integer(index_value) or not isinstance(table_value, torch.Tensor):
             continue
+        inputs = _inputs_of(index)
+        if not inputs:
+            continue
         size = table_value.shape[dim]
-        what = f"{_origin(index)}, the index of {kind} over {size} entries,"
+        what = f"{' and '.join(inputs)}, the index of {kind} over {size} entries,"
         with graph.graph.inserting_before(node):
             checked = graph.graph.call_function(
                 torch.ops.d9d.check_index.default, (index, size, what)
@@ -113,20 +114,23 @@ def _plain_integer(value: object) -> bool:
     )
 
 
-def _origin(node: fx.Node) -> str:
-    """The step inputs ``node`` is computed from, named like ``batch['tokens']``."""
-    names, seen, stack = [], set(), [node]
+def _inputs_of(index: fx.Node) -> list[str]:
+    """The step inputs ``index`` is computed from, named like ``batch['tokens']``; none when
+    any tensor on the way is floating (an index the model computes, like a router's top-k,
+    is in range by construction and is left unguarded: each guard is a device-to-host read)."""
+    names, seen, stack = set(), set(), [index]
     while stack:
-        current = stack.pop()
-        if current in seen:
+        node = stack.pop()
+        if node in seen:
             continue
-        seen.add(current)
-        if current.op == "placeholder":
-            if _plain_integer(_value(current)):
-                names.append(_source_name(current))
-            continue
-        stack.extend(current.all_input_nodes)
-    return " and ".join(sorted(set(names))) or "an integer tensor computed in the step"
+        seen.add(node)
+        value = _value(node)
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            return []
+        if node.op == "placeholder":
+            names.add(_source_name(node))
+        stack.extend(node.all_input_nodes)
+    return sorted(names)
 
 
 def _source_name(placeholder: fx.Node) -> str:
