@@ -4,8 +4,11 @@ Variants, each training the same Llama preset with AdamW + global-norm clipping:
   torch       ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``
   d9d eager   ``d9d.value_and_grad`` + ``d9d.optim`` (``_foreach`` updates)
   d9d jit     the same step under ``d9d.jit`` (one compiled graph, params donated)
+  d9d jit, no index guard
+              the same, compiled without ``d9d::check_index`` on the token ids and labels
+              (what ``d9d.jit`` did before it raised on out-of-range ids): its cost per step
 Reports the median step time over repeats (warm-up and compilation excluded), tokens/s and
-the ratio to ``torch``. JSON out:
+the ratio to ``torch``, and the median time of each per-call input check on its own. JSON out:
 
     python benchmarks/step_overhead.py --preset small --out benchmarks/results/step_overhead-cpu.json
 """
@@ -18,11 +21,16 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 import d9d
+import d9d._jit
+from d9d._batch_check import batch_signature
+from d9d._index_checks import check_index
 from d9d._train import make_train_step
 from d9d.models import Llama, LlamaConfig
 
@@ -75,6 +83,42 @@ def _d9d_loop(config: LlamaConfig, lr: float, device: torch.device, *, jit: bool
     return run
 
 
+def _without_index_guard(run: Callable) -> Callable:
+    """``run`` whose first call (the compile) leaves the ids unguarded."""
+    compiled = False
+
+    def call(batch):
+        nonlocal compiled
+        if compiled:
+            return run(batch)
+        with mock.patch.object(d9d._jit, "guard_indices", lambda graph: 0):
+            out = run(batch)
+        compiled = True
+        return out
+
+    return call
+
+
+def _check_costs_us(config: LlamaConfig, batch: dict, device: torch.device) -> dict[str, float]:
+    """Median microseconds of each check a step runs on every call, on its own."""
+    model = d9d.functionalize(Llama(config, device=device))
+    checks = {
+        "check_index (token ids)": lambda: check_index(batch["tokens"], config.vocab_size, ""),
+        "Model.check_params": lambda: model.check_params(model.params),
+        "batch_signature": lambda: batch_signature(batch),
+    }
+    out = {}
+    for name, fn in checks.items():
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        out[name] = round(statistics.median(times[20:]) * 1e6, 1)
+    return out
+
+
 def _time_steps(run, batches, device: torch.device, *, warmup: int, steps: int) -> list[float]:
     for batch in batches[:warmup]:
         run(batch)
@@ -109,6 +153,9 @@ def main() -> None:
         "torch": lambda: _torch_loop(config, 1e-3, device),
         "d9d eager": lambda: _d9d_loop(config, 1e-3, device, jit=False),
         "d9d jit": lambda: _d9d_loop(config, 1e-3, device, jit=True),
+        "d9d jit, no index guard": lambda: _without_index_guard(
+            _d9d_loop(config, 1e-3, device, jit=True)
+        ),
     }
     medians: dict[str, list[float]] = {name: [] for name in builders}
     for _ in range(args.repeats):
@@ -152,6 +199,7 @@ def main() -> None:
             "params": sum(p.numel() for p in Llama(config, device="meta").parameters()),
         },
         "results": results,
+        "checks_us": _check_costs_us(config, batches[0], device),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -160,6 +208,8 @@ def main() -> None:
         print(
             f"| {r['variant']} | {r['median_step_ms']} | {r['tokens_per_s']} | {r['ratio_to_torch']} |"
         )
+    for name, us in report["checks_us"].items():
+        print(f"{name}: {us} us")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch._inductor
 
 from . import tree
 from ._active import activate
+from ._index_checks import guard_indices
 from ._step import TransformedStep
 from .errors import DonatedTreeError, PlanError, RecompileError
 
@@ -58,6 +59,7 @@ class Jitted:
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.traces += 1
+        guard_indices(graph)
         if self._compiler is not None:
             return self._compiler(graph, example_inputs)
         return torch._inductor.compile(graph, example_inputs, options=self._inductor_options)
@@ -154,6 +156,9 @@ def jit(
 
     Raises:
         DonatedTreeError: An argument holds a tree donated to an earlier call.
+        IndexRangeError: An integer input (token ids, labels) indexes past the embedding or
+            logits it looks up, checked inside the graph before the lookup; the donated trees
+            are left as they were.
         RecompileError: With ``fail_on_recompile``, a call would trace the step again.
         ValueError: ``mode`` with a backend other than inductor.
 

@@ -14,7 +14,7 @@ from torch import nn
 from ._active import active_plan
 from ._gather import apply_placed, enter_block, enter_module, exit_block, exit_module
 from ._sequence_split import position_kwarg
-from .errors import ParamTreeMismatchError
+from .errors import ParamShapeError, ParamTreeMismatchError
 
 __all__ = ["Axes", "Model", "functionalize"]
 
@@ -90,6 +90,7 @@ class Model:
 
         Raises:
             ParamTreeMismatchError: ``params`` misses paths of the model or has extra ones.
+            ParamShapeError: A param's (global) shape is not the model's.
 
         Example:
             >>> model = functionalize(torch.nn.Linear(3, 2))
@@ -97,8 +98,14 @@ class Model:
             torch.Size([1, 2])
         """
         plan = active_plan()
-        if params.keys() != self.params.keys() and (plan is None or plan.pipeline is None):
-            raise _mismatch(params.keys(), self.params.keys())
+        if plan is None:
+            self.check_params(params)
+        else:  # the params may be local shards here: the plan holds their global shapes
+            entries = plan.entries
+            self.check_params(
+                {p: entries.get(p, leaf) for p, leaf in params.items()},
+                subset=plan.pipeline is not None,
+            )
         if plan is not None:
             return apply_placed(self, plan, params, args, kwargs)
         saved = []
@@ -112,6 +119,32 @@ class Model:
         finally:
             for slot, old in zip(self._slots, saved, strict=True):
                 slot.store()[slot.name] = old
+
+    def check_params(self, params: Mapping[str, Any], *, subset: bool = False) -> None:
+        """Raise unless ``params`` has the model's paths, each of the model's (global) shape.
+
+        Run by ``apply`` before the forward; under ``d9d.jit`` it runs while the step is traced,
+        so a wrong shape stops the compile with this error instead of a fake-tensor dump.
+
+        Args:
+            params: ``{path: anything with a global .shape}`` (tensors, DTensors, plan entries).
+            subset: Accept a subset of the model's paths (a pipeline stage's params).
+
+        Raises:
+            ParamTreeMismatchError: Paths are missing (unless ``subset``) or unexpected.
+            ParamShapeError: A param's shape is not the model's.
+        """
+        given, wanted = params.keys(), self.params.keys()
+        if given != wanted and not (subset and given <= wanted):
+            raise _mismatch(given, wanted)
+        for path, leaf in params.items():
+            want = self.params[path].shape
+            if leaf.shape != want:
+                raise ParamShapeError(
+                    f"param {path!r} has shape {tuple(leaf.shape)} but the model's is "
+                    f"{tuple(want)}; pass params built for this model (model.params, or a "
+                    "checkpoint restored onto them)"
+                )
 
 
 def _mismatch(given: Any, wanted: Any) -> ParamTreeMismatchError:

@@ -15,12 +15,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from . import tree
 from ._activations import ActivationLayout, check_modules
 from ._active import activate
+from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._comms import CollectiveCounter, CommStats
 from ._module import Axes, Model
 from ._pipeline_run import PipelineLayout
 from ._plan import ParamPlan, Plan
 from ._sequence_split import SequenceSplit
-from .errors import IndivisibleError, PlanError
+from .errors import IndivisibleError, ParamShapeError, PlanError
 
 __all__ = ["Memory", "Transform", "TransformedStep"]
 
@@ -120,6 +121,7 @@ class TransformedStep:
         self.mesh = _one_mesh(self.transforms)
         _check_claims(self.transforms)
         self._plan: Plan | None = None
+        self._checked_batch: BatchSignature | None = None
         functools.update_wrapper(self, fn, updated=())
 
     def with_transform(self, transform: Transform) -> TransformedStep:
@@ -269,9 +271,15 @@ class TransformedStep:
 
         Returns:
             ``(params, opt_state)`` placed on the mesh; ``self.plan`` describes them.
+
+        Raises:
+            ParamTreeMismatchError: With ``model``, ``params`` has other paths than the model's.
+            ParamShapeError: With ``model``, a param's shape is not the model's.
         """
-        if axes is None and model is not None:
-            axes = model.axes
+        if model is not None:
+            model.check_params(params)
+            if axes is None:
+                axes = model.axes
         plan = self.make_plan(params, axes, model)
         self._plan = plan
         placed = {p: _distribute(params[p], plan.mesh, plan.entries[p].storage) for p in plan.held}
@@ -285,9 +293,16 @@ class TransformedStep:
             return self.run(params, opt_state, batch)
 
     def check_inputs(self, params: Any, batch: Any) -> None:
-        """Raise unless ``params`` are placed by this step's plan and the batch is consistent."""
+        """Raise unless ``params`` are placed by this step's plan and the batch is consistent.
+
+        The batch is checked across ranks (a collective) on the first call and whenever its
+        shapes change; a call with the shapes of the last one only compares its signature.
+        """
         check_placed(params, self.plan)
-        _check_batch(batch)
+        signature = batch_signature(batch)
+        if signature != self._checked_batch:
+            check_batch(batch, self.mesh)
+            self._checked_batch = signature
 
     def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         """One step, inputs checked and the plan active (``d9d.jit`` does both outside its graph)."""
@@ -323,6 +338,7 @@ class TransformedStep:
             if pipeline is not None and pipeline.tie_group is not None
             else None
         )
+        self.check_inputs(params, batch)  # its one-off all-gather of shapes is not the step's
         with CollectiveCounter(self.mesh, labels) as counter:
             self(params, opt_state, batch)
         return counter.stats
@@ -439,23 +455,15 @@ def check_placed(params: Any, plan: Plan) -> None:
             "pass the params returned by step.place(...) or by the previous step"
         )
     for path, leaf in params.items():
-        want = plan.entries[path].storage
-        if not isinstance(leaf, DTensor) or tuple(leaf.placements) != want:
+        entry = plan.entries[path]
+        if not isinstance(leaf, DTensor) or tuple(leaf.placements) != entry.storage:
             got = tuple(leaf.placements) if isinstance(leaf, DTensor) else "a plain tensor"
             raise PlanError(
-                f"param {path!r} is {got} but the plan stores it as {want}; pass the params "
-                "returned by step.place(...) or by the previous step"
+                f"param {path!r} is {got} but the plan stores it as {entry.storage}; pass the "
+                "params returned by step.place(...) or by the previous step"
             )
-
-
-def _check_batch(batch: Any) -> None:
-    sizes = {
-        path: leaf.shape[0]
-        for path, leaf in tree.flatten_with_paths(batch)[0]
-        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0
-    }
-    if len(set(sizes.values())) > 1:
-        raise IndivisibleError(
-            f"batch leaves disagree on the batch size (dim 0): {sizes}; every tensor in the "
-            "batch must hold the same number of examples"
-        )
+        if leaf.shape != entry.shape:
+            raise ParamShapeError(
+                f"param {path!r} has shape {tuple(leaf.shape)} but the plan's is {entry.shape}; "
+                "pass the params returned by step.place(...) or by the previous step"
+            )

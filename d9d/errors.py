@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "BatchShapeError",
     "CheckpointCorruptError",
     "CheckpointExistsError",
     "CheckpointMismatchError",
@@ -11,12 +12,14 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DonatedTreeError",
+    "IndexRangeError",
     "IndivisibleError",
     "KernelInputError",
     "KernelUnavailableError",
     "LabelError",
     "MeshError",
     "OptimTreeMismatchError",
+    "ParamShapeError",
     "ParamTreeMismatchError",
     "PlanError",
     "RankFailedError",
@@ -31,6 +34,10 @@ class ParamTreeMismatchError(KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class ParamShapeError(ValueError):
+    """A param's shape differs from the model's or the plan's: names the path and both shapes."""
 
 
 class DonatedTreeError(RuntimeError):
@@ -86,6 +93,14 @@ class MeshError(ValueError):
 
 class PlanError(ValueError):
     """Transforms conflict, or a param cannot be laid out as asked: names the path and the fix."""
+
+
+class BatchShapeError(ValueError):
+    """Ranks pass batches of different shapes or dtypes to one step: names both ranks."""
+
+
+class IndexRangeError(IndexError):
+    """A step's integer input indexes past its table (token ids past the vocab): names it."""
 
 
 class IndivisibleError(ValueError):

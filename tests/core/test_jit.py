@@ -7,7 +7,7 @@ import torch
 
 import d9d
 from d9d._train import make_train_step
-from d9d.errors import DonatedTreeError, RecompileError
+from d9d.errors import DonatedTreeError, IndexRangeError, ParamShapeError, RecompileError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import assert_trees_all_close
 
@@ -86,3 +86,68 @@ def test_mode_needs_the_inductor_backend() -> None:
         r"backend='aot_eager'",
     ):
         d9d.jit(lambda p, s, b: (p, s, b), mode="max-autotune", backend="aot_eager")
+
+
+def test_param_of_wrong_shape_stops_the_trace_with_its_path() -> None:
+    """The model's check runs while Dynamo traces, so the error comes before any compile."""
+    model, opt, step, batches = _setup()
+    params = {**_clone(model.params), "layers.1.mlp.w_up.weight": torch.zeros(176, 65)}
+    jitted = d9d.jit(step)
+    with pytest.raises(
+        ParamShapeError,
+        match=r"param 'layers\.1\.mlp\.w_up\.weight' has shape \(176, 65\) but the model's is "
+        r"\(176, 64\)",
+    ):
+        jitted(params, opt.init(params), batches[0])
+    assert jitted.traces == 0
+
+
+def test_out_of_range_ids_raise_naming_the_input_and_leave_donated_params_untouched() -> None:
+    """Inductor's own bounds check aborts the process (exit 134); the guard raises first."""
+    model, opt, step, batches = _setup()
+    params, state = _clone(model.params), opt.init(model.params)
+    jitted = d9d.jit(step)
+    bad_tokens, bad_labels, ignored = (_clone(batches[0]) for _ in range(3))  # same strides
+    bad_tokens["tokens"][1, 5] = 256
+    with pytest.raises(
+        IndexRangeError,
+        match=r"batch\['tokens'\], the index of an embedding over 256 entries, holds 256 at "
+        r"position \(1, 5\), outside \[0, 256\); check the data against the model",
+    ):
+        jitted(params, state, bad_tokens)
+    bad_labels["labels"][0, 2] = -1
+    with pytest.raises(IndexRangeError, match=r"batch\['labels'\], the index of a gather .* -1"):
+        jitted(params, state, bad_labels)
+    assert_trees_all_close(params, model.params, rtol=0, atol=0)
+    ignored["labels"][0, 2] = -100  # the ignore index is not looked up
+    _, _, metrics = jitted(params, state, ignored)
+    assert torch.isfinite(metrics["loss"]) and jitted.traces == 1
+
+
+def test_out_of_range_ids_of_a_hugging_face_model_are_named_under_any_backend() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = d9d.functionalize(transformers.LlamaForCausalLM(config))
+
+    @d9d.jit(backend="aot_eager", donate=())
+    def step(params, opt_state, batch):
+        logits = model.apply(params, batch["tokens"]).logits
+        return params, opt_state, {"loss": d9d.losses.cross_entropy(logits, batch["labels"])}
+
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone()}
+    batch["tokens"][0, 7] = 97
+    with pytest.raises(
+        IndexRangeError,
+        match=r"batch\['tokens'\], the index of an embedding over 97 entries, holds 97 at "
+        r"position \(0, 7\)",
+    ):
+        step(model.params, (), batch)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 from torch import nn
 
 import d9d
-from d9d.errors import ParamTreeMismatchError
+from d9d.errors import ParamShapeError, ParamTreeMismatchError
+from d9d.models import Llama, LlamaConfig
 from d9d.testing import assert_trees_all_close
 
 
@@ -137,6 +139,26 @@ def test_mismatched_params_name_missing_and_unexpected_paths() -> None:
         ParamTreeMismatchError, match=r"missing paths \['bias'\], unexpected paths \['bais'\]"
     ):
         model.apply({"weight": model.params["weight"], "bais": model.params["bias"]}, torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("build", "path"),
+    [
+        (lambda: d9d.functionalize(Llama(LlamaConfig.tiny())), "layers.1.mlp.w_up.weight"),
+        (lambda: d9d.functionalize(_hf_llama()), "model.layers.1.mlp.up_proj.weight"),
+    ],
+    ids=["d9d", "hf"],
+)
+def test_param_of_wrong_shape_names_its_path_and_both_shapes(build, path: str) -> None:
+    model = build()
+    rows, cols = model.params[path].shape
+    params = {**model.params, path: torch.zeros(rows, cols + 1)}
+    with pytest.raises(
+        ParamShapeError,
+        match=rf"param '{re.escape(path)}' has shape \({rows}, {cols + 1}\) but the model's is "
+        rf"\({rows}, {cols}\); pass params built for this model",
+    ):
+        model.apply(params, torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_axes_rule_of_wrong_rank_names_the_param() -> None:
