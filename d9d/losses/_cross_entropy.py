@@ -31,8 +31,11 @@ def cross_entropy(
     Tokens labelled ``ignore_index`` contribute 0 to the loss and to the gradient. Any
     other label must be a class id in ``[0, V)``: eagerly, one outside raises
     :class:`~d9d.errors.LabelError` (whole or vocab-sharded logits alike; the check reads one
-    value back); under ``torch.compile`` nothing is read back, so such a token's loss is NaN
-    (and so is a ``"mean"`` or ``"sum"``), with no gradient from it.
+    value back). In a graph nothing is read back: with whole logits the label reaches the
+    ``gather``, whose index ``d9d.jit`` checks before it runs (``IndexRangeError`` naming the
+    batch input, donated params untouched); with vocab-sharded logits, whose shards never see
+    the global label, such a token's loss is NaN (and so is a ``"mean"`` or ``"sum"``), with no
+    gradient from it.
     ``"mean"`` divides by the number of valid tokens, and returns 0 (with zero gradients,
     not NaN) when every token is ignored. Shapes are static and no value is read back to
     Python, so it traces under ``torch.compile(fullgraph=True)`` without graph breaks.
@@ -73,8 +76,11 @@ def cross_entropy(
     outside = valid & ((labels < 0) | (labels >= logits.shape[-1]))
     if not torch.compiler.is_compiling():
         _check_labels(labels, outside, logits.shape[-1], ignore_index)
-    safe_labels = torch.where(valid & ~outside, labels, torch.zeros_like(labels))
-    if is_vocab_sharded(logits):
+    sharded = is_vocab_sharded(logits)
+    # Whole logits: an outside label stays for the gather, which d9d.jit's index guard checks.
+    looked_up = valid & ~outside if sharded else valid
+    safe_labels = torch.where(looked_up, labels, torch.zeros_like(labels))
+    if sharded:
         lse, target = sharded_lse_and_target(logits, safe_labels, dtype)
     else:
         logits = logits.to(dtype)

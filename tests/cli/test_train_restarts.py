@@ -17,7 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,17 +52,23 @@ def _committed(folder: Path) -> set[str]:
     return {p.name for p in folder.glob("step_*") if ".tmp" not in p.name}
 
 
-def _kill_after_next_commit(job: subprocess.Popen, checkpoints: Path, attempt: int, rng) -> None:
-    before = _committed(checkpoints)
+def _wait(job: subprocess.Popen, done: Callable[[], Any], what: str) -> Any:
     deadline = time.monotonic() + 240
-    while not _committed(checkpoints) - before:
-        assert job.poll() is None, f"the job ended before kill {attempt + 1}"
-        assert time.monotonic() < deadline, f"attempt {attempt} committed no checkpoint"
+    while not (found := done()):
+        assert job.poll() is None, f"the job ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} in 240 s"
         time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 0.5))
+    return found
+
+
+def _kill_after_next_commit(job: subprocess.Popen, checkpoints: Path, attempt: int, rng) -> None:
+    """SIGKILL one rank of ``attempt`` once it has committed a checkpoint of its own: the
+    snapshot is taken when its workers are up, after the previous attempt's last commit."""
     rank = attempt % 2
-    pid = _workers(job.pid).get((attempt, rank))
-    assert pid is not None, f"no rank {rank} of attempt {attempt} among the workers"
+    pid = _wait(job, lambda: _workers(job.pid).get((attempt, rank)), f"attempt {attempt}")
+    before = _committed(checkpoints)
+    _wait(job, lambda: _committed(checkpoints) - before, f"a commit of attempt {attempt}")
+    time.sleep(rng.uniform(0.0, 0.5))
     os.kill(pid, signal.SIGKILL)
 
 
