@@ -17,6 +17,7 @@ removed by the next commit of that step, by ``keep``'s rotation if it is rotatio
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -249,9 +250,18 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     _write_synced(tmp / METADATA, json.dumps(meta, indent=1) + "\n")
     _write_synced(tmp / COMMIT, json.dumps({"step": meta["step"]}) + "\n")
     _sync_dir(tmp)
-    if final.exists():  # another save of this step committed first
-        raise CheckpointExistsError(f"{str(final)!r} is already committed by another save")
-    os.rename(tmp, final)  # raises if `final` exists: a commit never replaces a checkpoint
+    try:
+        if final.exists():  # another save of this step committed first
+            raise FileExistsError(errno.EEXIST, "exists", str(final))
+        os.rename(tmp, final)  # fails if `final` exists: a commit never replaces a checkpoint
+    except OSError as error:
+        # A save that commits between the check and the rename makes the rename fail:
+        # ENOTEMPTY on Linux for a directory onto a non-empty one (seen in CI), else EEXIST.
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        raise CheckpointExistsError(
+            f"{str(final)!r} is already committed by another save"
+        ) from None
     _sync_dir(final.parent)
 
 

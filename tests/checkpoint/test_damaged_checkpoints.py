@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from d9d import checkpoint
+from d9d.checkpoint import _format
 from d9d.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
 
 
@@ -104,3 +106,17 @@ def test_a_held_save_commits_only_when_told(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # keep deleted nothing
     with pytest.raises(ValueError, match="hold=True needs async_=True"):
         checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=3, hold=True, async_=False)
+
+
+def test_a_save_that_commits_between_the_check_and_the_rename_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other save renames its folder after this one found no ``step_4``: the rename then
+    fails (ENOTEMPTY on Linux), which means the same as the check would have."""
+    final, tmp = tmp_path / "step_4", tmp_path / "step_4.tmp-mine"
+    (final / "data").mkdir(parents=True)
+    tmp.mkdir()
+    monkeypatch.setattr(Path, "exists", lambda self: False if self == final else os.path.lexists(self))
+    with pytest.raises(CheckpointExistsError, match=r"step_4' is already committed by another"):
+        _format.commit(tmp, final, {"step": 4})
+    assert (final / "data").is_dir() and tmp.is_dir()
