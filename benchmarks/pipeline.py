@@ -6,7 +6,7 @@ input-grad backward one unit and its weight-grad backward one unit (F = 1, B = I
 ratios of the pipeline literature). Sleeping costs no CPU, so p ranks on a 2-core machine
 never contend for cores and the trace shows the schedule itself, with the real
 ``torch.distributed.pipelining`` schedule and real point-to-point transfers. Each rank records
-its stage compute spans (``d9d._stage_trace.stage_spans``); its bubble is the part of the
+its stage compute spans (``d9d.transforms.pipeline.stage_spans``); its bubble is the part of the
 schedule's time they do not cover (the step's gather, reduction and update around the
 schedule are not pipeline bubbles). Reported: the mean and largest bubble over ranks (median of the measured
 steps), beside the analytic (p - 1) / (m + p - 1) of GPipe and 1F1B and
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import d9d
-from d9d._stage_trace import stage_spans
 from d9d.testing import run_on_ranks
+from d9d.transforms.pipeline import stage_spans
 
 SCHEDULES = {  # name: stages per rank
     "gpipe": 1,

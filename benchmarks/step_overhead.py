@@ -31,7 +31,7 @@ import d9d
 import d9d._jit
 from d9d._batch_check import batch_signature
 from d9d._index_checks import check_index
-from d9d._train import make_train_step
+from d9d.cli._train import make_train_step
 from d9d.models import Llama, LlamaConfig
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rank_timing import rank_device, time_steps, token_batches
 
 import d9d
-from d9d._train import make_train_step
+from d9d.cli._train import make_train_step
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks
 
@@ -101,11 +101,12 @@ def _d9d_rank(preset: str, batches: list[dict], warmup: int, variant: str) -> di
         with _saved_bytes(skip, saved):
             loss_fn(holder["p"], batch)
     else:
-        from d9d._active import activate
+        from d9d._context import running
 
-        split = step.plan.sequence_split
-        with activate(step.plan), _saved_bytes(skip, saved):
-            loss_fn(holder["p"], split.split_batch(batch) if split else batch)
+        for runtime in step.runtimes:
+            batch = runtime.on_batch(batch)
+        with running(step.context()), _saved_bytes(skip, saved):
+            loss_fn(holder["p"], batch)
     return {"times": times, "saved_bytes": saved[0]}
 
 

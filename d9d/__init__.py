@@ -1,50 +1,50 @@
-"""d9d: JAX-style functional transforms for distributed training on PyTorch."""
+"""d9d: JAX-style functional transforms for distributed training on PyTorch.
 
-from . import checkpoint as checkpoint
-from . import data as data
-from . import errors as errors
-from . import kernels as kernels
-from . import losses as losses
-from . import models as models
-from . import optim as optim
-from . import parallel as parallel
-from . import testing as testing
-from . import transforms as transforms
-from . import tree as tree
-from ._autodiff import grad as grad
-from ._autodiff import value_and_grad as value_and_grad
-from ._comms import CommStats as CommStats
-from ._jit import Jitted as Jitted
-from ._jit import jit as jit
-from ._mesh import AXIS_ORDER as AXIS_ORDER
-from ._mesh import make_mesh as make_mesh
-from ._module import Axes as Axes
-from ._module import Model as Model
-from ._module import functionalize as functionalize
-from ._plan import ParamPlan as ParamPlan
-from ._plan import Plan as Plan
-from ._process_group import init_process_group as init_process_group
-from ._step import Memory as Memory
-from ._step import Transform as Transform
-from ._step import TransformedStep as TransformedStep
-from .transforms import context_parallel as context_parallel
-from .transforms import pipeline as pipeline
-from .transforms import shard_params as shard_params
-from .transforms import tensor_parallel as tensor_parallel
+Names load on first use, so ``import d9d`` (and the ``d9d`` command's ``--help``) stays fast:
+``d9d.jit`` imports ``torch`` and the core, ``d9d.testing`` only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_NAMES = {
+    "AXIS_ORDER": "._mesh",
+    "Axes": "._structure",
+    "Model": "._model",
+    "context_parallel": ".transforms",
+    "functionalize": "._model",
+    "grad": "._autodiff",
+    "init_process_group": "._process_group",
+    "jit": "._jit",
+    "make_mesh": "._mesh",
+    "pipeline": ".transforms",
+    "remat": ".transforms",
+    "shard_params": ".transforms",
+    "tensor_parallel": ".transforms",
+    "value_and_grad": "._autodiff",
+}
+_PACKAGES = (
+    "checkpoint",
+    "data",
+    "errors",
+    "kernels",
+    "losses",
+    "models",
+    "optim",
+    "parallel",
+    "testing",
+    "transforms",
+    "tree",
+)
 
 __all__ = [
     "AXIS_ORDER",
     "Axes",
-    "CommStats",
-    "Jitted",
-    "Memory",
     "Model",
-    "ParamPlan",
-    "Plan",
-    "Transform",
-    "TransformedStep",
     "checkpoint",
     "context_parallel",
     "data",
@@ -60,6 +60,7 @@ __all__ = [
     "optim",
     "parallel",
     "pipeline",
+    "remat",
     "shard_params",
     "tensor_parallel",
     "testing",
@@ -67,3 +68,40 @@ __all__ = [
     "tree",
     "value_and_grad",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'd9d' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return [*globals(), *__all__]
+
+
+if TYPE_CHECKING:
+    from . import (
+        checkpoint,
+        data,
+        errors,
+        kernels,
+        losses,
+        models,
+        optim,
+        parallel,
+        testing,
+        transforms,
+        tree,
+    )
+    from ._autodiff import grad, value_and_grad
+    from ._jit import jit
+    from ._mesh import AXIS_ORDER, make_mesh
+    from ._model import Model, functionalize
+    from ._process_group import init_process_group
+    from ._structure import Axes
+    from .transforms import context_parallel, pipeline, remat, shard_params, tensor_parallel

@@ -16,12 +16,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import tree
-from ._active import accumulate, active_plan, count_tokens
-from ._materialize import reduce_to
-from ._pipeline_run import run_pipeline
+from ._collectives import reduce_to
+from ._context import count_tokens, current
+from ._plan import Plan
+from ._runtime import Differentiation, Inputs
 from .errors import IndivisibleError
 
-__all__ = ["grad", "value_and_grad"]
+__all__ = ["grad", "split_microbatches", "stack_aux", "value_and_grad"]
 
 
 def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
@@ -60,15 +61,25 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                     "needs floating tensors; move it out of the first argument"
                 )
         leaves = [leaf for _, leaf in pairs]
-        plan = active_plan()
-        microbatches = plan.microbatches if plan is not None else 1
-        if plan is not None and plan.pipeline is not None:
-            chunks = _split((args, kwargs), plan.pipeline.microbatches)
-            value, aux, grads = run_pipeline(fn, pairs, chunks, has_aux, plan, _check_value)
-        elif microbatches == 1:
-            value, aux, grads, _ = _differentiate(fn, spec, leaves, args, kwargs, has_aux)
+        step = current()
+        driver = (
+            next((r for r in step.runtimes if r.drives_differentiation), None) if step else None
+        )
+        if driver is None:
+            value, aux, grads, _ = _differentiate(fn, spec, leaves, args, kwargs, has_aux=has_aux)
         else:
-            value, aux, grads = _accumulate(fn, spec, leaves, args, kwargs, has_aux, microbatches)
+            job = Differentiation(
+                fn=fn,
+                pairs=pairs,
+                args=args,
+                kwargs=kwargs,
+                has_aux=has_aux,
+                run=functools.partial(_differentiate, fn, spec, leaves, has_aux=has_aux),
+                split=functools.partial(split_microbatches, args, kwargs),
+                check_value=functools.partial(_check_value, has_aux=has_aux),
+            )
+            value, aux, grads = driver.differentiate(job)
+        plan = step.plan if step is not None else None
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
         if has_aux:
             return (value, aux), tree.unflatten(spec, grads)
@@ -83,9 +94,9 @@ def _differentiate(
     leaves: list[torch.Tensor],
     args: Any,
     kwargs: Any,
-    has_aux: bool,
-    *,
     weighted: bool = False,
+    *,
+    has_aux: bool,
 ) -> tuple[torch.Tensor, Any, list[torch.Tensor], torch.Tensor | None]:
     """``(value, aux, grads, weight)``; ``weight`` is the valid-token count the value's token
     means recorded (None if none did), and with ``weighted`` the grads are those of
@@ -94,7 +105,7 @@ def _differentiate(
         inputs = [leaf.detach().requires_grad_(True) for leaf in leaves]
         out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
-        _check_value(value, has_aux)
+        _check_value(value, has_aux=has_aux)
         weight = torch.stack(counts).sum().to(value.dtype) if counts else None
         scaled = value * weight if weighted and weight is not None else value
         grads = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
@@ -102,56 +113,16 @@ def _differentiate(
     return value.detach(), aux, list(grads), weight
 
 
-def _accumulate(
-    fn: Callable[..., Any],
-    spec: Any,
-    leaves: list[torch.Tensor],
-    args: Any,
-    kwargs: Any,
-    has_aux: bool,
-    microbatches: int,
-) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
-    """Value and grads over ``microbatches`` equal slices of the batch (dim 0 of every tensor
-    argument); grads are summed unreduced and reduced once, by the caller.
-
-    Each microbatch weighs by the valid tokens its loss counted (:func:`d9d.losses.token_mean`),
-    applied to its loss before its backward, so the step's value is the mean over all of the
-    step's tokens; a loss that counts none gives every microbatch the same weight.
-    """
-    chunks = _split((args, kwargs), microbatches)
-    values, weights, auxes, total = [], [], [], None
-    with accumulate():
-        for chunk_args, chunk_kwargs in chunks:
-            value, aux, grads, weight = _differentiate(
-                fn, spec, leaves, chunk_args, chunk_kwargs, has_aux, weighted=True
-            )
-            values.append(value if weight is None else value * weight)
-            weights.append(weight)
-            auxes.append(aux)
-            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-    if any(w is None for w in weights) and any(w is not None for w in weights):
-        raise TypeError(
-            "the loss counted its tokens (d9d.losses.token_mean) in some microbatches and not "
-            "in others; compute it the same way in every microbatch"
-        )
-    count = microbatches if weights[0] is None else torch.stack(weights).sum().clamp(min=1)
-    grads = [g / count for g in total]
-    aux = (
-        tree.map(lambda *xs: torch.stack(xs).mean(0) if xs[0].ndim == 0 else torch.cat(xs), *auxes)
-        if has_aux
-        else None
-    )
-    return torch.stack(values).sum() / count, aux, grads
-
-
-def _split(batch: tuple[tuple[Any, ...], dict[str, Any]], parts: int) -> list[Any]:
+def split_microbatches(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int) -> list[Inputs]:
     """``parts`` slices (along dim 0) of ``(args, kwargs)``.
 
     The keyword dict is rebuilt by hand, not flattened: Dynamo's optree polyfill cannot flatten
     a dict created inside the traced step (``**kwargs`` is one), and broke the graph of every
     accumulating step under ``jit``.
+
+    Raises:
+        IndivisibleError: A tensor's dim 0 does not divide into ``parts``.
     """
-    args, kwargs = batch
     arg_parts = _split_tree(args, parts, "argument")
     kwarg_parts = {k: _split_tree(v, parts, f"argument {k}") for k, v in kwargs.items()}
     return [
@@ -202,7 +173,14 @@ def grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]
     return wrapped
 
 
-def _check_value(value: Any, has_aux: bool) -> None:
+def stack_aux(auxes: list[Any]) -> Any:
+    """The aux of several microbatches as one: 0-d leaves averaged, others concatenated."""
+    return tree.map(
+        lambda *xs: torch.stack(xs).mean(0) if xs[0].ndim == 0 else torch.cat(xs), *auxes
+    )
+
+
+def _check_value(value: Any, *, has_aux: bool) -> None:
     if isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
         return
     hint = "return (value, aux) " if has_aux else "return a scalar loss, or pass has_aux=True, "
@@ -212,7 +190,7 @@ def _check_value(value: Any, has_aux: bool) -> None:
     )
 
 
-def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Any) -> torch.Tensor:
+def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Plan | None) -> torch.Tensor:
     """The grad laid out like its param: a ``Partial`` DTensor grad is reduced here.
 
     Under a plan the param's placements are the plan's (checked before the step), and those

@@ -13,7 +13,7 @@ import torch._dynamo.config
 import torch._inductor
 
 from . import tree
-from ._active import activate
+from ._context import running
 from ._index_checks import guard_indices
 from ._step import TransformedStep
 from .errors import DonatedTreeError, PlanError, RecompileError
@@ -84,19 +84,19 @@ class Jitted:
     def __call__(self, *args: Any) -> Any:
         for i in self.donate:
             _check_not_donated(args[i], argnum=i)
+        context = None
         if isinstance(self.step, TransformedStep):
             self.step.check_inputs(args[0], args[2])
-            if self.step.plan.pipeline is not None:
-                raise PlanError(
-                    "d9d.jit does not compile a pipeline step: its schedule runs stages and "
-                    "point-to-point transfers eagerly; drop d9d.jit (compile the model's "
-                    "blocks with torch.compile instead)"
-                )
+            for runtime in self.step.runtimes:
+                refusal = runtime.jit_refusal()
+                if refusal is not None:
+                    raise PlanError(refusal)
+            context = self.step.context()
         try:
             with (
                 torch._dynamo.config.patch(trace_autograd_ops=True),
                 self._stance(),
-                activate(self.step.plan if isinstance(self.step, TransformedStep) else None),
+                running(context),
             ):
                 out = self._compiled(*args)
         except RuntimeError as error:

@@ -1,91 +1,35 @@
-"""Transforms and the transformed step: ``place``, ``plan``, ``comms``, ``memory``, call."""
+"""The transformed step: ``place``, ``plan``, ``comms``, ``memory``, and the call.
+
+A call runs the step body under one :class:`~d9d._context.StepContext`: the plan and the
+transforms' runtimes, which the batch, ``d9d.value_and_grad`` and ``Model.apply`` consult.
+"""
 
 from __future__ import annotations
 
-import abc
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from . import tree
-from ._activations import ActivationLayout, check_modules
-from ._active import activate
 from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._comms import CollectiveCounter, CommStats
-from ._module import Axes, Model
-from ._pipeline_run import PipelineLayout
+from ._context import StepContext, running
+from ._place import check_placed, distribute, place_state, without
 from ._plan import ParamPlan, Plan
-from ._sequence_split import SequenceSplit
-from .errors import IndivisibleError, ParamShapeError, PlanError
+from ._runtime import Runtime
+from ._structure import Axes
+from .errors import IndivisibleError, PlanError
 
-__all__ = ["Memory", "Transform", "TransformedStep"]
+if TYPE_CHECKING:
+    from ._model import Model
+    from ._transform import Transform
 
-
-class Transform(abc.ABC):
-    """A rewrite of a step's param layout (and, for some, of the step) on a mesh.
-
-    Subclasses are frozen dataclasses with a ``mesh`` field; ``order`` fixes where they apply
-    among the others, whatever the decorator order.
-    """
-
-    order: ClassVar[int]
-    mesh: DeviceMesh
-
-    @abc.abstractmethod
-    def claimed_axes(self) -> tuple[str, ...]:
-        """The mesh axes this transform owns."""
-
-    def data_axes(self) -> tuple[str, ...]:
-        """The mesh axes over which ranks see different batches (default none)."""
-        return ()
-
-    def token_axes(self) -> tuple[str, ...]:
-        """The mesh axes over which ranks hold different tokens of the global batch (default:
-        the data axes): losses and grads are means over their ranks' tokens."""
-        return self.data_axes()
-
-    def keeps_gathered_params(self) -> bool:
-        """Whether gathered params stay alive from the forward to the backward (default no)."""
-        return False
-
-    def microbatches_per_step(self) -> int:
-        """Microbatches ``value_and_grad`` splits each batch into (default 1)."""
-        return 1
-
-    def activation_layout(self) -> ActivationLayout | None:
-        """How activations are laid out between modules (tensor parallelism; default None)."""
-        return None
-
-    def sequence_split(self) -> SequenceSplit | None:
-        """How each rank's sequences are split over ranks (context parallelism; default None)."""
-        return None
-
-    def pipeline_layout(self, model: Model | None) -> PipelineLayout | None:
-        """How ``model`` is cut into pipeline stages (default None: not cut)."""
-        return None
-
-    @abc.abstractmethod
-    def rewrite(self, entry: ParamPlan) -> ParamPlan:
-        """The param's plan after this transform."""
-
-    def __call__(self, step: Callable[..., Any]) -> TransformedStep:
-        if isinstance(step, TransformedStep):
-            return step.with_transform(self)
-        return TransformedStep(step, (self,))
-
-    def _axis_index(self, axis: str, option: str) -> int:
-        names = tuple(self.mesh.mesh_dim_names or ())
-        if axis not in names:
-            raise PlanError(
-                f"{type(self).__name__}({option}={axis!r}) names an axis the mesh does not "
-                f"have: mesh axes are {names}; build it with d9d.make_mesh({axis}=N, ...)"
-            )
-        return names.index(axis)
+__all__ = ["Memory", "TransformedStep", "order_transforms"]
 
 
 @dataclass(frozen=True)
@@ -117,10 +61,11 @@ class TransformedStep:
 
     def __init__(self, fn: Callable[..., Any], transforms: tuple[Transform, ...]) -> None:
         self.fn = fn
-        self.transforms = tuple(sorted(transforms, key=lambda t: t.order))
+        self.transforms = order_transforms(transforms)
         self.mesh = _one_mesh(self.transforms)
         _check_claims(self.transforms)
         self._plan: Plan | None = None
+        self._runtimes: tuple[Runtime, ...] = ()
         self._checked_batch: BatchSignature | None = None
         functools.update_wrapper(self, fn, updated=())
 
@@ -205,47 +150,16 @@ class TransformedStep:
             for transform in self.transforms:
                 entry = transform.rewrite(entry)
             entries[path] = entry
-        keep = any(t.keeps_gathered_params() for t in self.transforms)
-        microbatches = max((t.microbatches_per_step() for t in self.transforms), default=1)
-        layouts = [t.activation_layout() for t in self.transforms]
-        activations = next((a for a in layouts if a is not None), None)
-        pipeline = next(
-            (p for p in (t.pipeline_layout(model) for t in self.transforms) if p is not None), None
-        )
-        mesh = self.mesh
-        if pipeline is not None:
-            if microbatches > 1:
-                raise PlanError(
-                    "pipeline splits each batch into its own microbatches; drop "
-                    f"shard_params(microbatches={microbatches}) and set pipeline(microbatches=...)"
-                )
-            mesh = pipeline.stage_mesh
-            entries = {p: _onto_stage_mesh(e, pipeline) for p, e in entries.items()}
-            if activations is not None:
-                activations = replace(
-                    activations, index=activations.index - (activations.index > pipeline.index)
-                )
-        if activations is not None and model is not None:
-            check_modules(model, entries, activations)
-        names = tuple(mesh.mesh_dim_names or ())
-        token_groups = tuple(
-            (mesh.get_group(a).group_name, mesh.shape[names.index(a)])
+        plan = Plan(self.mesh, entries)
+        for transform in self.transforms:
+            plan = transform.lay_out(plan, model)
+        names = plan.names
+        plan.token_groups = tuple(
+            (plan.mesh.get_group(a).group_name, plan.mesh.shape[names.index(a)])
             for a in self.token_axes
-            if mesh.shape[names.index(a)] > 1
+            if a in names and plan.mesh.shape[names.index(a)] > 1
         )
-        return Plan(
-            mesh,
-            entries,
-            self.transforms,
-            reshard_after_forward=not keep,
-            microbatches=microbatches,
-            activations=activations,
-            sequence_split=next(
-                (s for s in (t.sequence_split() for t in self.transforms) if s is not None), None
-            ),
-            pipeline=pipeline,
-            token_groups=token_groups,
-        )
+        return plan
 
     def place(
         self,
@@ -281,15 +195,38 @@ class TransformedStep:
             if axes is None:
                 axes = model.axes
         plan = self.make_plan(params, axes, model)
+        self._runtimes = self._build_runtimes(plan, model)
         self._plan = plan
-        placed = {p: _distribute(params[p], plan.mesh, plan.entries[p].storage) for p in plan.held}
-        if plan.pipeline is not None:
-            opt_state = _without(opt_state, set(plan.entries) - set(plan.held))
-        return placed, _place_state(opt_state, plan, plan.mesh)
+        placed = {p: distribute(params[p], plan.mesh, plan.entries[p].storage) for p in plan.held}
+        if len(plan.held) < len(plan.entries):
+            opt_state = without(opt_state, set(plan.entries) - set(plan.held))
+        return placed, place_state(opt_state, plan, plan.mesh)
+
+    def _build_runtimes(self, plan: Plan, model: Model | None) -> tuple[Runtime, ...]:
+        built = [(t, t.runtime(plan, model)) for t in self.transforms]
+        runtimes = [(t, r) for t, r in built if r is not None]
+        drivers = [t for t, r in runtimes if r.drives_differentiation]
+        if len(drivers) > 1:
+            raise PlanError(
+                f"{drivers[0]} and {drivers[1]} both run d9d.value_and_grad over microbatches "
+                "of their own; keep the microbatches of one of them (e.g. pipeline(..., "
+                "microbatches=k) without shard_params(microbatches=...))"
+            )
+        return tuple(r for _, r in runtimes)
+
+    @property
+    def runtimes(self) -> tuple[Runtime, ...]:
+        """The transforms' runtimes for the placed plan, in transform order (none before
+        ``place``)."""
+        return self._runtimes
+
+    def context(self) -> StepContext:
+        """A fresh context for one call of the step (the plan and the runtimes)."""
+        return StepContext(self.plan, self._runtimes)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         self.check_inputs(params, batch)
-        with activate(self.plan):
+        with running(self.context()):
             return self.run(params, opt_state, batch)
 
     def check_inputs(self, params: Any, batch: Any) -> None:
@@ -305,10 +242,10 @@ class TransformedStep:
             self._checked_batch = signature
 
     def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        """One step, inputs checked and the plan active (``d9d.jit`` does both outside its graph)."""
-        split = self.plan.sequence_split
-        if split is not None:
-            batch = split.split_batch(batch)
+        """One step, inputs checked and the step running (``d9d.jit`` does both outside its
+        graph)."""
+        for runtime in self._runtimes:
+            batch = runtime.on_batch(batch)
         params, opt_state, metrics = self.fn(params, opt_state, batch)
         return params, opt_state, self._mean_over_ranks(metrics)
 
@@ -332,12 +269,7 @@ class TransformedStep:
 
     def comms(self, params: Any, opt_state: Any, batch: Any) -> CommStats:
         """Run one step (eagerly, results dropped) and count its collectives per kind and axis."""
-        pipeline = self.plan.pipeline
-        labels = (
-            {pipeline.tie_group.group_name: pipeline.axis}
-            if pipeline is not None and pipeline.tie_group is not None
-            else None
-        )
+        labels = {k: v for r in self.runtimes for k, v in r.group_labels().items()}
         self.check_inputs(params, batch)  # its one-off all-gather of shapes is not the step's
         with CollectiveCounter(self.mesh, labels) as counter:
             self(params, opt_state, batch)
@@ -356,14 +288,33 @@ def _local_bytes(leaf: Any) -> int:
     return leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else 0
 
 
-def _one_mesh(transforms: tuple[Transform, ...]) -> DeviceMesh:
-    meshes = {id(t.mesh): t.mesh for t in transforms}
-    if len(meshes) != 1:
+def order_transforms(transforms: tuple[Transform, ...]) -> tuple[Transform, ...]:
+    """``transforms`` in the order they apply: each after the ones its ``after`` names,
+    unrelated ones by name (see ``d9d/_transform.py``)."""
+    pending = sorted(transforms, key=lambda t: t.name)
+    names = {t.name for t in pending}
+    done: list[Transform] = []
+    while pending:
+        placed = {t.name for t in done}
+        ready = next(
+            (t for t in pending if all(a in placed or a not in names for a in t.after)), None
+        )
+        if ready is None:
+            raise PlanError(f"transforms {[t.name for t in pending]} wait on each other")
+        pending.remove(ready)
+        done.append(ready)
+    return tuple(done)
+
+
+def _one_mesh(transforms: tuple[Transform, ...]) -> DeviceMesh | None:
+    """The mesh of the transforms that have one (``remat`` may have none), or None."""
+    meshes = {id(t.mesh): t.mesh for t in transforms if t.mesh is not None}
+    if len(meshes) > 1:
         raise PlanError(
             f"transforms {[type(t).__name__ for t in transforms]} use {len(meshes)} different "
             "meshes; build one mesh with d9d.make_mesh(...) and pass it to every transform"
         )
-    return next(iter(meshes.values()))
+    return next(iter(meshes.values()), None)
 
 
 def _check_claims(transforms: tuple[Transform, ...]) -> None:
@@ -386,84 +337,4 @@ def _check_all_axes_used(transforms: tuple[Transform, ...], mesh: DeviceMesh) ->
                 f"mesh axis {name!r} has size {size} but no transform uses it; add the transform "
                 f"for it (e.g. d9d.shard_params(mesh, axis={name!r}) or replicate_axis={name!r}) "
                 "or give it size 1"
-            )
-
-
-def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
-    if isinstance(tensor, DTensor):
-        return tensor.redistribute(mesh, placements)
-    return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
-
-
-def _onto_stage_mesh(entry: ParamPlan, pipeline: PipelineLayout) -> ParamPlan:
-    """``entry`` laid out on the stage mesh (the pipeline axis dropped), with its stages."""
-    i = pipeline.index
-
-    def drop(placements: tuple) -> tuple:
-        return (*placements[:i], *placements[i + 1 :]) or (Replicate(),)
-
-    stages = pipeline.split.stages_of(entry.path)
-    where = ", ".join(str(s) for s in stages)
-    return replace(
-        entry,
-        storage=drop(entry.storage),
-        compute=drop(entry.compute),
-        grad=drop(entry.grad),
-        stages=stages,
-        reasons=(
-            *entry.reasons,
-            f"pipeline: held by stage {where} of {pipeline.split.count}"
-            + (", grads summed over them (tied)" if len(stages) > 1 else ""),
-        ),
-    )
-
-
-def _without(state: Any, paths: set[str]) -> Any:
-    """``state`` with the entries keyed by ``paths`` dropped from its dicts."""
-    if isinstance(state, Mapping):
-        return type(state)({k: _without(v, paths) for k, v in state.items() if k not in paths})
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        return type(state)(*(_without(v, paths) for v in state))
-    if isinstance(state, list | tuple):
-        return type(state)(_without(v, paths) for v in state)
-    return state
-
-
-def _place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
-    by_length = sorted(plan.entries, key=len, reverse=True)
-
-    def place(path: str, leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        for param in by_length:
-            entry = plan.entries[param]
-            if (path == param or path.endswith("." + param)) and tuple(leaf.shape) == entry.shape:
-                return _distribute(leaf, mesh, entry.storage)
-        return leaf.to(mesh.device_type) if leaf.device.type != "meta" else leaf
-
-    return tree.map_with_path(place, opt_state)
-
-
-def check_placed(params: Any, plan: Plan) -> None:
-    """Raise unless ``params`` has the plan's paths, each a DTensor stored as planned."""
-    if not isinstance(params, Mapping) or params.keys() != set(plan.held):
-        given = set(params) if isinstance(params, Mapping) else set()
-        missing = sorted(set(plan.held) - given)[:5]
-        extra = sorted(given - set(plan.held))[:5]
-        raise PlanError(
-            f"params do not match the placed plan (missing {missing}, unexpected {extra}); "
-            "pass the params returned by step.place(...) or by the previous step"
-        )
-    for path, leaf in params.items():
-        entry = plan.entries[path]
-        if not isinstance(leaf, DTensor) or tuple(leaf.placements) != entry.storage:
-            got = tuple(leaf.placements) if isinstance(leaf, DTensor) else "a plain tensor"
-            raise PlanError(
-                f"param {path!r} is {got} but the plan stores it as {entry.storage}; pass the "
-                "params returned by step.place(...) or by the previous step"
-            )
-        if leaf.shape != entry.shape:
-            raise ParamShapeError(
-                f"param {path!r} has shape {tuple(leaf.shape)} but the plan's is {entry.shape}; "
-                "pass the params returned by step.place(...) or by the previous step"
             )

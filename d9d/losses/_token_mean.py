@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._active import active_plan, record_tokens
+from .._context import current, record_tokens
 
 __all__ = ["token_mean"]
 
@@ -48,9 +48,9 @@ def token_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
             f"{tuple(valid.shape)=} for {tuple(values.shape)=}; pass e.g. labels != -100"
         )
     count = valid.sum()
-    plan = active_plan()
+    step = current()
     ranks = 1
-    for group, size in plan.token_groups if plan is not None else ():
+    for group, size in step.plan.token_groups if step is not None else ():
         count = _c10d.wait_tensor(_c10d.all_reduce(count, "sum", group))
         ranks *= size
     record_tokens(count)

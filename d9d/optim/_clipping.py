@@ -18,7 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d import tree
-from d9d._active import active_plan
+from d9d._context import current
+from d9d._plan import Plan
 from d9d.optim._checks import check_positive
 from d9d.optim._transform import GradientTransformation, by_kind
 
@@ -48,9 +49,9 @@ def global_norm(updates: Any) -> torch.Tensor:
     leaves = tree.leaves(updates)
     dtype = torch.float64 if any(leaf.dtype == torch.float64 for leaf in leaves) else torch.float32
     square = _squared_norm(leaves, dtype)
-    plan = active_plan()
-    if plan is not None and plan.pipeline is not None:
-        square = _over_stages(square, updates, plan.pipeline, dtype)
+    step = current()
+    if step is not None and step.plan.stage_group is not None:
+        square = _over_stages(square, updates, step.plan, dtype)
     return square.sqrt()
 
 
@@ -73,16 +74,17 @@ def _squared_norm(leaves: list[torch.Tensor], dtype: torch.dtype) -> torch.Tenso
 
 
 def _over_stages(
-    square: torch.Tensor, updates: Any, pipeline: Any, dtype: torch.dtype
+    square: torch.Tensor, updates: Any, plan: Plan, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The squared norm summed over the pipeline's stages (one all-reduce); a leaf held by
+    """The squared norm summed over the plan's stages (one all-reduce); a leaf held by
     two ranks (a tied param) counts once."""
     pairs = tree.flatten_with_paths(updates)[0]
-    shared = [leaf for path, leaf in pairs if pipeline.ranks_holding(path) > 1]
+    entries = plan.entries
+    shared = [leaf for path, leaf in pairs if path in entries and entries[path].stage_ranks > 1]
     if shared:
         square = square - _squared_norm(shared, dtype).to(square.device) / 2
     return torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_reduce(square, "sum", pipeline.group.group_name)
+        torch.ops._c10d_functional.all_reduce(square, "sum", plan.stage_group)
     )
 
 

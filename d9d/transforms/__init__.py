@@ -1,23 +1,57 @@
-"""Transforms of a training step onto a device mesh (``d9d.transforms``)."""
+"""Transforms of a training step onto a device mesh, and what they produce (``d9d.transforms``).
 
-from ._context_parallel import ContextParallel as ContextParallel
-from ._context_parallel import context_parallel as context_parallel
-from ._pipeline import Pipeline as Pipeline
-from ._pipeline import pipeline as pipeline
-from ._shard_params import ShardParams as ShardParams
-from ._shard_params import shard_params as shard_params
-from ._tensor_parallel import DEFAULT_RULES as DEFAULT_RULES
-from ._tensor_parallel import TensorParallel as TensorParallel
-from ._tensor_parallel import tensor_parallel as tensor_parallel
+Each transform is a package holding its rule (how it rewrites a param's plan) and its runtime
+(what it does while the step runs): ``shard_params``, ``tensor_parallel``,
+``context_parallel``, ``pipeline``, ``remat``. Here too are the protocol they implement
+(:class:`Transform`, :class:`Runtime`) and the types a transformed step hands back: its
+:class:`Plan` of :class:`ParamPlan` entries, :class:`Memory`, :class:`CommStats`, and the
+:class:`Jitted` step of ``d9d.jit``.
+"""
+
+from .._comms import CommStats as CommStats
+from .._jit import Jitted as Jitted
+from .._plan import ParamPlan as ParamPlan
+from .._plan import Plan as Plan
+from .._runtime import ApplyCall as ApplyCall
+from .._runtime import Differentiation as Differentiation
+from .._runtime import Interception as Interception
+from .._runtime import Runtime as Runtime
+from .._step import Memory as Memory
+from .._step import TransformedStep as TransformedStep
+from .._transform import Transform as Transform
+from .context_parallel import ContextParallel as ContextParallel
+from .context_parallel import context_parallel as context_parallel
+from .pipeline import Pipeline as Pipeline
+from .pipeline import pipeline as pipeline
+from .remat import Remat as Remat
+from .remat import remat as remat
+from .shard_params import ShardParams as ShardParams
+from .shard_params import shard_params as shard_params
+from .tensor_parallel import DEFAULT_RULES as DEFAULT_RULES
+from .tensor_parallel import TensorParallel as TensorParallel
+from .tensor_parallel import tensor_parallel as tensor_parallel
 
 __all__ = [
     "DEFAULT_RULES",
+    "ApplyCall",
+    "CommStats",
     "ContextParallel",
+    "Differentiation",
+    "Interception",
+    "Jitted",
+    "Memory",
+    "ParamPlan",
     "Pipeline",
+    "Plan",
+    "Remat",
+    "Runtime",
     "ShardParams",
     "TensorParallel",
+    "Transform",
+    "TransformedStep",
     "context_parallel",
     "pipeline",
+    "remat",
     "shard_params",
     "tensor_parallel",
 ]

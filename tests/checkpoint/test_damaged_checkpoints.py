@@ -116,7 +116,9 @@ def test_a_save_that_commits_between_the_check_and_the_rename_is_named(
     final, tmp = tmp_path / "step_4", tmp_path / "step_4.tmp-mine"
     (final / "data").mkdir(parents=True)
     tmp.mkdir()
-    monkeypatch.setattr(Path, "exists", lambda self: False if self == final else os.path.lexists(self))
+    monkeypatch.setattr(
+        Path, "exists", lambda self: False if self == final else os.path.lexists(self)
+    )
     with pytest.raises(CheckpointExistsError, match=r"step_4' is already committed by another"):
         _format.commit(tmp, final, {"step": 4})
     assert (final / "data").is_dir() and tmp.is_dir()

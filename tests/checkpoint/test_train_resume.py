@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from d9d import _train, checkpoint
-from d9d._cli import main
+from d9d.cli import main
 
 
 def _args(out: Path, *extra: str) -> list[str]:

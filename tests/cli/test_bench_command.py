@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from d9d._cli import main
+from d9d.cli import main
 
 OPS = {
     "adamw",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from d9d._cli import main
+from d9d.cli import main
 
 
 def _tiny_args(out: Path, *extra: str) -> list[str]:

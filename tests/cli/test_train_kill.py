@@ -23,7 +23,7 @@ def _train(argv: list[str], log: str) -> None:
     """``d9d train`` in a child process, its output in ``log``."""
     import torch
 
-    from d9d._cli import main
+    from d9d.cli import main
 
     torch.set_num_threads(1)
     with open(log, "a") as out:
@@ -72,7 +72,7 @@ def test_kill_9_at_random_steps_then_resume_equals_an_uninterrupted_run(tmp_path
     # Not forked from this process: tensorstore aborts a forked child that uses it once the
     # parent has. A fork server is a fresh process that has not.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "d9d._cli"])
+    context.set_forkserver_preload(["torch", "d9d.cli"])
     log = tmp_path / "log.txt"
     straight = context.Process(
         target=_train, args=([*_ARGS, "--out", str(tmp_path / "straight")], str(log))

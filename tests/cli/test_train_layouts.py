@@ -14,7 +14,8 @@ import torch
 from rich.console import Console
 
 from d9d import _train
-from d9d._train import TrainConfig, train
+from d9d.cli._config import TrainConfig
+from d9d.cli._train import train
 from d9d.errors import RankFailedError
 from d9d.testing import run_on_ranks
 

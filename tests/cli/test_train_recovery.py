@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from d9d import _train, checkpoint
-from d9d._cli import main
 from d9d.checkpoint import _format
+from d9d.cli import main
 
 
 def _args(out: Path, *extra: str) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from d9d._cli import main
+from d9d.cli import main
 
 pytestmark = pytest.mark.distributed
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from d9d._cli import main
+from d9d.cli import main
 
 pytestmark = pytest.mark.distributed
 

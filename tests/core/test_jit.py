@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import d9d
-from d9d._train import make_train_step
+from d9d.cli._train import make_train_step
 from d9d.errors import DonatedTreeError, IndexRangeError, ParamShapeError, RecompileError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import assert_trees_all_close

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import d9d
-from d9d._stages import _balanced, split_stages
 from d9d.errors import PlanError
 from d9d.models import Llama, LlamaConfig
+from d9d.transforms.pipeline._stages import _balanced, split_stages
 
 
 def _model(n_layers: int = 4, **config: object) -> d9d.Model:

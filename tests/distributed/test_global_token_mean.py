@@ -29,7 +29,11 @@ PROMPTS = (3, 12, 16, 10, 0, 16, 5, 1)
 
 LAYOUTS = {
     "fsdp=2": ({"fsdp": 2}, "thread", lambda m: [d9d.shard_params(m, "fsdp")]),
-    "dp=2 x fsdp=2": ({"dp": 2, "fsdp": 2}, "thread", lambda m: [d9d.shard_params(m, "fsdp", "dp")]),
+    "dp=2 x fsdp=2": (
+        {"dp": 2, "fsdp": 2},
+        "thread",
+        lambda m: [d9d.shard_params(m, "fsdp", "dp")],
+    ),
     "fsdp=2, 2 microbatches": (
         {"fsdp": 2},
         "thread",
@@ -114,7 +118,9 @@ def test_a_loss_without_token_means_weighs_microbatches_alike() -> None:
         mesh = d9d.make_mesh("cpu", fsdp=1)
 
         def step(params, opt_state, batch):
-            loss, _ = d9d.value_and_grad(lambda p, x: (p["w"].to_local() * x).mean())(params, batch["x"])
+            loss, _ = d9d.value_and_grad(lambda p, x: (p["w"].to_local() * x).mean())(
+                params, batch["x"]
+            )
             return params, opt_state, {"loss": loss}
 
         step = d9d.shard_params(mesh, microbatches=2)(step)

@@ -10,7 +10,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import d9d
-from d9d._train import make_train_step
+from d9d.cli._train import make_train_step
 from d9d.errors import IndivisibleError, MeshError, PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
@@ -32,7 +32,7 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _comms(mesh_axes: dict[str, int], transform_kwargs: dict) -> list:
-    def rank() -> d9d.CommStats:
+    def rank() -> d9d.transforms.CommStats:
         mesh = d9d.make_mesh("cpu", **mesh_axes)
         model, opt = _tiny(), _opt()
         step = d9d.shard_params(mesh, **transform_kwargs)(make_train_step(model, opt))
@@ -90,7 +90,7 @@ def test_ddp_all_reduces_each_grad_once() -> None:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_params_and_optimizer_state_per_rank_are_one_nth(n: int) -> None:
-    def rank() -> tuple[d9d.Memory, int, int]:
+    def rank() -> tuple[d9d.transforms.Memory, int, int]:
         mesh = d9d.make_mesh("cpu", fsdp=n)
         model, opt = _tiny(), _opt()
         step = d9d.shard_params(mesh)(make_train_step(model, opt))

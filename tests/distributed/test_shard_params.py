@@ -110,7 +110,7 @@ def test_gradient_accumulation_equals_one_device_and_reduces_once() -> None:
         torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=1e-12)
         assert_trees_all_close(params, ref_params, rtol=1e-9, atol=1e-12)
 
-    def rank() -> d9d.CommStats:
+    def rank() -> d9d.transforms.CommStats:
         mesh = d9d.make_mesh("cpu", fsdp=2)
         model, opt = llama()(), optimizer()
         step = d9d.shard_params(mesh, microbatches=2)(train_step(model, opt))

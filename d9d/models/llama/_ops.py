@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..._gather import active_split
+from ..._context import sequence_attention
 from ...kernels import rms_norm as rms_norm
 from ...kernels import rope as rope
 from ...kernels import swiglu as swiglu
@@ -52,9 +52,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     (tests/models/llama/test_llama_ops.py). Inside a ``context_parallel`` step it is ring
     attention over the whole sequence split across the cp ranks.
     """
-    split = active_split()
-    if split is not None:  # context_parallel: q, k, v hold this rank's part of the sequence
-        return split.attention(q, k, v, causal=True)
+    attend = sequence_attention()
+    if attend is not None:  # context_parallel: q, k, v hold this rank's part of the sequence
+        return attend(q, k, v, causal=True)
     return F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
     )

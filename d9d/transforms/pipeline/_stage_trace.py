@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from ._comms import record_p2p
+from ..._comms import record_p2p
 
 __all__ = ["TracedStage", "span", "stage_spans"]
 

@@ -6,22 +6,26 @@ of that dim: ``Shard(0)`` for the weights of column-parallel linears (q, k, v, g
 ``Shard(1)`` for row-parallel linears (output projections). Other params are replicated; with
 sequence parallelism they act on a slice of the sequence (norms) or of the heads, so their
 grads are summed over the axis. Activations move between those layouts at module boundaries
-(``d9d/_activations.py``).
+(``_runtime.py`` beside this file).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .._activations import ActivationLayout
-from .._plan import ParamPlan
-from .._step import Transform
-from ..errors import IndivisibleError, PlanError
+from ..._plan import ParamPlan, Plan
+from ..._transform import Transform
+from ...errors import IndivisibleError, PlanError
+from ._layout import ActivationLayout
+from ._runtime import TensorParallelRuntime
+
+if TYPE_CHECKING:
+    from ..._model import Model
 
 __all__ = ["DEFAULT_RULES", "TensorParallel", "tensor_parallel"]
 
@@ -43,7 +47,7 @@ _PER_HEAD_AXES = ("head_dim",)
 class TensorParallel(Transform):
     """The ``tensor_parallel`` transform; build it with :func:`tensor_parallel`."""
 
-    order: ClassVar[int] = 40
+    name: ClassVar[str] = "tensor_parallel"
     mesh: DeviceMesh
     axis: str = "tp"
     sequence_parallel: bool = True
@@ -59,17 +63,19 @@ class TensorParallel(Transform):
     def claimed_axes(self) -> tuple[str, ...]:
         return (self.axis,)
 
-    def activation_layout(self) -> ActivationLayout:
-        index = self._axis_index(self.axis, "axis")
-        coordinate = self.mesh.get_coordinate()
-        return ActivationLayout(
+    def runtime(self, plan: Plan, model: Model | None) -> TensorParallelRuntime:
+        layout = ActivationLayout(
             mesh=self.mesh[self.axis],
             axis=self.axis,
-            index=index,
-            rank=coordinate[index] if coordinate is not None else 0,
+            index=plan.names.index(self.axis),
+            rank=self._coordinate(self.axis),
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
         )
+        runtime = TensorParallelRuntime(layout, plan)
+        if model is not None:  # check the model now, before any collective
+            runtime.roles(model.structure)
+        return runtime
 
     def _target(self, name: str | None, path: str) -> str | None:
         rules = {**DEFAULT_RULES, **self.rules}

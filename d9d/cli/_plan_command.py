@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from . import optim
-from ._mesh import make_mesh
-from ._module import functionalize
-from .models import Llama, LlamaConfig
-from .testing import fake_world
-from .transforms import shard_params
+from .. import optim
+from .._mesh import make_mesh
+from .._model import functionalize
+from ..models import Llama, LlamaConfig
+from ..testing import fake_world
+from ..transforms import shard_params
 
 __all__ = ["show_plan"]
 

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .errors import PlanError
+from ..._structure import Structure
+from ...errors import PlanError
+
+if TYPE_CHECKING:
+    from ..._model import Model
 
 __all__ = ["StageSplit", "split_stages"]
 
@@ -66,7 +70,7 @@ class StageSplit:
         return "\n".join(lines)
 
 
-def split_stages(model: Any, count: int, split_paths: Sequence[str] | None = None) -> StageSplit:
+def split_stages(model: Model, count: int, split_paths: Sequence[str] | None = None) -> StageSplit:
     """Cut ``model`` (a :class:`d9d.Model`) into ``count`` stages.
 
     Args:
@@ -82,59 +86,57 @@ def split_stages(model: Any, count: int, split_paths: Sequence[str] | None = Non
         PlanError: The model has no blocks, fewer blocks than stages, or a split path is
             not a block, out of order, or gives another number of stages.
     """
-    homes = model._block_homes
-    if not homes:
+    structure = model.structure
+    if not structure.blocks:
         raise PlanError(
             "pipeline cuts a model between the children of its nn.ModuleList of blocks, and "
             f"{type(model.module).__name__} has none; keep the blocks in an nn.ModuleList"
         )
-    paths = tuple(path for path, _, _ in homes)
+    paths = tuple(block.path for block in structure.blocks)
     if count > len(paths):
         raise PlanError(
             f"pipeline needs {count} stages but the model has only {len(paths)} blocks "
             f"({paths[0]} .. {paths[-1]}); use fewer pp ranks or virtual_stages"
         )
-    before, after = _root_sides(model)
+    before, after = _root_sides(structure)
     if split_paths is None:
-        cuts = _balanced(_block_costs(model), _head_cost(model, after), count)
+        cuts = _balanced(_block_costs(structure), _head_cost(structure, after), count)
     else:
         cuts = _cuts_from_paths(paths, list(split_paths), count)
     bounds = (0, *cuts, len(paths))
     blocks = tuple((bounds[s], bounds[s + 1]) for s in range(count))
     keys = []
     for s, (start, stop) in enumerate(blocks):
-        held = [k for i in range(start, stop) for k in _block_keys(model, i)]
+        held = [
+            structure.canonical(slot.key) for b in structure.blocks[start:stop] for slot in b.slots
+        ]
         if s == 0:
-            held = [k for owner in before for k in model._root_owners[owner]] + held
+            held = [k for owner in before for k in structure.root_owners[owner]] + held
         if s == count - 1:
-            held += [k for owner in after for k in model._root_owners[owner]]
+            held += [k for owner in after for k in structure.root_owners[owner]]
         keys.append(tuple(k for k in dict.fromkeys(held)))
     return StageSplit(blocks, paths, tuple(keys), before, after)
 
 
-def _block_keys(model: Any, index: int) -> list[str]:
-    return [model.tied.get(slot.key, slot.key) for slot in model._blocks[index][1]]
-
-
-def _root_sides(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _root_sides(structure: Structure) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Owners of params outside blocks, split by whether they are registered before the
     first block or after it."""
-    order = [path for path, _ in model.module.named_modules()]
-    first_block = order.index(model._block_homes[0][0])
+    order = [path for path, _ in structure.module.named_modules()]
+    first_block = order.index(structure.blocks[0].path)
     before, after = [], []
-    for owner in model._root_owners:
+    for owner in structure.root_owners:
         (before if order.index(owner) < first_block else after).append(owner)
     return tuple(before), tuple(after)
 
 
-def _block_costs(model: Any) -> list[int]:
-    return [sum(slot.owner._parameters[slot.name].numel() for slot in b[1]) for b in model._blocks]
+def _block_costs(structure: Structure) -> list[int]:
+    return [sum(slot.store()[slot.name].numel() for slot in b.slots) for b in structure.blocks]
 
 
-def _head_cost(model: Any, after: tuple[str, ...]) -> int:
+def _head_cost(structure: Structure, after: tuple[str, ...]) -> int:
     cost = 0
     for owner in after:
-        module = model.module.get_submodule(owner)
+        module = structure.module.get_submodule(owner)
         if isinstance(module, nn.Linear):
             cost += module.weight.numel()
     return cost

@@ -2,7 +2,7 @@
 
 Each rank of the ``pp`` axis holds, updates and checkpoints only its stages' params (and their
 optimizer state). The step itself is unchanged: ``d9d.value_and_grad`` of the loss becomes a
-microbatch executor (``d9d/_pipeline_run.py``) driven by a ``torch.distributed.pipelining``
+microbatch executor (``_executor.py`` beside this file) driven by a ``torch.distributed.pipelining``
 schedule, and returns the loss of the whole batch on every rank and the grads of this
 rank's params.
 """
@@ -10,17 +10,22 @@ rank's params.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
-from .._pipeline_run import SCHEDULES, PipelineLayout, stage_owner
-from .._plan import ParamPlan
-from .._stages import split_stages
-from .._step import Transform
-from ..errors import PlanError
+from ..._plan import ParamPlan, Plan
+from ..._transform import Transform
+from ...errors import PlanError
+from ._executor import SCHEDULES, PipelineLayout, stage_owner
+from ._runtime import PipelineRuntime
+from ._stages import StageSplit, split_stages
+
+if TYPE_CHECKING:
+    from ..._model import Model
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -29,7 +34,8 @@ __all__ = ["Pipeline", "pipeline"]
 class Pipeline(Transform):
     """The ``pipeline`` transform; build it with :func:`pipeline`."""
 
-    order: ClassVar[int] = 10
+    name: ClassVar[str] = "pipeline"
+    after: ClassVar[tuple[str, ...]] = ("context_parallel", "shard_params", "tensor_parallel")
     mesh: DeviceMesh
     axis: str = "pp"
     stages: tuple[str, ...] | None = None
@@ -38,6 +44,7 @@ class Pipeline(Transform):
     virtual_stages: int = 1
     _stage_mesh: DeviceMesh = field(init=False, repr=False, compare=False)
     _tie_group: Any = field(init=False, repr=False, compare=False)
+    _splits: dict[int, StageSplit] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         index = self._axis_index(self.axis, "axis")
@@ -62,6 +69,7 @@ class Pipeline(Transform):
         # Process groups are made here, while every rank builds the same transform.
         object.__setattr__(self, "_stage_mesh", _stage_mesh(self.mesh, self.axis))
         object.__setattr__(self, "_tie_group", self._pair_group(index))
+        object.__setattr__(self, "_splits", {})
 
     def __str__(self) -> str:
         return (
@@ -76,18 +84,46 @@ class Pipeline(Transform):
         # Whole on its stage's ranks; the plan drops the axis once it knows the stages.
         return entry
 
-    def pipeline_layout(self, model: Any) -> PipelineLayout:
+    def _split(self, model: Model | None) -> StageSplit:
         if model is None:
             raise PlanError(
                 f"{self} cuts the model into stages and needs it: call "
                 "step.place(params, opt_state, model=model)"
             )
+        found = self._splits.get(id(model))
+        if found is None:
+            count = self.mesh.shape[self._axis_index(self.axis, "axis")] * self.virtual_stages
+            found = split_stages(model, count, self.stages)
+            self._splits.clear()
+            self._splits[id(model)] = found
+        return found
+
+    def lay_out(self, plan: Plan, model: Model | None) -> Plan:
+        """The plan on the stage mesh (this axis dropped), each param with its stages, and
+        this rank's stages' params held."""
+        layout = self._layout(model)
+        i = self._axis_index(self.axis, "axis")
+        entries = {p: _onto_stage(e, i, layout) for p, e in plan.entries.items()}
+        return Plan(
+            layout.stage_mesh,
+            entries,
+            held=layout.held,
+            stage_group=layout.group.group_name,
+            notes=(
+                *plan.notes,
+                f"one of {layout.split.count} stages over {self.axis}={layout.size} "
+                f"({self.schedule})",
+            ),
+        )
+
+    def runtime(self, plan: Plan, model: Model | None) -> PipelineRuntime:
+        return PipelineRuntime(self._layout(model), plan)
+
+    def _layout(self, model: Model | None) -> PipelineLayout:
+        split = self._split(model)
         index = self._axis_index(self.axis, "axis")
         size = self.mesh.shape[index]
-        count = size * self.virtual_stages
-        split = split_stages(model, count, self.stages)
-        coordinate = self.mesh.get_coordinate()
-        rank = coordinate[index] if coordinate is not None else 0
+        rank = self._coordinate(self.axis)
         style = SCHEDULES[self.schedule].style
         return PipelineLayout(
             axis=self.axis,
@@ -98,7 +134,9 @@ class Pipeline(Transform):
             split=split,
             schedule=self.schedule,
             microbatches=self.microbatches,
-            local_stages=tuple(s for s in range(count) if stage_owner(s, size, style) == rank),
+            local_stages=tuple(
+                s for s in range(split.count) if stage_owner(s, size, style) == rank
+            ),
             stage_mesh=self._stage_mesh,
             tie_group=self._tie_group,
         )
@@ -120,6 +158,29 @@ class Pipeline(Transform):
             if dist.get_rank() in ranks:
                 mine = group
         return mine
+
+
+def _onto_stage(entry: ParamPlan, index: int, layout: PipelineLayout) -> ParamPlan:
+    """``entry`` laid out on the stage mesh (mesh axis ``index`` dropped), with its stages."""
+
+    def drop(placements: tuple) -> tuple:
+        return (*placements[:index], *placements[index + 1 :]) or (Replicate(),)
+
+    stages = layout.split.stages_of(entry.path)
+    where = ", ".join(str(s) for s in stages)
+    return replace(
+        entry,
+        storage=drop(entry.storage),
+        compute=drop(entry.compute),
+        grad=drop(entry.grad),
+        stages=stages,
+        stage_ranks=layout.ranks_holding(entry.path),
+        reasons=(
+            *entry.reasons,
+            f"pipeline: held by stage {where} of {layout.split.count}"
+            + (", grads summed over them (tied)" if len(stages) > 1 else ""),
+        ),
+    )
 
 
 def _stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:

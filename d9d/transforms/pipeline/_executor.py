@@ -4,11 +4,11 @@ Per step: the rank's stage params are gathered to their compute layout once (und
 ``shard_params`` one all-gather for all of them) and become the parameters of one
 ``nn.Module`` per local stage; a ``torch.distributed.pipelining`` schedule runs the
 microbatches through ``PipelineStage``s wrapping those modules; the accumulated grads are
-reduced to the stored layout once (one reduce-scatter). A stage module's forward calls the user's loss
-function on its microbatch with this thread's :class:`StageRun` set, and ``Model.apply``
-runs only the stage's blocks (``d9d/_gather.py``): it starts from the received activation
-and stops after the stage's last block by raising :class:`StageDone`; the last stage runs
-on to the loss.
+reduced to the stored layout once (one reduce-scatter). A stage module's forward calls the
+user's loss function on its microbatch with the runtime's :class:`StageRun` set, and
+``Model.apply`` runs only the stage's blocks (``_stage_apply.py``): it starts from the
+received activation and stops after the stage's last block by raising :class:`StageDone`;
+the last stage runs on to the loss.
 
 The ``PipelineStage``s are built once per batch signature, with activation shapes from a
 probe (``_stage_shapes``), and report their traffic and compute spans (``_stage_trace``).
@@ -16,11 +16,9 @@ probe (``_stage_shapes``), and report their traffic and compute spans (``_stage_
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,23 +27,22 @@ from torch.distributed import pipelining
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import tree
-from ._active import count_tokens
-from ._materialize import local_like
+from ... import tree
+from ..._autodiff import stack_aux
+from ..._collectives import gather_params, local_like
+from ..._context import count_tokens
+from ..._plan import Plan
+from ..._runtime import Differentiation
+from ...errors import PlanError
 from ._stage_shapes import LOSS_DTYPES, probe
 from ._stage_trace import TracedStage, span
 from ._stages import StageSplit
-from .errors import PlanError
-
-if TYPE_CHECKING:
-    from ._plan import Plan
 
 __all__ = [
     "SCHEDULES",
     "PipelineLayout",
     "StageDone",
     "StageRun",
-    "current_stage_run",
     "run_pipeline",
     "stage_owner",
 ]
@@ -80,9 +77,10 @@ def stage_owner(stage: int, size: int, style: str) -> int:
     return stage % size
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class PipelineLayout:
-    """This rank's part of a pipeline: the split, its stages, the groups and the schedule."""
+    """This rank's part of a pipeline: the split, its stages, the groups and the schedule;
+    ``run`` is the stage forward in progress, if any."""
 
     axis: str
     index: int
@@ -95,7 +93,8 @@ class PipelineLayout:
     local_stages: tuple[int, ...]
     stage_mesh: DeviceMesh
     tie_group: Any
-    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    run: StageRun | None = field(default=None, repr=False)
 
     @property
     def held(self) -> tuple[str, ...]:
@@ -128,29 +127,6 @@ class StageRun:
 
 class StageDone(Exception):
     """Raised after the last block of a stage that is not the last one."""
-
-
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.run: StageRun | None = None
-
-
-_state = _State()
-
-
-def current_stage_run() -> StageRun | None:
-    """The stage forward running on this thread, or None."""
-    return _state.run
-
-
-@contextmanager
-def _stage_run(run: StageRun) -> Iterator[None]:
-    previous = _state.run
-    _state.run = run
-    try:
-        yield
-    finally:
-        _state.run = previous
 
 
 class _StageParams(dict):
@@ -196,22 +172,16 @@ class _Runner:
     """One step's call of the loss function, stage by stage and microbatch by microbatch."""
 
     def __init__(
-        self,
-        fn: Callable[..., Any],
-        params: _StageParams,
-        chunks: list[Any],
-        has_aux: bool,
-        layout: PipelineLayout,
-        check_value: Callable[[Any, bool], None],
+        self, job: Differentiation, params: _StageParams, chunks: list[Any], layout: PipelineLayout
     ) -> None:
         self.fn, self.params, self.chunks, self.has_aux, self.layout = (
-            fn,
+            job.fn,
             params,
             chunks,
-            has_aux,
+            job.has_aux,
             layout,
         )
-        self.check_value = check_value
+        self.check_value = job.check_value
         self.aux: dict[int, Any] = {}
         self.weights: dict[int, torch.Tensor | None] = {}
 
@@ -222,18 +192,21 @@ class _Runner:
             stage, start, stop, stage == 0, stage == split.count - 1, inputs[0] if inputs else None
         )
         args, kwargs = self.chunks[index]
-        with _stage_run(run), count_tokens() as counts:
-            try:
+        previous, self.layout.run = self.layout.run, run
+        try:
+            with count_tokens() as counts:
                 out = self.fn(self.params, *args, **kwargs)
-            except StageDone:
-                return run.output
+        except StageDone:
+            return run.output
+        finally:
+            self.layout.run = previous
         if not run.applied or not run.last:
             raise PlanError(
                 f"pipeline stage {stage}: the loss function returned without calling "
                 "model.apply; under pipeline it must compute the loss from model.apply"
             )
         value, aux = out if self.has_aux else (out, None)
-        self.check_value(value, self.has_aux)
+        self.check_value(value)
         self.aux[index] = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         # The microbatch weighs by the valid tokens its loss counted (d9d.losses.token_mean),
         # applied before its backward: the step divides by the total once all have run.
@@ -247,24 +220,17 @@ class _Runner:
 
 
 def run_pipeline(
-    fn: Callable[..., Any],
-    pairs: list[tuple[str, torch.Tensor]],
-    chunks: list[Any],
-    has_aux: bool,
-    plan: Plan,
-    check_value: Callable[[Any, bool], None],
+    job: Differentiation, plan: Plan, layout: PipelineLayout
 ) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
-    """``(mean loss, aux, grads)`` of ``fn`` over ``chunks`` (microbatches), run stage by
-    stage under the plan's pipeline schedule; grads laid out like the stored params.
-    ``check_value(value, has_aux)`` raises unless the loss is a 0-d float tensor."""
-    layout = plan.pipeline
-    assert layout is not None
-    paths = [path for path, _ in pairs]
-    stored = [leaf.detach().requires_grad_(True) for _, leaf in pairs]
+    """``(mean loss, aux, grads)`` of ``job`` over the layout's microbatches, run stage by
+    stage under its schedule; grads laid out like the stored params."""
+    chunks = job.split(layout.microbatches)
+    paths = [path for path, _ in job.pairs]
+    stored = [leaf.detach().requires_grad_(True) for _, leaf in job.pairs]
     with torch.enable_grad():
-        gathered = plan.materialize_many(paths, dict(zip(paths, stored, strict=True)))
+        gathered = gather_params(plan, paths, dict(zip(paths, stored, strict=True)))
     weights = {p: nn.Parameter(gathered[p].detach()) for p in paths}
-    runner = _Runner(fn, _StageParams(weights, layout.split), chunks, has_aux, layout, check_value)
+    runner = _Runner(job, _StageParams(weights, layout.split), chunks, layout)
     runtime = _runtime(runner, layout, chunks)
     runtime.box[0] = runner
     for stage, module in runtime.modules.items():
@@ -293,7 +259,7 @@ def run_pipeline(
         materialize_grads=True,
     )
     grads = [_sum_tied(g, p, layout) for g, p in zip(grads, paths, strict=True)]
-    aux = _aux_on_every_rank(runner, count, layout) if has_aux else None
+    aux = _aux_on_every_rank(runner, count, layout) if job.has_aux else None
     return value, aux, grads
 
 
@@ -332,10 +298,7 @@ def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> A
     box = [None]
     last = layout.owner(layout.split.count - 1)
     if layout.rank == last:
-        auxes = [runner.aux[i] for i in range(count)]
-        box[0] = tree.map(
-            lambda *xs: torch.stack(xs).mean(0) if xs[0].ndim == 0 else torch.cat(xs), *auxes
-        )
+        box[0] = stack_aux([runner.aux[i] for i in range(count)])
     dist.broadcast_object_list(
         box, src=dist.get_global_rank(layout.group, last), group=layout.group
     )

@@ -1,14 +1,5 @@
-"""Context parallelism at run time: the batch's sequences split over ``cp``, positions that
-follow the split, and attention that sees the whole sequence (ring attention).
-
-``context_parallel`` puts a :class:`SequenceSplit` in the plan. The transformed step cuts every
-batch tensor of rank >= 2 along dim 1 (the sequence) into this rank's zigzag shard before the
-step body runs; ``Model.apply`` passes the global positions of the rank's tokens to the
-module (``positions=`` or ``position_ids=``, whichever its forward takes); attention calls
-:func:`ring_attention` instead of attending over the local shard only: the d9d Llama asks
-:func:`active_split`, a Hugging Face model is switched to the ``"d9d_ring"`` attention
-implementation for the call.
-"""
+"""How ``context_parallel`` splits sequences: this rank's part of the batch, the global
+positions of its tokens, and attention over the whole sequence (ring attention)."""
 
 from __future__ import annotations
 
@@ -20,12 +11,13 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import tree
-from .errors import PlanError
-from .kernels._registry import resolve
-from .parallel import positions_for, ring_attention, shard_sequence
+from ... import tree
+from ..._context import sequence_attention
+from ...errors import PlanError
+from ...kernels._registry import resolve
+from ...parallel import positions_for, ring_attention, shard_sequence
 
-__all__ = ["HF_ATTENTION", "SequenceSplit"]
+__all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "position_kwarg", "with_positions"]
 
 SEQUENCE_DIM = 1
 HF_ATTENTION = "d9d_ring"
@@ -131,18 +123,16 @@ def hf_ring_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A ``transformers`` attention implementation: ring attention of the active split."""
-    from ._gather import active_split
-
-    split = active_split()
-    if split is None:
+    """A ``transformers`` attention implementation: ring attention of the running step."""
+    attend = sequence_attention()
+    if attend is None:
         raise PlanError(
             f"attention implementation {HF_ATTENTION!r} runs only inside a context_parallel step"
         )
     if dropout:
         raise PlanError(f"context_parallel attention has no dropout; got dropout={dropout}")
     causal = bool(getattr(module, "is_causal", True))
-    out = split.attention(query, key, value, causal=causal, scale=scaling)
+    out = attend(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

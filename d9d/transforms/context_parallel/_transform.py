@@ -9,15 +9,19 @@ rank's global positions, and attention is ring attention (``d9d/_sequence_split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from .._plan import ParamPlan
-from .._sequence_split import SequenceSplit
-from .._step import Transform
-from ..parallel._zigzag import check_load_balance
+from ..._plan import ParamPlan, Plan
+from ..._transform import Transform
+from ...parallel._zigzag import check_load_balance
+from ._runtime import ContextParallelRuntime
+from ._split import SequenceSplit
+
+if TYPE_CHECKING:
+    from ..._model import Model
 
 __all__ = ["ContextParallel", "context_parallel"]
 
@@ -26,7 +30,7 @@ __all__ = ["ContextParallel", "context_parallel"]
 class ContextParallel(Transform):
     """The ``context_parallel`` transform; build it with :func:`context_parallel`."""
 
-    order: ClassVar[int] = 30
+    name: ClassVar[str] = "context_parallel"
     mesh: DeviceMesh
     axis: str = "cp"
     load_balance: str | None = "zigzag"
@@ -44,16 +48,16 @@ class ContextParallel(Transform):
     def token_axes(self) -> tuple[str, ...]:
         return (self.axis,)
 
-    def sequence_split(self) -> SequenceSplit:
-        index = self._axis_index(self.axis, "axis")
-        coordinate = self.mesh.get_coordinate()
-        return SequenceSplit(
+    def runtime(self, plan: Plan, model: Model | None) -> ContextParallelRuntime:
+        del plan, model
+        split = SequenceSplit(
             group=self.mesh.get_group(self.axis),
             axis=self.axis,
-            rank=coordinate[index] if coordinate is not None else 0,
-            size=self.mesh.shape[index],
+            rank=self._coordinate(self.axis),
+            size=self.mesh.shape[self._axis_index(self.axis, "axis")],
             load_balance=self.load_balance,
         )
+        return ContextParallelRuntime(split)
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         return entry.with_axis(

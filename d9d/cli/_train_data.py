@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import data
+from .. import data
+from ..errors import DataError
 from ._train_resume import say
-from .errors import DataError
 
 __all__ = ["training_tokens"]
 

@@ -20,56 +20,24 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .. import checkpoint, data, losses, optim
+from .._autodiff import value_and_grad
+from .._jit import jit
+from .._mesh import make_mesh
+from .._model import Model, functionalize
+from .._process_group import init_process_group
+from .._step import TransformedStep
+from ..errors import DataError
+from ..models import Llama, LlamaConfig
+from ..transforms import context_parallel, pipeline, shard_params, tensor_parallel
+from ..transforms.pipeline import SCHEDULES
 from . import _train_resume as resume
-from . import checkpoint, data, losses, optim
-from ._autodiff import value_and_grad
-from ._jit import jit
-from ._mesh import make_mesh
-from ._module import Model, functionalize
-from ._pipeline_run import SCHEDULES
-from ._process_group import init_process_group
-from ._step import TransformedStep
+from ._config import TrainConfig
 from ._train_checkpoints import Checkpointer, check_finite
 from ._train_data import training_tokens
 from ._train_log import MetricsLog
-from .errors import DataError
-from .models import Llama, LlamaConfig
-from .transforms import context_parallel, pipeline, shard_params, tensor_parallel
 
 __all__ = ["TrainConfig", "TrainRun", "make_train_step", "train"]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Options of ``d9d train``; each field is the command-line flag of the same name."""
-
-    preset: str = "tiny"
-    steps: int = 200
-    lr: float = 3e-3
-    batch_size: int = 16  # sequences per step, over all data-parallel ranks
-    seq_len: int = 128
-    seed: int = 0
-    out: Path = Path("runs/train")
-    data: Path | None = None  # None: the Python standard library's own source files
-    vocab_size: int | None = None  # None: the preset's
-    warmup: int = 20
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    jit: bool = False
-    log_every: int = 1
-    save_every: int = 0  # steps between checkpoints in out/checkpoints; 0: none
-    keep: int | None = None  # newest checkpoints kept; None: all
-    resume: bool = False  # continue from the newest readable checkpoint, if there is one
-    resume_from: Path | None = None  # continue from this checkpoint folder (implies resume)
-    allow_config_change: bool = False  # resume although a schedule or model flag changed
-    dp: int | None = None  # ranks the model is replicated over (HSDP/DDP); None: 1
-    fsdp: int | None = None  # ranks the model is sharded over; None: the rest of the world
-    tp: int | None = None  # tensor-parallel ranks (Megatron TP, sequence parallel); None: 1
-    cp: int | None = None  # context-parallel ranks (ring attention); None: 1
-    pp: int | None = None  # pipeline stages; None: 1
-    schedule: str = "1f1b"  # pipeline schedule, with --pp
-    microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
-    dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
 
 
 def make_train_step(

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import checkpoint
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from .. import checkpoint
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
 __all__ = ["SCHEDULE_FLAGS", "check_unchanged", "restore", "say", "set_aside_newer"]
 

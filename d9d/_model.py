@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -11,15 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._active import active_plan
-from ._gather import apply_placed, enter_block, enter_module, exit_block, exit_module
-from ._sequence_split import position_kwarg
+from ._apply import apply_in_step
+from ._context import current
+from ._structure import Axes, Structure, structure_of
 from .errors import ParamShapeError, ParamTreeMismatchError
 
 __all__ = ["Axes", "Model", "functionalize"]
-
-Axes = tuple[str | None, ...]
-"""Logical axis names of one param, one per tensor dim; ``None`` names no axis."""
 
 _DEFAULT_AXES: tuple[tuple[type[nn.Module], str, Axes], ...] = (
     (nn.Linear, "weight", ("out", "in")),
@@ -32,20 +28,6 @@ _DEFAULT_AXES: tuple[tuple[type[nn.Module], str, Axes], ...] = (
 
 
 @dataclass(frozen=True, eq=False)
-class _Slot:
-    """Where one tensor lives in the module: ``owner._parameters[name]`` or ``_buffers``."""
-
-    key: str
-    owner: nn.Module
-    name: str
-    is_param: bool
-
-    def store(self) -> dict[str, Any]:
-        """The owner's dict that holds this tensor."""
-        return self.owner._parameters if self.is_param else self.owner._buffers
-
-
-@dataclass(frozen=True, eq=False)
 class Model:
     """A module seen as a pure function of a flat params dict.
 
@@ -55,21 +37,15 @@ class Model:
         buffers: ``{path: tensor}`` of every buffer, passed to each call.
         axes: ``{path: logical axis names}`` per param, one name (or ``None``) per dim.
         tied: ``{alias path: canonical path}`` for params shared between modules.
+        structure: The module's slots, blocks and param owners, which transforms read.
     """
 
     module: nn.Module
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     axes: dict[str, Axes]
-    tied: dict[str, str] = field(default_factory=dict)
-    _slots: tuple[_Slot, ...] = field(default=(), repr=False)
-    _blocks: tuple[tuple[nn.Module, tuple[_Slot, ...]], ...] = field(default=(), repr=False)
-    _block_homes: tuple[tuple[str, nn.Module, str], ...] = field(default=(), repr=False)
-    _root_slots: tuple[_Slot, ...] = field(default=(), repr=False)
-    _buffer_slots: tuple[_Slot, ...] = field(default=(), repr=False)
-    _regions: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
-    _root_owners: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
-    _position_kwarg: str | None = field(default=None, repr=False)
+    tied: dict[str, str]
+    structure: Structure = field(repr=False)
 
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Call the module's forward with ``params`` in place of its own tensors.
@@ -97,28 +73,26 @@ class Model:
             >>> model.apply(model.params, torch.ones(1, 3)).shape
             torch.Size([1, 2])
         """
-        plan = active_plan()
-        if plan is None:
+        step = current()
+        if step is None:
             self.check_params(params)
         else:  # the params may be local shards here: the plan holds their global shapes
-            entries = plan.entries
+            plan = step.plan
             self.check_params(
-                {p: entries.get(p, leaf) for p, leaf in params.items()},
-                subset=plan.pipeline is not None,
+                {p: plan.entries.get(p, leaf) for p, leaf in params.items()},
+                subset=len(plan.held) < len(plan.entries),
             )
-        if plan is not None:
-            return apply_placed(self, plan, params, args, kwargs)
+            return apply_in_step(step, self.structure, params, self.buffers, args, kwargs)
+        structure = self.structure
         saved = []
-        for slot in self._slots:
-            store = slot.store()
-            saved.append(store[slot.name])
+        for slot in structure.slots:
             source = params if slot.is_param else self.buffers
-            store[slot.name] = source[self.tied.get(slot.key, slot.key)]
+            saved.append(slot.swap(source[structure.canonical(slot.key)]))
         try:
             return self.module(*args, **kwargs)
         finally:
-            for slot, old in zip(self._slots, saved, strict=True):
-                slot.store()[slot.name] = old
+            for slot, old in zip(structure.slots, saved, strict=True):
+                slot.swap(old)
 
     def check_params(self, params: Mapping[str, Any], *, subset: bool = False) -> None:
         """Raise unless ``params`` has the model's paths, each of the model's (global) shape.
@@ -189,125 +163,15 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
         >>> model.axes
         {'weight': ('mlp', 'embed'), 'bias': ('out',)}
     """
-    params: dict[str, torch.Tensor] = {}
-    tied: dict[str, str] = {}
-    canonical_by_id: dict[int, str] = {}
-    slots: list[_Slot] = []
-    for owner_path, owner in module.named_modules(remove_duplicate=False):
-        for name, tensor in owner._parameters.items():
-            if tensor is None:
-                continue
-            key = f"{owner_path}.{name}" if owner_path else name
-            canonical = canonical_by_id.setdefault(id(tensor), key)
-            if canonical == key:
-                params[key] = tensor.detach()
-            else:
-                tied[key] = canonical
-            slots.append(_Slot(key, owner, name, is_param=True))
-    buffers: dict[str, torch.Tensor] = {}
-    for owner_path, owner in module.named_modules(remove_duplicate=False):
-        for name, tensor in owner._buffers.items():
-            key = f"{owner_path}.{name}" if owner_path else name
-            if tensor is None or key in buffers:
-                continue
-            buffers[key] = tensor.detach()
-            slots.append(_Slot(key, owner, name, is_param=False))
-    unique = tuple({(id(s.owner), s.name, s.is_param): s for s in slots}.values())
-    block_paths = _block_paths(module)
-    blocks = _blocks(block_paths, unique)
-    owning = {id(block) for block, _ in blocks}
-    homes = tuple(
-        (path, module.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2])
-        for path, block in block_paths
-        if id(block) in owning
-    )
-    in_blocks = {id(s) for _, block_slots in blocks for s in block_slots}
-    root_slots = tuple(s for s in unique if s.is_param and id(s) not in in_blocks)
-    model = Model(
+    structure, params, buffers = structure_of(module)
+    return Model(
         module=module,
         params=params,
         buffers=buffers,
         axes=_resolve_axes(module, params, dict(axes or {})),
-        tied=tied,
-        _slots=unique,
-        _blocks=blocks,
-        _block_homes=homes,
-        _root_slots=root_slots,
-        _buffer_slots=tuple(s for s in unique if not s.is_param),
-        _regions=_regions(module, block_paths),
-        _root_owners=_root_owners(module, root_slots, tied),
-        _position_kwarg=position_kwarg(module),
+        tied=structure.tied,
+        structure=structure,
     )
-    for index, (block, _) in enumerate(blocks):
-        block.register_forward_pre_hook(
-            functools.partial(enter_block, model, index), with_kwargs=True
-        )
-        block.register_forward_hook(functools.partial(exit_block, model, index))
-    for path, child in module.named_modules():
-        if not (_is_layer(child) or path in model._regions or path in model._root_owners):
-            continue
-        child.register_forward_pre_hook(
-            functools.partial(enter_module, model, path), with_kwargs=True
-        )
-        child.register_forward_hook(functools.partial(exit_module, model, path))
-    return model
-
-
-def _block_paths(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of the outermost ``nn.ModuleList``s, with their paths."""
-    prefixes: list[tuple[str, nn.Module]] = []
-    for path, child in module.named_modules():
-        if isinstance(child, nn.ModuleList) and not any(
-            path.startswith(p + ".") for p, _ in prefixes
-        ):
-            prefixes += [
-                (f"{path}.{name}" if path else name, block)
-                for name, block in child.named_children()
-            ]
-    return prefixes
-
-
-def _is_layer(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear | nn.Embedding)
-
-
-def _regions(
-    module: nn.Module, block_paths: list[tuple[str, nn.Module]]
-) -> dict[str, tuple[str, ...]]:
-    """Tensor-parallel regions, each with the linears inside it: every child of a block, and
-    every linear outside blocks."""
-    linears = [p for p, m in module.named_modules() if isinstance(m, nn.Linear)]
-    regions: dict[str, tuple[str, ...]] = {}
-    for block_path, block in block_paths:
-        for name, _ in block.named_children():
-            child = f"{block_path}.{name}"
-            regions[child] = tuple(p for p in linears if p == child or p.startswith(child + "."))
-    in_blocks = tuple(p + "." for p, _ in block_paths)
-    regions.update({p: (p,) for p in linears if not p.startswith(in_blocks)})
-    return regions
-
-
-def _root_owners(
-    module: nn.Module, root_slots: tuple[_Slot, ...], tied: dict[str, str]
-) -> dict[str, tuple[str, ...]]:
-    """Modules owning params outside blocks, with those params' (canonical) keys."""
-    paths = {id(m): p for p, m in module.named_modules()}
-    owners: dict[str, list[str]] = {}
-    for slot in root_slots:
-        owners.setdefault(paths[id(slot.owner)], []).append(tied.get(slot.key, slot.key))
-    return {path: tuple(keys) for path, keys in owners.items()}
-
-
-def _blocks(
-    block_paths: list[tuple[str, nn.Module]], slots: tuple[_Slot, ...]
-) -> tuple[tuple[nn.Module, tuple[_Slot, ...]], ...]:
-    """The blocks that own params, with the param slots under each."""
-    blocks = []
-    for prefix, block in block_paths:
-        owned = tuple(s for s in slots if s.is_param and s.key.startswith(prefix + "."))
-        if owned:
-            blocks.append((block, owned))
-    return tuple(blocks)
 
 
 def _resolve_axes(

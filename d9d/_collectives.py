@@ -1,17 +1,26 @@
-"""Gathering a stored param for compute, and reducing its gradient back to storage."""
+"""The collectives of a plan: gathering stored params for compute, reducing grads to storage.
+
+:func:`gather_params` is what a block runs when it starts: the params it uses, gathered from
+their stored placement to their compute placement (one all-gather for all those sharded
+alike, as FSDP2 gathers a unit). In the backward each grad, ``Partial`` on the data-parallel
+axes, is reduced back to the stored placement (one reduce-scatter for those gathered
+together), unless the running step defers reductions (microbatch accumulation).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from ._active import accumulating
+from ._context import current
+from ._plan import ParamPlan, Plan
 
-__all__ = ["coalescible", "gather", "gather_many", "local_like", "reduce_to"]
+__all__ = ["gather", "gather_many", "gather_params", "local_like", "reduce_to"]
 
 # The functional collective ops themselves (what DTensor issues, Dynamo traces and
 # ``d9d._comms`` counts): their Python wrappers were renamed between torch 2.11 and 2.13.
@@ -78,7 +87,7 @@ class _Gather(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.mesh, ctx.grad, ctx.storage = mesh, grad, tuple(stored.placements)
         ctx.shape, ctx.stride, ctx.dtype = stored.shape, stored.stride(), stored.dtype
-        ctx.reduce_dtype, ctx.defer = reduce_dtype or stored.dtype, accumulating()
+        ctx.reduce_dtype, ctx.defer = reduce_dtype or stored.dtype, _deferring()
         if compute_dtype is not None:
             stored = stored.to(compute_dtype)
         return stored.redistribute(mesh, compute).to_local()
@@ -94,7 +103,56 @@ class _Gather(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def coalescible(entry: Any) -> tuple[int, int] | None:
+def gather_params(
+    plan: Plan, paths: list[str], params: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The tensors to compute with for ``paths``: each stored DTensor gathered to its compute
+    placement, with one collective per group of params gathered alike (one mesh axis, same
+    dtypes and grad layout); a plain tensor is already in its compute layout (a pipeline
+    stage's params, gathered once per step)."""
+    groups: dict[tuple, list[str]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for path in paths:
+        stored = params[path]
+        if not isinstance(stored, DTensor):
+            out[path] = stored
+            continue
+        e = plan.entries[path]
+        found = coalescible(e)
+        if found is None:
+            out[path] = _gather_one(plan, e, stored)
+            continue
+        axis = found[0]
+        key = (axis, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
+        groups.setdefault(key, []).append(path)
+    for (axis, *_), members in groups.items():
+        if len(members) == 1:
+            out[members[0]] = _gather_one(plan, plan.entries[members[0]], params[members[0]])
+            continue
+        stored = [params[p] for p in members]
+        entries = [plan.entries[p] for p in members]
+        gathered = gather_many(stored, plan.mesh, entries, axis, plan.group_names[axis])
+        out.update(zip(members, gathered, strict=True))
+    return {p: out[p] for p in paths}
+
+
+def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
+    return gather(
+        stored,
+        plan.mesh,
+        entry.compute,
+        entry.grad,
+        compute_dtype=entry.compute_dtype,
+        reduce_dtype=entry.reduce_dtype,
+    )
+
+
+def _deferring() -> bool:
+    step = current()
+    return step is not None and step.defer_reduction
+
+
+def coalescible(entry: ParamPlan) -> tuple[int, int] | None:
     """``(mesh axis, tensor dim)`` when ``entry`` is gathered over exactly one mesh axis from a
     plain ``Shard(dim)`` to ``Replicate`` (so its gather can share one collective with others),
     else None."""
@@ -119,7 +177,7 @@ def _others(placements: tuple[Placement, ...], axis: int) -> tuple[Placement, ..
 
 
 def gather_many(
-    stored: list[DTensor], mesh: DeviceMesh, entries: list[Any], axis: int, group: str
+    stored: list[DTensor], mesh: DeviceMesh, entries: list[ParamPlan], axis: int, group: str
 ) -> list[torch.Tensor]:
     """Like :func:`gather` for several params sharded over the same mesh ``axis``, with one
     all-gather for all of them (and one reduce-scatter of their grads in the backward).
@@ -164,7 +222,7 @@ class _GatherMany(torch.autograd.Function):
         )
         ctx.dtypes = [t.dtype for t in stored]
         ctx.reduce_dtype = first.reduce_dtype or stored[0].dtype
-        ctx.defer = accumulating()
+        ctx.defer = _deferring()
         gathered = _c10d.wait_tensor(
             _c10d.all_gather_into_tensor(torch.cat(pieces), ranks, group)
         ).view(ranks, -1)

@@ -12,21 +12,19 @@ the batch every pipeline rank receives.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import tree
-from ._pipeline_run import StageRun, current_stage_run
-from .errors import PlanError
+from ... import tree
+from ..._plan import Plan
+from ..._runtime import ApplyCall, Interception, replace_activation
+from ...errors import PlanError
+from ._executor import PipelineLayout, StageDone, StageRun
 
-if TYPE_CHECKING:
-    from ._plan import Plan
-
-__all__ = ["running_root_slots", "stage_modules", "start_stage"]
+__all__ = ["enter_stage"]
 
 
 class _Skip(nn.Module):
@@ -96,10 +94,11 @@ class _AfterBlocks(nn.Module):
         )
 
 
-def start_stage(model: Any, plan: Plan) -> StageRun:
-    """The stage run that this ``apply`` belongs to; raises outside one, or on a second
-    ``apply`` in one stage forward."""
-    run = current_stage_run()
+def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
+    """Set ``call`` up to run only the running stage: other stages' blocks skipped, modules
+    outside blocks of other stages stood in for, the stage's first block fed the received
+    activation and its last block ending the forward (unless it is the last stage)."""
+    run = layout.run
     if run is None:
         raise PlanError(
             "under pipeline, model.apply runs only inside d9d.value_and_grad (which runs the "
@@ -111,66 +110,46 @@ def start_stage(model: Any, plan: Plan) -> StageRun:
             "fold other uses of the model into that call"
         )
     run.applied = True
-    return run
-
-
-def running_root_slots(model: Any, plan: Plan, run: StageRun) -> tuple[Any, ...]:
-    """The slots of params outside blocks whose modules run on this stage."""
-    split = plan.pipeline.split
-    running = set(split.before if run.first else ()) | set(split.after if run.last else ())
-    paths = _module_paths(model, plan)
-    return tuple(s for s in model._root_slots if paths[id(s.owner)] in running)
-
-
-def _module_paths(model: Any, plan: Plan) -> dict[int, str]:
-    key = ("module paths", id(model))
-    found = plan.pipeline.cache.get(key)
-    if found is None:
-        found = {id(m): p for p, m in model.module.named_modules()}
-        plan.pipeline.cache[key] = found
-    return found
-
-
-@contextmanager
-def stage_modules(model: Any, plan: Plan, run: StageRun) -> Iterator[None]:
-    """Swap in :class:`_Skip` for other stages' blocks and stand-ins for their modules."""
-    split = plan.pipeline.split
-    swaps: list[tuple[nn.Module, str, nn.Module]] = []
-    for index, (_, parent, name) in enumerate(model._block_homes):
-        if not run.start <= index < run.stop:
-            swaps.append((parent, name, _Skip()))
-    module = model.module
+    split, structure = layout.split, call.structure
+    for block in structure.blocks:
+        if not run.start <= block.index < run.stop:
+            call.stand_in(block.path, _Skip())
+            continue
+        enter = functools.partial(_enter_block, run, block.index)
+        exit_ = functools.partial(_exit_block, run) if block.index == run.stop - 1 else None
+        call.intercept(block.path, Interception(enter=enter, exit=exit_))
+    modules = dict(structure.module.named_modules())
     if not run.first:
         for path in split.before:
-            original = module.get_submodule(path)
-            dtypes = _compute_dtypes(model, plan, path, original)
-            swaps.append((*_home(module, path), _BeforeBlocks(original, path, run, dtypes)))
+            dtypes = _compute_dtypes(structure.tied, call.plan, path, modules[path])
+            call.stand_in(path, _BeforeBlocks(modules[path], path, run, dtypes))
     if not run.last:
-        swaps += [(*_home(module, path), _AfterBlocks(path)) for path in split.after]
-    saved = []
-    for parent, name, stand_in in swaps:
-        saved.append(parent._modules[name])
-        parent._modules[name] = stand_in
-    try:
-        yield
-    finally:
-        for (parent, name, _), original in zip(swaps, saved, strict=True):
-            parent._modules[name] = original
+        for path in split.after:
+            call.stand_in(path, _AfterBlocks(path))
 
 
-def _home(module: nn.Module, path: str) -> tuple[nn.Module, str]:
-    parent, _, name = path.rpartition(".")
-    if not name:
-        raise PlanError("pipeline cannot stand in for the root module itself")
-    return module.get_submodule(parent), name
+def _enter_block(run: StageRun, index: int, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    run.entered = True
+    if index == run.start and run.input is not None:
+        # The activation the previous stage sent, laid out as blocks pass it on.
+        return replace_activation(args, kwargs, "block", lambda _: run.input)
+    return None
 
 
-def _compute_dtypes(model: Any, plan: Plan, path: str, module: nn.Module) -> dict[str, torch.dtype]:
+def _exit_block(run: StageRun, output: Any) -> None:
+    if not run.last:
+        run.output = output if isinstance(output, torch.Tensor) else output[0]
+        raise StageDone
+
+
+def _compute_dtypes(
+    tied: dict[str, str], plan: Plan, path: str, module: nn.Module
+) -> dict[str, torch.dtype]:
     """The dtypes the module's params compute in (``shard_params(param_dtype=...)``)."""
     out = {}
     for name in module._parameters:
         key = f"{path}.{name}"
-        entry = plan.entries.get(model.tied.get(key, key))
+        entry = plan.entries.get(tied.get(key, key))
         if entry is not None and entry.compute_dtype is not None:
             out[name] = entry.compute_dtype
     return out

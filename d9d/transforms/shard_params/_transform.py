@@ -10,15 +10,19 @@ equals one device fed every rank's batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .._plan import ParamPlan
-from .._step import Transform
-from ..errors import PlanError
+from ..._plan import ParamPlan, Plan
+from ..._transform import Transform
+from ...errors import PlanError
+from ._accumulate import Accumulation
+
+if TYPE_CHECKING:
+    from ..._model import Model
 
 __all__ = ["ShardParams", "shard_params"]
 
@@ -27,7 +31,8 @@ __all__ = ["ShardParams", "shard_params"]
 class ShardParams(Transform):
     """The ``shard_params`` transform; build it with :func:`shard_params`."""
 
-    order: ClassVar[int] = 50
+    name: ClassVar[str] = "shard_params"
+    after: ClassVar[tuple[str, ...]] = ("tensor_parallel",)
     mesh: DeviceMesh
     axis: str | None = "fsdp"
     replicate_axis: str | None = None
@@ -64,11 +69,9 @@ class ShardParams(Transform):
     def data_axes(self) -> tuple[str, ...]:
         return self.claimed_axes()
 
-    def keeps_gathered_params(self) -> bool:
-        return not self.reshard_after_forward
-
-    def microbatches_per_step(self) -> int:
-        return self.microbatches
+    def runtime(self, plan: Plan, model: Model | None) -> Accumulation | None:
+        del plan, model
+        return Accumulation(self.microbatches) if self.microbatches > 1 else None
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         if entry.dtype.is_floating_point:
@@ -101,16 +104,18 @@ class ShardParams(Transform):
             if rows % size
             else ""
         )
-        return entry.with_axis(
+        kept = "" if self.reshard_after_forward else ", kept from the forward to the backward"
+        entry = entry.with_axis(
             index,
             storage=Shard(dim),
             compute=Replicate(),
             grad=average,
             reason=(
                 f"{self}: dim {dim} sharded over {self.axis!r}{uneven}; gathered while its "
-                f"block runs, grads reduce-scattered (mean)"
+                f"block runs{kept}, grads reduce-scattered (mean)"
             ),
         )
+        return replace(entry, regather=self.reshard_after_forward)
 
 
 def _free_dim(entry: ParamPlan) -> int:

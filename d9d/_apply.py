@@ -1,0 +1,107 @@
+"""``Model.apply`` inside a running step: params gathered per block, runtimes around it.
+
+The params outside blocks are gathered (``_collectives.gather_params``) when ``apply``
+starts; a block's params when the block's forward starts, and its slots get the module's
+own tensors back when it ends: the core's interception of each block, the innermost one.
+Before the forward every runtime's ``enter_apply`` sees the :class:`~d9d._runtime.ApplyCall`
+(it may change the inputs, stand modules in, intercept modules and blocks); the forward runs
+in the call's environment; ``exit_apply`` runs after it, raised or not. The user's module
+carries none of this after ``apply`` returns. With params whose plan says ``regather``
+(eager only), gathered params saved for the backward are gathered again there
+(``_regather``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ._collectives import gather_params
+from ._context import StepContext
+from ._plan import Plan
+from ._regather import Regather
+from ._runtime import ApplyCall, Interception
+from ._structure import Block, Slot, Structure
+
+__all__ = ["apply_in_step"]
+
+
+def apply_in_step(
+    step: StepContext,
+    structure: Structure,
+    params: Mapping[str, Any],
+    buffers: Mapping[str, torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The forward of ``structure.module`` on ``params`` under the running ``step``."""
+    plan = step.plan
+    call = ApplyCall(structure, plan, params, args, dict(kwargs))
+    regather = Regather(plan, params) if _regathers(plan) else None
+    previous, step.call = step.call, call
+    entered = []
+    try:
+        for runtime in step.runtimes:
+            entered.append(runtime)
+            runtime.enter_apply(call)
+        for block in structure.blocks:
+            if not call.stood_in(block.path):
+                around = functools.partial(_gathered_block, call, block, regather)
+                call.intercept(block.path, Interception(around=around))
+        running = [s for s in structure.root_slots if not call.stood_in(structure.owner_path(s))]
+        keys = [structure.canonical(s.key) for s in running]
+        locals_ = _gather(call, keys, regather)
+        saved = [slot.swap(locals_[key]) for slot, key in zip(running, keys, strict=True)]
+        saved += [slot.swap(buffers[slot.key]) for slot in structure.buffer_slots]
+        try:
+            with call.environment():
+                if regather is None:
+                    return structure.module(*call.args, **call.kwargs)
+                with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
+                    return structure.module(*call.args, **call.kwargs)
+        finally:
+            for slot, old in zip((*running, *structure.buffer_slots), saved, strict=True):
+                slot.swap(old)
+    finally:
+        for runtime in reversed(entered):
+            runtime.exit_apply(call)
+        step.call = previous
+
+
+def _regathers(plan: Plan) -> bool:
+    """Whether gathered params are dropped after the forward (eager only)."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(e.regather and e.compute != e.storage for e in (plan.entries[p] for p in plan.held))
+
+
+def _gather(call: ApplyCall, keys: list[str], regather: Regather | None) -> dict[str, Any]:
+    """The compute tensors of ``keys`` (tied aliases gathered once)."""
+    unique = list(dict.fromkeys(keys))
+    gathered = gather_params(call.plan, unique, call.params)
+    if regather is not None:
+        regather.track(gathered)
+    return gathered
+
+
+def _gathered_block(
+    call: ApplyCall,
+    block: Block,
+    regather: Regather | None,
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The block's forward with its params gathered into its slots."""
+    slots: tuple[Slot, ...] = block.slots
+    keys = [call.structure.canonical(s.key) for s in slots]
+    locals_ = _gather(call, keys, regather)
+    saved = [slot.swap(locals_[key]) for slot, key in zip(slots, keys, strict=True)]
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        for slot, old in zip(slots, saved, strict=True):
+            slot.swap(old)

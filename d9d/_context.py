@@ -1,0 +1,118 @@
+"""The running step: one :class:`StepContext` per call of a transformed step, on its thread.
+
+Everything one step's execution shares lives here: the plan, the transforms' runtimes, the
+``Model.apply`` in progress, whether grads are being accumulated, and the token counts the
+loss records. Held by a ``threading.local`` rather than a ``ContextVar``: Dynamo traces
+attribute reads of a thread local but graph-breaks on ``ContextVar.get`` (torch 2.13), and
+ranks run as threads in tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._plan import Plan
+
+if TYPE_CHECKING:
+    from ._runtime import ApplyCall, Runtime
+
+__all__ = [
+    "StepContext",
+    "count_tokens",
+    "current",
+    "record_tokens",
+    "running",
+    "sequence_attention",
+]
+
+
+@dataclass(eq=False)
+class StepContext:
+    """One running step.
+
+    Attributes:
+        plan: The step's plan.
+        runtimes: The transforms' runtimes, in transform order.
+        defer_reduction: Gathered params' backward leaves grads unreduced (``Partial``), as
+            while accumulating microbatches; the accumulation reduces them once.
+        token_counts: While a loss's token counts are collected, the list they go to.
+        call: The ``Model.apply`` in progress, if any.
+    """
+
+    plan: Plan
+    runtimes: tuple[Runtime, ...] = ()
+    defer_reduction: bool = False
+    token_counts: list[torch.Tensor] | None = None
+    call: ApplyCall | None = field(default=None, repr=False)
+
+
+class _State(threading.local):
+    """Set up fresh in each thread, so Dynamo's guards see the same attributes every call."""
+
+    def __init__(self) -> None:
+        self.step: StepContext | None = None
+
+
+_state = _State()
+
+
+def current() -> StepContext | None:
+    """The step running on this thread, or None."""
+    return _state.step
+
+
+@contextmanager
+def running(step: StepContext | None) -> Iterator[StepContext | None]:
+    """Make ``step`` the running step for the duration of the block."""
+    previous = _state.step
+    _state.step = step
+    try:
+        yield step
+    finally:
+        _state.step = previous
+
+
+@contextmanager
+def count_tokens() -> Iterator[list[torch.Tensor]]:
+    """Within the block, the global valid-token counts that token means record (one 0-d
+    tensor per call of :func:`d9d.losses.token_mean`) are appended to the yielded list."""
+    step = _state.step
+    counts: list[torch.Tensor] = []
+    if step is None:
+        yield counts
+        return
+    previous = step.token_counts
+    step.token_counts = counts
+    try:
+        yield counts
+    finally:
+        step.token_counts = previous
+
+
+def record_tokens(count: torch.Tensor) -> None:
+    """Record a token mean's global count of valid tokens, if a :func:`count_tokens` block
+    is open (``value_and_grad`` opens one per microbatch to weigh it)."""
+    step = _state.step
+    if step is not None and step.token_counts is not None:
+        step.token_counts.append(count)
+
+
+def sequence_attention() -> Callable[..., Any] | None:
+    """The attention the running step substitutes for attention over the local sequence
+    (``context_parallel``'s ring attention), or None.
+
+    Model code asks it: ``attend(q, k, v, causal=..., scale=...)`` over ``[B, H, S, D]``.
+    """
+    step = _state.step
+    if step is None:
+        return None
+    for runtime in step.runtimes:
+        if runtime.attention is not None:
+            return runtime.attention
+    return None

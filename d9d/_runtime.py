@@ -1,0 +1,266 @@
+"""The runtime protocol: how a transform takes part in one step's execution.
+
+A transform's :meth:`~d9d.transforms.Transform.runtime` may return a :class:`Runtime`. The
+core calls every runtime, in transform order, at four places and never names a transform:
+
+- on the batch, before the step body runs (:meth:`Runtime.on_batch`);
+- around differentiation: one runtime may drive ``d9d.value_and_grad`` itself (microbatch
+  accumulation, the pipeline executor), given a :class:`Differentiation`;
+- around ``Model.apply``: :meth:`Runtime.enter_apply` sees the :class:`ApplyCall` before the
+  forward (it may change its inputs, stand a module in for another, and intercept modules
+  and blocks) and :meth:`Runtime.exit_apply` after it, raised or not;
+- in the model's attention (:attr:`Runtime.attention`).
+
+An interception runs around one module's forward for one call: ``enter`` may replace its
+inputs, ``around`` runs the forward (``torch.utils.checkpoint`` does), ``exit`` may replace
+its output. Interceptions of one module nest in registration order, the first outermost;
+the core's own, which swaps a block's gathered params in, is the innermost.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._plan import Plan
+from ._structure import Structure
+from .errors import PlanError
+
+__all__ = ["ApplyCall", "Differentiation", "Interception", "Runtime", "replace_activation"]
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+"""A module's ``(args, kwargs)``."""
+
+
+def replace_activation(
+    args: tuple[Any, ...], kwargs: dict[str, Any], path: str, fn: Callable[[Any], Any]
+) -> Inputs:
+    """``args``/``kwargs`` of the module at ``path`` with its activation input (the first
+    positional tensor, or ``hidden_states=``) replaced by ``fn`` of it."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise PlanError(
+        f"cannot find the activation input of module {path!r}: it must take it as the first "
+        "positional tensor or as hidden_states="
+    )
+
+
+@dataclass(frozen=True)
+class Interception:
+    """Work around one module's forward during one ``Model.apply``.
+
+    Attributes:
+        enter: ``enter(args, kwargs) -> (args, kwargs) | None`` before the forward (None:
+            inputs unchanged).
+        exit: ``exit(output) -> output | None`` after it (None: output unchanged).
+        around: ``around(forward, args, kwargs) -> output``, where ``forward(*args,
+            **kwargs)`` runs the module (and the interceptions inside this one).
+    """
+
+    enter: Callable[[tuple[Any, ...], dict[str, Any]], Inputs | None] | None = None
+    exit: Callable[[Any], Any] | None = None
+    around: Callable[..., Any] | None = None
+
+
+@dataclass(eq=False)
+class ApplyCall:
+    """One ``Model.apply`` inside a running step, as runtimes see it before the forward.
+
+    Attributes:
+        structure: The model's structure.
+        plan: The step's plan.
+        params: The params passed to ``apply`` (stored DTensors, or tensors already in their
+            compute layout).
+        args: The forward's positional inputs (runtimes may replace them).
+        kwargs: Its keyword inputs (runtimes may replace them).
+        stand_ins: ``{module path: module}`` run instead of the model's own for this call.
+        interceptions: ``{module path: [Interception, ...]}``.
+        overrides: ``(object, attribute, value)`` set for this call (e.g. a config's
+            attention implementation).
+        state: Per-runtime state of this call, keyed by runtime.
+    """
+
+    structure: Structure
+    plan: Plan
+    params: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    stand_ins: dict[str, nn.Module] = field(default_factory=dict)
+    interceptions: dict[str, list[Interception]] = field(default_factory=dict)
+    overrides: list[tuple[Any, str, Any]] = field(default_factory=list)
+    state: dict[Any, Any] = field(default_factory=dict)
+
+    def intercept(self, path: str, interception: Interception) -> None:
+        """Run ``interception`` around the module at ``path`` for this call."""
+        self.interceptions.setdefault(path, []).append(interception)
+
+    def stand_in(self, path: str, module: nn.Module) -> None:
+        """Run ``module`` instead of the model's module at ``path`` for this call (its params
+        are not gathered)."""
+        self.stand_ins[path] = module
+
+    def override(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.name = value`` for this call."""
+        self.overrides.append((owner, name, value))
+
+    def stood_in(self, path: str) -> bool:
+        """Whether the module at ``path`` is a stand-in or inside one."""
+        return any(path == p or path.startswith(p + ".") for p in self.stand_ins)
+
+    @contextmanager
+    def environment(self) -> Iterator[None]:
+        """Within the block, the model runs as this call runs it: stand-ins and interceptions
+        in place of its modules, overrides set. ``Model.apply`` enters it around the
+        forward; a block recomputed in the backward (``remat``) enters it again."""
+        root = self.structure.module
+        swaps: list[tuple[nn.Module, str, nn.Module]] = []
+        for path, module in self.stand_ins.items():
+            swaps.append((*_home(root, path), module))
+        for path, interceptions in self.interceptions.items():
+            if path in self.stand_ins or not self.stood_in(path):
+                parent, name = _home(root, path)
+                inner = self.stand_ins.get(path) or parent._modules[name]
+                swaps.append((parent, name, _Intercepted(inner, tuple(interceptions))))
+        saved_modules = [parent._modules[name] for parent, name, _ in swaps]
+        saved_attrs = [getattr(owner, name) for owner, name, _ in self.overrides]
+        try:
+            for parent, name, module in swaps:
+                parent._modules[name] = module
+            for owner, name, value in self.overrides:
+                setattr(owner, name, value)
+            yield
+        finally:
+            for (owner, name, _), value in zip(self.overrides, saved_attrs, strict=True):
+                setattr(owner, name, value)
+            for (parent, name, _), module in zip(swaps, saved_modules, strict=True):
+                parent._modules[name] = module
+
+
+def _home(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The parent of the module at ``path`` and its name there."""
+    parent, _, name = path.rpartition(".")
+    if not name:
+        raise ValueError("a runtime cannot stand in for or intercept the root module itself")
+    return root.get_submodule(parent), name
+
+
+class _Intercepted(nn.Module):
+    """A module with interceptions around its forward, in its parent for one call. Other
+    attributes are the module's own (model code reads e.g. a block's ``attention_type``)."""
+
+    def __init__(self, inner: nn.Module, interceptions: tuple[Interception, ...]) -> None:
+        super().__init__()
+        # Not registered as a child: the stand-in holds no params of its own.
+        self.__dict__["inner"] = inner
+        self.__dict__["interceptions"] = interceptions
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _run(self.__dict__["inner"], self.__dict__["interceptions"], 0, args, kwargs)
+
+
+def _run(
+    inner: nn.Module,
+    interceptions: tuple[Interception, ...],
+    i: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Interception ``i`` around interceptions ``i + 1 ..`` around ``inner``."""
+    if i == len(interceptions):
+        return inner(*args, **kwargs)
+    this = interceptions[i]
+    if this.enter is not None:
+        changed = this.enter(args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+    if this.around is not None:
+        out = this.around(functools.partial(_forward, inner, interceptions, i + 1), args, kwargs)
+    else:
+        out = _run(inner, interceptions, i + 1, args, kwargs)
+    if this.exit is not None:
+        changed = this.exit(out)
+        if changed is not None:
+            out = changed
+    return out
+
+
+def _forward(
+    inner: nn.Module, interceptions: tuple[Interception, ...], i: int, *args: Any, **kwargs: Any
+) -> Any:
+    return _run(inner, interceptions, i, args, kwargs)
+
+
+@dataclass(eq=False)
+class Differentiation:
+    """A ``d9d.value_and_grad`` call that a runtime drives.
+
+    Attributes:
+        fn: The differentiated function, ``fn(params, *args, **kwargs)``.
+        pairs: ``(path, leaf)`` of the params, flattened.
+        args: Its positional inputs.
+        kwargs: Its keyword inputs.
+        has_aux: ``fn`` returns ``(value, aux)``.
+        run: ``run(args, kwargs, weighted) -> (value, aux, grads, weight)``: one forward and
+            backward of ``fn`` on those inputs; ``weight`` is the valid-token count its token
+            means recorded (None if none did); with ``weighted`` the grads are those of
+            ``weight * value``.
+        split: ``split(parts) -> [(args, kwargs), ...]``: equal slices (dim 0) of the inputs.
+        check_value: ``check_value(value)`` raises unless ``fn``'s value is a 0-d float.
+    """
+
+    fn: Callable[..., Any]
+    pairs: list[tuple[str, torch.Tensor]]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    has_aux: bool
+    run: Callable[..., tuple[torch.Tensor, Any, list[torch.Tensor], torch.Tensor | None]]
+    split: Callable[[int], list[Inputs]]
+    check_value: Callable[[Any], None]
+
+
+class Runtime:
+    """A transform's part in one step's execution; every hook's default does nothing.
+
+    Attributes:
+        drives_differentiation: This runtime runs ``d9d.value_and_grad`` itself
+            (:meth:`differentiate`); at most one runtime of a step may.
+        attention: Attention over the whole sequence to use instead of the local one
+            (``attend(q, k, v, *, causal, scale)``), or None.
+    """
+
+    drives_differentiation: bool = False
+    attention: Callable[..., torch.Tensor] | None = None
+
+    def on_batch(self, batch: Any) -> Any:
+        """The batch the step body sees (this rank's part of it)."""
+        return batch
+
+    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
+        """``(value, aux, grads)`` of ``job``; grads are laid out as the params are stored."""
+        raise NotImplementedError(f"{type(self).__name__} does not drive differentiation")
+
+    def enter_apply(self, call: ApplyCall) -> None:
+        """Before ``Model.apply``'s forward: check, change inputs, stand in, intercept."""
+
+    def exit_apply(self, call: ApplyCall) -> None:
+        """After ``Model.apply``'s forward, whether it returned or raised."""
+
+    def jit_refusal(self) -> str | None:
+        """Why ``d9d.jit`` cannot compile a step with this runtime, or None."""
+        return None
+
+    def group_labels(self) -> dict[str, str]:
+        """``{process group name: axis label}`` for groups that are not mesh axes, so that
+        ``step.comms`` names their traffic."""
+        return {}

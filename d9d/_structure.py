@@ -1,0 +1,169 @@
+"""What ``functionalize`` learns about a module: its tensor slots, blocks and owners.
+
+Transforms read a model through this structure (never through the module's internals): the
+slots that hold each param and buffer, the blocks (children of the outermost
+``nn.ModuleList``s) with the slots under each, and the modules owning params outside blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Axes", "Block", "Slot", "Structure", "structure_of"]
+
+Axes = tuple[str | None, ...]
+"""Logical axis names of one param, one per tensor dim; ``None`` names no axis."""
+
+
+@dataclass(frozen=True, eq=False)
+class Slot:
+    """Where one tensor lives in the module: ``owner._parameters[name]`` or ``_buffers``.
+
+    Attributes:
+        key: The tensor's path (a tied alias keeps its own path; see ``Structure.tied``).
+        owner: The module holding it.
+        name: Its name in the owner.
+        is_param: A param (else a buffer).
+    """
+
+    key: str
+    owner: nn.Module
+    name: str
+    is_param: bool
+
+    def store(self) -> dict[str, Any]:
+        """The owner's dict that holds this tensor."""
+        return self.owner._parameters if self.is_param else self.owner._buffers
+
+    def swap(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """Put ``tensor`` in the slot; returns what was there."""
+        store = self.store()
+        old = store[self.name]
+        store[self.name] = tensor
+        return old
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """A child of the model's outermost ``nn.ModuleList`` that owns params.
+
+    Attributes:
+        index: Its position among the blocks that own params.
+        path: Its module path, e.g. ``layers.3``.
+        module: The block.
+        slots: The param slots under it.
+    """
+
+    index: int
+    path: str
+    module: nn.Module
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Structure:
+    """The tensor slots, blocks and param owners of a module.
+
+    Attributes:
+        module: The module.
+        tied: ``{alias path: canonical path}`` for params shared between modules.
+        slots: Every distinct param and buffer slot.
+        blocks: The blocks owning params, in order.
+        root_slots: Param slots outside every block.
+        buffer_slots: Buffer slots.
+        root_owners: ``{module path: canonical param paths}`` of the modules owning params
+            outside blocks, in registration order.
+        paths: ``{id(module): path}`` of every submodule.
+    """
+
+    module: nn.Module
+    tied: dict[str, str]
+    slots: tuple[Slot, ...]
+    blocks: tuple[Block, ...]
+    root_slots: tuple[Slot, ...]
+    buffer_slots: tuple[Slot, ...]
+    root_owners: dict[str, tuple[str, ...]]
+    paths: dict[int, str]
+
+    def canonical(self, key: str) -> str:
+        """The path under which the param at ``key`` is stored (its own unless tied)."""
+        return self.tied.get(key, key)
+
+    def owner_path(self, slot: Slot) -> str:
+        """The module path of the slot's owner."""
+        return self.paths[id(slot.owner)]
+
+
+def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor], dict[str, Any]]:
+    """``(structure, params, buffers)`` of ``module``: its distinct params (tied aliases
+    once, under their first path) and its buffers, detached, sharing storage."""
+    params: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    canonical_by_id: dict[int, str] = {}
+    slots: list[Slot] = []
+    for owner_path, owner in module.named_modules(remove_duplicate=False):
+        for name, tensor in owner._parameters.items():
+            if tensor is None:
+                continue
+            key = f"{owner_path}.{name}" if owner_path else name
+            canonical = canonical_by_id.setdefault(id(tensor), key)
+            if canonical == key:
+                params[key] = tensor.detach()
+            else:
+                tied[key] = canonical
+            slots.append(Slot(key, owner, name, is_param=True))
+    buffers: dict[str, torch.Tensor] = {}
+    for owner_path, owner in module.named_modules(remove_duplicate=False):
+        for name, tensor in owner._buffers.items():
+            key = f"{owner_path}.{name}" if owner_path else name
+            if tensor is None or key in buffers:
+                continue
+            buffers[key] = tensor.detach()
+            slots.append(Slot(key, owner, name, is_param=False))
+    unique = tuple({(id(s.owner), s.name, s.is_param): s for s in slots}.values())
+    blocks = _blocks(module, unique)
+    in_blocks = {id(s) for block in blocks for s in block.slots}
+    root_slots = tuple(s for s in unique if s.is_param and id(s) not in in_blocks)
+    paths = {id(m): p for p, m in module.named_modules()}
+    owners: dict[str, list[str]] = {}
+    for slot in root_slots:
+        owners.setdefault(paths[id(slot.owner)], []).append(tied.get(slot.key, slot.key))
+    structure = Structure(
+        module=module,
+        tied=tied,
+        slots=unique,
+        blocks=blocks,
+        root_slots=root_slots,
+        buffer_slots=tuple(s for s in unique if not s.is_param),
+        root_owners={path: tuple(keys) for path, keys in owners.items()},
+        paths=paths,
+    )
+    return structure, params, buffers
+
+
+def block_paths(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the outermost ``nn.ModuleList``s, with their paths."""
+    prefixes: list[tuple[str, nn.Module]] = []
+    for path, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and not any(
+            path.startswith(p + ".") for p, _ in prefixes
+        ):
+            prefixes += [
+                (f"{path}.{name}" if path else name, block)
+                for name, block in child.named_children()
+            ]
+    return prefixes
+
+
+def _blocks(module: nn.Module, slots: tuple[Slot, ...]) -> tuple[Block, ...]:
+    """The blocks that own params, with the param slots under each."""
+    blocks: list[Block] = []
+    for prefix, block in block_paths(module):
+        owned = tuple(s for s in slots if s.is_param and s.key.startswith(prefix + "."))
+        if owned:
+            blocks.append(Block(len(blocks), prefix, block, owned))
+    return tuple(blocks)

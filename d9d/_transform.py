@@ -1,0 +1,94 @@
+"""The transform protocol: a frozen object that claims mesh axes, rewrites each param's plan,
+may lay the whole plan out anew, and may contribute a runtime to the step's execution.
+
+Transforms apply in dependency order: each names, in ``after``, the transforms whose rewrite
+it reads or whose runtime it must run inside of; transforms unrelated by ``after`` apply in
+the order of their names. Decorator order never matters. The order today:
+
+- ``context_parallel``, ``tensor_parallel``: set their own axis only;
+- ``shard_params`` after ``tensor_parallel``: it shards the dim ``tensor_parallel`` leaves
+  free;
+- ``pipeline`` after those three: it lays their placements out on the mesh of one stage,
+  and its stage input replaces what their block interceptions prepared;
+- ``remat`` after all: it recomputes a block as the others run it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._plan import ParamPlan, Plan
+from ._runtime import Runtime
+from ._step import TransformedStep
+from .errors import PlanError
+
+if TYPE_CHECKING:
+    from ._model import Model
+
+__all__ = ["Transform"]
+
+
+class Transform(abc.ABC):
+    """A rewrite of a step's param layout (and, through its runtime, of the step) on a mesh.
+
+    Subclasses are frozen dataclasses with a ``mesh`` field.
+
+    Attributes:
+        name: The transform's name (``"shard_params"``), used by ``after``.
+        after: Names of the transforms this one applies after, when present.
+    """
+
+    name: ClassVar[str]
+    after: ClassVar[tuple[str, ...]] = ()
+    mesh: DeviceMesh
+
+    @abc.abstractmethod
+    def claimed_axes(self) -> tuple[str, ...]:
+        """The mesh axes this transform owns."""
+
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes over which ranks see different batches (default none)."""
+        return ()
+
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes over which ranks hold different tokens of the global batch (default:
+        the data axes): losses and grads are means over their ranks' tokens."""
+        return self.data_axes()
+
+    @abc.abstractmethod
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        """The param's plan after this transform."""
+
+    def lay_out(self, plan: Plan, model: Model | None) -> Plan:
+        """The whole plan after this transform, once every param is rewritten (default: as
+        is). ``model`` is the one passed to ``step.place``, or None."""
+        del model
+        return plan
+
+    def runtime(self, plan: Plan, model: Model | None) -> Runtime | None:
+        """This transform's part in running the step on ``plan`` (default none)."""
+        del plan, model
+        return None
+
+    def __call__(self, step: Callable[..., Any]) -> TransformedStep:
+        if isinstance(step, TransformedStep):
+            return step.with_transform(self)
+        return TransformedStep(step, (self,))
+
+    def _axis_index(self, axis: str, option: str) -> int:
+        names = tuple(self.mesh.mesh_dim_names or ())
+        if axis not in names:
+            raise PlanError(
+                f"{type(self).__name__}({option}={axis!r}) names an axis the mesh does not "
+                f"have: mesh axes are {names}; build it with d9d.make_mesh({axis}=N, ...)"
+            )
+        return names.index(axis)
+
+    def _coordinate(self, axis: str) -> int:
+        """This rank's coordinate on ``axis``."""
+        coordinate = self.mesh.get_coordinate()
+        return coordinate[self._axis_index(axis, "axis")] if coordinate is not None else 0

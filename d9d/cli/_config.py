@@ -1,0 +1,41 @@
+"""The options of ``d9d train``, importable without ``torch`` (the command's ``--help``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of ``d9d train``; each field is the command-line flag of the same name."""
+
+    preset: str = "tiny"
+    steps: int = 200
+    lr: float = 3e-3
+    batch_size: int = 16  # sequences per step, over all data-parallel ranks
+    seq_len: int = 128
+    seed: int = 0
+    out: Path = Path("runs/train")
+    data: Path | None = None  # None: the Python standard library's own source files
+    vocab_size: int | None = None  # None: the preset's
+    warmup: int = 20
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    jit: bool = False
+    log_every: int = 1
+    save_every: int = 0  # steps between checkpoints in out/checkpoints; 0: none
+    keep: int | None = None  # newest checkpoints kept; None: all
+    resume: bool = False  # continue from the newest readable checkpoint, if there is one
+    resume_from: Path | None = None  # continue from this checkpoint folder (implies resume)
+    allow_config_change: bool = False  # resume although a schedule or model flag changed
+    dp: int | None = None  # ranks the model is replicated over (HSDP/DDP); None: 1
+    fsdp: int | None = None  # ranks the model is sharded over; None: the rest of the world
+    tp: int | None = None  # tensor-parallel ranks (Megatron TP, sequence parallel); None: 1
+    cp: int | None = None  # context-parallel ranks (ring attention); None: 1
+    pp: int | None = None  # pipeline stages; None: 1
+    schedule: str = "1f1b"  # pipeline schedule, with --pp
+    microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
+    dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun

@@ -1,0 +1,37 @@
+"""Context parallelism at run time: the batch cut along the sequence before the step body
+runs, the global positions of the rank's tokens passed to the model, and ring attention.
+
+The d9d Llama's attention asks :func:`d9d._context.sequence_attention` for it; a Hugging Face
+model is switched to the ``"d9d_ring"`` attention implementation for the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._runtime import ApplyCall, Runtime
+from ._split import HF_ATTENTION, SequenceSplit, hf_config, position_kwarg, with_positions
+
+__all__ = ["ContextParallelRuntime"]
+
+
+class ContextParallelRuntime(Runtime):
+    """The runtime of ``context_parallel``."""
+
+    def __init__(self, split: SequenceSplit) -> None:
+        self.split = split
+        self.attention = split.attention
+        self._position_kwargs: dict[int, str | None] = {}
+
+    def on_batch(self, batch: Any) -> Any:
+        return self.split.split_batch(batch)
+
+    def enter_apply(self, call: ApplyCall) -> None:
+        module = call.structure.module
+        key = id(call.structure)
+        if key not in self._position_kwargs:
+            self._position_kwargs[key] = position_kwarg(module)
+        call.kwargs = with_positions(self.split, self._position_kwargs[key], call.args, call.kwargs)
+        config = hf_config(module)
+        if config is not None:
+            call.override(config, "_attn_implementation", HF_ATTENTION)

@@ -1,0 +1,66 @@
+"""``remat`` at run time: the chosen blocks run under ``torch.utils.checkpoint``.
+
+The checkpoint wraps the block's forward *inside* the other transforms' block work and
+*around* the core's gathering of the block's params, so that the recomputation in the
+backward gathers them again (as FSDP2 reshards and regathers) and no gathered param is kept.
+In eager mode the recomputation runs with the call's environment entered again: the
+interceptions of the block's modules (``tensor_parallel``'s collectives) are in place as in
+the forward. Under ``torch.compile`` the traced graph already holds them, and only the
+selective policy's contexts are passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..._runtime import ApplyCall, Interception, Runtime
+from ._policies import selective_contexts
+
+__all__ = ["RematRuntime"]
+
+
+class RematRuntime(Runtime):
+    """Checkpoints every ``every``-th block (block index divisible by it) under ``policy``."""
+
+    def __init__(self, policy: str, every: int) -> None:
+        self.policy = policy
+        self.every = every
+
+    def enter_apply(self, call: ApplyCall) -> None:
+        for block in call.structure.blocks:
+            if block.index % self.every == 0 and not call.stood_in(block.path):
+                around = functools.partial(self._checkpointed, call)
+                call.intercept(block.path, Interception(around=around))
+
+    def _checkpointed(
+        self, call: ApplyCall, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        if torch.compiler.is_compiling():
+            if self.policy == "selective":
+                return checkpoint(
+                    forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs
+                )
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        contexts = functools.partial(_eager_contexts, call, self.policy)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _eager_contexts(call: ApplyCall, policy: str) -> tuple[Any, Any]:
+    if policy == "selective":
+        forward, recompute = selective_contexts()
+    else:
+        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+    return forward, _entered(call, recompute)
+
+
+@contextlib.contextmanager
+def _entered(call: ApplyCall, inner: Any) -> Iterator[None]:
+    """The call's environment (module interceptions) and ``inner``, for a recomputation."""
+    with call.environment(), inner:
+        yield

@@ -1,0 +1,161 @@
+"""What ``tensor_parallel`` checks before it runs a model: that every param sharded over its
+axis belongs to a module it knows how to run on a shard, that head counts divide, and that
+no loss needs the whole logits it leaves sharded."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from ..._plan import ParamPlan
+from ..._structure import Structure
+from ...errors import IndivisibleError, PlanError
+from ._layout import ActivationLayout
+
+__all__ = ["check_embedding", "check_heads", "check_modules", "check_own_loss", "check_region"]
+
+
+def check_embedding(path: str, module: nn.Embedding) -> None:
+    """Raise for options whose effect depends on rows outside the local vocab shard."""
+    if module.max_norm is not None or module.scale_grad_by_freq:
+        raise PlanError(
+            f"embedding {path!r} has max_norm={module.max_norm} and "
+            f"scale_grad_by_freq={module.scale_grad_by_freq}, which a vocab-parallel lookup "
+            "cannot honour (each rank sees only its rows); build it without them, or keep it "
+            "whole on the axis with logical axes that map to no mesh axis (e.g. "
+            "('embed', 'embed'))"
+        )
+
+
+def check_region(path: str, region: tuple[str, ...], roles: set, module: nn.Module) -> None:
+    if "row" not in roles and not isinstance(module, nn.Linear):
+        raise PlanError(
+            f"module {path!r} holds column-parallel linears but no row-parallel one, so its "
+            "output would stay sharded; shard the linear that consumes them on its input "
+            f"dim (linears here: {list(region)})"
+        )
+
+
+def check_modules(
+    structure: Structure,
+    regions: Mapping[str, tuple[str, ...]],
+    entries: Mapping[str, ParamPlan],
+    layout: ActivationLayout,
+) -> None:
+    """Raise, before any collective, for params the runtime cannot lay out: see
+    :func:`_check_sharded` and :func:`_check_sequence_regions`."""
+    _check_sharded(structure, entries, layout)
+    if layout.sequence_parallel:
+        _check_sequence_regions(structure, regions, entries, layout)
+
+
+def _check_sequence_regions(
+    structure: Structure,
+    regions: Mapping[str, tuple[str, ...]],
+    entries: Mapping[str, ParamPlan],
+    layout: ActivationLayout,
+) -> None:
+    """Under sequence parallelism a region with no sharded linear runs on ``S / tp``
+    positions: right for a norm, wrong for attention or a head. Raise for a weight (2 dims
+    or more) whole on the axis in such a region."""
+
+    def sharded(key: str) -> bool:
+        entry = entries.get(structure.canonical(key))
+        return entry is not None and isinstance(entry.compute[layout.index], Shard)
+
+    for slot in structure.slots:
+        parts = slot.key.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+        region = next((p for p in prefixes if p in regions), None)
+        entry = entries.get(structure.canonical(slot.key)) if slot.is_param else None
+        if (
+            region is None
+            or entry is None
+            or len(entry.shape) < 2
+            or sharded(slot.key)
+            or any(sharded(f"{linear}.weight") for linear in regions[region])
+        ):
+            continue
+        raise PlanError(
+            f"module {region!r} holds {slot.key!r} whole on {layout.axis!r} and no sharded "
+            "nn.Linear, so under sequence parallelism it would run on this rank's "
+            f"S / {layout.size} positions only (wrong for attention, or for a head whose loss "
+            "the ranks do not sum); shard its linears (logical axes heads, mlp, vocab) or use "
+            "tensor_parallel(..., sequence_parallel=False)"
+        )
+
+
+def _check_sharded(
+    structure: Structure, entries: Mapping[str, ParamPlan], layout: ActivationLayout
+) -> None:
+    """Raise unless every param sharded over the axis belongs to a module whose shard the
+    runtime knows how to use: an ``nn.Linear``'s weight (column- or row-parallel) or a
+    column-parallel linear's bias, an ``nn.Embedding``'s weight over the vocab."""
+    for slot in structure.slots:
+        key = structure.canonical(slot.key)
+        entry = entries.get(key)
+        placement = entry.compute[layout.index] if slot.is_param and entry is not None else None
+        if not isinstance(placement, Shard):
+            continue
+        owner, name = slot.owner, slot.name
+        weight_key = f"{slot.key.rpartition('.')[0]}.weight"
+        weight = entries.get(structure.canonical(weight_key))
+        column = weight is not None and weight.compute[layout.index] == Shard(0)
+        match owner, name, placement.dim:
+            case nn.Linear(), "weight", 0 | 1:
+                continue
+            case nn.Linear(), "bias", 0 if column:
+                continue
+            case nn.Embedding(), "weight", 0:
+                continue
+        path = slot.key.rpartition(".")[0]
+        raise PlanError(
+            f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
+            f"axis {entry.axes[placement.dim]!r}), but its module {path!r} is a "
+            f"{type(owner).__name__}, which tensor_parallel does not know how to run on a "
+            "shard: it shards nn.Linear weights (column- or row-parallel), a column-parallel "
+            "linear's bias and nn.Embedding weights over the vocab. Keep this param whole on "
+            f"{layout.axis!r}: give it logical axes that map to no mesh axis (e.g. "
+            f"functionalize(module, axes={{{_rule(slot.key)!r}: "
+            f"{('embed',) * len(entry.shape)}}})). (A transformers Conv1D is a transposed "
+            "linear, and a fused q/k/v weight splits per head group, not per row range.)"
+        )
+
+
+def _rule(key: str) -> str:
+    """An ``axes=`` pattern for the param at ``key``: its module's name and its own."""
+    module, _, name = key.rpartition(".")
+    return re.escape(f"{module.rpartition('.')[2]}.{name}") + "$"
+
+
+def check_own_loss(heads: list[str], layout: ActivationLayout, kwargs: dict[str, Any]) -> None:
+    """Raise when the model is asked for its own loss (``labels=``) while its head returns
+    vocab-sharded logits (``heads``: the column-parallel linears outside blocks), which a loss written for whole logits (``F.cross_entropy``) cannot
+    take."""
+    if not layout.loss_parallel or kwargs.get("labels") is None:
+        return
+    if heads:
+        raise PlanError(
+            f"Model.apply got labels=, so the model computes its own loss from the logits of "
+            f"{heads[0]!r}, which tensor_parallel(loss_parallel=True) leaves sharded over the "
+            f"vocab on {layout.axis!r} (a DTensor that F.cross_entropy cannot take); call "
+            "model.apply without labels and take d9d.losses.cross_entropy(out.logits[:, :-1], "
+            "tokens[:, 1:]), which never gathers them, or build tensor_parallel(..., "
+            "loss_parallel=False) to gather the whole logits on every rank"
+        )
+
+
+def check_heads(module: nn.Module, layout: ActivationLayout) -> None:
+    """Raise unless the model's attention head counts divide by the tensor-parallel size."""
+    config = getattr(module, "config", None)
+    for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if isinstance(heads, int) and heads % layout.size:
+            raise IndivisibleError(
+                f"{name}={heads} does not divide over {layout.size} {layout.axis!r} ranks: "
+                f"each rank computes whole heads; use a {layout.axis} size that divides {heads}"
+            )

@@ -1,0 +1,94 @@
+"""How ``tensor_parallel`` lays activations out on its mesh axis, and moves them between
+layouts: the collectives at module boundaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ...errors import IndivisibleError
+
+__all__ = ["SEQUENCE_DIM", "ActivationLayout"]
+
+SEQUENCE_DIM = 1
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """How ``tensor_parallel`` lays activations out on its mesh axis.
+
+    Attributes:
+        mesh: The one-dimensional mesh of the tensor-parallel axis.
+        axis: Its name.
+        index: Its position among the full mesh's axes.
+        rank: This rank's coordinate on it.
+        sequence_parallel: Norms and the residual stream hold ``S / tp`` positions.
+        loss_parallel: The head's logits stay vocab-sharded for the loss.
+    """
+
+    mesh: DeviceMesh
+    axis: str
+    index: int
+    rank: int
+    sequence_parallel: bool
+    loss_parallel: bool
+
+    @property
+    def size(self) -> int:
+        """Ranks on the axis."""
+        return self.mesh.size()
+
+    def slice_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of ``x`` (dim 1); the backward all-gathers."""
+        _check_sequence(x, self.size, self.axis)
+        return self._local(x, [Replicate()], [Shard(SEQUENCE_DIM)])
+
+    def enter_region(self, x: torch.Tensor, sequence_sharded: bool) -> torch.Tensor:
+        """``x`` whole for column-parallel linears; its grad is summed over the axis."""
+        source = [Shard(SEQUENCE_DIM)] if sequence_sharded else [Replicate()]
+        dtensor = DTensor.from_local(x, self.mesh, source, run_check=False)
+        if sequence_sharded:
+            dtensor = dtensor.redistribute(self.mesh, [Replicate()])
+        return dtensor.to_local(grad_placements=[Partial()])
+
+    def reduce_partial(self, y: torch.Tensor, sequence_sharded: bool) -> torch.Tensor:
+        """The sum over ranks of partial ``y``: sequence-sharded, or whole."""
+        if sequence_sharded:
+            _check_sequence(y, self.size, self.axis)
+            return self._local(y, [Partial()], [Shard(SEQUENCE_DIM)])
+        return self._local(y, [Partial()], [Replicate()])
+
+    def gather_last_dim(self, y: torch.Tensor, full: int) -> torch.Tensor:
+        """The whole of ``y``, sharded over its last dim (``full`` entries in all)."""
+        return self.vocab_dtensor(y, full).full_tensor()
+
+    def vocab_dtensor(self, y: torch.Tensor, full: int) -> DTensor:
+        """``y``, this rank's shard of a last dim of ``full`` entries, as a DTensor."""
+        shape = (*y.shape[:-1], full)
+        stride = torch.empty(shape, device="meta").stride()
+        placement = [Shard(y.ndim - 1)]
+        return DTensor.from_local(
+            y, self.mesh, placement, run_check=False, shape=torch.Size(shape), stride=stride
+        )
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """``(first, count)`` of this rank's rows of a dim of ``total`` (``torch.chunk``)."""
+        chunk = -(-total // self.size)
+        first = min(self.rank * chunk, total)
+        return first, min(chunk, total - first)
+
+    def _local(self, x: torch.Tensor, source: list, target: list) -> torch.Tensor:
+        dtensor = DTensor.from_local(x, self.mesh, source, run_check=False)
+        return dtensor.redistribute(self.mesh, target).to_local()
+
+
+def _check_sequence(x: torch.Tensor, size: int, axis: str) -> None:
+    if x.ndim <= SEQUENCE_DIM or x.shape[SEQUENCE_DIM] % size:
+        raise IndivisibleError(
+            f"sequence parallelism splits dim {SEQUENCE_DIM} of activations {tuple(x.shape)} "
+            f"over {size} {axis!r} ranks; use a sequence length divisible by {size}, or "
+            "tensor_parallel(..., sequence_parallel=False)"
+        )

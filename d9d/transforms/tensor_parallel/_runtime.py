@@ -1,0 +1,270 @@
+"""Tensor-parallel activations: the collectives at module boundaries, as Megatron places them.
+
+Blocks compute on local tensors: the param shards their plan gives them. During each
+``Model.apply`` this runtime intercepts the modules where a boundary needs activations moved
+between layouts. Roles come from the plan: an ``nn.Linear`` whose weight is ``Shard(0)`` on
+the tensor-parallel axis is column-parallel, ``Shard(1)`` row-parallel, an ``nn.Embedding``
+with ``Shard(0)`` vocab-parallel. A *region* is a child of a block (``attn``, ``mlp``) or a
+linear outside any block (the output head).
+
+- A region holding column-parallel linears gets its input whole: an all-gather of the sequence
+  shards (sequence parallel; its backward is a reduce-scatter) or, without sequence
+  parallelism, the identity whose backward all-reduces.
+- A row-parallel linear's output is a partial sum: reduce-scattered over the sequence
+  (sequence parallel) or all-reduced. Its bias is added after that reduction.
+- A column-parallel linear outside blocks (the head) returns its vocab shard as a DTensor
+  ``Shard(-1)`` (loss parallel: ``d9d.losses.cross_entropy`` never gathers it) or all-gathered.
+- A vocab-parallel embedding looks up the ids in its rows, zeroes the others and all-reduces.
+- With sequence parallelism the first block slices the residual stream over the sequence
+  (dim 1): model code between the embedding and the blocks (masks and positions) sees the
+  whole sequence, and every block after it sees ``S / tp`` positions.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Shard
+
+from ..._plan import Plan
+from ..._runtime import ApplyCall, Interception, Runtime, replace_activation
+from ..._structure import Structure, block_paths
+from ...errors import PlanError
+from ._checks import check_embedding, check_heads, check_modules, check_own_loss, check_region
+from ._layout import ActivationLayout
+
+__all__ = ["TensorParallelRuntime"]
+
+
+@dataclass(frozen=True)
+class _Roles:
+    """What the runtime does in one model under one plan: module paths by role."""
+
+    modules: dict[str, nn.Module]
+    column_regions: tuple[str, ...]
+    rows: tuple[str, ...]
+    heads: tuple[str, ...]
+    embeddings: tuple[str, ...]
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``Model.apply`` in progress: whether the residual stream is sequence-sharded yet,
+    and what pre-forward work swapped out of modules until their forward ends."""
+
+    call: ApplyCall
+    layout: ActivationLayout
+    modules: dict[str, nn.Module]
+    sequence_sharded: bool = False
+    stash: dict[str, Any] = field(default_factory=dict)
+
+
+class TensorParallelRuntime(Runtime):
+    """The runtime of ``tensor_parallel``: intercepts blocks, regions, linears and
+    embeddings of each ``Model.apply``."""
+
+    def __init__(self, layout: ActivationLayout, plan: Plan) -> None:
+        self.layout = layout
+        self.plan = plan
+        self._roles: dict[int, _Roles] = {}  # per model structure, found on its first apply
+
+    def roles(self, structure: Structure) -> _Roles:
+        """The roles of ``structure``'s modules; checked (before any collective) the first
+        time."""
+        found = self._roles.get(id(structure))
+        if found is None:
+            regions = _regions(structure.module)
+            check_modules(structure, regions, self.plan.entries, self.layout)
+            check_heads(structure.module, self.layout)
+            found = self._find_roles(structure, regions)
+            self._roles[id(structure)] = found
+        return found
+
+    def _find_roles(self, structure: Structure, regions: dict[str, tuple[str, ...]]) -> _Roles:
+        def role(path: str) -> str | None:
+            entry = self.plan.entries.get(structure.canonical(f"{path}.weight"))
+            placement = entry.compute[self.layout.index] if entry is not None else None
+            if isinstance(placement, Shard):
+                return "column" if placement.dim == 0 else "row"
+            return None
+
+        modules = dict(structure.module.named_modules())
+        column_regions = []
+        for path, linears in regions.items():
+            roles = {role(linear) for linear in linears}
+            module = modules[path]
+            if "column" in roles:
+                check_region(path, linears, roles, module)
+                column_regions.append(path)
+            elif "row" in roles:
+                raise PlanError(
+                    f"module {path!r} holds row-parallel linears but no column-parallel one: "
+                    "tensor_parallel shards a column-parallel linear's output (heads, mlp) and "
+                    "the row-parallel linear after it; check the logical axes of its params"
+                )
+        linears = [p for p, m in modules.items() if isinstance(m, nn.Linear)]
+        embeddings = []
+        for path, module in modules.items():
+            if isinstance(module, nn.Embedding) and self._embedding_sharded(structure, path):
+                check_embedding(path, module)
+                embeddings.append(path)
+        return _Roles(
+            modules=modules,
+            column_regions=tuple(column_regions),
+            rows=tuple(p for p in linears if role(p) == "row"),
+            heads=tuple(p for p in linears if p in regions and role(p) == "column"),
+            embeddings=tuple(embeddings),
+        )
+
+    def _embedding_sharded(self, structure: Structure, path: str) -> bool:
+        layout = self.layout
+        key = structure.canonical(f"{path}.weight")
+        entry = self.plan.entries.get(key)
+        placement = entry.compute[layout.index] if entry is not None else None
+        if isinstance(placement, Shard) and placement.dim != 0:
+            raise PlanError(
+                f"embedding {key!r} is sharded over its embedding dim on {layout.axis!r}; "
+                "tensor_parallel shards embeddings over the vocab: give it logical axes "
+                "('vocab', 'embed')"
+            )
+        return isinstance(placement, Shard)
+
+    def enter_apply(self, call: ApplyCall) -> None:
+        roles = self.roles(call.structure)
+        check_own_loss(list(roles.heads), self.layout, call.kwargs)
+        state = _Call(call, self.layout, roles.modules)
+        for block in call.structure.blocks:
+            call.intercept(block.path, Interception(enter=functools.partial(_enter_block, state)))
+        if self.layout.sequence_parallel:
+            for owner in call.structure.root_owners:
+                enter = functools.partial(_enter_root_owner, state, owner)
+                call.intercept(owner, Interception(enter=enter))
+        for path in roles.column_regions:
+            call.intercept(path, Interception(enter=functools.partial(_enter_region, state, path)))
+        for path in roles.embeddings:
+            call.intercept(
+                path,
+                Interception(
+                    enter=functools.partial(_enter_embedding, state, path),
+                    exit=functools.partial(_exit_embedding, state, path),
+                ),
+            )
+        for path in roles.rows:
+            call.intercept(
+                path,
+                Interception(
+                    enter=functools.partial(_enter_row, state, path),
+                    exit=functools.partial(_exit_row, state, path),
+                ),
+            )
+        for path in roles.heads:
+            call.intercept(path, Interception(exit=functools.partial(_exit_head, state, path)))
+        call.state[self] = state
+
+    def exit_apply(self, call: ApplyCall) -> None:
+        """Put back what pre-forward work swapped out of modules whose forward never ended
+        (a forward that raised): an embedding's ``padding_idx``, a row-parallel bias."""
+        state: _Call | None = call.state.get(self)
+        if state is None:  # enter_apply raised
+            return
+        for path, stashed in state.stash.items():
+            module = state.modules[path]
+            if isinstance(module, nn.Embedding):
+                module.padding_idx = stashed[1]
+            else:
+                module._parameters["bias"] = stashed
+        state.stash.clear()
+
+
+def _enter_block(state: _Call, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    """Slice the residual stream over the sequence when the first block starts."""
+    layout = state.layout
+    if not layout.sequence_parallel or state.sequence_sharded:
+        return None
+    state.sequence_sharded = True
+    return replace_activation(args, kwargs, "block", layout.slice_sequence)
+
+
+def _enter_root_owner(state: _Call, path: str, args: Any, kwargs: Any) -> None:
+    """Raise for a param used before the first block whose grad sequence parallelism sums."""
+    if state.sequence_sharded:
+        return
+    layout, plan = state.layout, state.call.plan
+    for key in state.call.structure.root_owners[path]:
+        if isinstance(plan.entries[key].grad[layout.index], Partial):
+            raise PlanError(
+                f"param {key!r} is used before the first block, where the sequence is "
+                f"whole on every {layout.axis!r} rank, but sequence parallelism sums its "
+                "grad over them; use tensor_parallel(..., sequence_parallel=False)"
+            )
+
+
+def _enter_region(state: _Call, path: str, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    layout = state.layout
+    return replace_activation(
+        args, kwargs, path, lambda x: layout.enter_region(x, state.sequence_sharded)
+    )
+
+
+def _enter_embedding(state: _Call, path: str, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    module = state.modules[path]
+    tokens, first, count = args[0], *state.layout.rows(module.num_embeddings)
+    outside = (tokens < first) | (tokens >= first + count)
+    # The padding row (no gradient) is global: local on the rank holding it, else none.
+    state.stash[path] = outside, module.padding_idx
+    module.padding_idx = _local_row(module.padding_idx, first, count)
+    return ((tokens - first).masked_fill(outside, 0), *args[1:]), kwargs
+
+
+def _exit_embedding(state: _Call, path: str, output: torch.Tensor) -> torch.Tensor:
+    module = state.modules[path]
+    outside, module.padding_idx = state.stash.pop(path)
+    return state.layout.reduce_partial(output.masked_fill(outside.unsqueeze(-1), 0), False)
+
+
+def _enter_row(state: _Call, path: str, args: Any, kwargs: Any) -> None:
+    module = state.modules[path]
+    if module.bias is not None:
+        state.stash[path] = module._parameters["bias"]
+        module._parameters["bias"] = None
+
+
+def _exit_row(state: _Call, path: str, output: torch.Tensor) -> torch.Tensor:
+    output = state.layout.reduce_partial(output, state.sequence_sharded)
+    bias = state.stash.pop(path, None)
+    if bias is not None:
+        state.modules[path]._parameters["bias"] = bias
+        output = output + bias
+    return output
+
+
+def _exit_head(state: _Call, path: str, output: torch.Tensor) -> torch.Tensor:
+    layout = state.layout
+    features = state.modules[path].out_features
+    if layout.loss_parallel:
+        return layout.vocab_dtensor(output, features)
+    return layout.gather_last_dim(output, features)
+
+
+def _local_row(row: int | None, first: int, count: int) -> int | None:
+    """Global ``row`` as an index into the local rows ``[first, first + count)``, or None."""
+    return row - first if row is not None and first <= row < first + count else None
+
+
+def _regions(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Tensor-parallel regions, each with the linears inside it: every child of a block, and
+    every linear outside blocks."""
+    blocks = block_paths(module)
+    linears = [p for p, m in module.named_modules() if isinstance(m, nn.Linear)]
+    regions: dict[str, tuple[str, ...]] = {}
+    for block_path, block in blocks:
+        for name, _ in block.named_children():
+            child = f"{block_path}.{name}"
+            regions[child] = tuple(p for p in linears if p == child or p.startswith(child + "."))
+    in_blocks = tuple(p + "." for p, _ in blocks)
+    regions.update({p: (p,) for p in linears if not p.startswith(in_blocks)})
+    return regions

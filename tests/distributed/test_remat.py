@@ -1,0 +1,162 @@
+"""``remat``: grads bitwise equal to the same step without it, on one device and under every
+transform; what full remat keeps; and ``jit``."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import d9d
+from d9d._context import running
+from d9d.models import Llama, LlamaConfig
+from d9d.testing import run_on_ranks
+
+LAYOUTS: dict[str, tuple[dict[str, int], Callable[[Any], list[Any]]]] = {
+    "one device": ({"dp": 1}, lambda mesh: []),
+    "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh)]),
+    "tp=2": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh)]),
+    "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh)]),
+    "pp=2": ({"pp": 2}, lambda mesh: [d9d.pipeline(mesh, microbatches=2)]),
+}
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def _model(n_layers: int = 2) -> d9d.Model:
+    torch.manual_seed(0)
+    config = LlamaConfig.tiny(n_layers=n_layers)
+    return d9d.functionalize(Llama(config).to(torch.float64))
+
+
+def _grad_step(model: d9d.Model) -> Callable[..., Any]:
+    def loss_fn(params: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+    def step(params: Any, opt_state: Any, batch: dict) -> tuple[Any, Any, Any]:
+        loss, grads = d9d.value_and_grad(loss_fn)(params, batch)
+        return grads, opt_state, {"loss": loss}
+
+    return step
+
+
+def _grads(layout: str, policy: str | None, every: int = 1, jit: bool = False) -> list[dict]:
+    axes, make = LAYOUTS[layout]
+    world = max(1, int(torch.tensor(list(axes.values()) or [1]).prod()))
+
+    def rank() -> dict[str, torch.Tensor]:
+        mesh = d9d.make_mesh("cpu", **axes)
+        model = _model()
+        transforms = make(mesh)
+        if policy is not None:
+            transforms.append(d9d.remat(policy, every=every, mesh=mesh))
+        step: Any = _grad_step(model)
+        if not transforms:  # one device, no remat: the plain step on plain tensors
+            grads, _, metrics = step(model.params, (), _batch())
+            return {**grads, "loss": metrics["loss"]}
+        for transform in transforms:
+            step = transform(step)
+        params, state = step.place(model.params, (), model=model)
+        if jit:
+            step = d9d.jit(step, donate=(), backend="aot_eager")
+        grads, _, metrics = step(params, state, step.shard_batch(_batch()))
+        local = {p: g.to_local() if isinstance(g, DTensor) else g for p, g in grads.items()}
+        return {**local, "loss": metrics["loss"]}
+
+    return run_on_ranks(rank, world, method="fork" if "pp" in axes else "thread")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_remat_grads_bitwise_equal_no_remat(layout: str, policy: str) -> None:
+    plain = _grads(layout, None)
+    for rank, (want, got) in enumerate(zip(plain, _grads(layout, policy), strict=True)):
+        assert want.keys() == got.keys()
+        for path in want:
+            assert torch.equal(want[path], got[path]), (layout, policy, rank, path)
+
+
+def test_remat_every_other_block() -> None:
+    want, got = _grads("fsdp=2", None), _grads("fsdp=2", "full", every=2)
+    for a, b in zip(want, got, strict=True):
+        assert all(torch.equal(a[p], b[p]) for p in a)
+
+
+@pytest.mark.compile
+def test_remat_under_jit_equals_eager(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    want, got = _grads("fsdp=2", "full"), _grads("fsdp=2", "full", jit=True)
+    for a, b in zip(want, got, strict=True):
+        for path in a:
+            torch.testing.assert_close(b[path], a[path], rtol=1e-12, atol=1e-14)
+
+
+class _OpOutputs(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op returns, with its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                storage = leaf.untyped_storage()
+                self.outputs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def alive_bytes(self, skip: set[int]) -> int:
+        """Bytes of the recorded storages still alive, but those at addresses ``skip``."""
+        gc.collect()
+        return sum(
+            size
+            for ptr, (ref, size) in self.outputs.items()
+            if ptr not in skip and not ref.expired()
+        )
+
+
+def kept_bytes(policy: str | None, n_layers: int, batch: int = 2, seq: int = 16) -> int:
+    """Bytes of op outputs still alive after the forward (what the backward keeps)."""
+
+    def rank() -> int:
+        mesh = d9d.make_mesh("cpu", dp=1)
+        model = _model(n_layers)
+        transform = (
+            d9d.remat(policy, mesh=mesh)
+            if policy is not None
+            else d9d.shard_params(mesh, axis=None, replicate_axis="dp")
+        )
+        fn: Any = transform(lambda p, s, t: (p, s, {}))  # placement only: the forward is below
+        params, _ = fn.place(model.params, ())
+        params = {p: v.detach().requires_grad_(True) for p, v in params.items()}
+        skip = {v.to_local().untyped_storage().data_ptr() for v in params.values()}
+        tokens = torch.randint(0, 256, (batch, seq))
+        with running(fn.context()):
+            with _OpOutputs() as seen:
+                loss = model.apply(params, tokens).sum()
+            kept = seen.alive_bytes(skip)
+            del loss
+        return kept
+
+    return run_on_ranks(rank, 1)[0]
+
+
+def test_full_remat_keeps_only_block_inputs() -> None:
+    """Per block (the difference between 4 and 2 blocks, halved), full remat keeps exactly
+    the block's input [B, S, D] and nothing else; selective keeps more, no remat most."""
+    dim = LlamaConfig.tiny().dim
+    per_block = {}
+    for policy in (None, "selective", "full"):
+        per_block[policy] = (kept_bytes(policy, 4) - kept_bytes(policy, 2)) // 2
+    assert per_block["full"] == 2 * 16 * dim * 8
+    assert per_block[None] > per_block["selective"] > per_block["full"]
