@@ -21,7 +21,13 @@ from .._active import active_plan
 from ._config import MoEConfig
 from ._routing import Routing
 
-__all__ = ["balance_losses", "global_load", "load_balance", "update_router_bias"]
+__all__ = [
+    "balance_losses",
+    "data_mean",
+    "global_load",
+    "load_balance",
+    "update_router_bias",
+]
 
 _c10d = torch.ops._c10d_functional
 
@@ -39,6 +45,23 @@ def global_load(expert_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, int
         counts = _c10d.wait_tensor(_c10d.all_reduce(counts, "sum", group))
         ranks *= size
     return counts[:n_experts], counts[n_experts], ranks
+
+
+def data_mean(value: Tensor) -> Tensor:
+    """The mean of a rank-local ``value`` over the ranks holding other tokens (identity outside
+    a transformed step): turns a per-rank loss term, scaled as :func:`d9d.losses.token_mean`
+    scales it, into the global one, for metrics.
+
+    Example:
+        >>> data_mean(torch.tensor(2.0))
+        tensor(2.)
+    """
+    plan = active_plan()
+    ranks = 1
+    for group, size in plan.token_groups if plan is not None else ():
+        value = _c10d.wait_tensor(_c10d.all_reduce(value, "sum", group))
+        ranks *= size
+    return value / ranks
 
 
 def balance_losses(
