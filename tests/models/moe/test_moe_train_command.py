@@ -1,0 +1,32 @@
+"""``d9d train --model moe``: trains the MoE decoder and logs its aux loss and load balance."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from d9d._cli import main
+
+
+def test_train_moe_logs_aux_loss_and_load_balance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--model", "moe", "--preset", "tiny", "--steps", "3", "--batch-size", "2"]
+    assert main([*args, "--seq-len", "16", "--out", str(tmp_path / "run")]) == 0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["aux_loss"] > 0
+        assert record["load_balance"] >= 1.0  # max over mean expert load
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"] == "moe"
+    out = capsys.readouterr().out
+    assert re.search(r"aux \d\.\d{4} load \d+\.\d\d", out), out
+
+
+def test_train_moe_rejects_a_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--model", "moe", "--pp", "2"]) == 2
+    assert "--model moe runs without --pp and --cp" in capsys.readouterr().err
