@@ -104,3 +104,23 @@ def test_train_step_learns_and_moves_the_bias_functionally() -> None:
         params = new
     assert metrics["loss"] < first
     assert metrics["aux_loss"] > 0
+
+
+@pytest.mark.parametrize("name", ["olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3"])
+def test_large_presets_plan_on_a_simulated_mesh(name: str) -> None:
+    """On 32 fake ranks (fsdp=8 x tp=4) the routed experts are sharded over fsdp only."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from d9d.testing import fake_world
+
+    with fake_world(32), torch.device("meta"):
+        mesh = d9d.make_mesh("cpu", fsdp=8, tp=4)
+        model = d9d.functionalize(MoE(MoEConfig.preset(name)))
+        step = d9d.tensor_parallel(mesh)(d9d.shard_params(mesh)(lambda p, s, b: (p, s, {})))
+        plan = step.make_plan(model.params, model.axes)
+    layer = MoEConfig.preset(name).n_dense_layers
+    experts = plan.entries[f"layers.{layer}.mlp.experts.w_gate"]
+    assert experts.storage == (Shard(0), Replicate())
+    wq = plan.entries[f"layers.{layer}.attn.wq.weight"]
+    assert Shard(0) in wq.storage and len(set(wq.storage)) == 2  # sharded over both axes
+    assert plan.total_bytes() == MoEConfig.preset(name).num_params * 4
