@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,19 @@ def test_train_moe_logs_aux_loss_and_load_balance(
 def test_train_moe_rejects_a_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--model", "moe", "--pp", "2"]) == 2
     assert "--model moe runs without --pp and --cp" in capsys.readouterr().err
+
+
+def test_train_moe_resumes_with_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    """The router bias is a param: the checkpoint holds it, so a resumed run routes alike."""
+    args = ["train", "--model", "moe", "--steps", "4", "--batch-size", "2", "--seq-len", "16"]
+    args += ["--save-every", "2", "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    whole = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_4")
+    assert main([*args, "--resume"]) == 0
+    resumed = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+
+    def losses(lines: list[str]) -> list[tuple[float, float]]:
+        return [(json.loads(r)["loss"], json.loads(r)["aux_loss"]) for r in lines]
+
+    assert losses(resumed) == losses(whole)
