@@ -141,3 +141,27 @@ def test_compiles_fullgraph_one_graph_for_any_routing() -> None:
         for g, w in zip(got_grads, torch.autograd.grad(want_loss, params), strict=True):
             torch.testing.assert_close(g, w)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_grouped_gemm_backends_agree_in_the_layer(backend: str) -> None:
+    """float32: the layer on ``backend`` against the dense reference, forward and backward."""
+    why_not = d9d.kernels.available()["grouped_gemm"][backend]
+    if why_not is not None:
+        pytest.skip(f"grouped_gemm backend {backend}: {why_not}")
+    cfg = MoEConfig(dim=24, n_experts=5, top_k=2, expert_dim=40, n_shared_experts=1)
+    layer = MoE(cfg)
+    layer.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 11, 24, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with d9d.kernels.use(grouped_gemm=backend):
+        got = layer(x).out
+    want = _dense(layer, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    params = [layer.experts.w_gate, layer.experts.w_down, layer.router.weight, x]
+    probe = torch.randn_like(got)
+    for g, w in zip(
+        torch.autograd.grad((got * probe).sum(), params),
+        torch.autograd.grad((want * probe).sum(), params),
+        strict=True,
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
