@@ -3,7 +3,8 @@
 Every rank writes its own shards of one global array per leaf; a restore reads, on each
 rank, exactly the slices of the target layout it needs, whatever layout wrote them.
 Train-state helpers bundle params, optimizer state, step, data position and RNG; the
-Hugging Face helpers convert the d9d Llama to and from ``transformers`` folders.
+Hugging Face helpers convert the d9d Llama and MoE models to and from ``transformers``
+folders (Llama, Qwen3-MoE).
 """
 
 from ._format import all_checkpoints as all_checkpoints
@@ -15,6 +16,10 @@ from ._hf import export_hf as export_hf
 from ._hf import import_hf as import_hf
 from ._hf import llama_from_hf as llama_from_hf
 from ._hf import llama_to_hf as llama_to_hf
+from ._hf_moe import export_hf_moe as export_hf_moe
+from ._hf_moe import import_hf_moe as import_hf_moe
+from ._hf_moe import moe_from_hf as moe_from_hf
+from ._hf_moe import moe_to_hf as moe_to_hf
 from ._restore import Abstract as Abstract
 from ._restore import restore as restore
 from ._save import SaveHandle as SaveHandle
@@ -30,11 +35,15 @@ __all__ = [
     "TrainState",
     "all_checkpoints",
     "export_hf",
+    "export_hf_moe",
     "import_hf",
+    "import_hf_moe",
     "latest",
     "llama_from_hf",
     "llama_to_hf",
     "metadata",
+    "moe_from_hf",
+    "moe_to_hf",
     "restore",
     "restore_train_state",
     "save",

@@ -13,6 +13,7 @@ class TrainConfig:
     """Options of ``d9d train``; each field is the command-line flag of the same name."""
 
     preset: str = "tiny"
+    model: str = "llama"  # "llama" or "moe" (d9d.models.MoE: aux loss and load in metrics)
     steps: int = 200
     lr: float = 3e-3
     batch_size: int = 16  # sequences per step, over all data-parallel ranks

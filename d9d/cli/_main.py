@@ -54,7 +54,16 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("train", help="train a Llama preset on a token corpus")
     defaults = TrainConfig()
     run.add_argument(
-        "--preset", default=defaults.preset, help="tiny, small, 1b or 8b (default %(default)s)"
+        "--preset",
+        default=defaults.preset,
+        help="llama: tiny, small, 1b or 8b; moe: tiny, small, olmoe-1b-7b, qwen3-30b-a3b or "
+        "deepseek-v3 (default %(default)s)",
+    )
+    run.add_argument(
+        "--model",
+        choices=["llama", "moe"],
+        default=defaults.model,
+        help="model family; moe logs its aux loss and expert load balance (default %(default)s)",
     )
     run.add_argument(
         "--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)"

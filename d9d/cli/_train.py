@@ -28,7 +28,8 @@ from .._model import Model, functionalize
 from .._process_group import init_process_group
 from .._step import TransformedStep
 from ..errors import DataError
-from ..models import Llama, LlamaConfig
+from ..models import Llama, LlamaConfig, MoE, MoEConfig
+from ..models.moe import make_train_step as make_moe_train_step
 from ..transforms import context_parallel, pipeline, shard_params, tensor_parallel
 from ..transforms.pipeline import SCHEDULES
 from . import _train_resume as resume
@@ -97,8 +98,8 @@ def _decays(path: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2
 
 
-def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig:
-    model_config = LlamaConfig.preset(config.preset)
+def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig | MoEConfig:
+    model_config = (MoEConfig if config.model == "moe" else LlamaConfig).preset(config.preset)
     if config.vocab_size is not None:
         model_config = replace(model_config, vocab_size=config.vocab_size)
     largest = int(tokens.max())
@@ -141,6 +142,10 @@ def _check(config: TrainConfig) -> None:
     for name in ("dp", "fsdp", "tp", "cp", "pp", "microbatches"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
+    if config.model not in ("llama", "moe"):
+        raise ValueError(f"--model must be llama or moe, got {config.model!r}")
+    if config.model == "moe" and ((config.pp or 1) > 1 or (config.cp or 1) > 1):
+        raise ValueError("--model moe runs without --pp and --cp for now; drop them")
     if config.jit and (config.pp or 1) > 1:
         raise ValueError(
             "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"
@@ -253,8 +258,8 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     if "dp" in axes or "fsdp" in axes:
         shard_axis = "fsdp" if "fsdp" in axes else None
         step = shard_params(mesh, shard_axis, replicate_axis="dp" if "dp" in axes else None)(step)
-    if sizes["tp"] > 1:
-        step = tensor_parallel(mesh)(step)
+    if sizes["tp"] > 1:  # MoE layers' replicated experts run on whole sequences (docs/moe.md)
+        step = tensor_parallel(mesh, sequence_parallel=config.model != "moe")(step)
     if sizes["cp"] > 1:
         step = context_parallel(mesh)(step)
     if sizes["pp"] > 1:
@@ -287,9 +292,12 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     loader = _loader(config, training_tokens(config.data))
     model_config = _model_config(config, loader.tokens)
     device = _device()
-    model = functionalize(Llama(model_config, device=device))
+    moe = config.model == "moe"
+    model = functionalize((MoE if moe else Llama)(model_config, device=device))
     opt = _optimizer(config)
-    step = _parallel(config, make_train_step(model, opt, grad_norm=True))
+    step = _parallel(
+        config, (make_moe_train_step if moe else make_train_step)(model, opt, grad_norm=True)
+    )
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):
@@ -357,7 +365,7 @@ def _loop(
     progress = Progress(
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("loss {task.fields[loss]:.4f}{task.fields[moe]}"),
         TextColumn("{task.fields[tok_s]:,.0f} tok/s"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
@@ -367,7 +375,7 @@ def _loop(
     start = time.perf_counter()
     with progress:
         task = progress.add_task(
-            "train", total=config.steps, completed=first_step, loss=float("nan"), tok_s=0.0
+            "train", total=config.steps, completed=first_step, loss=float("nan"), tok_s=0.0, moe=""
         )
         last, last_step = start, first_step
         for i in range(first_step, config.steps):
@@ -394,6 +402,8 @@ def _loop(
                     "tokens_per_s": tokens_per_step * (n - last_step) / (now - last),
                     "elapsed_s": now - start,
                 }
+                moe = {k: float(metrics[k]) for k in ("aux_loss", "load_balance") if k in metrics}
+                record |= moe
                 last, last_step = now, n
                 records.append(record)
                 log.write(record)
@@ -401,6 +411,11 @@ def _loop(
                 log.sync()  # the records up to a committed checkpoint are on disk
                 saver.save(n, params, opt_state, loader)
             speed = {"tok_s": records[-1]["tokens_per_s"]} if logging else {}
+            if logging and "aux_loss" in records[-1]:  # MoE: aux loss, max / mean expert load
+                last_record = records[-1]
+                speed["moe"] = (
+                    f" aux {last_record['aux_loss']:.4f} load {last_record['load_balance']:.2f}"
+                )
             progress.update(task, advance=1, loss=loss, **speed)
     return records
 

@@ -2,5 +2,8 @@
 
 from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
+from .moe import MoE as MoE
+from .moe import MoEConfig as MoEConfig
+from .moe import MoEModelOutput as MoEModelOutput
 
-__all__ = ["Llama", "LlamaConfig"]
+__all__ = ["Llama", "LlamaConfig", "MoE", "MoEConfig", "MoEModelOutput"]

@@ -36,6 +36,8 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "vocab": "tp",
     "embed": None,
     "head_dim": None,
+    "experts": None,  # MoE routed experts, router and shared experts: replicated over tp
+    "expert_mlp": None,
 }
 """Logical axis -> mesh axis (``"tp"`` stands for the transform's axis; None: replicated)."""
 

@@ -1,0 +1,300 @@
+"""Hugging Face interop for the d9d MoE decoder: ``transformers`` Qwen3-MoE folders.
+
+A d9d :class:`~d9d.models.MoE` with ``qk_norm``, softmax routing, no shared experts, no group
+limit and no scaling computes what ``Qwen3MoeForCausalLM`` computes. Weights are stored as on
+the Hub, one ``gate_proj``/``up_proj``/``down_proj`` per expert (``transformers`` merges them
+when it loads); d9d stacks them as ``[E, dim, expert_dim]`` (the transpose of a linear's
+weight). ``tests/checkpoint/test_hf_moe.py`` proves equal logits both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..errors import ConfigError, ParamTreeMismatchError
+from ..models import MoEConfig
+from ..moe import MoEConfig as LayerConfig
+
+__all__ = ["export_hf_moe", "import_hf_moe", "moe_from_hf", "moe_to_hf"]
+
+_SHARED_KEYS = (  # (d9d template, Hugging Face template), {i}: layer
+    ("embed.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.mlp.w_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.mlp.w_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.mlp.w_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.mlp.router.weight", "model.layers.{i}.mlp.gate.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("head.weight", "lm_head.weight"),
+)
+_EXPERT_NAMES = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+
+
+def _check_qwen3(config: MoEConfig) -> None:
+    moe = config.moe
+    wanted = dict(
+        qk_norm=(config.qk_norm, True),
+        score_func=(moe.score_func, "softmax"),
+        n_shared_experts=(moe.n_shared_experts, 0),
+        n_group=(moe.n_group, 1),
+        routed_scaling_factor=(moe.routed_scaling_factor, 1.0),
+        capacity_factor=(moe.capacity_factor, None),
+    )
+    for name, (got, want) in wanted.items():
+        if got != want:
+            raise ConfigError(
+                f"A Qwen3-MoE checkpoint needs {name}={want!r}, the config has {name}={got!r}; "
+                "only Qwen3-MoE-shaped d9d MoE models convert."
+            )
+
+
+def _layer_keys(config: MoEConfig) -> list[tuple[str, str]]:
+    pairs = []
+    for ours, theirs in _SHARED_KEYS:
+        if "{i}" not in ours:
+            if ours != "head.weight" or not config.tie_embeddings:
+                pairs.append((ours, theirs))
+            continue
+        for i in range(config.n_layers):
+            dense = i < config.n_dense_layers
+            if ".mlp." in ours and (ours.endswith("router.weight") == dense):
+                continue
+            pairs.append((ours.format(i=i), theirs.format(i=i)))
+    return pairs
+
+
+def moe_to_hf(params: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.Tensor]:
+    """d9d MoE params as a Qwen3-MoE state dict in the Hub's per-expert layout.
+
+    Raises:
+        ConfigError: The config is not Qwen3-MoE-shaped, or a router bias is not zero (it
+            changes the routing, which Qwen3-MoE has no place for).
+        ParamTreeMismatchError: ``params`` lacks a param of the config.
+
+    Example:
+        >>> import d9d
+        >>> from d9d.models import MoE
+        >>> cfg = MoEConfig.tiny(qk_norm=True, moe=LayerConfig(dim=64, n_experts=4, top_k=2,
+        ...                      expert_dim=32))
+        >>> state = moe_to_hf(d9d.functionalize(MoE(cfg)).params, cfg)
+        >>> state["model.layers.1.mlp.experts.3.down_proj.weight"].shape
+        torch.Size([64, 32])
+    """
+    _check_qwen3(config)
+    missing = [k for k, _ in _layer_keys(config) if k not in params]
+    if missing:
+        raise ParamTreeMismatchError(f"moe_to_hf: params lack {missing[:4]} of the config")
+    state = {theirs: params[ours] for ours, theirs in _layer_keys(config)}
+    for i in range(config.n_dense_layers, config.n_layers):
+        bias = params.get(f"layers.{i}.mlp.router.expert_bias")
+        if bias is not None and bool((bias != 0).any()):
+            raise ConfigError(
+                f"layers.{i}.mlp.router.expert_bias is not zero; Qwen3-MoE routes without a "
+                "bias, so the exported model would route differently"
+            )
+        for ours, theirs in _EXPERT_NAMES:
+            stacked = params[f"layers.{i}.mlp.experts.{ours}"]
+            for e in range(config.moe.n_experts):
+                key = f"model.layers.{i}.mlp.experts.{e}.{theirs}.weight"
+                state[key] = stacked[e].t()
+    return state
+
+
+def moe_from_hf(state: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE state dict (per-expert Hub keys, or ``transformers``' merged
+    ``experts.gate_up_proj``/``experts.down_proj``) as d9d MoE params of ``config``.
+
+    Raises:
+        ParamTreeMismatchError: A weight of the config is missing.
+    """
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    missing = [theirs for _, theirs in _layer_keys(config) if theirs not in state]
+    if missing:
+        raise ParamTreeMismatchError(
+            f"the Hugging Face weights lack {missing[:4]} of the config ({len(missing)} in all)"
+        )
+    params = {ours: state[theirs] for ours, theirs in _layer_keys(config)}
+    n_experts, hidden = config.moe.n_experts, config.moe.expert_dim
+    for i in range(config.n_dense_layers, config.n_layers):
+        prefix = f"model.layers.{i}.mlp.experts"
+        if f"{prefix}.gate_up_proj" in state:
+            gate_up, down = state[f"{prefix}.gate_up_proj"], state[f"{prefix}.down_proj"]
+            stacked = {
+                "w_gate": gate_up[:, :hidden],
+                "w_up": gate_up[:, hidden:],
+                "w_down": down,
+            }
+        else:
+            stacked = {}
+            for ours, theirs in _EXPERT_NAMES:
+                keys = [f"{prefix}.{e}.{theirs}.weight" for e in range(n_experts)]
+                absent = [k for k in keys if k not in state]
+                if absent:
+                    raise ParamTreeMismatchError(f"the Hugging Face weights lack {absent[:2]}")
+                stacked[ours] = torch.stack([state[k] for k in keys])
+        for ours, weight in stacked.items():
+            params[f"layers.{i}.mlp.experts.{ours}"] = weight.transpose(1, 2).contiguous()
+        if config.moe.bias_update_rate > 0:
+            router = params[f"layers.{i}.mlp.router.weight"]
+            params[f"layers.{i}.mlp.router.expert_bias"] = router.new_zeros(n_experts)
+    return params
+
+
+def _hf_config(config: MoEConfig, dtype: torch.dtype) -> dict[str, Any]:
+    moe = config.moe
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.attention_head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "num_experts": moe.n_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.expert_dim,
+        "norm_topk_prob": moe.norm_topk,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(config.n_dense_layers)),
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def export_hf_moe(
+    params: Mapping[str, torch.Tensor], config: MoEConfig, path: str | os.PathLike[str]
+) -> Path:
+    """Write a d9d MoE model as a ``transformers`` Qwen3-MoE folder (``config.json`` and
+    ``model.safetensors``); ``Qwen3MoeForCausalLM.from_pretrained(path)`` then computes the
+    same logits. DTensors are gathered (every rank calls this); rank 0 writes.
+
+    Raises:
+        ConfigError: The config is not Qwen3-MoE-shaped, or a router bias is not zero.
+        ParamTreeMismatchError: ``params`` lacks a param of the config.
+
+    Example:
+        >>> import tempfile, d9d
+        >>> from d9d.models import MoE
+        >>> cfg = MoEConfig.tiny(qk_norm=True, moe=LayerConfig(dim=64, n_experts=4, top_k=2,
+        ...                      expert_dim=32))
+        >>> folder = export_hf_moe(d9d.functionalize(MoE(cfg)).params, cfg, tempfile.mkdtemp())
+        >>> sorted(p.name for p in folder.iterdir())
+        ['config.json', 'model.safetensors']
+    """
+    from safetensors.torch import save_file
+
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in params.items()
+    }
+    state = {k: v.contiguous() for k, v in moe_to_hf(full, config).items()}
+    path = Path(path)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(state.values())).dtype
+    (path / "config.json").write_text(json.dumps(_hf_config(config, dtype), indent=2) + "\n")
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _config(hf: dict[str, Any]) -> MoEConfig:
+    if hf.get("model_type") != "qwen3_moe":
+        raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}, not 'qwen3_moe'.")
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers", [])
+    if step != 1 or only != list(range(len(only))):
+        raise ConfigError(
+            f"config.json has decoder_sparse_step={step}, mlp_only_layers={only}; d9d's MoE "
+            "needs the dense layers first: decoder_sparse_step=1, mlp_only_layers=[0..k-1]."
+        )
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ConfigError("The checkpoint uses RoPE scaling, which d9d's MoE does not implement.")
+    moe = LayerConfig(
+        dim=hf["hidden_size"],
+        n_experts=hf.get("num_experts", hf.get("num_local_experts")),
+        top_k=hf["num_experts_per_tok"],
+        expert_dim=hf["moe_intermediate_size"],
+        norm_topk=hf.get("norm_topk_prob", False),
+        aux_loss_coef=hf.get("router_aux_loss_coef", 0.0),
+    )
+    return MoEConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        ffn_dim=hf["intermediate_size"],
+        moe=moe,
+        n_dense_layers=len(only),
+        head_dim=hf.get("head_dim"),
+        qk_norm=True,
+        max_seq_len=hf["max_position_embeddings"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+        norm_eps=hf["rms_norm_eps"],
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def import_hf_moe(path: str | os.PathLike[str]) -> tuple[MoEConfig, dict[str, torch.Tensor]]:
+    """Read a ``transformers`` Qwen3-MoE folder as ``(config, params)`` of a d9d MoE model.
+
+    Reads ``model.safetensors`` or every file ``model.safetensors.index.json`` lists.
+
+    Raises:
+        FileNotFoundError: A weights file is missing.
+        ConfigError: Not a Qwen3-MoE that d9d implements (RoPE scaling, sparse steps).
+        ParamTreeMismatchError: The weights do not match the config.
+
+    Example:
+        >>> import tempfile, d9d
+        >>> from d9d.models import MoE
+        >>> cfg = MoEConfig.tiny(qk_norm=True, moe=LayerConfig(dim=64, n_experts=4, top_k=2,
+        ...                      expert_dim=32))
+        >>> folder = export_hf_moe(d9d.functionalize(MoE(cfg)).params, cfg, tempfile.mkdtemp())
+        >>> config, params = import_hf_moe(folder)
+        >>> config.moe.n_experts, params["layers.1.mlp.experts.w_gate"].shape
+        (4, torch.Size([4, 64, 32]))
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = _config(json.loads((path / "config.json").read_text()))
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{str(path / name)!r} is missing; the folder is incomplete.")
+        state.update(load_file(str(path / name)))
+    return config, moe_from_hf(state, config)
