@@ -15,16 +15,31 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 
 from ._context import current
 from ._plan import ParamPlan, Plan
 
-__all__ = ["gather", "gather_many", "gather_params", "local_like", "reduce_to"]
+__all__ = ["distribute", "gather", "gather_many", "gather_params", "local_like", "reduce_to"]
 
 # The functional collective ops themselves (what DTensor issues, Dynamo traces and
 # ``d9d._comms`` counts): their Python wrappers were renamed between torch 2.11 and 2.13.
 _c10d = torch.ops._c10d_functional
+
+
+def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    """``tensor`` as a DTensor laid out ``placements``: this rank keeps its own shard of the
+    full tensor every rank passes, with no communication."""
+    if isinstance(tensor, DTensor):
+        return tensor.redistribute(mesh, placements)
+    return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
 
 
 def gather(

@@ -7,21 +7,14 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from . import tree
+from ._collectives import distribute
 from ._plan import Plan
 from .errors import ParamShapeError, PlanError
 
-__all__ = ["check_placed", "distribute", "place_state", "without"]
-
-
-def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
-    """``tensor`` as a DTensor laid out ``placements``: this rank keeps its own shard of the
-    full tensor every rank passes, with no communication."""
-    if isinstance(tensor, DTensor):
-        return tensor.redistribute(mesh, placements)
-    return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
+__all__ = ["check_placed", "place_state", "without"]
 
 
 def without(state: Any, paths: set[str]) -> Any:

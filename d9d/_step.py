@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from . import tree
 from ._batch_check import BatchSignature, batch_signature, check_batch
+from ._collectives import distribute
 from ._comms import CollectiveCounter, CommStats
 from ._context import StepContext, running
-from ._place import check_placed, distribute, place_state, without
+from ._place import check_placed, place_state, without
 from ._plan import ParamPlan, Plan
 from ._runtime import Runtime
 from ._structure import Axes

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from d9d import _train, checkpoint
-from d9d.cli import main
+from d9d import checkpoint
+from d9d.cli import _train, main
 
 
 def _args(out: Path, *extra: str) -> list[str]:

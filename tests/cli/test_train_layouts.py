@@ -13,7 +13,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from d9d import _train
+from d9d.cli import _train
 from d9d.cli._config import TrainConfig
 from d9d.cli._train import train
 from d9d.errors import RankFailedError

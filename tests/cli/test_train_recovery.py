@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from d9d import _train, checkpoint
+from d9d import checkpoint
 from d9d.checkpoint import _format
-from d9d.cli import main
+from d9d.cli import _train, main
 
 
 def _args(out: Path, *extra: str) -> list[str]:

@@ -169,3 +169,43 @@ def test_axes_rule_of_wrong_rank_names_the_param() -> None:
 def test_axes_pattern_matching_nothing_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"axes patterns \['q_proj'\] match no param"):
         d9d.functionalize(nn.Linear(3, 2), axes={"q_proj": ("heads", "embed")})
+
+
+def _hook_counts(module: torch.nn.Module) -> list[int]:
+    return [
+        len(getattr(m, name))
+        for m in module.modules()
+        for name in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_state_dict_hooks",
+            "_load_state_dict_pre_hooks",
+        )
+    ]
+
+
+def test_functionalize_and_placed_apply_leave_the_module_untouched() -> None:
+    """No hooks and no swapped classes or modules, after functionalize and after a
+    transformed step ran the model (its runtimes intercept modules only during a call)."""
+    from d9d.models import Llama, LlamaConfig
+    from d9d.testing import run_on_ranks
+
+    def rank() -> None:
+        module = Llama(LlamaConfig.tiny(n_layers=2))
+        before = [(path, type(m), id(m)) for path, m in module.named_modules()]
+        hooks = _hook_counts(module)
+        model = d9d.functionalize(module)
+        assert _hook_counts(module) == hooks == [0] * len(hooks)
+        mesh = d9d.make_mesh("cpu", fsdp=1, tp=2)
+        loss = d9d.value_and_grad(lambda p, t: model.apply(p, t).float().mean())
+        step = d9d.shard_params(mesh)(
+            d9d.tensor_parallel(mesh)(lambda p, s, t: (p, s, loss(p, t)[0]))
+        )
+        params, _ = step.place(model.params, (), model=model)
+        step(params, (), torch.zeros(2, 8, dtype=torch.long))
+        assert [(path, type(m), id(m)) for path, m in module.named_modules()] == before
+        assert _hook_counts(module) == hooks
+
+    run_on_ranks(rank, 2)

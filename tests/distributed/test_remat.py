@@ -3,20 +3,17 @@ transform; and what each policy keeps per block."""
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import d9d
 from d9d._context import running
 from d9d.models import Llama, LlamaConfig
-from d9d.testing import run_on_ranks
+from d9d.testing import KeptBytes, run_on_ranks
 
 LAYOUTS: dict[str, tuple[dict[str, int], Callable[[Any], list[Any]]]] = {
     "one device": ({"dp": 1}, lambda mesh: []),
@@ -89,31 +86,6 @@ def test_remat_every_other_block() -> None:
         assert all(torch.equal(a[p], b[p]) for p in a)
 
 
-class _OpOutputs(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op returns, with its size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for leaf in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-                storage = leaf.untyped_storage()
-                self.outputs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self, skip: set[int]) -> int:
-        """Bytes of the recorded storages still alive, but those at addresses ``skip``."""
-        gc.collect()
-        return sum(
-            size
-            for ptr, (ref, size) in self.outputs.items()
-            if ptr not in skip and not ref.expired()
-        )
-
-
 def kept_bytes(policy: str | None, n_layers: int, batch: int = 2, seq: int = 16) -> int:
     """Bytes of op outputs still alive after the forward (what the backward keeps)."""
 
@@ -131,9 +103,9 @@ def kept_bytes(policy: str | None, n_layers: int, batch: int = 2, seq: int = 16)
         skip = {v.to_local().untyped_storage().data_ptr() for v in params.values()}
         tokens = torch.randint(0, 256, (batch, seq))
         with running(fn.context()):
-            with _OpOutputs() as seen:
+            with KeptBytes() as seen:
                 loss = model.apply(params, tokens).sum()
-            kept = seen.alive_bytes(skip)
+            kept = seen.alive(skip)
             del loss
         return kept
 

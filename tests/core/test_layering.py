@@ -1,0 +1,156 @@
+"""The import graph of ``d9d``: no cycle, and no layer importing one above it.
+
+Read from the source (``ast``), not by importing: every ``import`` and ``from ... import``
+inside ``d9d``, at module level or in a function, counts, except those under
+``if TYPE_CHECKING:`` (types only, never executed). A contributor who adds a back edge sees
+the cycle or the layer it breaks named here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import d9d
+
+ROOT = Path(d9d.__file__).parent
+
+CORE = (
+    "d9d._structure",
+    "d9d._plan",
+    "d9d._plan_render",
+    "d9d._runtime",
+    "d9d._context",
+    "d9d._collectives",
+    "d9d._regather",
+    "d9d._apply",
+    "d9d._model",
+    "d9d._autodiff",
+    "d9d._place",
+    "d9d._step",
+    "d9d._transform",
+    "d9d._jit",
+)
+# A module may import modules of its own layer and of the layers before it, never after.
+LAYERS = (
+    (
+        "base",
+        (
+            "d9d.errors",
+            "d9d.tree",
+            "d9d._mesh",
+            "d9d._comms",
+            "d9d._batch_check",
+            "d9d._index_checks",
+        ),
+    ),
+    ("kernels", ("d9d.kernels", "d9d.parallel")),
+    ("core", CORE),
+    ("libraries", ("d9d.losses", "d9d.optim", "d9d.moe", "d9d.models", "d9d.data")),
+    ("transforms", ("d9d.transforms",)),
+    ("tools", ("d9d.checkpoint", "d9d.testing", "d9d._process_group")),
+    ("command", ("d9d.cli", "d9d.__main__")),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skip = _type_checking_lines(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target != "d9d":
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    modules = set(files)
+    return {name: _imports(path, name, modules) for name, path in files.items()}
+
+
+def _layer(module: str) -> int:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"module {module} is in no layer of tests/core/test_layering.py")
+
+
+def _is_package_of(package: str, module: str) -> bool:
+    return module.startswith(package + ".")
+
+
+def test_no_import_cycle_inside_d9d() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if _is_package_of(node, target):  # a package re-exporting its own modules
+                continue
+            if state.get(target) == 1:
+                cycle = [*stack[stack.index(target) :], target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    back_edges = []
+    for module, targets in sorted(_graph().items()):
+        if module == "d9d":
+            continue
+        for target in sorted(targets):
+            if _is_package_of(module, target):
+                continue
+            if _layer(target) > _layer(module):
+                back_edges.append(
+                    f"{module} ({LAYERS[_layer(module)][0]}) imports {target} "
+                    f"({LAYERS[_layer(target)][0]})"
+                )
+    assert not back_edges, "\n".join(back_edges)
+
+
+def test_core_never_names_a_transform() -> None:
+    """The core calls runtimes through the protocol: no core module imports a transform."""
+    graph = _graph()
+    for module in CORE:
+        assert not any(t.startswith("d9d.transforms") for t in graph[module]), module
