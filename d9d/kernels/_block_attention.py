@@ -7,7 +7,7 @@ float16) and ``"sdpa_efficient"`` (float32 too) on CUDA. On CUDA the automatic c
 ``sdpa_flash``, else ``sdpa_efficient``, else the reference (float64); both matched the math
 version on an H100 (``tests/parallel/test_sdpa_cuda.py``). On CPU it is the reference: the
 CPU ``sdpa`` is chosen with ``d9d.kernels.use(block_attention="sdpa")``. ``context_parallel``
-asks the registry for the backend when its ring attention starts (``d9d/_sequence_split.py``)."""
+asks the registry for the backend when its ring attention starts (``d9d/transforms/context_parallel/_split.py``)."""
 
 from __future__ import annotations
 

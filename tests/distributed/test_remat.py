@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import d9d
 from d9d._context import running
+from d9d.errors import PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import KeptBytes, run_on_ranks
 
@@ -84,6 +85,27 @@ def test_remat_every_other_block() -> None:
     want, got = _grads("fsdp=2", None), _grads("fsdp=2", "full", every=2)
     for a, b in zip(want, got, strict=True):
         assert all(torch.equal(a[p], b[p]) for p in a)
+
+
+def test_jit_refuses_remat_with_a_clear_error() -> None:
+    def rank() -> str:
+        mesh = d9d.make_mesh("cpu", dp=1)
+        model = _model()
+        step = d9d.remat("full", mesh=mesh)(_grad_step(model))
+        params, state = step.place(model.params, ())
+        jitted = d9d.jit(step, donate=())
+        with pytest.raises(PlanError, match="does not compile a step with remat"):
+            jitted(params, state, _batch())
+        return "ok"
+
+    assert run_on_ranks(rank, 1) == ["ok"]
+
+
+def test_remat_checks_its_options() -> None:
+    with pytest.raises(PlanError, match="not a policy"):
+        d9d.remat("most")
+    with pytest.raises(PlanError, match="every >= 1"):
+        d9d.remat(every=0)
 
 
 def kept_bytes(policy: str | None, n_layers: int, batch: int = 2, seq: int = 16) -> int:

@@ -3,7 +3,7 @@
 Params stay whole on ``cp``; each rank's grads come from its own tokens and are averaged over
 the axis, as over a data-parallel axis. Before the step body runs the batch is cut along the
 sequence (zigzag by default, so causal work is equal on every rank), ``Model.apply`` passes the
-rank's global positions, and attention is ring attention (``d9d/_sequence_split.py``).
+rank's global positions, and attention is ring attention (``_runtime.py`` beside this file).
 """
 
 from __future__ import annotations

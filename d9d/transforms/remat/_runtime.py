@@ -3,10 +3,13 @@
 The checkpoint wraps the block's forward *inside* the other transforms' block work and
 *around* the core's gathering of the block's params, so that the recomputation in the
 backward gathers them again (as FSDP2 reshards and regathers) and no gathered param is kept.
-In eager mode the recomputation runs with the call's environment entered again: the
-interceptions of the block's modules (``tensor_parallel``'s collectives) are in place as in
-the forward. Under ``torch.compile`` the traced graph already holds them, and only the
-selective policy's contexts are passed.
+The recomputation runs with the call's environment entered again: the interceptions of the
+block's modules (``tensor_parallel``'s collectives) are in place as in the forward.
+
+``d9d.jit`` refuses it for now. Inside the checkpointed region the gathering swaps params
+into the block, which a checkpoint traced by Dynamo may not do (state outside the region);
+with the gathering outside the region it traces into one graph, but AOT autograd then refuses
+to rematerialize attention's RNG op in a whole-step (forward-loss-backward) graph (torch 2.13).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..._runtime import ApplyCall, Interception, Runtime
@@ -38,15 +40,16 @@ class RematRuntime(Runtime):
                 around = functools.partial(self._checkpointed, call)
                 call.intercept(block.path, Interception(around=around))
 
+    def jit_refusal(self) -> str:
+        return (
+            "d9d.jit does not compile a step with remat yet: torch cannot rematerialize a "
+            "checkpointed block inside d9d.jit's one forward-loss-backward graph (see "
+            "d9d/transforms/remat/_runtime.py); drop d9d.jit, or drop remat and compile"
+        )
+
     def _checkpointed(
         self, call: ApplyCall, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        if torch.compiler.is_compiling():
-            if self.policy == "selective":
-                return checkpoint(
-                    forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs
-                )
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         contexts = functools.partial(_eager_contexts, call, self.policy)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 

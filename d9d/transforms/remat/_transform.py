@@ -64,7 +64,8 @@ def remat(policy: str = "full", *, every: int = 1, mesh: DeviceMesh | None = Non
     gathers) is recomputed. ``every=k`` checkpoints blocks ``0, k, 2k, ...``. Under
     ``shard_params`` a recomputed block gathers its params again, so no gathered param is
     kept for the backward; under ``tensor_parallel`` its collectives run again with it.
-    Grads are those of the step without remat. Composes with every transform and ``jit``.
+    Grads are those of the step without remat. Composes with every transform; ``d9d.jit``
+    refuses it for now (``docs/architecture.md``).
 
     Args:
         policy: ``"full"`` or ``"selective"``.
