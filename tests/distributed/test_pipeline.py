@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import doctest
 import functools
+import importlib
 import math
 import re
 
@@ -311,6 +312,5 @@ def test_aux_comes_from_the_last_stage_on_every_rank() -> None:
 
 
 def test_docstring_example_runs() -> None:
-    from d9d.transforms import _pipeline
-
-    assert doctest.testmod(_pipeline, raise_on_error=True).attempted > 0
+    module = importlib.import_module("d9d.transforms.pipeline._transform")
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0

@@ -3,6 +3,8 @@ transform; and what each policy keeps per block."""
 
 from __future__ import annotations
 
+import doctest
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +101,11 @@ def test_jit_refuses_remat_with_a_clear_error() -> None:
         return "ok"
 
     assert run_on_ranks(rank, 1) == ["ok"]
+
+
+def test_docstring_example_runs() -> None:
+    module = importlib.import_module("d9d.transforms.remat._transform")
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
 
 def test_remat_checks_its_options() -> None:
