@@ -41,7 +41,6 @@ def apply_in_step(
     plan = step.plan
     call = ApplyCall(structure, plan, params, args, dict(kwargs))
     regather = Regather(plan, params) if _regathers(plan) else None
-    previous, step.call = step.call, call
     entered = []
     try:
         for runtime in step.runtimes:
@@ -68,7 +67,6 @@ def apply_in_step(
     finally:
         for runtime in reversed(entered):
             runtime.exit_apply(call)
-        step.call = previous
 
 
 def _regathers(plan: Plan) -> bool:

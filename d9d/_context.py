@@ -1,8 +1,7 @@
 """The running step: one :class:`StepContext` per call of a transformed step, on its thread.
 
-Everything one step's execution shares lives here: the plan, the transforms' runtimes, the
-``Model.apply`` in progress, whether grads are being accumulated, and the token counts the
-loss records. Held by a ``threading.local`` rather than a ``ContextVar``: Dynamo traces
+Everything one step's execution shares lives here: the plan, the transforms' runtimes,
+whether grads are being accumulated, and the token counts the loss records. Held by a ``threading.local`` rather than a ``ContextVar``: Dynamo traces
 attribute reads of a thread local but graph-breaks on ``ContextVar.get`` (torch 2.13), and
 ranks run as threads in tests.
 """
@@ -12,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from ._plan import Plan
 
 if TYPE_CHECKING:
-    from ._runtime import ApplyCall, Runtime
+    from ._runtime import Runtime
 
 __all__ = [
     "StepContext",
@@ -42,14 +41,12 @@ class StepContext:
         defer_reduction: Gathered params' backward leaves grads unreduced (``Partial``), as
             while accumulating microbatches; the accumulation reduces them once.
         token_counts: While a loss's token counts are collected, the list they go to.
-        call: The ``Model.apply`` in progress, if any.
     """
 
     plan: Plan
     runtimes: tuple[Runtime, ...] = ()
     defer_reduction: bool = False
     token_counts: list[torch.Tensor] | None = None
-    call: ApplyCall | None = field(default=None, repr=False)
 
 
 class _State(threading.local):
