@@ -158,6 +158,7 @@ class _Intercepted(nn.Module):
 
     def __init__(self, inner: nn.Module, interceptions: tuple[Interception, ...]) -> None:
         super().__init__()
+        self.training = inner.training
         # Not registered as a child: the stand-in holds no params of its own.
         self.__dict__["inner"] = inner
         self.__dict__["interceptions"] = interceptions
