@@ -1,0 +1,32 @@
+"""The ``d9d`` command starts without ``torch``; its choices are the library's own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from d9d.cli import _main
+from d9d.kernels import _bench, _bench_cases
+from d9d.transforms.pipeline import SCHEDULES
+
+
+def _loaded_after(code: str) -> set[str]:
+    probe = f"import sys\n{code}\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_help_and_import_load_neither_torch_nor_the_testing_helpers() -> None:
+    loaded = _loaded_after("import d9d.cli._main as m\nm._parser().format_help()")
+    assert "torch" not in loaded
+    loaded = _loaded_after("import d9d")
+    assert not {"torch", "transformers", "triton", "matplotlib", "d9d.testing"} & loaded
+    loaded = _loaded_after("import d9d\nd9d.jit")
+    assert "torch" in loaded and "d9d.testing" not in loaded and "transformers" not in loaded
+
+
+def test_the_parser_offers_the_library_choices() -> None:
+    assert sorted(_main.SCHEDULE_NAMES) == sorted(SCHEDULES)
+    assert tuple(_main.BENCH_SHAPES) == tuple(_bench_cases.SHAPES)
+    assert tuple(_main.BENCH_OPS) == tuple(_bench_cases.OPS)
+    assert tuple(_main.BENCH_DTYPES) == tuple(_bench.DTYPES)
