@@ -70,18 +70,20 @@ class TensorParallelRuntime(Runtime):
     def __init__(self, layout: ActivationLayout, plan: Plan) -> None:
         self.layout = layout
         self.plan = plan
-        self._roles: dict[int, _Roles] = {}  # per model structure, found on its first apply
+        # Per model structure (held, so that its id is not reused), found on its first apply.
+        self._roles: dict[int, tuple[Structure, _Roles]] = {}
 
     def roles(self, structure: Structure) -> _Roles:
         """The roles of ``structure``'s modules; checked (before any collective) the first
         time."""
-        found = self._roles.get(id(structure))
-        if found is None:
-            regions = _regions(structure.module)
-            check_modules(structure, regions, self.plan.entries, self.layout)
-            check_heads(structure.module, self.layout)
-            found = self._find_roles(structure, regions)
-            self._roles[id(structure)] = found
+        known = self._roles.get(id(structure))
+        if known is not None:
+            return known[1]
+        regions = _regions(structure.module)
+        check_modules(structure, regions, self.plan.entries, self.layout)
+        check_heads(structure.module, self.layout)
+        found = self._find_roles(structure, regions)
+        self._roles[id(structure)] = (structure, found)
         return found
 
     def _find_roles(self, structure: Structure, regions: dict[str, tuple[str, ...]]) -> _Roles:
