@@ -6,10 +6,13 @@ backward gathers them again (as FSDP2 reshards and regathers) and no gathered pa
 The recomputation runs with the call's environment entered again: the interceptions of the
 block's modules (``tensor_parallel``'s collectives) are in place as in the forward.
 
-``d9d.jit`` refuses it for now. Inside the checkpointed region the gathering swaps params
-into the block, which a checkpoint traced by Dynamo may not do (state outside the region);
-with the gathering outside the region it traces into one graph, but AOT autograd then refuses
-to rematerialize attention's RNG op in a whole-step (forward-loss-backward) graph (torch 2.13).
+``d9d.jit`` refuses it for now (torch 2.13, measured). Inside the checkpointed region the
+gathering swaps params into the block, which a checkpoint traced by Dynamo may not do (state
+outside the region). With the gathering moved outside the region the step traces into one
+graph, but AOT autograd then refuses to recompute attention (an RNG-seeded op) in d9d.jit's
+forward-loss-backward graph; with attention's output kept, it refuses more than one
+recomputed region in such a graph ("Detected 2 disjoint backward regions that require
+recomputation"): one per checkpointed block.
 """
 
 from __future__ import annotations
