@@ -7,6 +7,7 @@ slots that hold each param and buffer, the blocks (children of the outermost
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,8 @@ class Structure:
         root_owners: ``{module path: canonical param paths}`` of the modules owning params
             outside blocks, in registration order.
         paths: ``{id(module): path}`` of every submodule.
+        positions_keyword: The keyword under which ``module.forward`` takes token positions
+            (``positions`` or ``position_ids``), if any.
     """
 
     module: nn.Module
@@ -88,6 +91,7 @@ class Structure:
     buffer_slots: tuple[Slot, ...]
     root_owners: dict[str, tuple[str, ...]]
     paths: dict[int, str]
+    positions_keyword: str | None
 
     def canonical(self, key: str) -> str:
         """The path under which the param at ``key`` is stored (its own unless tied)."""
@@ -141,6 +145,14 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
         buffer_slots=tuple(s for s in unique if not s.is_param),
         root_owners={path: tuple(keys) for path, keys in owners.items()},
         paths=paths,
+        positions_keyword=next(
+            (
+                n
+                for n in ("positions", "position_ids")
+                if n in inspect.signature(module.forward).parameters
+            ),
+            None,
+        ),
     )
     return structure, params, buffers
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._runtime import ApplyCall, Runtime
-from ..._structure import Structure
-from ._split import HF_ATTENTION, SequenceSplit, hf_config, position_kwarg, with_positions
+from ._split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
 
 __all__ = ["ContextParallelRuntime"]
 
@@ -22,19 +21,15 @@ class ContextParallelRuntime(Runtime):
     def __init__(self, split: SequenceSplit) -> None:
         self.split = split
         self.attention = split.attention
-        # Per model structure (held, so that its id is not reused).
-        self._position_kwargs: dict[int, tuple[Structure, str | None]] = {}
 
     def on_batch(self, batch: Any) -> Any:
         return self.split.split_batch(batch)
 
     def enter_apply(self, call: ApplyCall) -> None:
-        module = call.structure.module
-        key = id(call.structure)
-        if key not in self._position_kwargs:
-            self._position_kwargs[key] = (call.structure, position_kwarg(module))
-        name = self._position_kwargs[key][1]
-        call.kwargs = with_positions(self.split, name, call.args, call.kwargs)
-        config = hf_config(module)
+        structure = call.structure
+        call.kwargs = with_positions(
+            self.split, structure.positions_keyword, call.args, call.kwargs
+        )
+        config = hf_config(structure.module)
         if config is not None:
             call.override(config, "_attn_implementation", HF_ATTENTION)

@@ -3,7 +3,6 @@ positions of its tokens, and attention over the whole sequence (ring attention).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ from ...errors import PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, ring_attention, shard_sequence
 
-__all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "position_kwarg", "with_positions"]
+__all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "with_positions"]
 
 SEQUENCE_DIM = 1
 HF_ATTENTION = "d9d_ring"
@@ -81,12 +80,6 @@ class SequenceSplit:
             scale=scale,
             block=resolve("block_attention", q, None),
         )
-
-
-def position_kwarg(module: nn.Module) -> str | None:
-    """The name under which ``module.forward`` takes token positions, if any."""
-    names = inspect.signature(module.forward).parameters
-    return next((n for n in ("positions", "position_ids") if n in names), None)
 
 
 def with_positions(

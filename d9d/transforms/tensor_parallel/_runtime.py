@@ -75,16 +75,22 @@ class TensorParallelRuntime(Runtime):
 
     def roles(self, structure: Structure) -> _Roles:
         """The roles of ``structure``'s modules; checked (before any collective) the first
-        time."""
+        time. Found anew while ``d9d.jit`` traces, so that the compiled step does not guard
+        on this cache (filled by its first trace, it would be traced again)."""
+        if torch.compiler.is_compiling():
+            return self._checked_roles(structure)
         known = self._roles.get(id(structure))
         if known is not None:
             return known[1]
+        found = self._checked_roles(structure)
+        self._roles[id(structure)] = (structure, found)
+        return found
+
+    def _checked_roles(self, structure: Structure) -> _Roles:
         regions = _regions(structure.module)
         check_modules(structure, regions, self.plan.entries, self.layout)
         check_heads(structure.module, self.layout)
-        found = self._find_roles(structure, regions)
-        self._roles[id(structure)] = (structure, found)
-        return found
+        return self._find_roles(structure, regions)
 
     def _find_roles(self, structure: Structure, regions: dict[str, tuple[str, ...]]) -> _Roles:
         def role(path: str) -> str | None:
