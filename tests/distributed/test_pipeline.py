@@ -27,6 +27,7 @@ from equivalence import (
 import d9d
 from d9d.errors import IndivisibleError, PlanError, RankFailedError
 from d9d.testing import run_on_ranks
+from d9d.transforms.pipeline import PipelineRuntime
 
 pytestmark = pytest.mark.distributed
 
@@ -169,7 +170,7 @@ def _stage_bytes_rank(mesh_axes: dict[str, int], microbatches: int, tp: bool):
     params, state = step.place(model.params, opt.init(model.params), model=model)
     batch = step.shard_batch(batches(256)[0])
     comms = step.comms(params, state, batch)
-    layout = step.plan.pipeline
+    layout = next(r for r in step.runtimes if isinstance(r, PipelineRuntime)).layout
     stage_bytes = sum(
         math.prod(t.shape) * t.element_size()
         for p, t in model.params.items()

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import d9d
+import d9d._apply
+import d9d._collectives
+import d9d._regather
 from d9d.cli._train import make_train_step
 from d9d.errors import IndivisibleError, MeshError, PlanError
 from d9d.models import Llama, LlamaConfig
@@ -124,30 +129,34 @@ def test_uneven_dims_are_padded_and_reported() -> None:
 
 def _peak_gathered_bytes(reshard: bool) -> tuple[int, int, int]:
     """The most bytes of gathered params alive at once during one fsdp=2 step."""
+    gather = d9d._collectives.gather_params
+    watched: dict[int, tuple[list[tuple[StorageWeakRef, int]], list[int]]] = {}
+
+    def tracked(plan: Any, paths: list[str], stored: dict) -> dict[str, torch.Tensor]:
+        # Autograd keeps saved tensors' storages, not their Python objects: watch storages.
+        out = gather(plan, paths, stored)
+        alive, peak = watched[id(plan)]
+        alive.extend((StorageWeakRef(t.untyped_storage()), t.numel() * 4) for t in out.values())
+        peak[0] = max(peak[0], sum(size for ref, size in alive if not ref.expired()))
+        return out
 
     def rank() -> tuple[int, int, int]:
         mesh = d9d.make_mesh("cpu", fsdp=2)
         model, opt = _tiny(n_layers=4), _opt()
         step = d9d.shard_params(mesh, reshard_after_forward=reshard)(make_train_step(model, opt))
         params, state = step.place(model.params, opt.init(model.params))
-        alive: list[tuple[StorageWeakRef, int]] = []
         peak = [0]
-        gather = step.plan.materialize_many
-
-        def tracked(paths: list[str], stored: dict) -> dict[str, torch.Tensor]:
-            # Autograd keeps saved tensors' storages, not their Python objects: watch storages.
-            out = gather(paths, stored)
-            alive.extend((StorageWeakRef(t.untyped_storage()), t.numel() * 4) for t in out.values())
-            peak[0] = max(peak[0], sum(size for ref, size in alive if not ref.expired()))
-            return out
-
-        step.plan.materialize_many = tracked
+        watched[id(step.plan)] = ([], peak)
         step(params, state, _batch())
         block = sum(v.numel() * 4 for k, v in model.params.items() if k.startswith("layers.0."))
         root = sum(v.numel() * 4 for k, v in model.params.items() if not k.startswith("layers."))
         return peak[0], block, root
 
-    return run_on_ranks(rank, 2)[0]
+    with (
+        mock.patch.object(d9d._apply, "gather_params", tracked),
+        mock.patch.object(d9d._regather, "gather_params", tracked),
+    ):
+        return run_on_ranks(rank, 2)[0]
 
 
 def test_reshard_after_forward_keeps_only_one_block_gathered() -> None:
