@@ -102,15 +102,37 @@ def _differentiate(
     means recorded (None if none did), and with ``weighted`` the grads are those of
     ``weight * value``, ready to be summed over microbatches."""
     with torch.enable_grad(), count_tokens() as counts:
-        inputs = [leaf.detach().requires_grad_(True) for leaf in leaves]
+        inputs = [_differentiable(leaf) for leaf in leaves]
         out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
         _check_value(value, has_aux=has_aux)
         weight = torch.stack(counts).sum().to(value.dtype) if counts else None
         scaled = value * weight if weighted and weight is not None else value
-        grads = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
+        grads = _grads_of(scaled, inputs)
     aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
     return value.detach(), aux, list(grads), weight
+
+
+def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:
+    """``leaf`` detached, as a new autograd leaf for ``autograd.grad`` to differentiate."""
+    return leaf.detach().requires_grad_(True)
+
+
+def _grads(value: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+
+
+# Each is one opaque node of a ``jit`` graph (``allow_in_graph``), which AOTAutograd traces
+# like any op. torch 2.11's Dynamo cannot trace them itself: it graph-breaks on every
+# ``requires_grad_`` ("Dynamo does not support changes to a Tensor's requires_grad"), which
+# split each jitted step in two, and its ``autograd.grad`` handler asserts that every input
+# is a FakeTensor, which a DTensor param is not (an AssertionError for every sharded step).
+# ``disable(recursive=False)`` keeps Dynamo from compiling their own frames when they run
+# eagerly after a graph break elsewhere, where 2.11 compiled a graph per call.
+_differentiable = torch.compiler.allow_in_graph(
+    torch.compiler.disable(_mark_differentiable, recursive=False)
+)
+_grads_of = torch.compiler.allow_in_graph(torch.compiler.disable(_grads, recursive=False))
 
 
 def split_microbatches(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int) -> list[Inputs]:

@@ -245,7 +245,10 @@ class _GatherMany(torch.autograd.Function):
         for entry, (dim, chunk, rest, _, _) in zip(entries, layouts, strict=True):
             size = chunk * math.prod(rest)
             part = gathered[:, offset : offset + size].reshape(ranks * chunk, *rest)
-            out = part[: entry.shape[dim]].movedim(0, dim).contiguous()
+            out = part[: entry.shape[dim]].movedim(0, dim)
+            # Not a no-op .contiguous(): torch 2.11's Dynamo gives the traced backward zero
+            # grads for an output that a no-op .contiguous() (or .to) returned.
+            out = out if out.is_contiguous() else out.contiguous()
             if ranks == 1 or len(entries) == 1:
                 out = out.clone()  # a view of the buffer: the regather hooks key on storages
             outs.append(out)

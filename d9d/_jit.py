@@ -194,13 +194,18 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _copy_into(old: Any, new: Any, *, argnum: int) -> None:
-    old_pairs, old_spec = tree.flatten_with_paths(old)
-    new_leaves, new_spec = tree.flatten(new)
-    if old_spec != new_spec:
+    # Paths, not PyTreeSpec equality: this runs while Dynamo traces, and torch 2.11's Dynamo
+    # cannot trace a spec comparison (its optree polyfill's __eq__).
+    if not tree.same_paths(old, new):
+        old_paths, new_paths = set(tree.paths(old)), set(tree.paths(new))
+        missing, unexpected = sorted(old_paths - new_paths), sorted(new_paths - old_paths)
         raise TypeError(
-            f"donated argument {argnum} has structure {old_spec} but the step returned "
-            f"{new_spec} in its place; return a tree of the same structure"
+            f"donated argument {argnum} is not laid out like the tree the step returned in its "
+            f"place: {missing=} (paths the returned tree lacks), {unexpected=} (paths it "
+            "adds); return a tree of the same structure"
         )
+    old_pairs = tree.flatten_with_paths(old)[0]
+    new_leaves = tree.leaves(new)
     for (path, a), b in zip(old_pairs, new_leaves, strict=True):
         if a.shape != b.shape or a.dtype != b.dtype:
             raise TypeError(

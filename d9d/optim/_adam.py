@@ -8,7 +8,7 @@ import torch
 
 from d9d import tree
 from d9d.optim._checks import check_non_negative, check_unit_interval
-from d9d.optim._transform import GradientTransformation, by_kind, zero_count
+from d9d.optim._transform import GradientTransformation, by_kind, foreach_lerp, zero_count
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
 
@@ -82,7 +82,7 @@ def scale_by_adam(
         leaves, spec = tree.flatten(updates)
 
         def moments(grads: list, mu: list, nu: list) -> tuple[Any, ...]:
-            mu = torch._foreach_lerp(mu, grads, 1.0 - b1)
+            mu = foreach_lerp(mu, grads, 1.0 - b1)
             nu = torch._foreach_mul(nu, b2)
             torch._foreach_addcmul_(nu, grads, grads, 1.0 - b2)
             denom = torch._foreach_div(nu, bias_correction2)

@@ -8,7 +8,7 @@ import torch
 
 from d9d import tree
 from d9d.optim._checks import check_unit_interval
-from d9d.optim._transform import GradientTransformation, by_kind, zero_count
+from d9d.optim._transform import GradientTransformation, by_kind, foreach_lerp, zero_count
 
 __all__ = ["ScaleByLionState", "scale_by_lion"]
 
@@ -57,9 +57,9 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         leaves, spec = tree.flatten(updates)
 
         def signs(grads: list, mu: list) -> tuple[Any, ...]:
-            direction = torch._foreach_lerp(mu, grads, 1.0 - b1)
+            direction = foreach_lerp(mu, grads, 1.0 - b1)
             torch._foreach_sign_(direction)
-            return direction, torch._foreach_lerp(mu, grads, 1.0 - b2)
+            return direction, foreach_lerp(mu, grads, 1.0 - b2)
 
         new_updates, mu = by_kind(signs, leaves, tree.leaves(state.mu), outputs=2)
         new_state = ScaleByLionState(count=state.count + 1, mu=tree.unflatten(spec, mu))

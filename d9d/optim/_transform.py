@@ -24,6 +24,7 @@ __all__ = [
     "by_kind",
     "chain",
     "check_same_layout",
+    "foreach_lerp",
     "zero_count",
 ]
 
@@ -154,6 +155,20 @@ def by_kind(
     return merged
 
 
+def foreach_lerp(starts: Sequence[Any], ends: Sequence[Any], weight: float) -> list[Any]:
+    """``torch._foreach_lerp(starts, ends, weight)``, with DTensors one ``torch.lerp`` each.
+
+    DTensors reach here while Dynamo traces a step, or when their layouts differ (see
+    :func:`by_kind`). torch 2.11's DTensor has no sharding strategy for ``_foreach_lerp``
+    ("Operator aten._foreach_lerp.Scalar does not have a sharding strategy registered"), and
+    its in-place ``_foreach_lerp_`` compiles to results 1 ulp off eager there; ``torch.lerp``
+    is exact and sharded on every supported torch, and a compiled graph fuses it anyway.
+    """
+    if starts and isinstance(starts[0], DTensor):
+        return [torch.lerp(start, end, weight) for start, end in zip(starts, ends, strict=True)]
+    return torch._foreach_lerp(starts, ends, weight)
+
+
 def _on_shards_if_aligned(
     fn: Callable[..., tuple[Sequence[Any], ...]], lists: Sequence[Sequence[Any]]
 ) -> tuple[list[Any], ...]:
@@ -197,8 +212,14 @@ def zero_count(params: Any) -> torch.Tensor:
 
 
 def check_same_layout(params: Any, other: Any, *, what: str) -> None:
-    """Raise ``OptimTreeMismatchError`` unless ``other`` is laid out like ``params``."""
-    if tree.same_structure(params, other):
+    """Raise ``OptimTreeMismatchError`` unless ``other`` is laid out like ``params``.
+
+    Laid out alike means leaves at the same paths in the same order (:func:`d9d.tree.same_paths`),
+    which is what lines each update up with its param. Paths rather than ``PyTreeSpec``
+    equality: this check runs inside ``d9d.jit`` steps, and torch 2.11's Dynamo cannot trace a
+    spec comparison, so ``same_structure`` here failed every jitted step there.
+    """
+    if tree.same_paths(params, other):
         return
     param_paths, other_paths = set(tree.paths(params)), set(tree.paths(other))
     missing = sorted(param_paths - other_paths)

@@ -124,7 +124,9 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 k_cur, v_cur = _received(pending, (k_cur, v_cur))
-        result = out.to(q.dtype)
+        # Not a no-op .to(): torch 2.11's Dynamo hands the traced backward a zero ``dout`` for
+        # an output that a no-op .to() (or .contiguous()) returned, so jitted cp grads were 0.
+        result = out if out.dtype == q.dtype else out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.options = (group, causal, zigzag, scale, block)
         return result

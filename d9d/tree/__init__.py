@@ -7,6 +7,7 @@ from ._paths import leaves as leaves
 from ._paths import map as map  # noqa: A004
 from ._paths import map_with_path as map_with_path
 from ._paths import paths as paths
+from ._paths import same_paths as same_paths
 from ._paths import same_structure as same_structure
 from ._paths import structure as structure
 from ._paths import unflatten as unflatten
@@ -19,6 +20,7 @@ __all__ = [
     "map",
     "map_with_path",
     "paths",
+    "same_paths",
     "same_structure",
     "structure",
     "unflatten",

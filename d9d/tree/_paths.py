@@ -23,6 +23,7 @@ __all__ = [
     "map",
     "map_with_path",
     "paths",
+    "same_paths",
     "same_structure",
     "structure",
     "unflatten",
@@ -118,6 +119,24 @@ def same_structure(tree: Any, other: Any) -> bool:
         (True, False)
     """
     return structure(tree) == structure(other)
+
+
+def same_paths(tree: Any, other: Any) -> bool:
+    """Whether two trees hold leaves at the same paths, in the same order.
+
+    Paths are compared as optree's raw entries (dict key ``"0"`` differs from index ``0``), so
+    equal paths line the leaves of both trees up one to one; container types are not compared
+    (a list and a tuple of one leaf each have the same paths). Unlike
+    :func:`same_structure`, Dynamo traces it on every supported torch: torch 2.11 cannot trace
+    ``PyTreeSpec.__eq__`` ("Polyfill handler ... does not have a traceable function").
+
+    Example:
+        >>> same_paths({"a": 1, "b": None}, {"a": 2}), same_paths({"a": 1}, {"a": (1,)})
+        (True, False)
+    """
+    return optree.tree_paths(tree, none_is_leaf=_NONE_IS_LEAF) == optree.tree_paths(
+        other, none_is_leaf=_NONE_IS_LEAF
+    )
 
 
 def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:  # noqa: A001 - mirrors jax.tree.map

@@ -55,3 +55,32 @@ def test_integer_leaf_is_rejected_with_its_path() -> None:
 def test_non_scalar_value_is_rejected() -> None:
     with pytest.raises(TypeError, match=r"must return a 0-d float tensor, got \(2,\)"):
         d9d.grad(lambda p: p["w"] * 2)({"w": torch.ones(2)})
+
+
+@pytest.mark.compile  # backend "aot_eager": Dynamo and AOTAutograd tracing only (~2 s)
+def test_value_and_grad_of_plain_and_dtensor_params_traces_as_one_graph(one_rank_mesh) -> None:
+    """Marking params for differentiation and ``autograd.grad`` are graph nodes Dynamo does
+    not look into: torch 2.11's Dynamo graph-breaks on ``requires_grad_`` and its
+    ``autograd.grad`` asserts on DTensor inputs."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = torch.randn(5, 3)
+    params = {"w": distribute_tensor(torch.randn(3, 4), one_rank_mesh, [Shard(0)])}
+    params["b"] = torch.randn(4)
+
+    def loss(p, x):
+        return (x @ p["w"].full_tensor() + p["b"]).tanh().square().mean()
+
+    def step(p, x):
+        return d9d.value_and_grad(loss)(p, x)
+
+    expected_value, expected = step(params, x)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            value, grads = torch.compile(step, backend="aot_eager", fullgraph=True)(params, x)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(value, expected_value)
+    torch.testing.assert_close(grads["w"].full_tensor(), expected["w"].full_tensor())
+    torch.testing.assert_close(grads["b"], expected["b"])

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -47,6 +48,34 @@ def test_same_structure() -> None:
     assert tree.same_structure(_state(), _state())
     assert not tree.same_structure({"a": 1}, {"a": 1, "b": 2})
     assert not tree.same_structure({"a": 1}, {"a": (1,)})
+
+
+def test_same_paths_lines_leaves_up_by_path_not_container() -> None:
+    assert tree.same_paths(_state(), _state())
+    assert tree.same_paths({"a": 1, "b": None}, {"a": 2})  # None is an empty subtree
+    assert tree.same_paths({"s": (1, 2)}, {"s": [1, 2]})  # containers are not compared
+    assert not tree.same_paths({"a": 1}, {"a": 1, "b": 2})
+    assert not tree.same_paths({"a": 1}, {"a": (1,)})
+    assert not tree.same_paths({"0": 1}, (1,))  # key "0" is not index 0
+
+
+@pytest.mark.compile  # backend "eager": Dynamo tracing only (~1 s)
+def test_same_paths_traces_where_a_spec_comparison_does_not() -> None:
+    """torch 2.11's Dynamo cannot trace ``PyTreeSpec.__eq__``; layout checks inside a jitted
+    step compare paths instead."""
+
+    def f(a, b):
+        return a["w"] + 1 if tree.same_paths(a, b) else a["w"] - 1
+
+    a, b = (
+        {"w": torch.zeros(2), "s": (torch.zeros(1),)},
+        {"w": torch.zeros(2), "s": [torch.zeros(1)]},
+    )
+    torch._dynamo.reset()
+    try:
+        assert torch.compile(f, backend="eager", fullgraph=True)(a, b).tolist() == [1.0, 1.0]
+    finally:
+        torch._dynamo.reset()
 
 
 def test_dtensor_is_one_leaf(one_rank_mesh) -> None:

@@ -158,3 +158,34 @@ def test_hf_families_equal_one_device(family: str) -> None:
     mesh_axes, transforms = LAYOUTS["fsdp=2"]
     expected = reference(build, data)
     assert_equivalent(build, transforms, mesh_axes, data, expected, dtype=torch.float64, tol=tol)
+
+
+def _jit_grads_rank():
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model = llama(torch.float64, 1)()
+
+    def loss_fn(params, batch):
+        return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+    def step(params, opt_state, batch):
+        loss, grads = d9d.value_and_grad(loss_fn)(params, batch)
+        return params, opt_state, {"loss": loss, "grads": grads}
+
+    sharded = d9d.shard_params(mesh, "fsdp")(step)
+    params, _ = sharded.place(model.params, (), model=model)
+    batch = sharded.shard_batch(batches(256)[0])
+    expected = sharded(params, (), batch)[2]["grads"]
+    got = d9d.jit(sharded, backend="eager", donate=())(params, (), batch)[2]["grads"]
+    return {k: (expected[k].full_tensor(), got[k].full_tensor()) for k in expected}
+
+
+@pytest.mark.distributed
+@pytest.mark.compile  # backend "eager": Dynamo tracing only
+def test_jit_grads_of_coalesced_gathers_equal_eager():
+    """The coalesced gather's outputs are views of its buffer, not a no-op ``.contiguous()``,
+    which torch 2.11's Dynamo gave zero grads; forked ranks: 2.11 cannot trace the threaded
+    group."""
+    for grads in run_on_ranks(_jit_grads_rank, 2, method="fork", timeout=300):
+        for path, (expected, got) in grads.items():
+            assert expected.abs().max() > 0, path
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=path)

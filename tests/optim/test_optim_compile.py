@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import d9d.optim as optim
+from d9d.errors import OptimTreeMismatchError
 
 PARAMS = {"blocks.0.bias": (7,), "blocks.0.weight": (5, 3), "head.weight": (4, 3, 2)}
 
@@ -47,3 +48,17 @@ def test_compiled_step_traces_once_over_three_steps() -> None:
     torch.testing.assert_close(params, eager_params, atol=0, rtol=0)
     torch.testing.assert_close(state, eager_state, atol=0, rtol=0)
     assert optim.get_state(state, "count").item() == 3
+
+
+@pytest.mark.compile  # backend "eager": Dynamo tracing only (~1 s)
+def test_layout_check_of_apply_updates_raises_under_compile() -> None:
+    """The check compares paths, which Dynamo traces on every supported torch (2.11 stopped
+    with an internal error on a ``PyTreeSpec`` comparison), and still names the paths."""
+    params = {"a": torch.ones(1), "b": torch.ones(1)}
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(optim.apply_updates, backend="eager")
+        with pytest.raises(OptimTreeMismatchError, match=r"missing=\['b'\].*unexpected=\['c'\]"):
+            compiled(params, {"a": torch.ones(1), "c": torch.ones(1)})
+    finally:
+        torch._dynamo.reset()

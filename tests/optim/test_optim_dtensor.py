@@ -21,7 +21,7 @@ from torch.distributed.tensor import (
 )
 
 import d9d.optim as optim
-from d9d.optim._transform import by_kind
+from d9d.optim._transform import by_kind, foreach_lerp
 from d9d.testing import run_on_ranks
 
 SHAPES = {"a.bias": (7,), "a.weight": (6, 3), "b.weight": (4, 3, 2), "c.weight": (5, 4)}
@@ -61,6 +61,26 @@ def run_placed_and_plain(mesh: DeviceMesh, placements: dict[str, list[Placement]
         for path, x in placed.items()
     )
     return norm_error, param_error
+
+
+def test_foreach_lerp_of_dtensors_equals_that_of_their_shards(one_rank_mesh) -> None:
+    """DTensors take one ``torch.lerp`` each: torch 2.11 shards no ``_foreach_lerp``."""
+    g = torch.Generator().manual_seed(0)
+    starts, ends = ([torch.randn(4, 3, generator=g) for _ in range(2)] for _ in range(2))
+    placed = [
+        [
+            distribute_tensor(t, one_rank_mesh, [p])
+            for t, p in zip(ts, [Shard(0), Replicate()], strict=True)
+        ]
+        for ts in (starts, ends)
+    ]
+    got = foreach_lerp(*placed, 0.1)
+    assert all(isinstance(x, DTensor) for x in got)
+    expected = torch._foreach_lerp(starts, ends, 0.1)
+    for x, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(x.full_tensor(), e, rtol=0, atol=0)
+    plain = foreach_lerp(starts, ends, 0.1)
+    assert all(torch.equal(x, e) for x, e in zip(plain, expected, strict=True))
 
 
 def test_one_rank_mesh(one_rank_mesh) -> None:

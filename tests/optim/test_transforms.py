@@ -61,6 +61,14 @@ def test_apply_updates_on_a_mismatched_tree_is_an_error() -> None:
         optim.apply_updates(
             {"a": torch.ones(1), "b": torch.ones(1)}, {"a": torch.ones(1), "c": torch.ones(1)}
         )
+    with pytest.raises(OptimTreeMismatchError, match=r"missing=\['a.x'\].*unexpected=\['a'\]"):
+        optim.apply_updates({"a": {"x": torch.ones(1)}}, {"a": torch.ones(1)})
+
+
+def test_apply_updates_lines_updates_up_with_params_by_path() -> None:
+    """Laid out alike means the same leaf paths: the result takes the params' containers."""
+    out = optim.apply_updates({"s": (torch.ones(1), torch.ones(1))}, {"s": [torch.ones(1)] * 2})
+    assert isinstance(out["s"], tuple) and out["s"][1].item() == 2.0
 
 
 def test_add_decayed_weights_needs_params() -> None:
