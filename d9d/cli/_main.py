@@ -189,7 +189,15 @@ def _parser() -> argparse.ArgumentParser:
     show = commands.add_parser(
         "plan", help="print the sharding plan of a preset on a simulated mesh"
     )
-    show.add_argument("--preset", default="8b", help="tiny, small, 1b or 8b (default %(default)s)")
+    show.add_argument(
+        "--preset",
+        default="8b",
+        help="llama: tiny, small, 1b or 8b; moe: tiny, small, olmoe-1b-7b, qwen3-30b-a3b or "
+        "deepseek-v3 (default %(default)s)",
+    )
+    show.add_argument(
+        "--model", choices=["llama", "moe"], default="llama", help="model family (default llama)"
+    )
     show.add_argument("--dp", type=int, default=1, help="ranks to replicate over (default 1)")
     show.add_argument("--fsdp", type=int, default=8, help="ranks to shard over (default 8)")
     show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
@@ -286,7 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             from ._plan_command import show_plan
 
-            print(show_plan(args.preset, dp=args.dp, fsdp=args.fsdp, max_rows=args.rows))
+            print(
+                show_plan(
+                    args.preset, model=args.model, dp=args.dp, fsdp=args.fsdp, max_rows=args.rows
+                )
+            )
             return 0
         from ._train import train
 

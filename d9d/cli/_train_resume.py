@@ -29,6 +29,7 @@ __all__ = ["SCHEDULE_FLAGS", "check_unchanged", "restore", "say", "set_aside_new
 
 # Flags that change the model, the learning-rate schedule or the data order.
 SCHEDULE_FLAGS = (
+    "model",
     "preset",
     "steps",
     "lr",
@@ -56,6 +57,7 @@ def _flag(name: str) -> str:
 def _schedule(config: dict[str, Any]) -> dict[str, Any]:
     """The schedule flags of a ``config.json`` dict, warmup as the schedule uses it."""
     values = {name: config.get(name) for name in SCHEDULE_FLAGS}
+    values["model"] = values["model"] or "llama"  # runs from before --model were all llama
     if isinstance(values["warmup"], int) and isinstance(values["steps"], int):
         values["warmup"] = min(values["warmup"], max(values["steps"] - 1, 0))
     return values
