@@ -210,8 +210,7 @@ class TransformedStep:
         if len(drivers) > 1:
             raise PlanError(
                 f"{drivers[0]} and {drivers[1]} both run d9d.value_and_grad over microbatches "
-                "of their own; keep the microbatches of one of them (e.g. pipeline(..., "
-                "microbatches=k) without shard_params(microbatches=...))"
+                "of their own; keep the microbatches of one of them"
             )
         return tuple(r for _, r in runtimes)
 
