@@ -21,7 +21,6 @@ import torch
 
 from ._collectives import gather_params
 from ._context import StepContext
-from ._plan import Plan
 from ._regather import Regather
 from ._runtime import ApplyCall, Interception
 from ._structure import Block, Slot, Structure
@@ -40,7 +39,9 @@ def apply_in_step(
     """The forward of ``structure.module`` on ``params`` under the running ``step``."""
     plan = step.plan
     call = ApplyCall(structure, plan, params, args, dict(kwargs))
-    regather = Regather(plan, params) if _regathers(plan) else None
+    # Gathered params are dropped after the forward in eager mode only.
+    eager = not torch.compiler.is_compiling()
+    regather = Regather(plan, params) if plan.regathers and eager else None
     entered = []
     try:
         for runtime in step.runtimes:
@@ -67,13 +68,6 @@ def apply_in_step(
     finally:
         for runtime in reversed(entered):
             runtime.exit_apply(call)
-
-
-def _regathers(plan: Plan) -> bool:
-    """Whether gathered params are dropped after the forward (eager only)."""
-    if torch.compiler.is_compiling():
-        return False
-    return any(e.regather and e.compute != e.storage for e in (plan.entries[p] for p in plan.held))
 
 
 def _gather(call: ApplyCall, keys: list[str], regather: Regather | None) -> dict[str, Any]:

@@ -117,6 +117,7 @@ class Plan:
         stage_group: The process group over which ranks hold different params whole (the
             pipeline axis), over which norms of the whole model are summed; None.
         notes: Lines the plan's title adds (e.g. which stage of how many).
+        regathers: Some held param is gathered for compute and says ``regather``.
     """
 
     mesh: DeviceMesh
@@ -127,17 +128,16 @@ class Plan:
     notes: tuple[str, ...] = ()
     names: tuple[str, ...] = field(init=False, repr=False)
     group_names: tuple[str, ...] = field(init=False, repr=False)
+    regathers: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.held is None:
             self.held = tuple(self.entries)
         self.names = tuple(self.mesh.mesh_dim_names or ())
         self.group_names = tuple(self.mesh.get_group(i).group_name for i in range(self.mesh.ndim))
-
-    @property
-    def gathers(self) -> bool:
-        """Whether any held param is computed in another layout than it is stored."""
-        return any(self.entries[p].compute != self.entries[p].storage for p in self.held)
+        self.regathers = any(
+            e.regather and e.compute != e.storage for e in (self.entries[p] for p in self.held)
+        )
 
     def __getitem__(self, path: str) -> ParamPlan:
         try:

@@ -120,13 +120,13 @@ class ApplyCall:
         """Within the block, the model runs as this call runs it: stand-ins and interceptions
         in place of its modules, overrides set. ``Model.apply`` enters it around the
         forward; a block recomputed in the backward (``remat``) enters it again."""
-        root = self.structure.module
+        modules = self.structure.modules
         swaps: list[tuple[nn.Module, str, nn.Module]] = []
         for path, module in self.stand_ins.items():
-            swaps.append((*_home(root, path), module))
+            swaps.append((*_home(modules, path), module))
         for path, interceptions in self.interceptions.items():
             if path in self.stand_ins or not self.stood_in(path):
-                parent, name = _home(root, path)
+                parent, name = _home(modules, path)
                 inner = self.stand_ins.get(path) or parent._modules[name]
                 swaps.append((parent, name, _Intercepted(inner, tuple(interceptions))))
         saved_modules = [parent._modules[name] for parent, name, _ in swaps]
@@ -144,12 +144,13 @@ class ApplyCall:
                 parent._modules[name] = module
 
 
-def _home(root: nn.Module, path: str) -> tuple[nn.Module, str]:
-    """The parent of the module at ``path`` and its name there."""
+def _home(modules: dict[str, nn.Module], path: str) -> tuple[nn.Module, str]:
+    """The parent (from the structure's ``{path: module}``) of the module at ``path`` and its
+    name there."""
     parent, _, name = path.rpartition(".")
     if not name:
         raise ValueError("a runtime cannot stand in for or intercept the root module itself")
-    return root.get_submodule(parent), name
+    return modules[parent], name
 
 
 class _Intercepted(nn.Module):

@@ -78,7 +78,9 @@ class Structure:
         buffer_slots: Buffer slots.
         root_owners: ``{module path: canonical param paths}`` of the modules owning params
             outside blocks, in registration order.
-        paths: ``{id(module): path}`` of every submodule.
+        modules: ``{path: module}`` of every submodule, as registered (runtimes look modules
+            up here: during a call a parent may hold a stand-in).
+        paths: ``{id(module): path}``, the inverse of ``modules``.
         positions_keyword: The keyword under which ``module.forward`` takes token positions
             (``positions`` or ``position_ids``), if any.
     """
@@ -90,6 +92,7 @@ class Structure:
     root_slots: tuple[Slot, ...]
     buffer_slots: tuple[Slot, ...]
     root_owners: dict[str, tuple[str, ...]]
+    modules: dict[str, nn.Module]
     paths: dict[int, str]
     positions_keyword: str | None
 
@@ -132,7 +135,8 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
     blocks = _blocks(module, unique)
     in_blocks = {id(s) for block in blocks for s in block.slots}
     root_slots = tuple(s for s in unique if s.is_param and id(s) not in in_blocks)
-    paths = {id(m): p for p, m in module.named_modules()}
+    modules = dict(module.named_modules())
+    paths = {id(m): p for p, m in modules.items()}
     owners: dict[str, list[str]] = {}
     for slot in root_slots:
         owners.setdefault(paths[id(slot.owner)], []).append(tied.get(slot.key, slot.key))
@@ -144,6 +148,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
         root_slots=root_slots,
         buffer_slots=tuple(s for s in unique if not s.is_param),
         root_owners={path: tuple(keys) for path, keys in owners.items()},
+        modules=modules,
         paths=paths,
         positions_keyword=next(
             (

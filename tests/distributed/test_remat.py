@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,7 @@ def _grad_step(model: d9d.Model) -> Callable[..., Any]:
 
 def _grads(layout: str, policy: str | None, every: int = 1) -> list[dict]:
     axes, make = LAYOUTS[layout]
-    world = max(1, int(torch.tensor(list(axes.values()) or [1]).prod()))
+    world = math.prod(axes.values())
 
     def rank() -> dict[str, torch.Tensor]:
         mesh = d9d.make_mesh("cpu", **axes)

@@ -118,7 +118,7 @@ def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
         enter = functools.partial(_enter_block, run, block.index)
         exit_ = functools.partial(_exit_block, run) if block.index == run.stop - 1 else None
         call.intercept(block.path, Interception(enter=enter, exit=exit_))
-    modules = dict(structure.module.named_modules())
+    modules = structure.modules
     if not run.first:
         for path in split.before:
             dtypes = _compute_dtypes(structure.tied, call.plan, path, modules[path])

@@ -100,7 +100,7 @@ class TensorParallelRuntime(Runtime):
                 return "column" if placement.dim == 0 else "row"
             return None
 
-        modules = dict(structure.module.named_modules())
+        modules = structure.modules
         column_regions = []
         for path, linears in regions.items():
             roles = {role(linear) for linear in linears}
