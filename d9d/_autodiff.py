@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import tree
+from ._backward_graph import backward_region
 from ._collectives import reduce_to
 from ._context import count_tokens, current
 from ._plan import Plan
@@ -119,7 +120,8 @@ def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:
 
 
 def _grads(value: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+    with backward_region():
+        return torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
 
 
 # Each is one opaque node of a ``jit`` graph (``allow_in_graph``), which AOTAutograd traces

@@ -9,10 +9,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch._dynamo.backends.debugging
 import torch._dynamo.config
-import torch._inductor
+import torch._functorch.config
+import torch._inductor.compile_fx
 
 from . import tree
+from ._backward_graph import rematerialize
 from ._context import running
 from ._index_checks import guard_indices
 from ._step import TransformedStep
@@ -50,8 +53,8 @@ class Jitted:
                 f"mode={mode!r} is an inductor option but backend={backend!r}; drop mode or "
                 "use backend='inductor'"
             )
-        self._inductor_options = torch._inductor.list_mode_options(mode, dynamic) if mode else {}
-        self._compiler = None if backend == "inductor" else torch._dynamo.lookup_backend(backend)
+        inductor_options = torch._inductor.list_mode_options(mode, dynamic) if mode else {}
+        self._compiler = _compiler(backend, inductor_options)
         self._compiled = torch.compile(
             _own_code(self._donating_step), backend=self._backend, **compile_options
         )
@@ -60,9 +63,7 @@ class Jitted:
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.traces += 1
         guard_indices(graph)
-        if self._compiler is not None:
-            return self._compiler(graph, example_inputs)
-        return torch._inductor.compile(graph, example_inputs, options=self._inductor_options)
+        return self._compiler(graph, example_inputs)
 
     def __getattr__(self, name: str) -> Any:
         step = self.__dict__.get("step")
@@ -85,21 +86,26 @@ class Jitted:
         for i in self.donate:
             _check_not_donated(args[i], argnum=i)
         context = None
+        config: dict[str, Any] = {"trace_autograd_ops": True}
         if isinstance(self.step, TransformedStep):
             self.step.check_inputs(args[0], args[2])
             for runtime in self.step.runtimes:
                 refusal = runtime.jit_refusal()
                 if refusal is not None:
                     raise PlanError(refusal)
+                config.update(runtime.jit_config())
             context = self.step.context()
         try:
             with (
-                torch._dynamo.config.patch(trace_autograd_ops=True),
+                torch._dynamo.config.patch(**config),
+                torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False),
                 self._stance(),
                 running(context),
             ):
                 out = self._compiled(*args)
         except RuntimeError as error:
+            if isinstance(getattr(error, "inner_exception", None), PlanError):
+                raise error.inner_exception from None  # the compiler's refusal, unwrapped
             if self.fail_on_recompile and "fail_on_recompile" in str(error):
                 raise RecompileError(
                     f"step {self.__name__!r} would be traced again on call {self.calls + 1}: "
@@ -181,6 +187,29 @@ def jit(
         )
 
     return build if step is None else build(step)
+
+
+def _compiler(backend: str, inductor_options: dict[str, Any]) -> Callable[..., Any]:
+    """The backend that compiles a step's graph. With inductor and aot_eager, torch's
+    rematerialization of checkpointed blocks runs as :func:`rematerialize` (``remat``)."""
+    if backend == "inductor":
+        inner = _rematerializing(torch._inductor.compile_fx.compile_fx_inner)
+        return functools.partial(
+            torch._inductor.compile_fx.compile_fx,
+            inner_compile=inner,
+            config_patches=inductor_options,
+        )
+    if backend == "aot_eager":
+        nop = _rematerializing(torch._dynamo.backends.debugging.boxed_nop)
+        return functools.partial(torch._dynamo.backends.debugging.aot_eager, fw_compiler=nop)
+    return torch._dynamo.lookup_backend(backend)
+
+
+def _rematerializing(compile_graph: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_after_remat(graph: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        return compile_graph(rematerialize(graph), *args, **kwargs)
+
+    return compile_after_remat
 
 
 def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -262,6 +262,11 @@ class Runtime:
         """Why ``d9d.jit`` cannot compile a step with this runtime, or None."""
         return None
 
+    def jit_config(self) -> dict[str, Any]:
+        """Dynamo config options (``torch._dynamo.config``) this runtime needs set while
+        ``d9d.jit`` traces its step."""
+        return {}
+
     def group_labels(self) -> dict[str, str]:
         """``{process group name: axis label}`` for groups that are not mesh axes, so that
         ``step.comms`` names their traffic."""

@@ -29,6 +29,7 @@ CORE = (
     "d9d._place",
     "d9d._step",
     "d9d._transform",
+    "d9d._backward_graph",
     "d9d._jit",
 )
 # A module may import modules of its own layer and of the layers before it, never after.

@@ -1,14 +1,22 @@
 """What ``remat`` keeps of a block's forward: its inputs only (``"full"``), or also the
-outputs of its matmuls, attention and reduce-scatters (``"selective"``)."""
+outputs of its matmuls, attention and reduce-scatters (``"selective"``).
+
+Under ``d9d.jit`` the recomputation is not a second eager forward but nodes duplicated into
+the backward part of the one compiled graph, and torch duplicates no op that draws a random
+seed (attention ops carry that tag, dropout or not): there ``"full"`` keeps the attention
+outputs as well (:func:`compiled_contexts`).
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["POLICIES", "SAVED_OPS", "selective_contexts"]
+__all__ = ["POLICIES", "SAVED_OPS", "compiled_contexts", "selective_contexts"]
 
 POLICIES = ("full", "selective")
 
@@ -38,11 +46,33 @@ _SAVED = frozenset(
 )
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _selective(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     del ctx, args, kwargs
     return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _seeded(op: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
+def _full_compiled(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    del ctx, args, kwargs
+    return CheckpointPolicy.MUST_SAVE if _seeded(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_compiled(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    del ctx, args, kwargs
+    keep = op in _SAVED or _seeded(op)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def selective_contexts() -> tuple[Any, Any]:
-    """``(forward context, recompute context)`` of the ``"selective"`` policy."""
-    return create_selective_checkpoint_contexts(_policy)
+    """``(forward context, recompute context)`` of the ``"selective"`` policy, eager."""
+    return create_selective_checkpoint_contexts(_selective)
+
+
+def compiled_contexts(policy: str) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` of ``policy`` for a checkpoint traced by ``d9d.jit``: what the
+    compiled graph keeps (ops that draw a seed always, as torch cannot duplicate them)."""
+    chosen = _selective_compiled if policy == "selective" else _full_compiled
+    return functools.partial(create_selective_checkpoint_contexts, chosen)

@@ -3,16 +3,18 @@
 The checkpoint wraps the block's forward *inside* the other transforms' block work and
 *around* the core's gathering of the block's params, so that the recomputation in the
 backward gathers them again (as FSDP2 reshards and regathers) and no gathered param is kept.
-The recomputation runs with the call's environment entered again: the interceptions of the
-block's modules (``tensor_parallel``'s collectives) are in place as in the forward.
 
-``d9d.jit`` refuses it for now (torch 2.13, measured). Inside the checkpointed region the
-gathering swaps params into the block, which a checkpoint traced by Dynamo may not do (state
-outside the region). With the gathering moved outside the region the step traces into one
-graph, but AOT autograd then refuses to recompute attention (an RNG-seeded op) in d9d.jit's
-forward-loss-backward graph; with attention's output kept, it refuses more than one
-recomputed region in such a graph ("Detected 2 disjoint backward regions that require
-recomputation"): one per checkpointed block.
+Eager, the recomputation is a second forward of the block in the backward, run with the
+call's environment entered again: the interceptions of the block's modules
+(``tensor_parallel``'s collectives) are in place as in the forward.
+
+Under ``d9d.jit`` Dynamo turns each checkpoint into a tagged region of the one
+forward-loss-backward graph, and AOT autograd duplicates the region's tagged nodes into the
+backward (``torch._functorch.config.remat_using_tags_for_fwd_loss_bwd_graph``). The Python
+work inside a region (the swap of gathered params into the block and back) happens once, at
+trace time, and is not replayed, which Dynamo must be told
+(``skip_fwd_side_effects_in_bwd_under_checkpoint``: :meth:`RematRuntime.jit_config`).
+Ops that draw a seed (attention) are kept, not duplicated (``_policies.compiled_contexts``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..._runtime import ApplyCall, Interception, Runtime
-from ._policies import selective_contexts
+from ._policies import compiled_contexts, selective_contexts
 
 __all__ = ["RematRuntime"]
 
@@ -43,17 +46,16 @@ class RematRuntime(Runtime):
                 around = functools.partial(self._checkpointed, call)
                 call.intercept(block.path, Interception(around=around))
 
-    def jit_refusal(self) -> str:
-        return (
-            "d9d.jit does not compile a step with remat yet: torch cannot rematerialize a "
-            "checkpointed block inside d9d.jit's one forward-loss-backward graph (see "
-            "d9d/transforms/remat/_runtime.py); drop d9d.jit, or drop remat and compile"
-        )
+    def jit_config(self) -> dict[str, Any]:
+        return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
 
     def _checkpointed(
         self, call: ApplyCall, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
     ) -> Any:
-        contexts = functools.partial(_eager_contexts, call, self.policy)
+        if torch.compiler.is_compiling():
+            contexts = compiled_contexts(self.policy)
+        else:
+            contexts = functools.partial(_eager_contexts, call, self.policy)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 

@@ -64,8 +64,10 @@ def remat(policy: str = "full", *, every: int = 1, mesh: DeviceMesh | None = Non
     gathers) is recomputed. ``every=k`` checkpoints blocks ``0, k, 2k, ...``. Under
     ``shard_params`` a recomputed block gathers its params again, so no gathered param is
     kept for the backward; under ``tensor_parallel`` its collectives run again with it.
-    Grads are those of the step without remat. Composes with every transform; ``d9d.jit``
-    refuses it for now (``docs/architecture.md``).
+    Grads are those of the step without remat. Composes with every transform and with
+    ``d9d.jit``, where the compiled graph recomputes the blocks (there ``"full"`` also keeps
+    attention's outputs, which torch does not recompute; ``docs/decisions.md``); ``jit``
+    refuses it with microbatch accumulation.
 
     Args:
         policy: ``"full"`` or ``"selective"``.
