@@ -55,6 +55,10 @@ class Jitted:
             )
         inductor_options = torch._inductor.list_mode_options(mode, dynamic) if mode else {}
         self._compiler = _compiler(backend, inductor_options)
+        # d9d runs torch's rematerialization pass itself with these two backends.
+        self._remat_config = {
+            "remat_using_tags_for_fwd_loss_bwd_graph": backend not in ("inductor", "aot_eager")
+        }
         self._compiled = torch.compile(
             _own_code(self._donating_step), backend=self._backend, **compile_options
         )
@@ -98,7 +102,7 @@ class Jitted:
         try:
             with (
                 torch._dynamo.config.patch(**config),
-                torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False),
+                torch._functorch.config.patch(**self._remat_config),
                 self._stance(),
                 running(context),
             ):
