@@ -3,6 +3,7 @@ never imports ``transformers``."""
 
 from __future__ import annotations
 
+import doctest
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from hf_families import FAMILIES, build, config
 from torch import nn
 
 import d9d
+from d9d.hf import _rules
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -107,3 +109,7 @@ def test_apply_returns_the_output_object() -> None:
     model = build("llama")()
     out = model.apply(model.params, torch.zeros(1, 4, dtype=torch.long))
     assert out.logits.shape == (1, 4, 97)
+
+
+def test_docstring_examples_run() -> None:
+    assert doctest.testmod(_rules).failed == 0
