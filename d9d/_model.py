@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import hf
 from ._apply import apply_in_step
 from ._context import current
 from ._structure import Axes, Structure, structure_of
@@ -62,7 +63,8 @@ class Model:
             **kwargs: Keyword inputs of ``module.forward``.
 
         Returns:
-            Whatever ``module.forward`` returns.
+            Whatever ``module.forward`` returns (a ``transformers`` model's output object: take
+            its ``.logits``).
 
         Raises:
             ParamTreeMismatchError: ``params`` misses paths of the model or has extra ones.
@@ -141,7 +143,8 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
 
     Params are keyed by module path and share storage with the module (no copy). Logical axes
     come, first match wins, from ``axes``; then from ``logical_axes`` dicts that modules declare
-    (path regexes relative to that module, deepest module first); then defaults for
+    (path regexes relative to that module, deepest module first); then, for a ``transformers``
+    model, from ``d9d.hf.axes_for(module)`` (its family's rules and its norms); then defaults for
     ``nn.Linear`` (``("out", "in")``), ``nn.Embedding`` (``("vocab", "embed")``) and norms
     (``("embed",)``); any other param gets ``None`` for every dim (no logical axis).
 
@@ -182,6 +185,8 @@ def _resolve_axes(
     for path, owner in sorted(declared, key=lambda pm: -pm[0].count(".") - bool(pm[0])):
         source = f"{type(owner).__name__}.logical_axes"
         rules += [(path, p, a, source) for p, a in owner.logical_axes.items()]
+    family = f"d9d.hf rules of {hf.family_of(module)!r}"
+    rules += [("", p, a, family) for p, a in hf.axes_for(module).items()]
     owners = {path: m for path, m in module.named_modules()}
     used = set()
     resolved: dict[str, Axes] = {}

@@ -46,6 +46,7 @@ LAYERS = (
         ),
     ),
     ("kernels", ("d9d.kernels", "d9d.parallel")),
+    ("model rules", ("d9d.hf",)),  # functionalize (core) picks a Hugging Face family's rules
     ("core", CORE),
     ("libraries", ("d9d.losses", "d9d.optim", "d9d.moe", "d9d.models", "d9d.data")),
     ("transforms", ("d9d.transforms",)),

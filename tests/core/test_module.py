@@ -61,7 +61,7 @@ def test_hf_llama_apply_and_grads_match_module_backward() -> None:
     assert_trees_all_close(grads, expected_grads, rtol=1e-6, atol=1e-6)
     assert model.axes["model.layers.1.self_attn.k_proj.weight"] == ("kv_heads", "embed")
     assert model.axes["model.embed_tokens.weight"] == ("vocab", "embed")
-    assert model.axes["model.norm.weight"] == (None,)
+    assert model.axes["model.norm.weight"] == ("embed",)  # an *RMSNorm, by d9d.hf
 
 
 def test_apply_is_pure_and_leaves_module_untouched() -> None:

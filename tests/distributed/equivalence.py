@@ -8,7 +8,6 @@ return their losses and their params gathered whole (``full_tensor``).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -161,28 +160,6 @@ def llama(
     return build
 
 
-HF_AXES = {
-    r"q_proj\.weight$": ("heads", "embed"),
-    r"[kv]_proj\.weight$": ("kv_heads", "embed"),
-    r"o_proj\.weight$": ("embed", "heads"),
-    r"(gate|up)_proj\.weight$": ("mlp", "embed"),
-    r"down_proj\.weight$": ("embed", "mlp"),
-    r"lm_head\.weight$": ("vocab", "embed"),
-    r"embed_tokens\.weight$": ("vocab", "embed"),
-    r"norm\.weight$": ("embed",),
-}
-"""Path rules of the Llama-like families (Llama, Qwen2, Gemma)."""
-
-HF_BIAS_AXES = {r"q_proj\.bias$": ("heads",), r"[kv]_proj\.bias$": ("kv_heads",)}
-"""Qwen2's q/k/v biases, column-parallel like their weights."""
-
-GPT2_AXES = {
-    r"\.c_(attn|proj|fc)\.weight$": ("embed", "embed"),
-    r"\.c_(attn|proj|fc)\.bias$": ("embed",),
-}
-"""GPT-2's ``Conv1D`` layers kept whole on ``tp`` (``tensor_parallel`` shards only
-``nn.Linear`` and ``nn.Embedding``); its embeddings and tied head are vocab-parallel."""
-
 _HF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("Llama", {"tie_word_embeddings": False}),
     # pad_token_id=0 (Gemma's default) and a pad row in the second vocab shard (issue 12.1)
@@ -232,12 +209,9 @@ def hf_model(
         module = getattr(
             transformers, f"{name}LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
         )(config).to(dtype)
-    paths = [path for path, _ in module.named_parameters()]  # tied aliases left out
-    rules = GPT2_AXES if name == "GPT2" else {**HF_AXES, **HF_BIAS_AXES}
-    axes = {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
 
-    def build() -> d9d.Model:
-        return d9d.functionalize(copy.deepcopy(module), axes=axes)
+    def build() -> d9d.Model:  # logical axes from d9d.hf, chosen by the model's family
+        return d9d.functionalize(copy.deepcopy(module))
 
     return build
 

@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 from equivalence import (
-    HF_AXES,
     assert_equivalent,
     batches,
     hf_llama,
@@ -288,12 +287,12 @@ def test_a_sequence_that_does_not_divide_is_named() -> None:
 
 
 def test_a_param_without_a_rule_is_named() -> None:
-    """A Hugging Face model without path rules: its linears have the default axes
-    ("out", "in"), which tensor parallelism has no rule for."""
+    """A linear given the default axes ("out", "in"), which tensor parallelism has no rule
+    for."""
 
     def rank():
         mesh = d9d.make_mesh("cpu", tp=2)
-        model = d9d.functionalize(hf_llama()().module)
+        model = d9d.functionalize(hf_llama()().module, axes={r"q_proj\.weight$": ("out", "in")})
         d9d.tensor_parallel(mesh)(lambda p, s, b: (p, s, {})).make_plan(model.params, model.axes)
 
     with pytest.raises(
@@ -303,10 +302,10 @@ def test_a_param_without_a_rule_is_named() -> None:
         run_on_ranks(rank, 2)
 
 
-def test_path_rules_make_a_hugging_face_model_placeable() -> None:
+def test_a_hugging_face_model_is_placeable_by_its_family_rules() -> None:
     def rank():
         mesh = d9d.make_mesh("cpu", tp=2)
-        model = d9d.functionalize(hf_llama()().module, axes=HF_AXES)
+        model = d9d.functionalize(hf_llama()().module)
         step = d9d.tensor_parallel(mesh)(lambda p, s, b: (p, s, {}))
         return step.make_plan(model.params, model.axes)
 

@@ -66,10 +66,21 @@ class SequenceSplit:
         *,
         causal: bool = True,
         scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence; ``[B, H, S_local, D]``.
 
-        Each block's attention comes from the kernel registry's ``block_attention`` op."""
+        Each block's attention comes from the kernel registry's ``block_attention`` op. A
+        sliding ``window`` (keys at most ``window - 1`` positions back) is refused unless it
+        spans the whole sequence, where it changes nothing."""
+        whole = q.shape[-2] * self.size
+        if window is not None and window < whole:
+            raise PlanError(
+                f"the model attends over a sliding window of {window} positions, shorter than "
+                f"the sequence ({whole}), which context_parallel's ring attention does not "
+                "support; train on sequences no longer than the window, or without "
+                "context_parallel"
+            )
         return ring_attention(
             q,
             k,
@@ -124,8 +135,15 @@ def hf_ring_attention(
         )
     if dropout:
         raise PlanError(f"context_parallel attention has no dropout; got dropout={dropout}")
+    if kwargs.get("softcap") is not None:
+        raise PlanError(
+            f"{type(module).__name__} soft-caps its attention scores (softcap="
+            f"{kwargs['softcap']}), which context_parallel's ring attention does not do; build "
+            "the model with attn_logit_softcapping=None, or train it without context_parallel"
+        )
     causal = bool(getattr(module, "is_causal", True))
-    out = attend(query, key, value, causal=causal, scale=scaling)
+    window = kwargs.get("sliding_window")
+    out = attend(query, key, value, causal=causal, scale=scaling, window=window)
     return out.transpose(1, 2).contiguous(), None
 
 

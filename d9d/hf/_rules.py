@@ -1,0 +1,111 @@
+"""Which Hugging Face family a module is, and the logical-axis rules d9d gives it.
+
+Detection reads class ``__module__`` names and ``config.model_type``: ``transformers`` is never
+imported here, so ``import d9d`` stays free of it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from ._families import FAMILIES
+
+__all__ = ["axes_for", "family_of", "is_hf_model"]
+
+_TRANSFORMERS = "transformers."
+_MODELING = re.compile(r"^transformers\.models\.(\w+)\.modeling_\w+$")
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` model (or a subclass of one).
+
+    Example:
+        >>> is_hf_model(nn.Linear(2, 2))
+        False
+    """
+    return any(cls.__module__.startswith(_TRANSFORMERS) for cls in type(module).__mro__)
+
+
+def family_of(module: nn.Module) -> str | None:
+    """The family of a ``transformers`` model: its ``config.model_type`` (``"llama"``), else
+    the package its class comes from; None for any other module.
+
+    Example:
+        >>> family_of(nn.Linear(2, 2)) is None
+        True
+    """
+    if not is_hf_model(module):
+        return None
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if isinstance(model_type, str) and model_type:
+        return model_type
+    for cls in type(module).__mro__:
+        found = _MODELING.match(cls.__module__)
+        if found:
+            return found.group(1)
+    return None
+
+
+def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
+    """The logical-axis rules ``d9d.functionalize`` gives a Hugging Face model by itself.
+
+    The rules of its family (a key of :data:`d9d.hf.FAMILIES`), then ``("embed",)`` for the
+    weight and bias of every norm (a class whose name ends in ``RMSNorm``, or an
+    ``nn.LayerNorm``) over the hidden size. Rules ``functionalize`` is given with ``axes=``
+    come first; these fill what they leave. Only rules that match a param of ``module`` are
+    returned. A model of another family gets its norm rules only: give its linears rules
+    with ``d9d.functionalize(model, axes={...})``.
+
+    Args:
+        module: A ``transformers`` model (or the :class:`d9d.Model` of one).
+
+    Returns:
+        ``{path regex: logical axis names}``, first match wins; ``{}`` for a module that is
+        not a ``transformers`` model.
+
+    Example:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(
+        ...     vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...     num_attention_heads=2, num_key_value_heads=1)
+        >>> rules = axes_for(transformers.LlamaForCausalLM(config))
+        >>> rules[r"(^|\\.)q_proj\\.weight$"]
+        ('heads', 'embed')
+    """
+    module = getattr(module, "module", module)
+    family = family_of(module)
+    if family is None:
+        return {}
+    paths = [path for path, _ in module.named_parameters()]
+    rules = dict(FAMILIES.get(family, {}))
+    rules.update(_norm_rules(module))
+    return {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
+
+
+def _norm_rules(module: nn.Module) -> dict[str, tuple[str | None, ...]]:
+    """``("embed",)`` for each param of a norm over the hidden size, one rule per attribute
+    name (``input_layernorm.weight``) when every param of that name is such a norm's, else one
+    per path. A norm of another size (per head, say) gets none: which of its dims a transform
+    may split is the family's call."""
+    hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+    norms: dict[str, list[str]] = {}
+    others: set[str] = set()
+    for path, owner in module.named_modules():
+        is_norm = type(owner).__name__.endswith("RMSNorm") or isinstance(owner, nn.LayerNorm)
+        for name, param in owner.named_parameters(recurse=False):
+            key = f"{path}.{name}" if path else name
+            suffix = ".".join(key.split(".")[-2:])
+            if is_norm and name in ("weight", "bias") and param.shape == (hidden,):
+                norms.setdefault(suffix, []).append(key)
+            else:
+                others.add(suffix)
+    rules: dict[str, tuple[str | None, ...]] = {}
+    for suffix, keys in norms.items():
+        if "." in suffix and suffix not in others:
+            rules[r"(^|\.)" + re.escape(suffix) + "$"] = ("embed",)
+        else:
+            rules.update({"^" + re.escape(key) + "$": ("embed",) for key in keys})
+    return rules

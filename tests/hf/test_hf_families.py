@@ -1,0 +1,110 @@
+"""Every Hugging Face family ``d9d.hf`` has rules for, functionalized with no ``axes``, trains
+under fsdp=2, tp=2, cp=2 and pp=2 as on one device (float64, AdamW, uneven ignored labels);
+where a family cannot run under a transform, the error says why."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from equivalence import assert_equivalent, reference
+from hf_families import FAMILIES, build, data
+
+import d9d
+from d9d.errors import RankFailedError
+from d9d.testing import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = {
+    "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh, "fsdp")]),
+    "tp=2": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh)]),
+    "tp=2 no sp": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh, sequence_parallel=False)]),
+    "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh)]),
+    "pp=2": ({"pp": 2}, lambda mesh: [d9d.pipeline(mesh, microbatches=2)]),
+}
+
+# Families whose blocks tensor_parallel runs replicated (fused or Conv1D projections kept whole,
+# routed experts replicated): no sequence parallelism, which would split their attention.
+WHOLE_BLOCKS_ON_TP = ("phi3", "gpt2", "qwen3_moe", "mixtral")
+# Gemma's norms scale by (1 + weight) in float32, so their weight grads are float32 sums whose
+# order differs with the layout: rel 1e-5 (tests/distributed/test_shard_params.py, the same).
+F32_NORM_GRADS = ("gemma", "gemma2")
+
+
+def _tp_layout(family: str) -> str:
+    return "tp=2 no sp" if family in WHOLE_BLOCKS_ON_TP else "tp=2"
+
+
+CASES = [
+    (family, layout)
+    for family in FAMILIES
+    for layout in ("fsdp=2", _tp_layout(family), "cp=2", "pp=2")
+    if not (family == "gemma2" and layout == "cp=2")
+]
+
+
+@functools.cache
+def _reference(family: str):
+    return reference(build(family), data())
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES)
+def test_family_equals_one_device(family: str, layout: str) -> None:
+    mesh_axes, transforms = LAYOUTS[layout]
+    tol = {"rtol": 1e-5, "atol": 1e-8} if family in F32_NORM_GRADS else None
+    assert_equivalent(
+        build(family),
+        transforms,
+        mesh_axes,
+        data(),
+        _reference(family),
+        dtype=torch.float64,
+        tol=tol,
+        method="fork" if "pp" in mesh_axes else "thread",
+    )
+
+
+@pytest.mark.parametrize("family", WHOLE_BLOCKS_ON_TP)
+def test_sequence_parallelism_over_whole_blocks_is_refused(family: str) -> None:
+    """Under sequence parallelism a block kept whole on tp would attend over S / tp positions."""
+    make = build(family)
+
+    def rank():
+        model = make()
+        step = d9d.tensor_parallel(d9d.make_mesh("cpu", tp=2))(lambda p, s, b: (p, s, {}))
+        step.place(model.params, (), model=model)
+
+    with pytest.raises(
+        RankFailedError, match=r"PlanError: module '.*' holds '.*' whole on 'tp' and no sharded"
+    ):
+        run_on_ranks(rank, 2)
+
+
+def _cp_forward(make: Callable[[], d9d.Model]) -> None:
+    model = make()
+    step = d9d.context_parallel(d9d.make_mesh("cpu", cp=2))(
+        lambda p, s, b: (p, s, {"logits": model.apply(p, b["tokens"]).logits})
+    )
+    params, state = step.place(model.params, (), model=model)
+    step(params, state, data(1)[0])
+
+
+def test_gemma2_soft_capped_attention_is_refused_under_cp() -> None:
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: Gemma2Attention soft-caps its attention scores \(softcap=50.0\)",
+    ):
+        run_on_ranks(_cp_forward, 2, build("gemma2"))
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_under_cp() -> None:
+    """Mistral's default window (4096) spans the test sequences; one of 4 does not."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: the model attends over a sliding window of 4 positions, shorter "
+        r"than the sequence \(8\)",
+    ):
+        run_on_ranks(_cp_forward, 2, build("mistral", sliding_window=4))
