@@ -12,6 +12,7 @@ from d9d.moe import MoE as MoELayer
 
 from ..llama._decoder import MLP, Attention, Decoder
 from ..llama._decoder import Block as DenseBlock
+from ..llama._model import Llama
 from ._config import MoEConfig
 
 __all__ = ["MoE", "MoEModelOutput"]
@@ -83,16 +84,8 @@ class MoE(Decoder):
         (torch.Size([2, 8, 256]), ['layers.1.mlp'])
     """
 
-    logical_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
-        r"^embed\.weight$": ("vocab", "embed"),
-        r"\.attn\.wq\.weight$": ("heads", "embed"),
-        r"\.attn\.w[kv]\.weight$": ("kv_heads", "embed"),
-        r"\.attn\.wo\.weight$": ("embed", "heads"),
+    logical_axes: ClassVar[dict[str, tuple[str | None, ...]]] = Llama.logical_axes | {
         r"\.attn\.[qk]_norm\.weight$": ("head_dim",),
-        r"\.mlp\.w_(gate|up)\.weight$": ("mlp", "embed"),
-        r"\.mlp\.w_down\.weight$": ("embed", "mlp"),
-        r"(^|\.)(attn_norm|mlp_norm|norm)\.weight$": ("embed",),
-        r"^head\.weight$": ("vocab", "embed"),
     }
 
     # The routed experts' w_down is a bare param (no .weight); the router bias starts at 0.
