@@ -19,7 +19,6 @@ _POSITIVE_INTS = (
     "max_seq_len",
 )
 _POSITIVE_FLOATS = ("rope_theta", "norm_eps", "init_std")
-_PRESETS = ("tiny", "small", "1b", "8b")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,20 +141,13 @@ class LlamaConfig:
             >>> LlamaConfig.preset("8b").num_params
             8030261248
         """
-        match name:
-            case "tiny":
-                return cls.tiny(**overrides)
-            case "small":
-                return cls.small(**overrides)
-            case "1b":
-                return cls.llama_1b(**overrides)
-            case "8b":
-                return cls.llama_8b(**overrides)
-            case _:
-                raise ConfigError(
-                    f"Unknown Llama preset {name=}; valid presets are {_PRESETS}, or build "
-                    f"LlamaConfig(...) with explicit fields."
-                )
+        builders = {"tiny": cls.tiny, "small": cls.small, "1b": cls.llama_1b, "8b": cls.llama_8b}
+        if name not in builders:
+            raise ConfigError(
+                f"Unknown Llama preset {name=}; valid presets are {tuple(builders)}, or build "
+                "LlamaConfig(...) with explicit fields."
+            )
+        return builders[name](**overrides)
 
     @property
     def head_dim(self) -> int:

@@ -11,7 +11,6 @@ from d9d.moe import MoEConfig as LayerConfig
 __all__ = ["MoEConfig"]
 
 _POSITIVE_INTS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-_PRESETS = ("tiny", "small", "olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,19 +189,16 @@ class MoEConfig:
             >>> MoEConfig.preset("qwen3-30b-a3b").moe.n_experts
             128
         """
-        match name:
-            case "tiny":
-                return cls.tiny(**overrides)
-            case "small":
-                return cls.small(**overrides)
-            case "olmoe-1b-7b":
-                return cls.olmoe_1b_7b(**overrides)
-            case "qwen3-30b-a3b":
-                return cls.qwen3_30b_a3b(**overrides)
-            case "deepseek-v3":
-                return cls.deepseek_v3(**overrides)
-            case _:
-                raise ConfigError(
-                    f"Unknown MoE preset {name=}; valid presets are {_PRESETS}, or build "
-                    "MoEConfig(...) with explicit fields."
-                )
+        builders = {
+            "tiny": cls.tiny,
+            "small": cls.small,
+            "olmoe-1b-7b": cls.olmoe_1b_7b,
+            "qwen3-30b-a3b": cls.qwen3_30b_a3b,
+            "deepseek-v3": cls.deepseek_v3,
+        }
+        if name not in builders:
+            raise ConfigError(
+                f"Unknown MoE preset {name=}; valid presets are {tuple(builders)}, or build "
+                "MoEConfig(...) with explicit fields."
+            )
+        return builders[name](**overrides)

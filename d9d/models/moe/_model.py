@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -12,8 +10,9 @@ from torch import nn
 
 from d9d.moe import MoE as MoELayer
 
-from ..llama._model import RMSNorm, _param_seed
-from ..llama._ops import attention, rope, rope_cos_sin, rope_inv_freq, swiglu
+from ..llama._decoder import MLP, Attention, Decoder
+from ..llama._decoder import Block as DenseBlock
+from ..llama._model import Llama
 from ._config import MoEConfig
 
 __all__ = ["MoE", "MoEModelOutput"]
@@ -29,61 +28,26 @@ class MoEModelOutput(NamedTuple):
     expert_load: dict[str, torch.Tensor]  # {"layers.{i}.mlp": [E] global choices per expert}
 
 
-class Attention(nn.Module):
-    """Causal GQA with RoPE; ``wq``, ``wk``, ``wv``, ``wo`` and, with ``qk_norm``, per-head
-    ``q_norm``/``k_norm``."""
-
-    def __init__(self, config: MoEConfig, *, device: _Device = None) -> None:
-        super().__init__()
-        self.head_dim = head_dim = config.attention_head_dim
-        q_dim, kv_dim = config.n_heads * head_dim, config.n_kv_heads * head_dim
-        self.wq = nn.Linear(config.dim, q_dim, bias=False, device=device)
-        self.wk = nn.Linear(config.dim, kv_dim, bias=False, device=device)
-        self.wv = nn.Linear(config.dim, kv_dim, bias=False, device=device)
-        self.wo = nn.Linear(q_dim, config.dim, bias=False, device=device)
-        norm = config.qk_norm
-        self.q_norm = RMSNorm(head_dim, config.norm_eps, device=device) if norm else None
-        self.k_norm = RMSNorm(head_dim, config.norm_eps, device=device) if norm else None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, cos, sin)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class MLP(nn.Module):
-    """Dense SwiGLU MLP ``w_down(silu(w_gate(x)) * w_up(x))``."""
-
-    def __init__(self, dim: int, hidden: int, *, device: _Device = None) -> None:
-        super().__init__()
-        self.w_gate = nn.Linear(dim, hidden, bias=False, device=device)
-        self.w_up = nn.Linear(dim, hidden, bias=False, device=device)
-        self.w_down = nn.Linear(hidden, dim, bias=False, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(swiglu(self.w_gate(x), self.w_up(x)))
-
-
-class Block(nn.Module):
+class Block(DenseBlock):
     """Pre-norm block; returns ``(x, aux_loss, load)``, the last two None for a dense MLP."""
 
     def __init__(self, config: MoEConfig, dense: bool, *, device: _Device = None) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps, device=device)
-        self.attn = Attention(config, device=device)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps, device=device)
-        self.dense = dense  # not isinstance(self.mlp, MLP): a runtime may intercept self.mlp
-        self.mlp: nn.Module = (
+        attn = Attention(
+            config.dim,
+            config.n_heads,
+            config.n_kv_heads,
+            config.attention_head_dim,
+            qk_norm=config.qk_norm,
+            norm_eps=config.norm_eps,
+            device=device,
+        )
+        mlp: nn.Module = (
             MLP(config.dim, config.ffn_dim, device=device)
             if dense
             else MoELayer(config.moe, device=device)
         )
+        super().__init__(config.dim, config.norm_eps, attn, mlp, device=device)
+        self.dense = dense  # not isinstance(self.mlp, MLP): a runtime may intercept self.mlp
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -95,7 +59,7 @@ class Block(nn.Module):
         return x + out.out, out.aux_loss, out.load
 
 
-class MoE(nn.Module):
+class MoE(Decoder):
     """A DeepSeek/Qwen3-style MoE decoder: ``embed``, ``layers.{i}``, ``norm``, ``head``.
 
     Block ``i`` holds ``attn_norm``, ``attn.{wq,wk,wv,wo}`` (and ``attn.{q,k}_norm``),
@@ -120,67 +84,19 @@ class MoE(nn.Module):
         (torch.Size([2, 8, 256]), ['layers.1.mlp'])
     """
 
-    logical_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
-        r"^embed\.weight$": ("vocab", "embed"),
-        r"\.attn\.wq\.weight$": ("heads", "embed"),
-        r"\.attn\.w[kv]\.weight$": ("kv_heads", "embed"),
-        r"\.attn\.wo\.weight$": ("embed", "heads"),
+    logical_axes: ClassVar[dict[str, tuple[str | None, ...]]] = Llama.logical_axes | {
         r"\.attn\.[qk]_norm\.weight$": ("head_dim",),
-        r"\.mlp\.w_(gate|up)\.weight$": ("mlp", "embed"),
-        r"\.mlp\.w_down\.weight$": ("embed", "mlp"),
-        r"(^|\.)(attn_norm|mlp_norm|norm)\.weight$": ("embed",),
-        r"^head\.weight$": ("vocab", "embed"),
     }
 
+    # The routed experts' w_down is a bare param (no .weight); the router bias starts at 0.
+    residual_suffixes = (*Decoder.residual_suffixes, ".w_down")
+    zero_suffixes = ("expert_bias",)
+
     def __init__(self, config: MoEConfig, *, device: _Device = None) -> None:
-        super().__init__()
-        self.config = config
-        target = torch.empty(0, device=device).device
-        meta = torch.device("meta")
-        self.embed = nn.Embedding(config.vocab_size, config.dim, device=meta)
-        self.layers = nn.ModuleList(
-            Block(config, i < config.n_dense_layers, device=meta) for i in range(config.n_layers)
-        )
-        self.norm = RMSNorm(config.dim, config.norm_eps, device=meta)
-        self.head = nn.Linear(config.dim, config.vocab_size, bias=False, device=meta)
-        if config.tie_embeddings:
-            self.head.weight = self.embed.weight
-        if target != meta:
-            self.to_empty(device=target)
-            self.init_weights()
+        def block(i: int, meta: torch.device) -> Block:
+            return Block(config, i < config.n_dense_layers, device=meta)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoE:
-        super()._apply(fn, recurse)
-        if self.config.tie_embeddings:  # re-tie after to_empty/.to, as Llama does
-            self.head.weight = self.embed.weight
-        return self
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Re-initialize every param in place from ``(seed, path)``: norms ones, the router
-        bias zeros, the rest normal(0, ``init_std``), output projections (``wo``, ``w_down``,
-        ``experts.w_down``) scaled by ``1 / sqrt(2 * n_layers)``.
-
-        Example:
-            >>> model = MoE(MoEConfig.tiny(), device="meta").to_empty(device="cpu")
-            >>> model.init_weights()
-            >>> bool(model.layers[1].mlp.router.expert_bias.eq(0).all())
-            True
-        """
-        seed = self.config.seed if seed is None else seed
-        residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
-        for path, param in self.named_parameters():
-            if path.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            if path.endswith("expert_bias"):
-                param.zero_()
-                continue
-            residual = path.endswith((".wo.weight", ".w_down.weight", ".w_down"))
-            std = residual_std if residual else self.config.init_std
-            generator = torch.Generator().manual_seed(_param_seed(seed, path))
-            values = torch.empty(param.shape, dtype=torch.float32)
-            param.copy_(values.normal_(0.0, std, generator=generator))
+        super().__init__(config, config.attention_head_dim, block, device=device)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None
@@ -191,20 +107,7 @@ class MoE(nn.Module):
             ValueError: ``tokens`` is not 2-d or longer than ``max_seq_len``, or
                 ``positions`` is not ``[S]``.
         """
-        if tokens.dim() != 2 or tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(
-                f"MoE expects tokens [batch, seq] with seq <= max_seq_len="
-                f"{self.config.max_seq_len}, got {tokens.shape=}."
-            )
-        seq = tokens.shape[1]
-        if positions is None:
-            positions = torch.arange(seq, device=tokens.device)
-        elif positions.shape != (seq,):
-            raise ValueError(f"positions must have shape ({seq},), got {positions.shape=}.")
-        x = self.embed(tokens)
-        head_dim = self.config.attention_head_dim
-        inv_freq = rope_inv_freq(head_dim, self.config.rope_theta, device=x.device)
-        cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+        x, cos, sin = self.embed_and_rope(tokens, positions)
         aux_loss = torch.zeros((), dtype=torch.float32, device=x.device)
         loads: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -212,4 +115,4 @@ class MoE(nn.Module):
             if load is not None:
                 aux_loss = aux_loss + aux
                 loads[f"layers.{i}.mlp"] = load
-        return MoEModelOutput(self.head(self.norm(x)), aux_loss, loads)
+        return MoEModelOutput(self.logits(x), aux_loss, loads)
