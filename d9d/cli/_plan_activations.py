@@ -51,7 +51,7 @@ def activation_bytes(config: LlamaConfig, layout: ActivationLayout) -> int:
 
     Example:
         >>> activation_bytes(LlamaConfig.small(), ActivationLayout(batch=4, seq=256)) // 2**20
-        104
+        83
     """
     t, c, a = layout.tp, layout.cp, layout.item
     d, f, heads, vocab = config.dim, config.ffn_dim, config.n_heads, config.vocab_size

@@ -9,7 +9,7 @@ import torch
 
 import d9d
 from d9d._context import running
-from d9d.cli._plan_activations import ActivationLayout, activation_bytes, in_flight
+from d9d.cli._plan_activations import ActivationLayout, activation_bytes
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import KeptBytes, run_on_ranks
 
@@ -46,7 +46,9 @@ def _kept(axes: dict[str, int], policy: str) -> int:
             for runtime in step.runtimes:
                 batch = runtime.on_batch(batch)
             with KeptBytes() as seen:
-                loss = d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+                loss = d9d.losses.cross_entropy(
+                    model.apply(params, batch["tokens"]), batch["labels"]
+                )
             kept = seen.alive(skip)
             del loss
         return kept
