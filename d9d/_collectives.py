@@ -23,6 +23,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ._context import current
 from ._plan import ParamPlan, Plan
@@ -39,6 +40,16 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTe
     full tensor every rank passes, with no communication."""
     if isinstance(tensor, DTensor):
         return tensor.redistribute(mesh, placements)
+    if tensor.is_meta:  # no values to split: torch.chunk into 1024 meta views took 3 ms a param
+        local, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+        return DTensor.from_local(
+            tensor.new_empty(local),
+            mesh,
+            placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
     return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
 
 

@@ -186,8 +186,15 @@ def _parser() -> argparse.ArgumentParser:
         help="under torchrun: seconds a collective may wait for a peer before the run stops "
         "with an error (default %(default)s)",
     )
+    _add_plan(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
     show = commands.add_parser(
-        "plan", help="print the sharding plan of a preset on a simulated mesh"
+        "plan",
+        help="print the plan, per-rank memory and collectives of a layout on simulated ranks",
     )
     show.add_argument(
         "--preset",
@@ -198,11 +205,55 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--model", choices=["llama", "moe"], default="llama", help="model family (default llama)"
     )
+    show.add_argument(
+        "--hf-config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face config.json to plan instead of a preset",
+    )
     show.add_argument("--dp", type=int, default=1, help="ranks to replicate over (default 1)")
-    show.add_argument("--fsdp", type=int, default=8, help="ranks to shard over (default 8)")
+    show.add_argument(
+        "--fsdp",
+        type=int,
+        default=None,
+        help="ranks to shard over (default: the rest of --world, or 1)",
+    )
+    show.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    show.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default 1)")
+    show.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    show.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks: not built yet, only 1"
+    )
+    show.add_argument(
+        "--world", type=int, default=None, help="ranks in all (default: the axes' product)"
+    )
+    show.add_argument(
+        "--batch", type=int, default=1, help="sequences per rank per microbatch (default 1)"
+    )
+    show.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    show.add_argument(
+        "--remat",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="activation checkpointing of every block (default none)",
+    )
+    show.add_argument(
+        "--schedule",
+        choices=SCHEDULE_NAMES,
+        default="1f1b",
+        help="pipeline schedule with --pp (default %(default)s)",
+    )
+    show.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline microbatches per step with --pp (default: 2 x pp)",
+    )
     show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
-    _add_bench(commands)
-    return parser
+    show.add_argument(
+        "--debug", action="store_true", help="on an error, show the traceback, not one line"
+    )
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -295,9 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ._plan_command import show_plan
 
             print(
-                show_plan(
-                    args.preset, model=args.model, dp=args.dp, fsdp=args.fsdp, max_rows=args.rows
-                )
+                show_plan(**{k: v for k, v in options.items() if k != "rows"}, max_rows=args.rows)
             )
             return 0
         from ._train import train

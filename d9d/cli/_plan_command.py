@@ -1,64 +1,286 @@
-"""``d9d plan``: the sharding plan and per-rank memory of a preset on a simulated mesh."""
+"""``d9d plan``: the sharding plan, per-rank memory and collectives of a layout, on a
+simulated world.
+
+The model is built on the meta device and the ranks are simulated (``fake_world``); the step
+is ``d9d train``'s, under the transforms ``d9d train`` composes for the same flags, so the
+plan printed is the one a run would use. Collectives come from running that step once on
+meta tensors (``_plan_dry_run``); activations from the formula in ``_plan_activations``.
+"""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+from typing import Any
+
 import torch
 
-from .. import optim
+from .. import losses
+from .._autodiff import value_and_grad
+from .._comms import CommStats
 from .._mesh import make_mesh
-from .._model import functionalize
-from ..models import Llama, LlamaConfig, MoE, MoEConfig
+from .._model import Model
+from ..models import LlamaConfig, MoEConfig
 from ..testing import fake_world
+from ..transforms import remat as remat_transform
 from ..transforms import shard_params
+from ._config import TrainConfig
+from ._plan_activations import ActivationLayout, activation_bytes, in_flight
+from ._plan_dry_run import count_collectives
+from ._plan_models import build_model
+from ._plan_report import human, render_comms, render_plan
 
 __all__ = ["show_plan"]
 
+_AXES = ("dp", "fsdp", "tp", "cp", "pp")
+_REMAT = ("none", "selective", "full")
+
 
 def show_plan(
-    preset: str, *, model: str = "llama", dp: int = 1, fsdp: int = 1, max_rows: int | None = 24
+    preset: str = "8b",
+    *,
+    model: str = "llama",
+    hf_config: Path | None = None,
+    dp: int = 1,
+    fsdp: int | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    world: int | None = None,
+    batch: int = 1,
+    seq: int = 4096,
+    remat: str = "none",
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    max_rows: int | None = 24,
 ) -> str:
-    """The plan table, per-rank memory (AdamW) and one explained param, as text.
-
-    The model is built on the meta device and the ranks are simulated (``fake_world``), so a
-    plan for thousands of GPUs prints in seconds on a laptop.
+    """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
 
     Args:
         preset: A ``LlamaConfig.preset`` (or, with ``model="moe"``, ``MoEConfig.preset``) name.
         model: ``"llama"`` or ``"moe"``.
-        dp: Ranks the model is replicated over.
-        fsdp: Ranks the model is sharded over.
+        hf_config: A Hugging Face ``config.json`` to plan instead of a preset.
+        dp, fsdp, tp, cp, pp: Mesh axis sizes, as ``d9d train`` takes them; ``fsdp`` None:
+            the ranks the others leave of ``world`` (1 without ``world``).
+        ep: Expert-parallel ranks: only 1 (``expert_parallel`` is not built yet).
+        world: Ranks in all; None: the product of the axes.
+        batch: Sequences per rank per microbatch.
+        seq: Tokens per sequence.
+        remat: ``"none"``, ``"selective"`` or ``"full"``: ``d9d.remat`` on every block.
+        schedule: Pipeline schedule with ``pp`` (``d9d train --schedule``).
+        microbatches: Pipeline microbatches per step with ``pp`` (default ``2 * pp``).
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
         The report.
 
+    Raises:
+        ValueError: A size is below 1, the axes do not multiply to ``world``, ``ep > 1``,
+            an unknown ``model``, ``preset`` or ``remat``, or a dim that does not split.
+
     Example:
-        >>> print(show_plan("tiny", fsdp=2, max_rows=4).splitlines()[0])  # doctest: +ELLIPSIS
-        d9d plan on mesh dp=1 x fsdp=2 (cpu)...
+        >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
+        d9d plan: llama tiny (125.25 K params) on 2 simulated ranks: fsdp=2
     """
+    sizes = _check(
+        model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
+    )
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
+    chunks = microbatches or 2 * pp if pp > 1 else 1
+    ranks = math.prod(sizes.values())
+    with fake_world(ranks):
+        functional, config, described = build_model(model, preset, hf_config)
+        step, opt = _step(functional, sizes, model, hf_config, remat, schedule, chunks)
+        params, state = step.place(functional.params, opt.init(functional.params), model=functional)
+        memory = step.memory(params, state)
+        tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
+        data = {"tokens": tokens, "labels": tokens}
+        if sizes["pp"] > 1:  # its schedule sends shapes between stages: no values here
+            comms = None
+        elif config is None or config.n_layers < _base_blocks(config) + 2:
+            comms = count_collectives(step, params, state, data)
+        else:
+            comms = _per_block(config, model, preset, sizes, remat, schedule, chunks, data)
+        plan = step.plan
+        layout = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
+        title = f"d9d plan: {described} on {ranks} simulated ranks: {layout}"
+        activations = (
+            _activations(config, plan, sizes, batch, seq, remat, schedule, chunks)
+            if isinstance(config, LlamaConfig)
+            else None
+        )
+        first_matrix = next(
+            p for p, e in plan.entries.items() if len(e.shape) == 2 and e.path in plan.held
+        )
+        explained = plan.explain(first_matrix)
+    total = memory.total + (activations or 0)
+    lines = [
+        title,
+        render_plan(plan, title="", max_rows=max_rows),
+        "memory on rank 0 (AdamW, float32):",
+        f"  params       {human(memory.params):>12}",
+        f"  grads        {human(memory.grads):>12}",
+        f"  optimizer    {human(memory.opt_state):>12}",
+        f"  activations  {human(activations) if activations is not None else 'n/a':>12}"
+        + (
+            f"  (batch {batch} x seq {seq} per microbatch, remat {remat}; docs/plan.md)"
+            if activations is not None
+            else "  (the formula covers d9d's Llama only; docs/plan.md)"
+        ),
+        f"  total        {human(total):>12}",
+        render_comms(comms)
+        if comms is not None
+        else "collectives: not counted under --pp (the pipeline schedule exchanges tensor "
+        "shapes between stages as it runs, which simulated ranks cannot)",
+        explained,
+    ]
+    return "\n".join(lines)
+
+
+def _check(model: str, remat: str, hf_config: Path | None, **axes: Any) -> dict[str, int]:
     if model not in ("llama", "moe"):
         raise ValueError(f"--model must be llama or moe, got {model!r}")
-    if dp < 1 or fsdp < 1:
-        raise ValueError(f"--dp and --fsdp must be >= 1, got dp={dp} and fsdp={fsdp}")
-    world = dp * fsdp
-    with fake_world(world), torch.device("meta"):
-        mesh = make_mesh("cpu", dp=dp, fsdp=fsdp)
-        module = (
-            Llama(LlamaConfig.preset(preset)) if model == "llama" else MoE(MoEConfig.preset(preset))
+    if remat not in _REMAT:
+        raise ValueError(f"--remat must be one of {', '.join(_REMAT)}, got {remat!r}")
+    for name, value in axes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
+    if axes["ep"] > 1:
+        raise ValueError(
+            f"--ep {axes['ep']}: expert_parallel is not built yet, so no layout shards experts "
+            "over ranks; plan MoE layouts with --dp/--fsdp/--tp (experts sharded by fsdp)"
         )
-        functional = functionalize(module)
-        opt = optim.adamw(1e-4)
-        step = shard_params(mesh, "fsdp", replicate_axis="dp")(lambda p, s, b: (p, s, {}))
-        params, state = step.place(
-            functional.params, opt.init(functional.params), axes=functional.axes
+    if model == "moe" and hf_config is None and (axes["pp"] > 1 or axes["cp"] > 1):
+        raise ValueError("--model moe runs without --pp and --cp for now; drop them")
+    others = math.prod(axes[name] for name in _AXES if name != "fsdp")
+    world, fsdp = axes["world"], axes["fsdp"]
+    if fsdp is None:
+        if world is not None and world % others:
+            raise ValueError(
+                f"--world {world} does not split into --dp x --tp x --cp x --pp = {others} "
+                "ranks times an fsdp size; choose axes whose product divides --world"
+            )
+        fsdp = world // others if world is not None else 1
+    if world is not None and others * fsdp != world:
+        product = " x ".join(f"--{n} {axes[n] if n != 'fsdp' else fsdp}" for n in _AXES)
+        raise ValueError(
+            f"{product} is {others * fsdp} ranks, not --world {world}; make their product "
+            "the world size (or leave --fsdp out to take the rest)"
         )
-        memory = step.memory(params, state)
-        first_matrix = next(
-            p for p, t in functional.params.items() if t.ndim == 2 and p.startswith("layers.")
-        )
-        lines = [
-            step.plan.table(max_rows=max_rows).rstrip(),
-            f"per rank with AdamW: {memory}",
-            step.plan.explain(first_matrix),
-        ]
-    return "\n".join(lines)
+    return {
+        name: fsdp if name == "fsdp" else axes[name] for name in ("pp", "dp", "fsdp", "cp", "tp")
+    }
+
+
+def _step(
+    model: Model,
+    sizes: dict[str, int],
+    family: str,
+    hf_config: Path | None,
+    remat: str,
+    schedule: str,
+    microbatches: int,
+) -> tuple[Any, Any]:
+    from ._train import _optimizer, _parallel, make_train_step
+
+    config = TrainConfig(model=family, schedule=schedule, microbatches=microbatches, **sizes)
+    opt = _optimizer(config)
+    if hf_config is not None:
+        fn = _logits_step(model, opt)
+    elif family == "moe":
+        from ..models.moe import make_train_step as make_moe_train_step
+
+        fn = make_moe_train_step(model, opt, grad_norm=True)
+    else:
+        fn = make_train_step(model, opt, grad_norm=True)
+    if math.prod(sizes.values()) == 1:  # d9d train runs one process untransformed
+        step = shard_params(make_mesh("cpu", dp=1), None, replicate_axis="dp")(fn)
+    else:
+        step = _parallel(config, fn)
+    if remat != "none":
+        step = remat_transform(remat, mesh=step.mesh)(step)
+    return step, opt
+
+
+def _base_blocks(config: LlamaConfig | MoEConfig) -> int:
+    """Blocks before the run of identical ones: an MoE's dense blocks, and one."""
+    return getattr(config, "n_dense_layers", 0) + 1
+
+
+def _per_block(
+    config: LlamaConfig | MoEConfig,
+    model: str,
+    preset: str,
+    sizes: dict[str, int],
+    remat: str,
+    schedule: str,
+    microbatches: int,
+    batch: dict[str, torch.Tensor],
+) -> CommStats:
+    """The collectives of the whole model from steps of ``base`` and ``base + 1`` blocks:
+    every further block is identical, so moves what the one added block moves. (Counting
+    2 blocks instead of 32 is what makes an 8B plan answer in seconds.)"""
+    base = _base_blocks(config)
+    counted = []
+    for n_layers in (base, base + 1):
+        small, _, _ = build_model(model, preset, None, n_layers=n_layers)
+        step, opt = _step(small, sizes, model, None, remat, schedule, microbatches)
+        params, state = step.place(small.params, opt.init(small.params), model=small)
+        counted.append(count_collectives(step, params, state, batch))
+    low, high = counted
+    extra = config.n_layers - base
+    stats = CommStats()
+    for key in high.count:
+        stats.count[key] = low.count[key] + extra * (high.count[key] - low.count[key])
+        stats.bytes[key] = low.bytes[key] + extra * (high.bytes[key] - low.bytes[key])
+    return stats
+
+
+def _logits_step(model: Model, opt: Any) -> Any:
+    """``d9d train``'s step for a Hugging Face model, whose ``apply`` returns ``.logits``."""
+
+    def loss_fn(params: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return losses.cross_entropy(model.apply(params, batch["tokens"]).logits, batch["labels"])
+
+    def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
+        from .. import optim
+
+        loss, grads = value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return step
+
+
+def _activations(
+    config: LlamaConfig,
+    plan: Any,
+    sizes: dict[str, int],
+    batch: int,
+    seq: int,
+    remat: str,
+    schedule: str,
+    microbatches: int,
+) -> int:
+    """Rank 0's activation bytes: its stage's blocks, microbatches in flight (1F1B's first
+    stage holds ``pp``), the embedding, and the head where rank 0 holds it."""
+    held = set(plan.held)
+    blocks = len({p.split(".")[1] for p in held if p.startswith("layers.")})
+    last = "norm.weight" in held
+    layout = ActivationLayout(
+        batch=batch,
+        seq=seq,
+        tp=sizes["tp"],
+        cp=sizes["cp"],
+        blocks=blocks,
+        first="embed.weight" in held,
+        last=last,
+        microbatches=in_flight(schedule, microbatches, sizes["pp"], 0),
+        remat=remat,
+    )
+    return activation_bytes(config, layout)

@@ -32,7 +32,9 @@ class KeptBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for leaf in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            # A wrapper subclass (an async collective's result) has no storage of its own:
+            # its wait returns the plain tensor that holds the bytes, recorded then.
+            if type(leaf) is torch.Tensor and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
                 self.outputs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
         return out
