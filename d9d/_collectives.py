@@ -2,15 +2,18 @@
 
 :func:`gather_params` is what a block runs when it starts: the params it uses, gathered from
 their stored placement to their compute placement (one all-gather for all those sharded
-alike, as FSDP2 gathers a unit). In the backward each grad, ``Partial`` on the data-parallel
-axes, is reduced back to the stored placement (one reduce-scatter for those gathered
-together), unless the running step defers reductions (microbatch accumulation).
+alike, as FSDP2 gathers a unit). :func:`issue_gather` starts those all-gathers ahead of
+their use without waiting (prefetch); ``gather_params(..., issued=...)`` then waits for them
+instead of gathering. In the backward each grad, ``Partial`` on the data-parallel axes, is
+reduced back to the stored placement (one reduce-scatter for those gathered together),
+unless the running step defers reductions (microbatch accumulation).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +31,16 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ._context import current
 from ._plan import ParamPlan, Plan
 
-__all__ = ["distribute", "gather", "gather_many", "gather_params", "local_like", "reduce_to"]
+__all__ = [
+    "IssuedGather",
+    "distribute",
+    "gather",
+    "gather_many",
+    "gather_params",
+    "issue_gather",
+    "local_like",
+    "reduce_to",
+]
 
 # The functional collective ops themselves (what DTensor issues, Dynamo traces and
 # ``d9d._comms`` counts): their Python wrappers were renamed between torch 2.11 and 2.13.
@@ -129,37 +141,96 @@ class _Gather(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def gather_params(
+@dataclass(frozen=True)
+class IssuedGather:
+    """The all-gathers :func:`gather_params` would run for ``paths``, issued and not waited for.
+
+    Attributes:
+        paths: The params they gather, in the order given to :func:`issue_gather`.
+        buffers: ``{group key: all-gather output}`` per coalesced group; each output is valid
+            only once waited for (``gather_params(..., issued=self)`` or :meth:`wait`).
+    """
+
+    paths: tuple[str, ...]
+    buffers: dict[tuple, torch.Tensor]
+
+    def wait(self) -> None:
+        """Wait for the all-gathers (to drop them unused)."""
+        for buffer in self.buffers.values():
+            _c10d.wait_tensor(buffer)
+
+
+def _grouped(
     plan: Plan, paths: list[str], params: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    """The tensors to compute with for ``paths``: each stored DTensor gathered to its compute
-    placement, with one collective per group of params gathered alike (one mesh axis, same
-    dtypes and grad layout); a plain tensor is already in its compute layout (a pipeline
-    stage's params, gathered once per step)."""
+) -> tuple[list[str], dict[tuple, list[str]]]:
+    """``(alone, groups)``: the stored DTensors of ``paths`` that cannot share a collective,
+    and ``{(axis, compute dtype, reduce dtype, grad placement): paths}`` of those gathered from
+    ``Shard`` to ``Replicate`` over one mesh axis (a group of one takes a collective alone)."""
+    alone: list[str] = []
     groups: dict[tuple, list[str]] = {}
-    out: dict[str, torch.Tensor] = {}
     for path in paths:
-        stored = params[path]
-        if not isinstance(stored, DTensor):
-            out[path] = stored
+        if not isinstance(params[path], DTensor):
             continue
         e = plan.entries[path]
         found = coalescible(e)
         if found is None:
-            out[path] = _gather_one(plan, e, stored)
+            alone.append(path)
             continue
         axis = found[0]
         key = (axis, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
         groups.setdefault(key, []).append(path)
-    for (axis, *_), members in groups.items():
+    return alone, groups
+
+
+def gather_params(
+    plan: Plan,
+    paths: list[str],
+    params: Mapping[str, Any],
+    issued: IssuedGather | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors to compute with for ``paths``: each stored DTensor gathered to its compute
+    placement, with one collective per group of params gathered alike (one mesh axis, same
+    dtypes and grad layout); a plain tensor is already in its compute layout (a pipeline
+    stage's params, gathered once per step). With ``issued`` (from :func:`issue_gather` for
+    the same ``paths`` and ``params``) the groups' all-gathers are waited for, not run."""
+    alone, groups = _grouped(plan, paths, params)
+    out = {p: params[p] for p in paths if not isinstance(params[p], DTensor)}
+    for path in alone:
+        out[path] = _gather_one(plan, plan.entries[path], params[path])
+    for key, members in groups.items():
         if len(members) == 1:
             out[members[0]] = _gather_one(plan, plan.entries[members[0]], params[members[0]])
             continue
         stored = [params[p] for p in members]
         entries = [plan.entries[p] for p in members]
-        gathered = gather_many(stored, plan.mesh, entries, axis, plan.group_names[axis])
+        buffer = None if issued is None else issued.buffers[key]
+        gathered = gather_many(
+            stored, plan.mesh, entries, key[0], plan.group_names[key[0]], issued=buffer
+        )
         out.update(zip(members, gathered, strict=True))
     return {p: out[p] for p in paths}
+
+
+def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> IssuedGather:
+    """Start the all-gathers that ``gather_params(plan, paths, params)`` coalesces, without
+    waiting for them, so they run while other work computes (prefetch). Params that take a
+    collective alone are gathered when ``gather_params`` runs. The same bytes move either way.
+
+    Every rank must issue the same gathers in the same order, as for any collective."""
+    _, groups = _grouped(plan, paths, params)
+    buffers = {}
+    with torch.no_grad():
+        for key, members in groups.items():
+            if len(members) == 1:
+                continue
+            axis = key[0]
+            stored = [params[p] for p in members]
+            entries = [plan.entries[p] for p in members]
+            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], key[1])
+            buffers[key] = _c10d.all_gather_into_tensor(
+                flat, plan.mesh.shape[axis], plan.group_names[axis]
+            )
+    return IssuedGather(tuple(paths), buffers)
 
 
 def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
@@ -203,7 +274,13 @@ def _others(placements: tuple[Placement, ...], axis: int) -> tuple[Placement, ..
 
 
 def gather_many(
-    stored: list[DTensor], mesh: DeviceMesh, entries: list[ParamPlan], axis: int, group: str
+    stored: list[DTensor],
+    mesh: DeviceMesh,
+    entries: list[ParamPlan],
+    axis: int,
+    group: str,
+    *,
+    issued: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Like :func:`gather` for several params sharded over the same mesh ``axis``, with one
     all-gather for all of them (and one reduce-scatter of their grads in the backward).
@@ -212,8 +289,10 @@ def gather_many(
     FSDP2 lay uneven shards out), flattened and concatenated; the gathered buffer is cut
     back into params. Entries must share the compute dtype, reduce dtype and grad placements.
     ``group`` is the name of the axis's process group (looked up once, outside any graph).
+    ``issued``: the all-gather of these shards, already issued (:func:`issue_gather`), to
+    wait for instead of gathering.
     """
-    return list(_GatherMany.apply(mesh, axis, group, tuple(entries), *stored))
+    return list(_GatherMany.apply(mesh, axis, group, tuple(entries), issued, *stored))
 
 
 def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
@@ -224,21 +303,48 @@ def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
     return out
 
 
+def _layouts(
+    stored: list[DTensor], entries: list[ParamPlan], axis: int, ranks: int
+) -> list[tuple[int, int, tuple[int, ...], int, tuple[int, ...]]]:
+    """Per shard: ``(sharded dim, rows per rank padded, other dims, own rows, global stride)``."""
+    layouts = []
+    for tensor, entry in zip(stored, entries, strict=True):
+        dim = entry.storage[axis].dim
+        local = tensor.to_local().shape
+        rest = (*local[:dim], *local[dim + 1 :])
+        chunk = -(-entry.shape[dim] // ranks)
+        layouts.append((dim, chunk, rest, local[dim], tensor.stride()))
+    return layouts
+
+
+def _flat_shards(
+    stored: list[DTensor], entries: list[ParamPlan], axis: int, ranks: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The all-gather input: each shard cast to ``dtype``, its sharded dim moved first and
+    padded to the largest shard's rows, flattened and concatenated."""
+    pieces = []
+    for tensor, entry in zip(stored, entries, strict=True):
+        dim = entry.storage[axis].dim
+        rows = tensor.to_local().to(dtype).movedim(dim, 0)
+        pieces.append(_padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
+    return torch.cat(pieces)
+
+
 class _GatherMany(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, mesh: DeviceMesh, axis: int, group: str, entries: tuple, *stored: DTensor
+        ctx: Any,
+        mesh: DeviceMesh,
+        axis: int,
+        group: str,
+        entries: tuple,
+        issued: torch.Tensor | None,
+        *stored: DTensor,
     ) -> Any:
         ranks = mesh.shape[axis]
         first = entries[0]
         dtype = first.compute_dtype or stored[0].dtype
-        layouts, pieces = [], []
-        for tensor, entry in zip(stored, entries, strict=True):
-            dim = entry.storage[axis].dim
-            rows = tensor.to_local().to(dtype).movedim(dim, 0)
-            chunk = -(-entry.shape[dim] // ranks)
-            layouts.append((dim, chunk, tuple(rows.shape[1:]), rows.shape[0], tensor.stride()))
-            pieces.append(_padded(rows, chunk).reshape(-1))
+        layouts = _layouts(list(stored), list(entries), axis, ranks)
         ctx.mesh, ctx.axis, ctx.group, ctx.entries, ctx.layouts = (
             mesh,
             axis,
@@ -249,9 +355,10 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.reduce_dtype = first.reduce_dtype or stored[0].dtype
         ctx.defer = _deferring()
-        gathered = _c10d.wait_tensor(
-            _c10d.all_gather_into_tensor(torch.cat(pieces), ranks, group)
-        ).view(ranks, -1)
+        if issued is None:
+            flat = _flat_shards(list(stored), list(entries), axis, ranks, dtype)
+            issued = _c10d.all_gather_into_tensor(flat, ranks, group)
+        gathered = _c10d.wait_tensor(issued).view(ranks, -1)
         outs, offset = [], 0
         for entry, (dim, chunk, rest, _, _) in zip(entries, layouts, strict=True):
             size = chunk * math.prod(rest)
@@ -271,6 +378,7 @@ class _GatherMany(torch.autograd.Function):
         mesh, axis, entries = ctx.mesh, ctx.axis, ctx.entries
         if ctx.defer:
             return (
+                None,
                 None,
                 None,
                 None,
@@ -315,4 +423,4 @@ class _GatherMany(torch.autograd.Function):
                 stride=stride,
             )
             out.append(reduce_to(grad, entry.storage).to(dtype))
-        return (None, None, None, None, *out)
+        return (None, None, None, None, None, *out)

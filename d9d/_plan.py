@@ -41,6 +41,8 @@ class ParamPlan:
             tied between the first and the last stage on two ranks), 1 without stages.
         regather: Its gathered copy is dropped after the forward and gathered again for the
             backward (``shard_params(reshard_after_forward=True)``), when it is gathered.
+        prefetch: Its all-gather may be issued while the block before it computes (in the
+            backward: the block after it), ``shard_params(prefetch=True)``.
     """
 
     path: str
@@ -56,6 +58,7 @@ class ParamPlan:
     stages: tuple[int, ...] = ()
     stage_ranks: int = 1
     regather: bool = False
+    prefetch: bool = False
 
     def with_axis(
         self, index: int, *, storage: Placement, compute: Placement, grad: Placement, reason: str

@@ -6,6 +6,14 @@ block's gathered params alive until the backward. Under a plan whose params say
 backward gathers it again (with the params gathered together with it, in one collective)
 when it needs it, as FSDP2 reshards after forward. Eager only: under ``torch.compile`` the
 compiler decides what to save.
+
+Backward prefetch: units (params gathered together) are ordered by their last use in the
+forward (the last tensor of theirs saved), which is the reverse of the order in which the
+backward needs them. When one is gathered again, the all-gather of the unit before it in
+that order is issued at once, if that unit's params say ``prefetch`` and it still has saved
+tensors to give back, so it runs while this unit's backward computes; the next regather waits
+for it. At most one is issued ahead. A unit with nothing saved (a block ``remat`` recomputes)
+stops the chain: its recomputation gathers for itself.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._collectives import gather_params
+from ._collectives import IssuedGather, gather_params, issue_gather
 from ._plan import Plan
 
 __all__ = ["Regather"]
@@ -44,6 +52,20 @@ class Regather:
         self.pending: dict[str, int] = {}
         self.cache: dict[str, torch.Tensor] = {}
         self.together: dict[str, tuple[str, ...]] = {}
+        # Units by last use in the forward (dict order), the one gather issued ahead.
+        self.order: dict[tuple[str, ...], None] = {}
+        self.issued: IssuedGather | None = None
+        self.forward = True
+
+    def close(self) -> None:
+        """End of the forward: the order of units is final (a recomputation in the backward
+        does not change it)."""
+        self.forward = False
+
+    def _used(self, unit: tuple[str, ...]) -> None:
+        if self.forward:
+            self.order.pop(unit, None)
+            self.order[unit] = None
 
     def track(self, gathered: dict[str, torch.Tensor]) -> None:
         """Remember params gathered together whose plan says ``regather``, to gather them
@@ -56,6 +78,8 @@ class Regather:
         for key, local in kept.items():
             self.gathered[local.untyped_storage().data_ptr()] = (key, weakref.ref(local))
             self.together[key] = tuple(kept)
+        if kept:
+            self._used(tuple(kept))
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, DTensor) or tensor.device.type == "meta":
@@ -65,6 +89,7 @@ class Regather:
             return tensor
         key = found[0]
         self.pending[key] = self.pending.get(key, 0) + 1
+        self._used(self.together[key])
         return _Handle(key, tensor.size(), tensor.stride(), tensor.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -74,16 +99,39 @@ class Regather:
         if full is None:
             # Gather again, in one go, every param gathered with this one that the backward
             # still needs (the embedding table, needed by nobody, is left out).
-            wanted = [
-                k
-                for k in self.together[packed.key]
-                if self.pending.get(k, 0) > 0 and k not in self.cache
-            ]
+            unit = self.together[packed.key]
+            wanted = self._wanted(unit)
             detached = {k: self.params[k].detach() for k in wanted}
             with torch.no_grad():
-                self.cache.update(gather_params(self.plan, wanted, detached))
+                self.cache.update(gather_params(self.plan, wanted, detached, self._take(wanted)))
+            self._issue_before(unit)
             full = self.cache[packed.key]
         self.pending[packed.key] -= 1
         if not self.pending[packed.key]:
             del self.cache[packed.key]
         return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _wanted(self, unit: tuple[str, ...]) -> list[str]:
+        """The params of ``unit`` that the backward still needs and that are not gathered."""
+        return [k for k in unit if self.pending.get(k, 0) > 0 and k not in self.cache]
+
+    def _take(self, wanted: list[str]) -> IssuedGather | None:
+        """The gather issued ahead for ``wanted``, if it was (then no longer held here)."""
+        if self.issued is None or self.issued.paths != tuple(wanted):
+            return None
+        issued, self.issued = self.issued, None
+        return issued
+
+    def _issue_before(self, unit: tuple[str, ...]) -> None:
+        """Issue the gather of the unit the backward needs after ``unit``: the one used just
+        before it in the forward, if it prefetches and still has saved tensors."""
+        if self.issued is not None:
+            return
+        units = list(self.order)
+        at = units.index(unit) if unit in self.order else 0
+        if at == 0:
+            return
+        wanted = self._wanted(units[at - 1])
+        if wanted and all(self.plan.entries[k].prefetch for k in wanted):
+            detached = {k: self.params[k].detach() for k in wanted}
+            self.issued = issue_gather(self.plan, wanted, detached)

@@ -23,6 +23,7 @@ CORE = (
     "d9d._context",
     "d9d._collectives",
     "d9d._regather",
+    "d9d._prefetch",
     "d9d._apply",
     "d9d._model",
     "d9d._autodiff",

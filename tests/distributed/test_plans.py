@@ -14,6 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import d9d
 import d9d._apply
 import d9d._collectives
+import d9d._prefetch
 import d9d._regather
 from d9d.cli._train import make_train_step
 from d9d.errors import IndivisibleError, MeshError, PlanError
@@ -127,23 +128,33 @@ def test_uneven_dims_are_padded_and_reported() -> None:
     assert results[0][:2] == ((8 - 7) * 3 * 4, 2 * 3 * 4)
 
 
-def _peak_gathered_bytes(reshard: bool) -> tuple[int, int, int]:
-    """The most bytes of gathered params alive at once during one fsdp=2 step."""
-    gather = d9d._collectives.gather_params
+def _peak_gathered_bytes(reshard: bool, prefetch: bool = False) -> tuple[int, int, int]:
+    """The most bytes of gathered params alive at once during one fsdp=2 step, counting the
+    buffers of all-gathers issued ahead (prefetch) from when they are issued."""
+    gather, issue = d9d._collectives.gather_params, d9d._collectives.issue_gather
     watched: dict[int, tuple[list[tuple[StorageWeakRef, int]], list[int]]] = {}
 
-    def tracked(plan: Any, paths: list[str], stored: dict) -> dict[str, torch.Tensor]:
+    def watch(plan: Any, tensors: list[torch.Tensor]) -> None:
         # Autograd keeps saved tensors' storages, not their Python objects: watch storages.
-        out = gather(plan, paths, stored)
         alive, peak = watched[id(plan)]
-        alive.extend((StorageWeakRef(t.untyped_storage()), t.numel() * 4) for t in out.values())
+        alive.extend((StorageWeakRef(t.untyped_storage()), t.numel() * 4) for t in tensors)
         peak[0] = max(peak[0], sum(size for ref, size in alive if not ref.expired()))
+
+    def tracked(plan: Any, paths: list[str], stored: dict, issued: Any = None) -> dict:
+        out = gather(plan, paths, stored, issued)
+        watch(plan, list(out.values()))
         return out
+
+    def tracked_issue(plan: Any, paths: list[str], stored: dict) -> Any:
+        issued = issue(plan, paths, stored)
+        watch(plan, list(issued.buffers.values()))
+        return issued
 
     def rank() -> tuple[int, int, int]:
         mesh = d9d.make_mesh("cpu", fsdp=2)
         model, opt = _tiny(n_layers=4), _opt()
-        step = d9d.shard_params(mesh, reshard_after_forward=reshard)(make_train_step(model, opt))
+        transform = d9d.shard_params(mesh, reshard_after_forward=reshard, prefetch=prefetch)
+        step = transform(make_train_step(model, opt))
         params, state = step.place(model.params, opt.init(model.params))
         peak = [0]
         watched[id(step.plan)] = ([], peak)
@@ -155,6 +166,8 @@ def _peak_gathered_bytes(reshard: bool) -> tuple[int, int, int]:
     with (
         mock.patch.object(d9d._apply, "gather_params", tracked),
         mock.patch.object(d9d._regather, "gather_params", tracked),
+        mock.patch.object(d9d._prefetch, "issue_gather", tracked_issue),
+        mock.patch.object(d9d._regather, "issue_gather", tracked_issue),
     ):
         return run_on_ranks(rank, 2)[0]
 
@@ -165,6 +178,11 @@ def test_reshard_after_forward_keeps_only_one_block_gathered() -> None:
     held, _, _ = _peak_gathered_bytes(reshard=False)
     model_bytes = sum(p.numel() * 4 for p in _tiny(n_layers=4).params.values())
     assert held == model_bytes > root + 3 * block
+
+
+def test_prefetch_holds_at_most_the_next_block_as_well() -> None:
+    peak, block, root = _peak_gathered_bytes(reshard=True, prefetch=True)
+    assert root + block < peak <= root + 2 * block
 
 
 def test_8b_plan_on_64_simulated_ranks_without_allocating() -> None:

@@ -40,11 +40,16 @@ class ShardParams(Transform):
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     microbatches: int = 1
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(
                 f"shard_params needs microbatches >= 1, got microbatches={self.microbatches!r}"
+            )
+        if not isinstance(self.prefetch, bool):
+            raise PlanError(
+                f"shard_params needs prefetch=True or False, got prefetch={self.prefetch!r}"
             )
         if self.axis is None and self.replicate_axis is None:
             raise PlanError(
@@ -105,6 +110,7 @@ class ShardParams(Transform):
             else ""
         )
         kept = "" if self.reshard_after_forward else ", kept from the forward to the backward"
+        early = " (issued while the block before it runs)" if self.prefetch else ""
         entry = entry.with_axis(
             index,
             storage=Shard(dim),
@@ -112,10 +118,10 @@ class ShardParams(Transform):
             grad=average,
             reason=(
                 f"{self}: dim {dim} sharded over {self.axis!r}{uneven}; gathered while its "
-                f"block runs{kept}, grads reduce-scattered (mean)"
+                f"block runs{early}{kept}, grads reduce-scattered (mean)"
             ),
         )
-        return replace(entry, regather=self.reshard_after_forward)
+        return replace(entry, regather=self.reshard_after_forward, prefetch=self.prefetch)
 
 
 def _free_dim(entry: ParamPlan) -> int:
@@ -133,6 +139,7 @@ def shard_params(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     microbatches: int = 1,
+    prefetch: bool = True,
 ) -> ShardParams:
     """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3).
 
@@ -152,6 +159,11 @@ def shard_params(
     ``d9d.value_and_grad`` inside the step runs the loss on ``k`` equal slices of its batch
     arguments and reduces the summed grads once per step.
 
+    With ``prefetch`` (eager), each block's all-gather is issued while the block before it
+    computes, and in the backward while the block after it computes, so communication overlaps
+    compute as in FSDP2; the same bytes move, and at most one block beyond the running one is
+    gathered. Under :func:`d9d.jit` the compiler schedules the collectives.
+
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
         axis: The mesh axis to shard over, or None for DDP. Default ``"fsdp"``.
@@ -161,12 +173,15 @@ def shard_params(
         param_dtype: dtype blocks gather and compute in (None: the params' own).
         reduce_dtype: dtype grads are reduced in (None: the params' own).
         microbatches: Gradient-accumulation microbatches per step (>= 1).
+        prefetch: Issue the next block's all-gather before the current block computes
+            (forward and backward). Default True.
 
     Returns:
         The transform: decorate a step with it.
 
     Raises:
-        PlanError: An axis is not on the mesh, both axes are the same, or neither is given.
+        PlanError: An axis is not on the mesh, both axes are the same, or neither is given;
+            ``microbatches`` is not a positive int or ``prefetch`` not a bool.
 
     Example:
         >>> import d9d, torch
@@ -180,5 +195,12 @@ def shard_params(
         [torch.Size([2, 3]), torch.Size([2, 3])]
     """
     return ShardParams(
-        mesh, axis, replicate_axis, reshard_after_forward, param_dtype, reduce_dtype, microbatches
+        mesh,
+        axis,
+        replicate_axis,
+        reshard_after_forward,
+        param_dtype,
+        reduce_dtype,
+        microbatches,
+        prefetch,
     )
