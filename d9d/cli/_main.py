@@ -231,7 +231,11 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     show.add_argument(
         "--batch", type=int, default=1, help="sequences per rank per microbatch (default 1)"
     )
-    show.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    show.add_argument(
+        "--seq",
+        type=int,
+        help="tokens per sequence (default: the model's max_seq_len, at most 4096)",
+    )
     show.add_argument(
         "--remat",
         choices=["none", "selective", "full"],

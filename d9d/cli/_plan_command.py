@@ -49,7 +49,7 @@ def show_plan(
     ep: int = 1,
     world: int | None = None,
     batch: int = 1,
-    seq: int = 4096,
+    seq: int | None = None,
     remat: str = "none",
     schedule: str = "1f1b",
     microbatches: int | None = None,
@@ -66,7 +66,7 @@ def show_plan(
         ep: Expert-parallel ranks: only 1 (``expert_parallel`` is not built yet).
         world: Ranks in all; None: the product of the axes.
         batch: Sequences per rank per microbatch.
-        seq: Tokens per sequence.
+        seq: Tokens per sequence (None: the model's max_seq_len, at most 4096).
         remat: ``"none"``, ``"selective"`` or ``"full"``: ``d9d.remat`` on every block.
         schedule: Pipeline schedule with ``pp`` (``d9d train --schedule``).
         microbatches: Pipeline microbatches per step with ``pp`` (default ``2 * pp``).
@@ -87,12 +87,16 @@ def show_plan(
         model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
     )
     for name, value in (("batch", batch), ("seq", seq)):
+        if name == "seq" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
     chunks = microbatches or 2 * pp if pp > 1 else 1
     ranks = math.prod(sizes.values())
     with fake_world(ranks):
         functional, config, described = build_model(model, preset, hf_config)
+        if seq is None:  # the model's longest sequence, at most 4096
+            seq = min(4096, getattr(config, "max_seq_len", None) or 4096)
         step, opt = _step(functional, sizes, model, hf_config, remat, schedule, chunks)
         params, state = step.place(functional.params, opt.init(functional.params), model=functional)
         memory = step.memory(params, state)

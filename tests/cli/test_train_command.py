@@ -100,7 +100,7 @@ def test_module_entry_point_reports_bad_flags_without_traceback(tmp_path: Path) 
 def test_plan_command_prints_the_table_and_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--preset", "1b", "--dp", "2", "--fsdp", "4", "--rows", "6"]) == 0
     out = capsys.readouterr().out
-    assert "d9d plan on mesh dp=2 x fsdp=4" in out
-    assert "fsdp:S(0)" in out and "per rank with AdamW" in out and "146 params" in out
+    assert "on 8 simulated ranks: dp=2 x fsdp=4" in out
+    assert "fsdp:S(0)" in out and "memory on rank 0 (AdamW" in out and "146 params" in out
     assert main(["plan", "--fsdp", "0"]) == 2
-    assert "--dp and --fsdp must be >= 1, got dp=1 and fsdp=0" in capsys.readouterr().err
+    assert "--fsdp must be an int >= 1, got 0" in capsys.readouterr().err

@@ -52,5 +52,5 @@ def test_train_moe_resumes_with_the_losses_of_an_uninterrupted_run(tmp_path: Pat
 def test_plan_shows_a_moe_preset(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "moe", "--preset", "tiny", "--fsdp", "2", "--rows", "60"]) == 0
     out = capsys.readouterr().out
-    assert "d9d plan on mesh dp=1 x fsdp=2" in out
-    assert "router.expert_bias" in out and "per rank with AdamW" in out
+    assert "on 2 simulated ranks: fsdp=2" in out
+    assert "router.expert_bias" in out and "memory on rank 0 (AdamW" in out
