@@ -8,11 +8,12 @@ custom ops, ``scatter`` and ``gather_sum``, each the other's backward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import KernelInputError
 from ._checks import check_floating, check_same
-from ._registry import define_op, register_backend, resolve
+from ._registry import FLOAT_DTYPES, define_op, register_backend, resolve
 from ._triton_env import TRITON_DTYPES, triton_auto, triton_unavailable
 
 __all__ = ["moe_permute", "moe_unpermute"]
@@ -40,7 +41,7 @@ def permute_reference(x: Tensor, expert_ids: Tensor, num_experts: int) -> tuple[
     row_map, group_sizes = route(expert_ids, num_experts)
     flat = row_map.reshape(-1)
     choice = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.numel(), device=x.device))
-    return x[choice // row_map.shape[1]], group_sizes, row_map
+    return x.index_select(0, choice // row_map.shape[1]), group_sizes, row_map
 
 
 def unpermute_reference(permuted_out: Tensor, row_map: Tensor, weights: Tensor) -> Tensor:
@@ -48,6 +49,19 @@ def unpermute_reference(permuted_out: Tensor, row_map: Tensor, weights: Tensor) 
     wide = _wide(permuted_out.dtype)
     gathered = permuted_out[row_map].to(wide)  # [T, k, H]
     return (gathered * weights.to(wide)[..., None]).sum(1).to(permuted_out.dtype)
+
+
+def _unpermute_embedding_bag(permuted_out: Tensor, row_map: Tensor, weights: Tensor) -> Tensor:
+    """The reference's sum as one ``embedding_bag``: each token a bag of its ``top_k`` rows.
+
+    It reads each row once and writes each token once, where the reference materializes the
+    ``[T, top_k, H]`` gather; its backward is a scatter of the weighted gradient rows.
+    """
+    wide = _wide(permuted_out.dtype)
+    bags = F.embedding_bag(
+        row_map, permuted_out.to(wide), per_sample_weights=weights.to(wide), mode="sum"
+    )
+    return bags.to(permuted_out.dtype)
 
 
 @torch.library.custom_op("d9d::moe_scatter_triton", mutates_args=())
@@ -184,7 +198,8 @@ def moe_unpermute(
         permuted_out: ``[T*top_k, H']`` float tensor, the expert outputs in permuted order.
         row_map: ``[T, top_k]`` integer tensor, as returned by :func:`moe_permute`.
         weights: ``[T, top_k]`` float tensor (any float dtype), the routing weights.
-        backend: ``"triton"``, ``"reference"``, ``"auto"`` or None (see ``d9d.kernels.use``).
+        backend: ``"triton"``, ``"torch"`` (one ``embedding_bag``), ``"reference"``,
+            ``"auto"`` or None (see ``d9d.kernels.use``).
 
     Returns:
         ``[T, H']`` tensor of ``permuted_out``'s dtype.
@@ -220,6 +235,7 @@ def moe_unpermute(
 
 define_op("moe_permute", permute_reference)
 define_op("moe_unpermute", unpermute_reference)
+register_backend("moe_unpermute", "torch", _unpermute_embedding_bag, dtypes=FLOAT_DTYPES)
 for _op, _impl in (("moe_permute", _permute_triton), ("moe_unpermute", _unpermute_triton)):
     register_backend(
         _op, "triton", _impl, dtypes=TRITON_DTYPES, unavailable=triton_unavailable, auto=triton_auto

@@ -36,14 +36,24 @@ def _inputs(case: str, dtype: torch.dtype, device: str):
     return x, ids.to(device), experts, weights, permuted_grad, out_grad
 
 
+# A backend name of the tests -> (moe_permute's backend, moe_unpermute's backend):
+# "torch" is an unpermute backend only.
+PERMUTE_UNPERMUTE = {
+    "reference": ("reference", "reference"),
+    "triton": ("triton", "triton"),
+    "torch": ("reference", "torch"),
+}
+
+
 def _round_trip(backend, x, ids, experts, weights, permuted_grad, out_grad):
     """Permute forward and backward; unpermute of ``permuted_grad`` forward and backward."""
+    permute_backend, unpermute_backend = PERMUTE_UNPERMUTE[backend]
     x = x.detach().requires_grad_()
-    permuted, group_sizes, row_map = K.moe_permute(x, ids, experts, backend=backend)
+    permuted, group_sizes, row_map = K.moe_permute(x, ids, experts, backend=permute_backend)
     permuted.backward(permuted_grad)
     expert_out = permuted_grad.detach().requires_grad_()
     weights = weights.detach().requires_grad_()
-    out = K.moe_unpermute(expert_out, row_map, weights, backend=backend)
+    out = K.moe_unpermute(expert_out, row_map, weights, backend=unpermute_backend)
     out.backward(out_grad)
     return (
         permuted.detach(),
@@ -71,11 +81,12 @@ def test_routing_groups_rows_by_expert(case):
     torch.testing.assert_close(out, x * weights.double().sum(1, keepdim=True))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES)
-def test_triton_matches_reference(case, dtype, device, assert_close):
+def test_backend_matches_reference(case, dtype, backend, device, assert_close):
     inputs = _inputs(case, dtype, device)
-    got = _round_trip("triton", *inputs)
+    got = _round_trip(backend, *inputs)
     ref = _round_trip("reference", *inputs)
     for actual, expected in zip(got, ref, strict=True):
         if actual.is_floating_point():
@@ -84,13 +95,14 @@ def test_triton_matches_reference(case, dtype, device, assert_close):
             assert torch.equal(actual, expected)
 
 
-def test_non_contiguous_inputs(device, assert_close):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_non_contiguous_inputs(backend, device, assert_close):
     x, ids, experts, weights, permuted_grad, out_grad = _inputs(
         "top2-skewed", torch.float32, device
     )
     x = torch.cat([x, x], dim=1)[:, ::2]  # stride 2 along H
     weights = torch.cat([weights, weights], dim=1)[:, ::2]
-    got = _round_trip("triton", x, ids, experts, weights, permuted_grad, out_grad)
+    got = _round_trip(backend, x, ids, experts, weights, permuted_grad, out_grad)
     ref = _round_trip("reference", x, ids, experts, weights, permuted_grad, out_grad)
     for actual, expected in zip(got[3:], ref[3:], strict=True):  # grad of x, out and its grads
         assert_close(actual, expected, torch.float32)
@@ -110,15 +122,16 @@ def test_custom_op_registrations(device):
 
 def _moe(x, ids, weights, w_up, w_down, backend):
     """A dropless MoE MLP body: permute, two grouped GEMMs, unpermute."""
+    permute_backend, unpermute_backend = PERMUTE_UNPERMUTE[backend]
     gemm = "reference" if backend == "reference" else "torch"
-    permuted, group_sizes, row_map = K.moe_permute(x, ids, w_up.shape[0], backend=backend)
+    permuted, group_sizes, row_map = K.moe_permute(x, ids, w_up.shape[0], backend=permute_backend)
     hidden = torch.relu(K.grouped_gemm(permuted, w_up, group_sizes, backend=gemm))
     out = K.grouped_gemm(hidden, w_down, group_sizes, backend=backend)
-    return K.moe_unpermute(out, row_map, weights, backend=backend).square().sum()
+    return K.moe_unpermute(out, row_map, weights, backend=unpermute_backend).square().sum()
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "torch"])
 def test_moe_compiles_without_graph_breaks(backend, device):
     torch._dynamo.reset()
     counters.clear()
@@ -141,7 +154,7 @@ def test_moe_compiles_without_graph_breaks(backend, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA notion")
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "torch"])
 def test_moe_does_not_sync_the_host(backend):
     x, ids, experts, weights, _, _ = _inputs("top2-skewed", torch.bfloat16, "cuda")
     w_up = torch.randn(experts, 40, 24, device="cuda", dtype=torch.bfloat16)

@@ -1,0 +1,51 @@
+"""benchmarks/mfu.py on CPU, eager and tiny: every variant trains the same function (equal
+losses from the same weights and batches) and the report's figures follow from its times."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def mfu():
+    spec = importlib.util.spec_from_file_location("mfu", ROOT / "benchmarks" / "mfu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_transformers_baseline_trains_the_same_function(mfu, tmp_path):
+    out = tmp_path / "mfu.json"
+    argv = ["--device", "cpu", "--eager", "--preset", "tiny", "--seq", "24", "--batch", "3"]
+    argv += ["--steps", "3", "--warmup", "1", "--variants", "d9d,transformers", "--out", str(out)]
+    assert mfu.main(argv) == 0
+    report = json.loads(out.read_text())
+    d9d_row, hf_row = report["rows"]
+    assert (d9d_row["variant"], hf_row["variant"]) == ("d9d", "transformers")
+    assert d9d_row["losses"] == pytest.approx(hf_row["losses"], abs=1e-4)
+    assert len(d9d_row["losses"]) == 3
+    for row in report["rows"]:
+        tokens = 3 * 24
+        assert row["tokens_per_s"] == pytest.approx(tokens / row["step_ms_median"] * 1e3, rel=1e-2)
+        flops = report["flops_per_token"] * tokens / (row["step_ms_median"] / 1e3)
+        assert row["tflop_per_s"] == pytest.approx(flops / 1e12, abs=0.01)
+        assert row["mfu"] is None  # no peak known for a CPU
+    assert report["config"] == {"preset": "tiny", "n_layers": 2, "params": 125_248}
+
+
+def test_batch_option_is_dropped_for_the_child_processes(mfu):
+    argv = ["--preset", "1b", "--batch", "auto", "--seq", "8", "--batch=4", "--eager"]
+    assert mfu._without_batch(argv) == ["--preset", "1b", "--seq", "8", "--eager"]
+
+
+def test_peak_is_known_only_for_listed_gpus(mfu):
+    import torch
+
+    assert mfu.peak_flops(torch.device("cpu")) is None
+    assert mfu.PEAK_BF16_FLOPS["H100"] == 989e12
