@@ -1,0 +1,105 @@
+"""What ``d9d train`` records for watching a run: TensorBoard, W&B, plain progress lines off a
+terminal, held-out evaluation and a profiler trace."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from d9d.cli import main
+
+
+def _args(out: Path, *extra: str, steps: int = 4) -> list[str]:
+    return ["train", "--steps", str(steps), "--batch-size", "2", "--seq-len", "16",
+            "--out", str(out), *extra]  # fmt: skip
+
+
+def _records(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_holds_the_logged_losses(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main(_args(tmp_path / "run", "--log-every", "2")) == 0
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    logged = _records(tmp_path / "run")
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in logged
+    ]
+    assert {"lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_rss_gib"} <= set(
+        events.Tags()["scalars"]
+    )
+
+
+def test_eval_holds_out_the_end_of_the_tokens(tmp_path: Path) -> None:
+    tokens = (np.arange(4000) * 7919 % 251).astype(np.uint16)
+    tokens.tofile(tmp_path / "all.bin")
+    flags = ("--log-every", "4", "--no-tensorboard")
+    evaluate = ("--eval-every", "2", "--eval-fraction", "0.1", "--eval-batches", "2")
+    assert (
+        main(_args(tmp_path / "eval", "--data", str(tmp_path / "all.bin"), *flags, *evaluate)) == 0
+    )
+    records = _records(tmp_path / "eval")
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        assert record["eval_loss"] > 0
+        assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]))
+    assert not (tmp_path / "eval" / "tensorboard").exists()
+    # Training saw the first 90% only: the same run on those tokens alone, no eval, matches.
+    tokens[:3600].tofile(tmp_path / "train.bin")
+    assert main(_args(tmp_path / "plain", "--data", str(tmp_path / "train.bin"), *flags)) == 0
+    (plain,) = _records(tmp_path / "plain")
+    assert (plain["step"], plain["loss"]) == (4, records[-1]["loss"])
+
+
+def test_moe_logs_aux_loss_balance_and_eval(tmp_path: Path) -> None:
+    extra = ("--model", "moe", "--eval-every", "2", "--no-tensorboard", "--log-every", "2")
+    assert main(_args(tmp_path / "run", *extra, steps=2)) == 0
+    (record,) = _records(tmp_path / "run")
+    assert record["load_balance"] >= 1.0 and record["aux_loss"] > 0
+    assert math.isfinite(record["eval_loss"])
+
+
+def test_profile_writes_a_chrome_trace(tmp_path: Path) -> None:
+    assert (
+        main(
+            _args(
+                tmp_path / "run", "--profile", "--profile-steps", "2", "--no-tensorboard", steps=3
+            )
+        )
+        == 0
+    )
+    trace = json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::mm" in names or "aten::addmm" in names
+
+
+def test_progress_lines_reach_a_file_while_the_run_goes(tmp_path: Path) -> None:
+    log = tmp_path / "log.txt"
+    command = [sys.executable, "-m", "d9d", *_args(tmp_path / "run", "--no-tensorboard", steps=500)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        lines: list[str] = []
+        while child.poll() is None and time.monotonic() < deadline and len(lines) < 2:
+            lines = [line for line in log.read_text().splitlines() if line.startswith("step ")]
+            time.sleep(0.2)
+        assert child.poll() is None, f"the run ended first:\n{log.read_text()[-2000:]}"
+    finally:
+        child.kill()
+        child.wait()
+    assert lines[0].startswith("step 1/500 loss ")
+    assert " lr " in lines[0] and " tokens/s " in lines[0] and " step_time " in lines[0]
