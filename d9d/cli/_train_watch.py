@@ -1,11 +1,13 @@
 """Where ``d9d train`` shows a run while it goes, besides ``metrics.jsonl``: TensorBoard
 event files (by default, when the ``tensorboard`` package is installed) and Weights & Biases
-(``--wandb``). Only rank 0 writes. Both packages are imported here, when a run starts, never by
+(``--wandb``; the ``WANDB_*`` variables apply: ``WANDB_MODE=offline`` keeps the run on disk,
+in ``WANDB_DIR``, default the run's folder). Only rank 0 writes. Both packages are imported here, when a run starts, never by
 ``import d9d`` or ``d9d --help``."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -41,7 +43,7 @@ class Dashboards:
 
             self._wandb = wandb.init(
                 project=config.wandb_project,
-                dir=str(config.out),
+                dir=os.environ.get("WANDB_DIR", str(config.out)),
                 config=config_json,
                 name=config.out.name,
             )

@@ -42,6 +42,21 @@ def test_tensorboard_holds_the_logged_losses(tmp_path: Path) -> None:
     )
 
 
+def test_wandb_offline_run_holds_the_logged_losses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb").mkdir()
+    assert main(_args(tmp_path / "run", "--wandb", "--no-tensorboard", steps=2)) == 0
+    (history,) = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    logged = history.read_bytes()  # protobuf records holding each value as JSON text
+    for record in _records(tmp_path / "run"):
+        assert json.dumps(record["loss"]).encode() in logged
+
+
 def test_eval_holds_out_the_end_of_the_tokens(tmp_path: Path) -> None:
     tokens = (np.arange(4000) * 7919 % 251).astype(np.uint16)
     tokens.tofile(tmp_path / "all.bin")
@@ -103,3 +118,26 @@ def test_progress_lines_reach_a_file_while_the_run_goes(tmp_path: Path) -> None:
         child.wait()
     assert lines[0].startswith("step 1/500 loss ")
     assert " lr " in lines[0] and " tokens/s " in lines[0] and " step_time " in lines[0]
+
+
+@pytest.mark.distributed
+def test_eval_under_torchrun_fsdp_equals_one_process(tmp_path: Path) -> None:
+    flags = ("--eval-every", "2", "--log-every", "2", "--no-tensorboard")
+    assert main(_args(tmp_path / "one", *flags)) == 0
+    two = tmp_path / "two"
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    command = [*launch, "-m", "d9d", *_args(two, *flags, "--fsdp", "2")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    one_records, two_records = _records(tmp_path / "one"), _records(two)
+    assert [r["step"] for r in two_records] == [2, 4]
+    for a, b in zip(one_records, two_records, strict=True):
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
