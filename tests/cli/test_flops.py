@@ -50,3 +50,25 @@ def test_cpu_speed_has_no_mfu() -> None:
         tokens_per_step=64, flops_per_token=10, device=torch.device("cpu"), devices=1
     )
     assert speed.measure(steps=4, seconds=2.0) == {"tokens_per_s": 128.0, "step_time_s": 0.5}
+
+
+def test_gpu_speed_has_mfu_on_a_known_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    speed = SpeedMeter(
+        tokens_per_step=1000, flops_per_token=989, device=torch.device("cuda"), devices=1
+    )
+    assert speed.measure(steps=1, seconds=1e-9)["mfu"] == pytest.approx(1.0)
+
+
+def test_gpu_of_unknown_peak_has_no_mfu_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla T4")
+    speed = SpeedMeter(
+        tokens_per_step=1000, flops_per_token=10, device=torch.device("cuda"), devices=1
+    )
+    assert "mfu" not in speed.measure(steps=1, seconds=1.0)
+    assert (
+        "no MFU in the metrics: the peak FLOP/s of 'Tesla T4' is not known"
+        in capsys.readouterr().err
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,6 +77,30 @@ def test_eval_holds_out_the_end_of_the_tokens(tmp_path: Path) -> None:
     assert main(_args(tmp_path / "plain", "--data", str(tmp_path / "train.bin"), *flags)) == 0
     (plain,) = _records(tmp_path / "plain")
     assert (plain["step"], plain["loss"]) == (4, records[-1]["loss"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--eval-every", "-1"], r"--eval-every must be >= 0 and --eval-fraction in \(0, 1\)"),
+        (
+            ["--eval-every", "2", "--eval-fraction", "1"],
+            r"--eval-fraction in \(0, 1\), got 2 and 1",
+        ),
+        (["--eval-every", "2", "--pp", "2"], r"--eval-every does not run with --pp yet"),
+        (["--eval-batches", "0"], r"--eval-batches must be >= 1, got 0"),
+        (["--profile-steps", "0"], r"--profile-steps must be >= 1, got 0"),
+        (["--eval-every", "2"], r"the held-out tokens \(\d+\) are too few for one eval batch"),
+    ],
+)
+def test_bad_watch_flags_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    (tmp_path / "a.txt").write_text("hello d9d " * 200)
+    assert main(_args(tmp_path / "run", "--data", str(tmp_path / "a.txt"), *extra)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(message, err)
 
 
 def test_moe_logs_aux_loss_balance_and_eval(tmp_path: Path) -> None:
