@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +42,22 @@ def test_tensorboard_holds_the_logged_losses(tmp_path: Path) -> None:
     assert {"lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_rss_gib"} <= set(
         events.Tags()["scalars"]
     )
+
+
+def test_tensorboard_of_a_resumed_run_holds_each_step_once(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    assert main(_args(run, "--save-every", "2")) == 0
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    assert main(_args(run, "--save-every", "2", "--resume")) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in _records(run)
+    ]
+    assert [r["step"] for r in _records(run)] == [1, 2, 3, 4]
 
 
 def test_wandb_offline_run_holds_the_logged_losses(
