@@ -4,6 +4,7 @@ tensor, context and pipeline parallel over ``--tp``, ``--cp``, ``--pp``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -160,6 +161,8 @@ def _check(config: TrainConfig) -> None:
             f"--eval-every must be >= 0 and --eval-fraction in (0, 1), got {config.eval_every} "
             f"and {config.eval_fraction}"
         )
+    if config.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb needs the wandb package: pip install 'd9d[wandb]'")
     if config.eval_every and (config.pp or 1) > 1:
         raise ValueError(
             "--eval-every does not run with --pp yet (eval has no forward-only schedule); drop one"

@@ -1,8 +1,8 @@
 """Where ``d9d train`` shows a run while it goes, besides ``metrics.jsonl``: TensorBoard
 event files (by default, when the ``tensorboard`` package is installed) and Weights & Biases
 (``--wandb``; the ``WANDB_*`` variables apply: ``WANDB_MODE=offline`` keeps the run on disk,
-in ``WANDB_DIR``, default the run's folder). Only rank 0 writes. Both packages are imported here, when a run starts, never by
-``import d9d`` or ``d9d --help``."""
+in ``WANDB_DIR``, default the run's folder). Only rank 0 writes. Both packages are imported
+here, when a run starts, never by ``import d9d`` or ``d9d --help``."""
 
 from __future__ import annotations
 

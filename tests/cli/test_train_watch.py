@@ -120,6 +120,16 @@ def test_bad_watch_flags_are_one_line_errors(
     assert re.search(message, err)
 
 
+def test_wandb_without_the_package_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    assert main(_args(tmp_path / "run", "--wandb")) == 2
+    assert capsys.readouterr().err == (
+        "d9d train: error: --wandb needs the wandb package: pip install 'd9d[wandb]'\n"
+    )
+
+
 def test_moe_logs_aux_loss_balance_and_eval(tmp_path: Path) -> None:
     extra = ("--model", "moe", "--eval-every", "2", "--no-tensorboard", "--log-every", "2")
     assert main(_args(tmp_path / "run", *extra, steps=2)) == 0
