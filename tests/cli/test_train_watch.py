@@ -193,3 +193,11 @@ def test_eval_under_torchrun_fsdp_equals_one_process(tmp_path: Path) -> None:
     assert [r["step"] for r in two_records] == [2, 4]
     for a, b in zip(one_records, two_records, strict=True):
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+
+
+def test_neither_d9d_nor_its_train_module_imports_tensorboard_or_wandb() -> None:
+    probe = "import sys, d9d, d9d.cli._train\nprint(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert not {"tensorboard", "wandb", "torch.utils.tensorboard"} & set(loaded.stdout.split())
