@@ -74,6 +74,13 @@ class TransformedStep:
         """This step with one more transform."""
         return TransformedStep(self.fn, (*self.transforms, transform))
 
+    def sharing_plan(self, fn: Callable[..., Any]) -> TransformedStep:
+        """``fn`` under this step's transforms, plan and runtimes: a second step (an eval step,
+        say) over the params this step placed, with no ``place`` of its own."""
+        other = TransformedStep(fn, self.transforms)
+        other._plan, other._runtimes = self._plan, self._runtimes
+        return other
+
     @property
     def data_axes(self) -> tuple[str, ...]:
         """Mesh axes over which ranks see different batches."""

@@ -40,3 +40,11 @@ class TrainConfig:
     schedule: str = "1f1b"  # pipeline schedule, with --pp
     microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
     dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
+    tensorboard: bool = True  # event files in out/tensorboard, if tensorboard is installed
+    wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline: to out/wandb only)
+    wandb_project: str = "d9d"
+    eval_every: int = 0  # steps between held-out evaluations; 0: none (and nothing held out)
+    eval_fraction: float = 0.01  # share of the token stream held out, with eval_every
+    eval_batches: int = 4  # held-out batches per evaluation
+    profile: bool = False  # a torch.profiler trace in out/profile
+    profile_steps: int = 3  # steps traced, after one warmup step

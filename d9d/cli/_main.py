@@ -186,9 +186,62 @@ def _parser() -> argparse.ArgumentParser:
         help="under torchrun: seconds a collective may wait for a peer before the run stops "
         "with an error (default %(default)s)",
     )
+    _add_watch(run, defaults)
     _add_plan(commands)
     _add_bench(commands)
     return parser
+
+
+def _add_watch(run: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The flags of what ``d9d train`` records besides losses: dashboards, eval, profile."""
+    run.add_argument(
+        "--no-tensorboard",
+        dest="tensorboard",
+        action="store_false",
+        help="write no TensorBoard event files (default: OUT/tensorboard, when the "
+        "tensorboard package is installed)",
+    )
+    run.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also log to Weights & Biases (WANDB_MODE=offline keeps the run in OUT/wandb)",
+    )
+    run.add_argument(
+        "--wandb-project",
+        default=defaults.wandb_project,
+        help="W&B project, with --wandb (default %(default)s)",
+    )
+    run.add_argument(
+        "--eval-every",
+        type=int,
+        default=defaults.eval_every,
+        help="steps between evaluations on held-out tokens (eval_loss, eval_perplexity); "
+        "0: none, and no tokens held out (default %(default)s)",
+    )
+    run.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=defaults.eval_fraction,
+        help="share of the token stream, at its end, held out of training with --eval-every "
+        "(default %(default)s)",
+    )
+    run.add_argument(
+        "--eval-batches",
+        type=int,
+        default=defaults.eval_batches,
+        help="held-out batches of --batch-size sequences per evaluation (default %(default)s)",
+    )
+    run.add_argument(
+        "--profile",
+        action="store_true",
+        help="write a torch.profiler Chrome trace of a few steps to OUT/profile/rankR.json",
+    )
+    run.add_argument(
+        "--profile-steps",
+        type=int,
+        default=defaults.profile_steps,
+        help="steps traced with --profile, after one warmup step (default %(default)s)",
+    )
 
 
 def _add_plan(commands: argparse._SubParsersAction) -> None:

@@ -4,6 +4,7 @@ tensor, context and pipeline parallel over ``--tp``, ``--cp``, ``--pp``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -18,7 +19,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .. import checkpoint, data, losses, optim
 from .._autodiff import value_and_grad
@@ -34,9 +34,15 @@ from ..transforms import context_parallel, pipeline, shard_params, tensor_parall
 from ..transforms.pipeline import SCHEDULES
 from . import _train_resume as resume
 from ._config import TrainConfig
+from ._flops import train_flops_per_token
 from ._train_checkpoints import Checkpointer, check_finite
 from ._train_data import training_tokens
+from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
+from ._train_metrics import SpeedMeter, peak_memory
+from ._train_profile import StepProfiler
+from ._train_progress import TrainProgress
+from ._train_watch import Dashboards
 
 __all__ = ["TrainConfig", "TrainRun", "make_train_step", "train"]
 
@@ -130,7 +136,7 @@ def _loader(
 
 
 def _check(config: TrainConfig) -> None:
-    for name in ("steps", "batch_size", "seq_len", "log_every"):
+    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "profile_steps"):
         if getattr(config, name) < 1:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
@@ -150,6 +156,17 @@ def _check(config: TrainConfig) -> None:
         raise ValueError(
             "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"
         )
+    if config.eval_every < 0 or not 0 < config.eval_fraction < 1:
+        raise ValueError(
+            f"--eval-every must be >= 0 and --eval-fraction in (0, 1), got {config.eval_every} "
+            f"and {config.eval_fraction}"
+        )
+    if config.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb needs the wandb package: pip install 'd9d[wandb]'")
+    if config.eval_every and (config.pp or 1) > 1:
+        raise ValueError(
+            "--eval-every does not run with --pp yet (eval has no forward-only schedule); drop one"
+        )
     if config.save_every < 0 or (config.keep is not None and config.keep < 1):
         raise ValueError(
             f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
@@ -168,7 +185,10 @@ class TrainRun:
 
     Attributes:
         records: One record per step logged by this call: ``step``, ``loss``,
-            ``grad_norm``, ``lr``, ``tokens_per_s``, ``elapsed_s``.
+            ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``elapsed_s``, the peak
+            memory (``peak_memory_gib`` on GPU, ``peak_rss_gib`` on CPU), ``mfu`` on a GPU of
+            known peak, ``aux_loss`` and ``load_balance`` of an MoE, and ``eval_loss`` and
+            ``eval_perplexity`` at evaluated steps.
         first_step: Steps done before this call (the restored checkpoint's step, or 0).
         last_step: Steps done after it.
     """
@@ -179,7 +199,8 @@ class TrainRun:
 
 
 def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
-    """Train a Llama preset and write ``metrics.jsonl``, ``loss.png`` and ``config.json``.
+    """Train a Llama preset and write ``metrics.jsonl``, ``loss.png`` and ``config.json``
+    (and TensorBoard events, a W&B run, a profiler trace, as ``config`` asks).
 
     With ``save_every``, train-state checkpoints (params, optimizer state, data position,
     RNG) go to ``out/checkpoints`` asynchronously, each only after its step's loss and
@@ -291,6 +312,9 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
             resume.say(f"removed {str(path)!r}, left by an interrupted save")
     loader = _loader(config, training_tokens(config.data))
     model_config = _model_config(config, loader.tokens)
+    if config.eval_every:
+        train_tokens, held_out = split_held_out(loader.tokens, config.eval_fraction)
+        loader = _loader(config, train_tokens)
     device = _device()
     moe = config.model == "moe"
     model = functionalize((MoE if moe else Llama)(model_config, device=device))
@@ -303,6 +327,17 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     if isinstance(step, TransformedStep):
         params, opt_state = step.place(params, opt_state, model=model)
         loader = _loader(config, loader.tokens, *step.batch_shard())
+    evaluator = None
+    if config.eval_every:
+        evaluator = Evaluator(
+            model,
+            step,
+            held_out,
+            batches=config.eval_batches,
+            batch_size=config.batch_size,
+            seq_len=config.seq_len,
+            device=device,
+        )
     if config.jit:
         step = jit(step)
 
@@ -326,19 +361,26 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
         (config.out / "config.json").write_text(json.dumps(_config_json(config), indent=2) + "\n")
     saver = Checkpointer(config.out / "checkpoints", config.save_every, config.keep)
     log_path = config.out / "metrics.jsonl" if rank0 else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    speed = SpeedMeter(
+        config.batch_size * config.seq_len,
+        train_flops_per_token(model_config, config.seq_len),
+        device,
+        dist.get_world_size() if dist.is_initialized() else 1,
+    )
+    profile_steps = config.profile_steps if config.profile else 0
     try:
-        with MetricsLog(log_path, first_step) as log:
+        with (
+            MetricsLog(log_path, first_step) as log,
+            Dashboards(config, _config_json(config), first_step, rank0) as dashboards,
+            TrainProgress(console or Console(), config.steps, first_step, show=rank0) as progress,
+            StepProfiler(
+                config.out / "profile" / f"rank{rank}.json", first_step, profile_steps
+            ) as profiler,
+        ):
+            watch = _Watch(log, dashboards, progress, speed, evaluator, profiler)
             records = _loop(
-                config,
-                step,
-                params,
-                opt_state,
-                loader,
-                device,
-                console or Console(),
-                first_step,
-                saver,
-                log,
+                config, step, params, opt_state, loader, device, first_step, saver, watch
             )
     finally:
         saver.wait()  # even after a crash, the checkpoint in flight gets committed
@@ -348,6 +390,18 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     return TrainRun(records, first_step, max(first_step, config.steps))
 
 
+@dataclass(frozen=True)
+class _Watch:
+    """Where a logged step goes and what else runs beside the steps."""
+
+    log: MetricsLog
+    dashboards: Dashboards
+    progress: TrainProgress
+    speed: SpeedMeter
+    evaluator: Evaluator | None
+    profiler: StepProfiler
+
+
 def _loop(
     config: TrainConfig,
     step: Callable[..., Any],
@@ -355,68 +409,53 @@ def _loop(
     opt_state: Any,
     loader: data.TokenLoader,
     device: torch.device,
-    console: Console,
     first_step: int,
     saver: Checkpointer,
-    log: MetricsLog,
+    watch: _Watch,
 ) -> list[dict[str, float]]:
     records: list[dict[str, float]] = []
-    tokens_per_step = config.batch_size * config.seq_len
-    progress = Progress(
-        TextColumn("step {task.completed}/{task.total}"),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}{task.fields[moe]}"),
-        TextColumn("{task.fields[tok_s]:,.0f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=dist.is_initialized() and dist.get_rank() != 0,
-    )
     start = time.perf_counter()
-    with progress:
-        task = progress.add_task(
-            "train", total=config.steps, completed=first_step, loss=float("nan"), tok_s=0.0, moe=""
-        )
-        last, last_step = start, first_step
-        for i in range(first_step, config.steps):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
-            params, opt_state, metrics = step(params, opt_state, batch)
-            n, saving = i + 1, saver.due(i + 1)
-            logging = n % config.log_every == 0 or n == config.steps
-            if not (saving or logging or saver.held is not None):
-                progress.advance(task)
-                continue
-            try:  # every rank sees the same loss and norm, so decides the same
-                loss, grad_norm = check_finite(n, metrics, saver)
-            except FloatingPointError:
-                saver.discard()
-                raise
-            saver.vouch()
-            if logging:
-                now = time.perf_counter()
-                record = {
-                    "step": n,
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "lr": float(optim.get_state(opt_state, "learning_rate")),
-                    "tokens_per_s": tokens_per_step * (n - last_step) / (now - last),
-                    "elapsed_s": now - start,
-                }
-                moe = {k: float(metrics[k]) for k in ("aux_loss", "load_balance") if k in metrics}
-                record |= moe
-                last, last_step = now, n
-                records.append(record)
-                log.write(record)
-            if saving:
-                log.sync()  # the records up to a committed checkpoint are on disk
-                saver.save(n, params, opt_state, loader)
-            speed = {"tok_s": records[-1]["tokens_per_s"]} if logging else {}
-            if logging and "aux_loss" in records[-1]:  # MoE: aux loss, max / mean expert load
-                last_record = records[-1]
-                speed["moe"] = (
-                    f" aux {last_record['aux_loss']:.4f} load {last_record['load_balance']:.2f}"
-                )
-            progress.update(task, advance=1, loss=loss, **speed)
+    last, last_step = start, first_step
+    for i in range(first_step, config.steps):
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
+        watch.profiler.before(i)
+        params, opt_state, metrics = step(params, opt_state, batch)
+        watch.profiler.after(i)
+        n, saving = i + 1, saver.due(i + 1)
+        evaluating = watch.evaluator is not None and n % config.eval_every == 0
+        logging = n % config.log_every == 0 or n == config.steps or evaluating
+        if not (saving or logging or saver.held is not None):
+            watch.progress.advance()
+            continue
+        try:  # every rank sees the same loss and norm, so decides the same
+            loss, grad_norm = check_finite(n, metrics, saver)
+        except FloatingPointError:
+            saver.discard()
+            raise
+        saver.vouch()
+        record = None
+        if logging:
+            now = time.perf_counter()
+            record = {
+                "step": n,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": float(optim.get_state(opt_state, "learning_rate")),
+                **watch.speed.measure(n - last_step, now - last),
+                "elapsed_s": now - start,
+                **peak_memory(device),
+            }
+            record |= {k: float(metrics[k]) for k in ("aux_loss", "load_balance") if k in metrics}
+            if evaluating:
+                record |= watch.evaluator(params)
+            last, last_step = time.perf_counter(), n  # the next speed leaves the eval out
+            records.append(record)
+            watch.log.write(record)
+            watch.dashboards.write(record)
+        if saving:
+            watch.log.sync()  # the records up to a committed checkpoint are on disk
+            saver.save(n, params, opt_state, loader)
+        watch.progress.advance(loss, record)
     return records
 
 

@@ -41,6 +41,7 @@ SCHEDULE_FLAGS = (
     "seed",
     "data",
     "vocab_size",
+    "eval_fraction",
 )
 
 
@@ -58,6 +59,8 @@ def _schedule(config: dict[str, Any]) -> dict[str, Any]:
     """The schedule flags of a ``config.json`` dict, warmup as the schedule uses it."""
     values = {name: config.get(name) for name in SCHEDULE_FLAGS}
     values["model"] = values["model"] or "llama"  # runs from before --model were all llama
+    # Tokens are held out of training only while evaluating: 0.0 means none.
+    values["eval_fraction"] = values["eval_fraction"] if config.get("eval_every") else 0.0
     if isinstance(values["warmup"], int) and isinstance(values["steps"], int):
         values["warmup"] = min(values["warmup"], max(values["steps"] - 1, 0))
     return values

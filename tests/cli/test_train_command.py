@@ -34,7 +34,10 @@ def test_train_writes_metrics_plot_and_config(
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in records] == [2, 4]
-    assert set(records[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s"}
+    assert set(records[0]) == {
+        "step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "elapsed_s",
+        "peak_rss_gib",
+    }  # fmt: skip
     assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "run" / "config.json").read_text())["steps"] == 4
     assert "loss" in capsys.readouterr().out

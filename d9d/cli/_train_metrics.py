@@ -1,0 +1,57 @@
+"""The speed and memory figures of a logged step of ``d9d train``: tokens per second, seconds
+per step, peak memory and, on a device of known peak, model FLOPs utilization."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from ._flops import mfu, peak_bf16_flops
+from ._train_resume import say
+
+__all__ = ["SpeedMeter", "peak_memory"]
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """``peak_memory_gib``: the most GPU memory torch allocated on ``device``; on CPU,
+    ``peak_rss_gib``: this process's peak resident set size (all its memory, not only
+    tensors)."""
+    if device.type == "cuda":
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_bytes = peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
+    return {"peak_rss_gib": peak_bytes / 2**30}
+
+
+class SpeedMeter:
+    """Tokens per second, seconds per step and MFU since the last logged step.
+
+    Args:
+        tokens_per_step: Tokens of one global batch.
+        flops_per_token: Training FLOPs per token (``train_flops_per_token``).
+        device: The device this rank trains on; MFU only on a GPU of ``PEAK_BF16_FLOPS``.
+        devices: Devices the run trains on (the world size).
+    """
+
+    def __init__(
+        self, tokens_per_step: int, flops_per_token: int, device: torch.device, devices: int
+    ) -> None:
+        self._tokens_per_step = tokens_per_step
+        self._flops_per_token = flops_per_token
+        self._devices = devices
+        self._peak = None
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            self._peak = peak_bf16_flops(name)
+            if self._peak is None:
+                say(f"no MFU in the metrics: the peak FLOP/s of {name!r} is not known to d9d")
+
+    def measure(self, steps: int, seconds: float) -> dict[str, float]:
+        """``tokens_per_s``, ``step_time_s`` (and ``mfu``) of ``steps`` steps in ``seconds``."""
+        tokens_per_s = self._tokens_per_step * steps / seconds
+        figures = {"tokens_per_s": tokens_per_s, "step_time_s": seconds / steps}
+        if self._peak is not None:
+            figures["mfu"] = mfu(self._flops_per_token, tokens_per_s, self._peak, self._devices)
+        return figures

@@ -1,0 +1,88 @@
+"""Where ``d9d train`` shows a run while it goes, besides ``metrics.jsonl``: TensorBoard
+event files (by default, when the ``tensorboard`` package is installed) and Weights & Biases
+(``--wandb``; the ``WANDB_*`` variables apply: ``WANDB_MODE=offline`` keeps the run on disk,
+in ``WANDB_DIR``, default the run's folder). Only rank 0 writes. Both packages are imported
+here, when a run starts, never by ``import d9d`` or ``d9d --help``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ._config import TrainConfig
+from ._train_resume import say
+
+__all__ = ["Dashboards"]
+
+
+class Dashboards:
+    """The TensorBoard writer and W&B run of rank 0 (none on other ranks).
+
+    Args:
+        config: The run's options (``out``, ``tensorboard``, ``wandb``, ``wandb_project``).
+        config_json: The run's options as ``config.json`` holds them (W&B's run config).
+        first_step: Steps done before this call: a resumed run's TensorBoard events replace
+            the earlier run's from step ``first_step + 1`` on.
+        rank0: Whether this process writes.
+    """
+
+    def __init__(
+        self, config: TrainConfig, config_json: dict[str, Any], first_step: int, rank0: bool
+    ) -> None:
+        self._tensorboard = None
+        self._wandb = None
+        if not rank0:
+            return
+        if config.tensorboard:
+            self._tensorboard = _tensorboard_writer(config.out / "tensorboard", first_step)
+        if config.wandb:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=config.wandb_project,
+                dir=os.environ.get("WANDB_DIR", str(config.out)),
+                config=config_json,
+                name=config.out.name,
+            )
+
+    def write(self, record: dict[str, float]) -> None:
+        """Every value of ``record`` but ``step``, as a scalar at ``record["step"]``."""
+        step = int(record["step"])
+        scalars = {k: v for k, v in record.items() if k != "step"}
+        if self._tensorboard is not None:
+            for name, value in scalars.items():
+                self._tensorboard.add_scalar(name, value, step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def __enter__(self) -> Dashboards:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=0 if error is None else 1)
+
+
+def _tensorboard_writer(directory: Path, first_step: int) -> Any:
+    """A ``SummaryWriter`` into ``directory``, or None (said once) without ``tensorboard``."""
+    if importlib.util.find_spec("tensorboard") is None:
+        say(
+            "TensorBoard is not installed, so no event files are written: "
+            "pip install 'd9d[tensorboard]', or pass --no-tensorboard to silence this"
+        )
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    # purge_step: TensorBoard drops an earlier run's events from the resumed step on.
+    return SummaryWriter(str(directory), purge_step=first_step + 1 if first_step else None)
