@@ -20,7 +20,8 @@ while the d9d variant fits and runs every variant at the largest one.
 
 Reported per variant: median step time and its spread, tokens/s, MFU (training FLOPs
 ``LlamaConfig.flops_per_token``, ``6 * N`` plus attention, against the device's dense bf16
-peak: 989 TFLOP/s for H100 and H200 SXM, 312 for A100; none for other devices), peak memory,
+peak from ``d9d train``'s table: 989 TFLOP/s for H100 and H200 SXM, 756 for H100 PCIe, 312
+for A100; none for other devices), peak memory,
 and the losses of the timed steps. JSON out:
 
     python benchmarks/mfu.py --preset 1b --seq 4096 --batch auto --out benchmarks/results/mfu-h100.json
@@ -46,11 +47,10 @@ import torch.nn.functional as F
 
 import d9d
 from d9d.checkpoint._hf import _hf_config, llama_to_hf
+from d9d.cli._flops import peak_bf16_flops
 from d9d.cli._train import make_train_step
 from d9d.models import Llama, LlamaConfig
 
-# Dense bf16 tensor-core peak FLOP/s by a substring of the CUDA device name (SXM parts).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 VARIANTS = ("d9d", "transformers", "torchtitan")
 LR = 3e-4
 WEIGHT_DECAY = 0.1
@@ -59,11 +59,8 @@ Run = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The dense bf16 peak of ``device``, or None where the table has no entry."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+    """The dense bf16 peak of ``device`` (``d9d train``'s table), or None where it has none."""
+    return peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def model_config(args: argparse.Namespace) -> LlamaConfig:
