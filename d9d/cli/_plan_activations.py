@@ -1,14 +1,15 @@
 """The activation memory one rank keeps from the forward for the backward: an analytic
-estimate for :class:`d9d.models.Llama`, checked against measured bytes by
-tests/cli/test_plan_command.py (the formula and its terms: docs/plan.md)."""
+estimate for :class:`d9d.models.Llama` and :class:`d9d.models.MoE`, checked against measured
+bytes by tests/cli/test_plan_activations.py (the formula and its terms: docs/plan.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import LlamaConfig
+from ..models import LlamaConfig, MoEConfig
+from ..moe import MoEConfig as LayerConfig
 
-__all__ = ["ActivationLayout", "activation_bytes", "in_flight"]
+__all__ = ["ActivationLayout", "activation_bytes", "in_flight", "moe_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def activation_bytes(config: LlamaConfig, layout: ActivationLayout) -> int:
         83
     """
     t, c, a = layout.tp, layout.cp, layout.item
-    d, f, heads, vocab = config.dim, config.ffn_dim, config.n_heads, config.vocab_size
+    d, f, heads = config.dim, config.ffn_dim, config.n_heads
     k = config.n_kv_heads * config.head_dim
     tokens = layout.batch * layout.seq // c
     match layout.remat:
@@ -68,9 +69,18 @@ def activation_bytes(config: LlamaConfig, layout: ActivationLayout) -> int:
         case _:
             raise ValueError(f"--remat must be none, selective or full, got {layout.remat!r}")
     blocks = config.n_layers if layout.blocks is None else layout.blocks
-    kept = blocks * per_token * tokens * a
+    kept = blocks * per_token * tokens * a + _outside_blocks(config, layout, config.head_dim)
+    return int(kept * layout.microbatches)
+
+
+def _outside_blocks(config: LlamaConfig | MoEConfig, layout: ActivationLayout, head: int) -> float:
+    """Bytes kept outside the blocks: RoPE's tables, the embedding's output, the final norm,
+    the logits and the loss's terms."""
+    t, c, a = layout.tp, layout.cp, layout.item
+    d, vocab = config.dim, config.vocab_size
+    tokens = layout.batch * layout.seq // c
     # RoPE's cosines and sines of the rank's positions, kept by every block's rotation.
-    kept += 2 * (layout.seq // c) * config.head_dim * a
+    kept = 2 * (layout.seq // c) * head * a
     if c > 1:
         kept += 8 * (layout.seq // c)  # the rank's positions (int64)
     if layout.first:
@@ -83,6 +93,60 @@ def activation_bytes(config: LlamaConfig, layout: ActivationLayout) -> int:
             floats = 2 * d + vocab + 2
             small = 8 + 2  # labels (int64), 2 masks
         kept += tokens * (floats * a + small) + 12  # and the loss's two 0-d tensors
+    return kept
+
+
+def _moe_layer_bytes(layer: LayerConfig, item: int) -> tuple[float, float]:
+    """``(bytes per token, bytes per block)`` an MoE layer keeps, its input norm included.
+
+    Per token: the norm's input and output (``2d``) and, per chosen expert, its permuted row,
+    the down projection's output (``2d``) and the gate, up, SwiGLU and SiLU rows (``4I``), in
+    the activations' dtype; the shared experts' four rows (``4s``); in float32 or int64, the
+    router's logits (``E``), the norm's rsqrt, 7 words per choice (ids, row map, weights,
+    scores) and 6 more, ``E + 1`` for the z-loss, ``2k`` for renormalized weights and ``k``
+    for the capacity mask. Per block: the global load and its count (``8E + 4``), and
+    ``4E + 4`` for the balance loss.
+    """
+    d, experts, k, width = layer.dim, layer.n_experts, layer.top_k, layer.expert_dim
+    wide = 2 * d + k * (2 * d + 4 * width) + 4 * layer.shared_dim
+    words = 1 + experts + 7 * k + 6
+    words += (experts + 1 if layer.z_loss_coef else 0) + (2 * k if layer.norm_topk else 0)
+    words += k if layer.capacity_factor is not None else 0
+    per_block = 8 * experts + 4 + (4 * experts + 4 if layer.aux_loss_coef else 0)
+    return wide * item + 4 * words, per_block + (4 if layer.z_loss_coef else 0)
+
+
+def moe_activation_bytes(config: MoEConfig, layout: ActivationLayout) -> int | None:
+    """Bytes a forward of the :class:`d9d.models.MoE` decoder keeps for its backward on one
+    rank, or None for a layout the formula does not cover (``tp``, ``cp`` or selective remat).
+    The dense blocks are the first ones, rank 0's (the first pipeline stage holds them).
+
+    Per block and token, no remat: attention ``4d + 2q + 2kv + H + 1`` elements (``q`` and
+    ``kv`` the query and key/value widths; with ``qk_norm`` ``2q + 2kv + H + KV`` more), then
+    a dense MLP ``2d + 1 + 4f`` or an MoE layer (:func:`_moe_layer_bytes`); ``"full"`` keeps
+    each block's input ``d``. Outside the blocks as for :func:`activation_bytes`.
+
+    Example:
+        >>> moe_activation_bytes(MoEConfig.tiny(), ActivationLayout(batch=2, seq=64)) // 2**10
+        1554
+    """
+    if layout.tp > 1 or layout.cp > 1 or layout.remat not in ("none", "full"):
+        return None
+    a, d, heads = layout.item, config.dim, config.n_heads
+    q, kv = heads * config.attention_head_dim, config.n_kv_heads * config.attention_head_dim
+    tokens = layout.batch * layout.seq
+    blocks = config.n_layers if layout.blocks is None else layout.blocks
+    dense = min(config.n_dense_layers, blocks)
+    if layout.remat == "full":
+        kept = blocks * d * a * tokens
+    else:
+        attention = 4 * d + 2 * q + 2 * kv + heads + 1
+        if config.qk_norm:
+            attention += 2 * q + 2 * kv + heads + config.n_kv_heads
+        per_token, per_block = _moe_layer_bytes(config.moe, a)
+        kept = (blocks * attention + dense * (2 * d + 1 + 4 * config.ffn_dim)) * a * tokens
+        kept += (blocks - dense) * (per_token * tokens + per_block)
+    kept += _outside_blocks(config, layout, config.attention_head_dim)
     return int(kept * layout.microbatches)
 
 
