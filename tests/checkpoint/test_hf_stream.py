@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import d9d
 from d9d import checkpoint
 from d9d.errors import ConfigError, ParamShapeError, ParamTreeMismatchError
 from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.moe import MoEConfig as LayerConfig
-from d9d.testing import run_on_ranks
+from d9d.testing import peak_rss_growth, run_on_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,6 +133,29 @@ def test_moe_shards_equal_the_full_import(tmp_path: Path, layout: str, merged: b
     assert run_on_ranks(rank, 2) == [[], []]
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["per-expert", "merged"])
+def test_experts_sharded_across_their_transposed_dims(tmp_path: Path, merged: bool) -> None:
+    params = _random(d9d.functionalize(MoE(QWEN3_MOE)).params)
+    folder = checkpoint.export_hf_moe(params, QWEN3_MOE, tmp_path)
+    if merged:
+        _merged_experts(folder, QWEN3_MOE)
+    _, full = checkpoint.import_hf_moe(folder)
+    experts = {
+        f"layers.1.mlp.experts.{n}": d for n, d in (("w_gate", 1), ("w_up", 2), ("w_down", 1))
+    }
+
+    def rank() -> list[str]:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        target = {
+            path: checkpoint.Abstract(tuple(full[path].shape), torch.float32, mesh, (Shard(dim),))
+            for path, dim in experts.items()
+        }
+        _, got = checkpoint.import_hf_moe(folder, target=target)
+        return _mismatches(got, full)
+
+    assert run_on_ranks(rank, 2) == [[], []]
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_functionalized_hf_model_shards_equal_its_state_dict(
@@ -194,3 +217,35 @@ def test_read_hf_config_names_an_unknown_model_type(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match=r"model_type='gpt2'.*load_hf_weights"):
         checkpoint.read_hf_config(tmp_path)
+
+
+def _fsdp_load(folder: Path, streamed: bool) -> int:
+    """Peak RSS growth of this rank while it places the Llama at ``folder`` on ``fsdp=2``."""
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    step = d9d.shard_params(mesh, "fsdp")(lambda params, opt_state, batch: (params, opt_state))
+
+    def load() -> dict[str, DTensor]:
+        config = checkpoint.read_hf_config(folder)
+        model = d9d.functionalize(Llama(config, device="meta"))
+        if streamed:
+            target, _ = step.place(model.params, (), model=model)
+            return checkpoint.import_hf(folder, target=target)[1]
+        return step.place(checkpoint.import_hf(folder)[1], (), model=model)[0]
+
+    step.place(d9d.functionalize(Llama(LLAMA, device="meta")).params, ())  # imports, warmed
+    _, grown = peak_rss_growth(load)
+    return grown
+
+
+def test_each_rank_peak_memory_is_its_shard_not_the_model(tmp_path: Path) -> None:
+    config = LlamaConfig.tiny(vocab_size=16000, dim=1024, n_layers=4, n_heads=8, ffn_dim=2816)
+    shapes = {k: v.shape for k, v in Llama(config, device="meta").named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(shape, generator=generator) for k, shape in shapes.items()}
+    model_bytes = sum(p.numel() * 4 for p in params.values())  # 336 MB
+    checkpoint.export_hf(params, config, tmp_path)
+    del params
+    streamed = run_on_ranks(_fsdp_load, 2, tmp_path, True, method="fork")
+    full = run_on_ranks(_fsdp_load, 2, tmp_path, False, method="fork")
+    assert all(grown < 0.75 * model_bytes for grown in streamed), (streamed, model_bytes)
+    assert all(grown >= model_bytes for grown in full), (full, model_bytes)
