@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tensorstore as ts
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
@@ -16,13 +15,12 @@ from torch.distributed.tensor import DTensor, Placement
 from .. import tree as tree_lib
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from . import _format
+from ._chunk_read import check_array, read_box
 from ._layout import (
     Layout,
-    box_slices,
     brief,
     check_placements,
     dtype_from_name,
-    from_numpy,
     local_box,
 )
 
@@ -199,42 +197,26 @@ def leaf_box(want: _Want, leaf: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _read(path: Path, saved: dict[str, Any], wants: dict[str, _Want]) -> dict[str, Any]:
-    """Open every array (checking its zarr metadata) before reading any, then read."""
+    """Check every array's zarr metadata before reading any, then read each box."""
     boxes = {leaf: leaf_box(want, leaf) for leaf, want in wants.items() if want.layout is not None}
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-    opening = {
-        k: ts.open(
-            {**_format.array_spec(path, saved[k]), "fill_missing_data_reads": False},
-            open=True,
-            context=context,
-        )
-        for k, w in wants.items()
-        if w.layout is not None
-    }
-    arrays = {}
-    for leaf, future in opening.items():
+    for leaf in boxes:
         try:
-            arrays[leaf] = future.result()
-        except Exception as exc:
+            check_array(path, saved[leaf])
+        except ValueError as exc:
             raise _corrupt(path, leaf, exc) from None
-    reads = {
-        leaf: arrays[leaf][box_slices(*box)].read()
-        for leaf, box in boxes.items()
-        if math.prod(box[1])
-    }
     out: dict[str, Any] = {}
     for leaf, want in wants.items():
         if want.layout is None:
             out[leaf] = saved[leaf]["value"]
             continue
-        layout, shape = want.layout, boxes[leaf][1]
-        if leaf in reads:
+        box = boxes[leaf]
+        if math.prod(box[1]):
             try:
-                local = from_numpy(reads[leaf].result(), layout.dtype)
-            except Exception as exc:
+                local = read_box(path, saved[leaf], box, want.layout.dtype)
+            except ValueError as exc:
                 raise _corrupt(path, leaf, exc) from None
         else:
-            local = torch.empty(shape, dtype=layout.dtype)
+            local = torch.empty(box[1], dtype=want.layout.dtype)
         out[leaf] = as_leaf(local, want)
     return out
 
