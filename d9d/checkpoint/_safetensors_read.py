@@ -138,7 +138,10 @@ def _check(
 
 
 def _read_box(
-    source: Stored, files: Mapping[str, Path], box: tuple[tuple[int, ...], tuple[int, ...]], out
+    source: Stored,
+    files: Mapping[str, Path],
+    box: tuple[tuple[int, ...], tuple[int, ...]],
+    out: torch.Tensor,
 ) -> None:
     """Copy the param's ``box`` from the stored tensors into ``out`` (its local shard)."""
     from safetensors import safe_open
