@@ -106,6 +106,12 @@ def _check(
     wants: Mapping[str, Any], sources: Mapping[str, Stored], files: Mapping[str, Path]
 ) -> None:
     """Raise unless every wanted param has a source whose stored tensors exist and fit."""
+    values = sorted(path for path, want in wants.items() if want.layout is None)
+    if values:
+        raise TypeError(
+            f"Target leaves {values[:10]} are Python values; a safetensors folder holds "
+            "tensors only: give tensors, DTensors or Abstract leaves."
+        )
     unmapped = sorted(set(wants) - set(sources))
     absent = sorted({k for p in wants for k in sources.get(p, Stored(())).keys} - set(files))
     if unmapped or absent:
@@ -122,13 +128,16 @@ def _check(
         expected_count = global_shape[0] if source.stacked else 1
         needed = source.stored_shape(global_shape)
         for key in source.keys:
-            if len(shapes[key]) != len(needed) or any(
-                got < need for got, need in zip(shapes[key], needed, strict=True)
-            ):
+            got = shapes[key]
+            # A part of a merged tensor (``start``) fits in a larger one; a whole one must match.
+            fits = len(got) == len(needed) and all(
+                g >= n if source.start else g == n for g, n in zip(got, needed, strict=True)
+            )
+            if not fits:
                 raise ParamShapeError(
                     f"Param {path!r} of shape {global_shape} needs stored tensor {key!r} of "
-                    f"shape {needed}, but it has shape {shapes[key]}; the folder is not the "
-                    "model of this config."
+                    f"shape {needed}, but it has shape {got}; the folder is not the model of "
+                    "this config."
                 )
         if len(source.keys) != expected_count:
             raise ParamShapeError(

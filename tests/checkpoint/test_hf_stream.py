@@ -199,11 +199,18 @@ def test_a_missing_stored_tensor_is_named(tmp_path: Path) -> None:
         checkpoint.import_hf(folder, target=target)
 
 
-def test_a_stored_shape_that_does_not_fit_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [63, 65])
+def test_a_stored_shape_that_does_not_fit_is_named(tmp_path: Path, size: int) -> None:
     folder = checkpoint.export_hf(_random(d9d.functionalize(Llama(LLAMA)).params), LLAMA, tmp_path)
-    target = {"norm.weight": checkpoint.Abstract((65,), torch.float32)}
-    with pytest.raises(ParamShapeError, match=r"'norm.weight' of shape \(65,\) needs stored"):
+    target = {"norm.weight": checkpoint.Abstract((size,), torch.float32)}
+    with pytest.raises(ParamShapeError, match=rf"'norm.weight' of shape \({size},\) needs stored"):
         checkpoint.import_hf(folder, target=target)
+
+
+def test_a_python_value_in_the_target_is_refused(tmp_path: Path) -> None:
+    folder = checkpoint.export_hf(_random(d9d.functionalize(Llama(LLAMA)).params), LLAMA, tmp_path)
+    with pytest.raises(TypeError, match=r"Target leaves \['norm.weight'\] are Python values"):
+        checkpoint.import_hf(folder, target={"norm.weight": 1.0})
 
 
 def test_an_unknown_param_is_named(tmp_path: Path) -> None:
