@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from .. import tree as tree_lib
-from ._safetensors_read import Stored, read_placed, safetensors_files
+from ._safetensors_read import Concatenated, Source, Stored, read_placed, safetensors_files
 
 __all__ = ["load_hf_weights"]
+
+# transformers 5 holds routed experts merged (``experts.gate_up_proj [E, 2I, H]``,
+# ``experts.down_proj [E, H, I]``) but saves them per expert, as on the Hub.
+_MERGED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
+
+
+def _per_expert(param: str, shape: tuple[int, ...], stored: set[str]) -> Source | None:
+    """The per-expert stored source of a merged expert param, if the folder has one."""
+    found = _MERGED_EXPERTS.match(param)
+    if found is None or len(shape) != 3:
+        return None
+
+    def stacked(name: str) -> Stored:
+        return Stored(
+            tuple(f"{found['prefix']}.{e}.{name}.weight" for e in range(shape[0])), stacked=True
+        )
+
+    if found["name"] == "down_proj":
+        source: Source = stacked("down_proj")
+    else:
+        half = shape[1] // 2
+        source = Concatenated(1, ((half, stacked("gate_proj")), (half, stacked("up_proj"))))
+    parts = source.parts if isinstance(source, Concatenated) else ((0, source),)
+    return source if all(set(part.keys) <= stored for _, part in parts) else None
 
 
 def load_hf_weights(
@@ -22,6 +47,9 @@ def load_hf_weights(
     shard (``safe_open(...).get_slice``), one tensor at a time, so no rank holds the model.
     A param a folder stores under another name of a tied weight (``save_pretrained`` keeps
     one of ``lm_head.weight`` and ``model.embed_tokens.weight``) is read from that name.
+    Routed experts that the model holds merged (``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``, as ``transformers`` 5 does for Qwen3-MoE) and the folder
+    per expert (``experts.<e>.gate_proj.weight``...) are read expert by expert.
 
     Args:
         path: A ``save_pretrained`` folder (``model.safetensors`` or an indexed set).
@@ -56,7 +84,8 @@ def load_hf_weights(
         names.setdefault(canonical, []).append(alias)
     sources = {}
     leaves, _ = tree_lib.flatten_with_paths(target)
-    for param, _ in leaves:
-        key = next((k for k in (param, *names.get(param, ())) if k in stored), param)
-        sources[param] = Stored((key,))
+    for param, leaf in leaves:
+        key = next((k for k in (param, *names.get(param, ())) if k in stored), None)
+        experts = None if key else _per_expert(param, tuple(leaf.shape), stored)
+        sources[param] = experts or Stored((key or param,))
     return read_placed(path, target, sources)

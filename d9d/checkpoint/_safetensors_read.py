@@ -24,7 +24,7 @@ from ..errors import ParamShapeError, ParamTreeMismatchError
 from ._layout import box_slices
 from ._restore import as_leaf, leaf_box, want_of
 
-__all__ = ["Stored", "read_placed", "safetensors_files"]
+__all__ = ["Concatenated", "Source", "Stored", "read_placed", "safetensors_files"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,40 @@ class Stored:
         return tuple(o + n for o, n in zip(offset, extent, strict=True))
 
 
+@dataclass(frozen=True)
+class Concatenated:
+    """A param made of ``parts`` laid end to end along its dim ``dim`` (a fused weight stored
+    as its pieces, e.g. ``experts.gate_up_proj`` from per-expert ``gate_proj``/``up_proj``).
+
+    Attributes:
+        dim: The param's dim the parts follow each other along.
+        parts: ``(size along dim, Stored)`` of each part, in order.
+    """
+
+    dim: int
+    parts: tuple[tuple[int, Stored], ...]
+
+    def pieces(
+        self, offset: Sequence[int], shape: Sequence[int]
+    ) -> list[tuple[Stored, tuple[int, ...], tuple[int, ...], int, int]]:
+        """``(part, its box, where it starts in the box along dim, its length)`` of each part
+        the box ``(offset, shape)`` of the param overlaps."""
+        out, begin = [], 0
+        lo, hi = offset[self.dim], offset[self.dim] + shape[self.dim]
+        for size, part in self.parts:
+            first, last = max(lo, begin), min(hi, begin + size)
+            if first < last:
+                part_offset = [*offset[: self.dim], first - begin, *offset[self.dim + 1 :]]
+                part_shape = [*shape[: self.dim], last - first, *shape[self.dim + 1 :]]
+                out.append((part, tuple(part_offset), tuple(part_shape), first - lo, last - first))
+            begin += size
+        return out
+
+
+Source = Stored | Concatenated
+"""Where a param's values lie: one stored tensor (or stack of them), or parts of it."""
+
+
 def safetensors_files(path: str | os.PathLike[str]) -> dict[str, Path]:
     """``{stored key: file}`` of a folder's ``model.safetensors`` or of the files that
     ``model.safetensors.index.json`` lists (headers only are read).
@@ -102,8 +136,19 @@ def _shapes(files: Mapping[str, Path], keys: set[str]) -> dict[str, tuple[int, .
     return shapes
 
 
+def _parts(source: Source, shape: tuple[int, ...]) -> list[tuple[Stored, tuple[int, ...]]]:
+    """Each stored source of a param of global ``shape``, with the shape of what it covers."""
+    match source:
+        case Stored():
+            return [(source, shape)]
+        case Concatenated(dim=dim, parts=parts):
+            return [(part, (*shape[:dim], size, *shape[dim + 1 :])) for size, part in parts]
+        case _:
+            raise TypeError(f"A source is a Stored or a Concatenated, got {source!r}.")
+
+
 def _check(
-    wants: Mapping[str, Any], sources: Mapping[str, Stored], files: Mapping[str, Path]
+    wants: Mapping[str, Any], sources: Mapping[str, Source], files: Mapping[str, Path]
 ) -> None:
     """Raise unless every wanted param has a source whose stored tensors exist and fit."""
     values = sorted(path for path, want in wants.items() if want.layout is None)
@@ -113,37 +158,77 @@ def _check(
             "tensors only: give tensors, DTensors or Abstract leaves."
         )
     unmapped = sorted(set(wants) - set(sources))
-    absent = sorted({k for p in wants for k in sources.get(p, Stored(())).keys} - set(files))
+    parts = {p: _parts(sources[p], w.layout.shape) for p, w in wants.items() if p in sources}
+    keys = {k for found in parts.values() for part, _ in found for k in part.keys}
+    absent = sorted(keys - set(files))
     if unmapped or absent:
         raise ParamTreeMismatchError(
             f"The safetensors folder lacks weights of the target: stored tensors {absent[:10]} "
             f"are missing; target params {unmapped[:10]} have no stored source."
         )
-    shapes = _shapes(files, {k for p in wants for k in sources[p].keys})
-    for path, want in wants.items():
+    shapes = _shapes(files, keys)
+    for path, found in parts.items():
+        global_shape = wants[path].layout.shape
         source = sources[path]
-        if not source.keys:
-            continue
-        global_shape = want.layout.shape
-        expected_count = global_shape[0] if source.stacked else 1
-        needed = source.stored_shape(global_shape)
-        for key in source.keys:
-            got = shapes[key]
-            # A part of a merged tensor (``start``) fits in a larger one; a whole one must match.
-            fits = len(got) == len(needed) and all(
-                g >= n if source.start else g == n for g, n in zip(got, needed, strict=True)
-            )
-            if not fits:
-                raise ParamShapeError(
-                    f"Param {path!r} of shape {global_shape} needs stored tensor {key!r} of "
-                    f"shape {needed}, but it has shape {got}; the folder is not the model of "
-                    "this config."
-                )
-        if len(source.keys) != expected_count:
+        if (
+            isinstance(source, Concatenated)
+            and sum(n for n, _ in source.parts) != global_shape[source.dim]
+        ):
             raise ParamShapeError(
-                f"Param {path!r} of shape {global_shape} stacks {expected_count} stored "
-                f"tensors, but its source lists {len(source.keys)}."
+                f"Param {path!r} of shape {global_shape} is concatenated from parts of sizes "
+                f"{[n for n, _ in source.parts]} along dim {source.dim}, which do not add up."
             )
+        for part, covered in found:
+            _check_part(path, global_shape, part, covered, shapes)
+
+
+def _check_part(
+    path: str,
+    global_shape: tuple[int, ...],
+    part: Stored,
+    covered: tuple[int, ...],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> None:
+    if not part.keys:
+        return
+    needed = part.stored_shape(covered)
+    for key in part.keys:
+        got = shapes[key]
+        # A part of a merged tensor (``start``) fits in a larger one; a whole one must match.
+        fits = len(got) == len(needed) and all(
+            g >= n if part.start else g == n for g, n in zip(got, needed, strict=True)
+        )
+        if not fits:
+            raise ParamShapeError(
+                f"Param {path!r} of shape {global_shape} needs stored tensor {key!r} of "
+                f"shape {needed}, but it has shape {got}; the folder is not the model of "
+                "this config."
+            )
+    expected_count = covered[0] if part.stacked else 1
+    if len(part.keys) != expected_count:
+        raise ParamShapeError(
+            f"Param {path!r} of shape {global_shape} stacks {expected_count} stored "
+            f"tensors, but its source lists {len(part.keys)}."
+        )
+
+
+def _read_source(
+    source: Source,
+    files: Mapping[str, Path],
+    box: tuple[tuple[int, ...], tuple[int, ...]],
+    out: torch.Tensor,
+) -> None:
+    """Fill ``out``, the param's ``box``, from ``source``."""
+    match source:
+        case Stored(keys=()):
+            out.zero_()
+        case Stored():
+            _read_box(source, files, box, out)
+        case Concatenated(dim=dim):
+            for part, offset, shape, start, length in source.pieces(*box):
+                _read_box(part, files, (offset, shape), out.narrow(dim, start, length))
+        case _:
+            raise TypeError(f"A source is a Stored or a Concatenated, got {source!r}.")
 
 
 def _read_box(
@@ -176,14 +261,14 @@ def _read_box(
             del view, stored
 
 
-def read_placed(path: str | os.PathLike[str], target: Any, sources: Mapping[str, Stored]) -> Any:
+def read_placed(path: str | os.PathLike[str], target: Any, sources: Mapping[str, Source]) -> Any:
     """Each rank's shards of ``target``'s params, read from the safetensors folder ``path``.
 
     Args:
         path: A folder of ``model.safetensors`` or an indexed set of safetensors files.
         target: ``{param path: leaf}``, leaves as :func:`d9d.checkpoint.restore` takes them
             (meta DTensors from ``step.place`` of meta params, tensors, ``Abstract``).
-        sources: ``{param path: Stored}`` for every path of ``target``.
+        sources: ``{param path: Stored or Concatenated}`` for every path of ``target``.
 
     Returns:
         A tree of ``target``'s structure: DTensors holding this rank's shards, or tensors,
@@ -197,9 +282,7 @@ def read_placed(path: str | os.PathLike[str], target: Any, sources: Mapping[str,
     for leaf_path, want in wants.items():
         box = leaf_box(want, leaf_path)
         local = torch.empty(box[1], dtype=want.layout.dtype)
-        if not sources[leaf_path].keys:
-            local.zero_()
-        elif math.prod(box[1]):
-            _read_box(sources[leaf_path], files, box, local)
+        if math.prod(box[1]):
+            _read_source(sources[leaf_path], files, box, local)
         out[leaf_path] = as_leaf(local, want)
     return tree_lib.unflatten(spec, [out[leaf_path] for leaf_path, _ in leaves])

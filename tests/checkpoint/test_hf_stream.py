@@ -181,6 +181,37 @@ def test_functionalized_hf_model_shards_equal_its_state_dict(
     assert run_on_ranks(rank, 2) == [[], []]
 
 
+QWEN3_MOE_HF = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=5,
+    num_experts_per_tok=2, head_dim=8,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "gate|up over 3 ranks"])
+def test_merged_experts_read_from_per_expert_weights(tmp_path: Path, layout: str) -> None:
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE_HF)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config)
+    hf.save_pretrained(tmp_path)  # per expert: experts.<e>.gate_proj.weight, ...
+    full = {k: v.detach() for k, v in hf.state_dict().items()}
+    merged = "model.layers.0.mlp.experts.gate_up_proj"
+
+    def rank() -> list[str]:
+        with torch.device("meta"):
+            model = d9d.functionalize(transformers.Qwen3MoeForCausalLM(config))
+        if layout == "gate|up over 3 ranks":  # rows 0-10 | 11-21 | 22-31: 16 is gate|up
+            mesh = d9d.make_mesh("cpu", fsdp=3)
+            target = {merged: checkpoint.Abstract((5, 32, 32), torch.float32, mesh, (Shard(1),))}
+        else:
+            target, _ = _step(layout).place(model.params, (), model=model)
+        got = checkpoint.load_hf_weights(tmp_path, target, tied=model.tied)
+        return _mismatches(got, full)
+
+    world = 3 if layout == "gate|up over 3 ranks" else 2
+    assert run_on_ranks(rank, world) == [[]] * world
+
+
 def test_a_plain_target_reads_whole_tensors_in_its_dtype(tmp_path: Path) -> None:
     params = _random(d9d.functionalize(Llama(LLAMA)).params)
     folder = checkpoint.export_hf(params, LLAMA, tmp_path)
