@@ -67,6 +67,8 @@ def _read_chunk(file: Path, into: torch.Tensor) -> None:
             tail = handle.read(_CHECKSUM_BYTES + 1)
     except FileNotFoundError:
         raise ValueError(f"chunk {file.name!r} ({str(file)!r}) is missing") from None
+    except OSError as exc:
+        raise ValueError(f"chunk {str(file)!r} cannot be read: {exc}") from None
     if filled != data.nbytes or len(tail) != _CHECKSUM_BYTES:
         raise ValueError(
             f"chunk {str(file)!r} holds {filled + len(tail)} bytes, not "
