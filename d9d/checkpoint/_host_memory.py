@@ -10,6 +10,7 @@ save took 0.21 s instead of 0.044 s.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import sys
@@ -31,5 +32,6 @@ def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if sys.platform == "linux":
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: EINVAL
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(tuple(shape))
