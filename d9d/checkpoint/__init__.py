@@ -4,7 +4,8 @@ Every rank writes its own shards of one global array per leaf; a restore reads, 
 rank, exactly the slices of the target layout it needs, whatever layout wrote them.
 Train-state helpers bundle params, optimizer state, step, data position and RNG; the
 Hugging Face helpers convert the d9d Llama and MoE models to and from ``transformers``
-folders (Llama, Qwen3-MoE).
+folders (Llama, Qwen3-MoE),
+and read each rank's shards of a ``transformers`` folder without loading the whole model.
 """
 
 from ._format import all_checkpoints as all_checkpoints
@@ -16,10 +17,12 @@ from ._hf import export_hf as export_hf
 from ._hf import import_hf as import_hf
 from ._hf import llama_from_hf as llama_from_hf
 from ._hf import llama_to_hf as llama_to_hf
+from ._hf_config import read_hf_config as read_hf_config
 from ._hf_moe import export_hf_moe as export_hf_moe
 from ._hf_moe import import_hf_moe as import_hf_moe
 from ._hf_moe import moe_from_hf as moe_from_hf
 from ._hf_moe import moe_to_hf as moe_to_hf
+from ._hf_weights import load_hf_weights as load_hf_weights
 from ._restore import Abstract as Abstract
 from ._restore import restore as restore
 from ._save import SaveHandle as SaveHandle
@@ -41,9 +44,11 @@ __all__ = [
     "latest",
     "llama_from_hf",
     "llama_to_hf",
+    "load_hf_weights",
     "metadata",
     "moe_from_hf",
     "moe_to_hf",
+    "read_hf_config",
     "restore",
     "restore_train_state",
     "save",

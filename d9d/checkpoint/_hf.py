@@ -20,8 +20,17 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, ParamTreeMismatchError
 from ..models import LlamaConfig
+from ._safetensors_read import Stored, read_placed
 
-__all__ = ["LLAMA_KEYS", "export_hf", "import_hf", "llama_from_hf", "llama_to_hf"]
+__all__ = [
+    "LLAMA_KEYS",
+    "export_hf",
+    "import_hf",
+    "llama_config",
+    "llama_from_hf",
+    "llama_sources",
+    "llama_to_hf",
+]
 
 LLAMA_KEYS: tuple[tuple[str, str], ...] = (
     ("embed.weight", "model.embed_tokens.weight"),
@@ -225,7 +234,8 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
 
 
-def _llama_config(hf: dict[str, Any]) -> LlamaConfig:
+def llama_config(hf: dict[str, Any]) -> LlamaConfig:
+    """The :class:`~d9d.models.LlamaConfig` of a ``transformers`` ``config.json`` dict."""
     checks = {
         "model_type": "llama",
         "hidden_act": "silu",
@@ -247,22 +257,41 @@ def _llama_config(hf: dict[str, Any]) -> LlamaConfig:
     return config
 
 
-def import_hf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def llama_sources(config: LlamaConfig) -> dict[str, Stored]:
+    """``{d9d param path: Stored}``: where each Llama param lies in a ``transformers`` folder."""
+    pairs = []
+    for ours, theirs in LLAMA_KEYS:
+        layers = range(config.n_layers) if "{i}" in ours else [None]
+        pairs += [(ours.replace("{i}", str(i)), theirs.replace("{i}", str(i))) for i in layers]
+    return {ours: Stored((theirs,)) for ours, theirs in pairs}
+
+
+def import_hf(
+    path: str | os.PathLike[str], target: Any = None
+) -> tuple[LlamaConfig, dict[str, Any]]:
     """Read a ``transformers`` Llama folder (``config.json`` + safetensors) as d9d params.
 
     Reads ``model.safetensors``, or every file that ``model.safetensors.index.json`` lists.
+    With ``target`` (the placed params of a step, e.g. ``step.place`` of a Llama built on
+    the ``meta`` device), each rank reads only the slices of its own shards, so no rank ever
+    holds the whole model; the values equal the full import's. A tied ``lm_head.weight``
+    is then not read (nor compared with the embedding).
 
     Args:
         path: A folder written by ``save_pretrained`` (or :func:`export_hf`).
+        target: ``{d9d path: DTensor, tensor or Abstract}`` giving each param's layout and
+            dtype (stored values are cast to it); ``None`` reads every param whole.
 
     Returns:
         ``(config, params)``: the :class:`~d9d.models.LlamaConfig` and the
-        ``{path: tensor}`` params of a d9d ``Llama``, in the stored dtype.
+        ``{path: tensor}`` params of a d9d ``Llama``, in the stored dtype; with ``target``,
+        ``target``'s structure holding DTensors of this rank's shards.
 
     Raises:
         FileNotFoundError: ``config.json`` or the weights are missing.
         ConfigError: The config is not a Llama that d9d implements (e.g. RoPE scaling).
         ParamTreeMismatchError: The weights do not match the config.
+        ParamShapeError: With ``target``, a stored tensor's shape does not fit its param.
 
     Example:
         >>> import tempfile
@@ -277,7 +306,9 @@ def import_hf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torc
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = _llama_config(json.loads((path / "config.json").read_text()))
+    config = llama_config(json.loads((path / "config.json").read_text()))
+    if target is not None:
+        return config, read_placed(path, target, llama_sources(config))
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

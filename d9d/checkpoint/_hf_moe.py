@@ -22,8 +22,16 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigError, ParamTreeMismatchError
 from ..models import MoEConfig
 from ..moe import MoEConfig as LayerConfig
+from ._safetensors_read import Stored, read_placed, safetensors_files
 
-__all__ = ["export_hf_moe", "import_hf_moe", "moe_from_hf", "moe_to_hf"]
+__all__ = [
+    "export_hf_moe",
+    "import_hf_moe",
+    "moe_config",
+    "moe_from_hf",
+    "moe_sources",
+    "moe_to_hf",
+]
 
 _SHARED_KEYS = (  # (d9d template, Hugging Face template), {i}: layer
     ("embed.weight", "model.embed_tokens.weight"),
@@ -223,7 +231,8 @@ def export_hf_moe(
     return path
 
 
-def _config(hf: dict[str, Any]) -> MoEConfig:
+def moe_config(hf: dict[str, Any]) -> MoEConfig:
+    """The d9d :class:`~d9d.models.MoEConfig` of a Qwen3-MoE ``config.json`` dict."""
     if hf.get("model_type") != "qwen3_moe":
         raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}, not 'qwen3_moe'.")
     step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers", [])
@@ -262,15 +271,50 @@ def _config(hf: dict[str, Any]) -> MoEConfig:
     )
 
 
-def import_hf_moe(path: str | os.PathLike[str]) -> tuple[MoEConfig, dict[str, torch.Tensor]]:
+def moe_sources(config: MoEConfig, stored: set[str]) -> dict[str, Stored]:
+    """``{d9d param path: Stored}``: where each MoE param lies among the ``stored`` keys of a
+    Qwen3-MoE folder (per-expert Hub keys, or ``transformers``' merged experts)."""
+    sources = {ours: Stored((theirs,)) for ours, theirs in _layer_keys(config)}
+    n_experts, hidden = config.moe.n_experts, config.moe.expert_dim
+    for i in range(config.n_dense_layers, config.n_layers):
+        prefix, ours = f"model.layers.{i}.mlp.experts", f"layers.{i}.mlp.experts"
+        if f"{prefix}.gate_up_proj" in stored:
+            merged = (f"{prefix}.gate_up_proj",)
+            sources[f"{ours}.w_gate"] = Stored(merged, transposed=True, start=(0, 0, 0))
+            sources[f"{ours}.w_up"] = Stored(merged, transposed=True, start=(0, hidden, 0))
+            sources[f"{ours}.w_down"] = Stored((f"{prefix}.down_proj",), transposed=True)
+        else:
+            for name, theirs in _EXPERT_NAMES:
+                keys = tuple(f"{prefix}.{e}.{theirs}.weight" for e in range(n_experts))
+                sources[f"{ours}.{name}"] = Stored(keys, stacked=True, transposed=True)
+        sources[f"layers.{i}.mlp.router.expert_bias"] = Stored(())
+    return sources
+
+
+def import_hf_moe(
+    path: str | os.PathLike[str], target: Any = None
+) -> tuple[MoEConfig, dict[str, Any]]:
     """Read a ``transformers`` Qwen3-MoE folder as ``(config, params)`` of a d9d MoE model.
 
-    Reads ``model.safetensors`` or every file ``model.safetensors.index.json`` lists.
+    Reads ``model.safetensors`` or every file ``model.safetensors.index.json`` lists. With
+    ``target`` (placed params, e.g. ``step.place`` of a model built on the ``meta`` device),
+    each rank reads only its shards' slices (of each expert, transposed as it is read),
+    never the whole model; the values equal the full import's.
+
+    Args:
+        path: A Qwen3-MoE folder (``save_pretrained`` or :func:`export_hf_moe`).
+        target: ``{d9d path: DTensor, tensor or Abstract}`` giving each param's layout and
+            dtype; ``None`` reads every param whole.
+
+    Returns:
+        ``(config, params)``; with ``target``, params of ``target``'s structure holding
+        this rank's shards.
 
     Raises:
         FileNotFoundError: A weights file is missing.
         ConfigError: Not a Qwen3-MoE that d9d implements (RoPE scaling, sparse steps).
         ParamTreeMismatchError: The weights do not match the config.
+        ParamShapeError: With ``target``, a stored tensor's shape does not fit its param.
 
     Example:
         >>> import tempfile, d9d
@@ -285,7 +329,9 @@ def import_hf_moe(path: str | os.PathLike[str]) -> tuple[MoEConfig, dict[str, to
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = _config(json.loads((path / "config.json").read_text()))
+    config = moe_config(json.loads((path / "config.json").read_text()))
+    if target is not None:
+        return config, read_placed(path, target, moe_sources(config, set(safetensors_files(path))))
     index = path / "model.safetensors.index.json"
     files = (
         sorted(set(json.loads(index.read_text())["weight_map"].values()))

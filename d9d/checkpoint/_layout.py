@@ -30,7 +30,6 @@ __all__ = [
     "chunk_shape",
     "dtype_from_name",
     "dtype_name",
-    "from_numpy",
     "layout_of",
     "local_box",
     "to_numpy",
@@ -89,12 +88,6 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A zero-copy numpy view of a contiguous CPU tensor, bf16/fp8 as ``ml_dtypes`` types."""
     np_dtype = ts.dtype(dtype_name(tensor.dtype, "")).numpy_dtype
     return tensor.reshape(-1).view(torch.uint8).numpy().view(np_dtype).reshape(tensor.shape)
-
-
-def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor sharing ``array``'s bytes, reinterpreted as ``dtype``."""
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return torch.from_numpy(flat).view(dtype).reshape(array.shape)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tensorstore as ts
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
@@ -16,17 +15,16 @@ from torch.distributed.tensor import DTensor, Placement
 from .. import tree as tree_lib
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from . import _format
+from ._chunk_read import check_array, read_box
 from ._layout import (
     Layout,
-    box_slices,
     brief,
     check_placements,
     dtype_from_name,
-    from_numpy,
     local_box,
 )
 
-__all__ = ["Abstract", "restore"]
+__all__ = ["Abstract", "as_leaf", "leaf_box", "restore", "want_of"]
 
 _VALUES = (bool, int, float, str)
 _MAX_LISTED = 20
@@ -109,7 +107,8 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _want(path: str, leaf: Any) -> _Want:
+def want_of(path: str, leaf: Any) -> _Want:
+    """What the target leaf at ``path`` asks for."""
     match leaf:
         case DTensor():
             check_placements(path, leaf.placements, leaf.ndim)
@@ -183,7 +182,8 @@ def _corrupt(path: Path, leaf: str, exc: BaseException) -> CheckpointCorruptErro
     )
 
 
-def _box(want: _Want, leaf: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def leaf_box(want: _Want, leaf: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of the global array this rank's piece of the target leaf covers."""
     layout = want.layout
     if layout.mesh is None:
         return (0,) * len(layout.shape), layout.shape
@@ -197,54 +197,44 @@ def _box(want: _Want, leaf: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _read(path: Path, saved: dict[str, Any], wants: dict[str, _Want]) -> dict[str, Any]:
-    """Open every array (checking its zarr metadata) before reading any, then read."""
-    boxes = {leaf: _box(want, leaf) for leaf, want in wants.items() if want.layout is not None}
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-    opening = {
-        k: ts.open(
-            {**_format.array_spec(path, saved[k]), "fill_missing_data_reads": False},
-            open=True,
-            context=context,
-        )
-        for k, w in wants.items()
-        if w.layout is not None
-    }
-    arrays = {}
-    for leaf, future in opening.items():
+    """Check every array's zarr metadata before reading any, then read each box."""
+    boxes = {leaf: leaf_box(want, leaf) for leaf, want in wants.items() if want.layout is not None}
+    for leaf in boxes:
         try:
-            arrays[leaf] = future.result()
-        except Exception as exc:
+            check_array(path, saved[leaf])
+        except ValueError as exc:
             raise _corrupt(path, leaf, exc) from None
-    reads = {
-        leaf: arrays[leaf][box_slices(*box)].read()
-        for leaf, box in boxes.items()
-        if math.prod(box[1])
-    }
     out: dict[str, Any] = {}
     for leaf, want in wants.items():
         if want.layout is None:
             out[leaf] = saved[leaf]["value"]
             continue
-        layout, shape = want.layout, boxes[leaf][1]
-        if leaf in reads:
+        box = boxes[leaf]
+        if math.prod(box[1]):
             try:
-                local = from_numpy(reads[leaf].result(), layout.dtype)
-            except Exception as exc:
+                local = read_box(path, saved[leaf], box, want.layout.dtype)
+            except ValueError as exc:
                 raise _corrupt(path, leaf, exc) from None
         else:
-            local = torch.empty(shape, dtype=layout.dtype)
-        local = local.to(want.device)
-        if layout.mesh is not None:
-            local = DTensor.from_local(
-                local,
-                layout.mesh,
-                layout.placements,
-                run_check=False,
-                shape=torch.Size(layout.shape),
-                stride=torch.empty(layout.shape, device="meta").stride(),
-            )
-        out[leaf] = local
+            local = torch.empty(box[1], dtype=want.layout.dtype)
+        out[leaf] = as_leaf(local, want)
     return out
+
+
+def as_leaf(local: torch.Tensor, want: _Want) -> torch.Tensor:
+    """``local`` (this rank's piece, on the CPU) moved to the wanted device, as a DTensor of
+    the wanted layout when it has a mesh."""
+    local, layout = local.to(want.device), want.layout
+    if layout.mesh is None:
+        return local
+    return DTensor.from_local(
+        local,
+        layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=torch.Size(layout.shape),
+        stride=torch.empty(layout.shape, device="meta").stride(),
+    )
 
 
 def restore(path: str | os.PathLike[str], target: Any = None, *, partial: bool = False) -> Any:
@@ -298,7 +288,7 @@ def restore(path: str | os.PathLike[str], target: Any = None, *, partial: bool =
         }
         return _read(path, saved, wants)
     leaves, spec = tree_lib.flatten_with_paths(target)
-    wants = {leaf_path: _want(leaf_path, leaf) for leaf_path, leaf in leaves}
+    wants = {leaf_path: want_of(leaf_path, leaf) for leaf_path, leaf in leaves}
     _validate(path, saved, wants, partial)
     out = _read(path, saved, wants)
     return tree_lib.unflatten(spec, [out[leaf_path] for leaf_path, _ in leaves])

@@ -25,6 +25,7 @@ from .. import tree as tree_lib
 from ..errors import CheckpointExistsError
 from . import _format
 from ._commit import SaveHandle, Write, WriteJob
+from ._host_memory import host_empty
 from ._layout import chunk_shape, dtype_name, layout_of, local_box, writes_box
 
 __all__ = ["SaveHandle", "save"]
@@ -106,8 +107,7 @@ def _host_data(tensor: torch.Tensor, snapshot: bool) -> torch.Tensor:
     """The bytes to write: a host copy, or (a synchronous save on CPU) the tensor itself."""
     if not snapshot and tensor.device.type == "cpu":
         return tensor.detach().contiguous()
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-    return copy.copy_(tensor.detach())
+    return host_empty(tensor.shape, tensor.dtype).copy_(tensor.detach())
 
 
 def _plan(

@@ -6,6 +6,7 @@ from ._compare import assert_trees_all_close as assert_trees_all_close
 from ._compare import assert_trees_all_equal as assert_trees_all_equal
 from ._fake_world import fake_world as fake_world
 from ._kept_bytes import KeptBytes as KeptBytes
+from ._peak_rss import peak_rss_growth as peak_rss_growth
 from ._ranks import run_on_ranks as run_on_ranks
 from ._traces import assert_max_traces as assert_max_traces
 
@@ -17,5 +18,6 @@ __all__ = [
     "assert_trees_all_close",
     "assert_trees_all_equal",
     "fake_world",
+    "peak_rss_growth",
     "run_on_ranks",
 ]

@@ -80,7 +80,10 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     result = tmp_path / "result.json"
     env = {
         **os.environ,
-        "PYTHONPATH": str(Path(__file__).parents[2]),
+        # The checkout first, then what the caller's path holds.
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     command = [
         sys.executable,

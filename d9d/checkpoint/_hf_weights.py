@@ -1,0 +1,91 @@
+"""``load_hf_weights``: the shards of a functionalized ``transformers`` model, from its folder."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .. import tree as tree_lib
+from ._safetensors_read import Concatenated, Source, Stored, read_placed, safetensors_files
+
+__all__ = ["load_hf_weights"]
+
+# transformers 5 holds routed experts merged (``experts.gate_up_proj [E, 2I, H]``,
+# ``experts.down_proj [E, H, I]``) but saves them per expert, as on the Hub.
+_MERGED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
+
+
+def _per_expert(param: str, shape: tuple[int, ...], stored: set[str]) -> Source | None:
+    """The per-expert stored source of a merged expert param, if the folder has one."""
+    found = _MERGED_EXPERTS.match(param)
+    if found is None or len(shape) != 3:
+        return None
+
+    def stacked(name: str) -> Stored:
+        return Stored(
+            tuple(f"{found['prefix']}.{e}.{name}.weight" for e in range(shape[0])), stacked=True
+        )
+
+    if found["name"] == "down_proj":
+        source: Source = stacked("down_proj")
+    else:
+        half = shape[1] // 2
+        source = Concatenated(1, ((half, stacked("gate_proj")), (half, stacked("up_proj"))))
+    parts = source.parts if isinstance(source, Concatenated) else ((0, source),)
+    return source if all(set(part.keys) <= stored for _, part in parts) else None
+
+
+def load_hf_weights(
+    path: str | os.PathLike[str], target: Any, *, tied: Mapping[str, str] | None = None
+) -> Any:
+    """Read each rank's shards of a ``transformers`` model's params from its safetensors.
+
+    The params of ``d9d.functionalize(hf_model)`` are the model's own state-dict keys, so
+    each param is read from the stored tensor of its name: only the slice of this rank's
+    shard (``safe_open(...).get_slice``), one tensor at a time, so no rank holds the model.
+    A param a folder stores under another name of a tied weight (``save_pretrained`` keeps
+    one of ``lm_head.weight`` and ``model.embed_tokens.weight``) is read from that name.
+    Routed experts that the model holds merged (``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``, as ``transformers`` 5 does for Qwen3-MoE) and the folder
+    per expert (``experts.<e>.gate_proj.weight``...) are read expert by expert.
+
+    Args:
+        path: A ``save_pretrained`` folder (``model.safetensors`` or an indexed set).
+        target: ``{param path: DTensor, tensor or Abstract}``: the layout and dtype of each
+            param, e.g. ``step.place`` of the params of a model built on ``meta``.
+        tied: ``{alias path: canonical path}`` of tied params (``model.tied``); default none.
+
+    Returns:
+        ``target``'s structure holding this rank's shards (DTensors) or tensors, in the
+        target's dtypes.
+
+    Raises:
+        FileNotFoundError: A weights file is missing.
+        ParamTreeMismatchError: A param is stored under none of its names.
+        ParamShapeError: A stored tensor's shape does not fit its param.
+
+    Example:
+        >>> import tempfile, torch, transformers, d9d
+        >>> config = transformers.LlamaConfig(vocab_size=97, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+        >>> folder = tempfile.mkdtemp()
+        >>> transformers.LlamaForCausalLM(config).save_pretrained(folder)
+        >>> with torch.device("meta"):
+        ...     model = d9d.functionalize(transformers.LlamaForCausalLM(config))
+        >>> params = load_hf_weights(folder, model.params, tied=model.tied)
+        >>> params["model.norm.weight"].shape
+        torch.Size([16])
+    """
+    stored = set(safetensors_files(path))
+    names: dict[str, list[str]] = {}
+    for alias, canonical in (tied or {}).items():
+        names.setdefault(canonical, []).append(alias)
+    sources = {}
+    leaves, _ = tree_lib.flatten_with_paths(target)
+    for param, leaf in leaves:
+        key = next((k for k in (param, *names.get(param, ())) if k in stored), None)
+        experts = None if key else _per_expert(param, tuple(leaf.shape), stored)
+        sources[param] = experts or Stored((key or param,))
+    return read_placed(path, target, sources)

@@ -1,0 +1,289 @@
+"""Reading each rank's shards of a Hugging Face folder equals the full import, bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import d9d
+from d9d import checkpoint
+from d9d.errors import ConfigError, ParamShapeError, ParamTreeMismatchError
+from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
+from d9d.moe import MoEConfig as LayerConfig
+from d9d.testing import peak_rss_growth, run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+# vocab 97 and 5 experts split unevenly over 2 ranks (49 | 48 rows, 3 | 2 experts).
+LLAMA = LlamaConfig.tiny(vocab_size=97, n_layers=1)
+QWEN3_MOE = MoEConfig.tiny(
+    vocab_size=97,
+    n_layers=2,
+    qk_norm=True,
+    head_dim=8,
+    moe=LayerConfig(dim=64, n_experts=5, top_k=2, expert_dim=24, norm_topk=True),
+)
+
+
+def _random(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {k: torch.randn(v.shape, generator=generator) for k, v in params.items()}
+
+
+def _step(layout: str) -> Any:
+    mesh = d9d.make_mesh("cpu", **{layout: 2})
+
+    def body(params: Any, opt_state: Any, batch: Any) -> Any:
+        return params, opt_state, {}
+
+    if layout == "fsdp":
+        return d9d.shard_params(mesh, "fsdp")(body)
+    return d9d.tensor_parallel(mesh, sequence_parallel=False)(body)
+
+
+def _mismatches(got: dict[str, DTensor], full: dict[str, torch.Tensor]) -> list[str]:
+    """Params whose shard is not this rank's shard of ``full`` (bitwise, same placements)."""
+    bad = []
+    for path, shard in got.items():
+        expected = distribute_tensor(full[path], shard.device_mesh, shard.placements)
+        if not torch.equal(shard.to_local(), expected.to_local()):
+            bad.append(path)
+    return bad
+
+
+def _place_meta(module_type: type, config: Any, layout: str) -> dict[str, DTensor]:
+    with torch.device("meta"):
+        model = d9d.functionalize(module_type(config))
+    placed, _ = _step(layout).place(model.params, (), model=model)
+    return placed
+
+
+def _resave_indexed(folder: Path, out: Path) -> Path:
+    """``folder``'s weights as two safetensors files and a ``model.safetensors.index.json``."""
+    state = load_file(folder / "model.safetensors")
+    keys = sorted(state)
+    halves = {
+        "model-00001-of-00002.safetensors": keys[::2],
+        "model-00002-of-00002.safetensors": keys[1::2],
+    }
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    for name, part in halves.items():
+        save_file({k: state[k] for k in part}, out / name, metadata={"format": "pt"})
+    weight_map = {k: name for name, part in halves.items() for k in part}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return out
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["one-file", "indexed"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_llama_shards_equal_the_full_import(tmp_path: Path, layout: str, indexed: bool) -> None:
+    folder = checkpoint.export_hf(
+        _random(d9d.functionalize(Llama(LLAMA)).params), LLAMA, tmp_path / "hf"
+    )
+    if indexed:
+        folder = _resave_indexed(folder, tmp_path / "indexed")
+    _, full = checkpoint.import_hf(folder)
+
+    def rank() -> list[str]:
+        config = checkpoint.read_hf_config(folder)
+        _, got = checkpoint.import_hf(folder, target=_place_meta(Llama, config, layout))
+        assert got.keys() == full.keys()
+        return _mismatches(got, full)
+
+    assert run_on_ranks(rank, 2) == [[], []]
+
+
+def _merged_experts(folder: Path, config: MoEConfig) -> None:
+    """Rewrite ``folder`` with ``transformers``' merged experts (``gate_up_proj [E, 2I, H]``)."""
+    state = load_file(folder / "model.safetensors")
+    n = config.moe.n_experts
+    for i in range(config.n_dense_layers, config.n_layers):
+        prefix = f"model.layers.{i}.mlp.experts"
+        stack = {
+            name: torch.stack([state.pop(f"{prefix}.{e}.{name}.weight") for e in range(n)])
+            for name in ("gate_proj", "up_proj", "down_proj")
+        }
+        state[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], 1)
+        state[f"{prefix}.down_proj"] = stack["down_proj"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["per-expert", "merged"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_moe_shards_equal_the_full_import(tmp_path: Path, layout: str, merged: bool) -> None:
+    params = _random(d9d.functionalize(MoE(QWEN3_MOE)).params)
+    folder = checkpoint.export_hf_moe(params, QWEN3_MOE, tmp_path)
+    if merged:
+        _merged_experts(folder, QWEN3_MOE)
+    _, full = checkpoint.import_hf_moe(folder)
+
+    def rank() -> list[str]:
+        config = checkpoint.read_hf_config(folder)
+        _, got = checkpoint.import_hf_moe(folder, target=_place_meta(MoE, config, layout))
+        assert got.keys() == full.keys()
+        return _mismatches(got, full)
+
+    assert run_on_ranks(rank, 2) == [[], []]
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["per-expert", "merged"])
+def test_experts_sharded_across_their_transposed_dims(tmp_path: Path, merged: bool) -> None:
+    params = _random(d9d.functionalize(MoE(QWEN3_MOE)).params)
+    folder = checkpoint.export_hf_moe(params, QWEN3_MOE, tmp_path)
+    if merged:
+        _merged_experts(folder, QWEN3_MOE)
+    _, full = checkpoint.import_hf_moe(folder)
+    experts = {
+        f"layers.1.mlp.experts.{n}": d for n, d in (("w_gate", 1), ("w_up", 2), ("w_down", 1))
+    }
+
+    def rank() -> list[str]:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        target = {
+            path: checkpoint.Abstract(tuple(full[path].shape), torch.float32, mesh, (Shard(dim),))
+            for path, dim in experts.items()
+        }
+        _, got = checkpoint.import_hf_moe(folder, target=target)
+        return _mismatches(got, full)
+
+    assert run_on_ranks(rank, 2) == [[], []]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_functionalized_hf_model_shards_equal_its_state_dict(
+    tmp_path: Path, layout: str, tied: bool
+) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config)
+    hf.save_pretrained(tmp_path)
+    full = {k: v.detach() for k, v in hf.state_dict().items()}
+
+    def rank() -> list[str]:
+        with torch.device("meta"):
+            model = d9d.functionalize(transformers.LlamaForCausalLM(config))
+        placed, _ = _step(layout).place(model.params, (), model=model)
+        got = checkpoint.load_hf_weights(tmp_path, placed, tied=model.tied)
+        assert got.keys() == model.params.keys()
+        return _mismatches(got, full)
+
+    assert run_on_ranks(rank, 2) == [[], []]
+
+
+QWEN3_MOE_HF = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=5,
+    num_experts_per_tok=2, head_dim=8,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "gate|up over 3 ranks"])
+def test_merged_experts_read_from_per_expert_weights(tmp_path: Path, layout: str) -> None:
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE_HF)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config)
+    hf.save_pretrained(tmp_path)  # per expert: experts.<e>.gate_proj.weight, ...
+    full = {k: v.detach() for k, v in hf.state_dict().items()}
+    merged = "model.layers.0.mlp.experts.gate_up_proj"
+
+    def rank() -> list[str]:
+        with torch.device("meta"):
+            model = d9d.functionalize(transformers.Qwen3MoeForCausalLM(config))
+        if layout == "gate|up over 3 ranks":  # rows 0-10 | 11-21 | 22-31: 16 is gate|up
+            mesh = d9d.make_mesh("cpu", fsdp=3)
+            target = {merged: checkpoint.Abstract((5, 32, 32), torch.float32, mesh, (Shard(1),))}
+        else:
+            target, _ = _step(layout).place(model.params, (), model=model)
+        got = checkpoint.load_hf_weights(tmp_path, target, tied=model.tied)
+        return _mismatches(got, full)
+
+    world = 3 if layout == "gate|up over 3 ranks" else 2
+    assert run_on_ranks(rank, world) == [[]] * world
+
+
+def test_a_plain_target_reads_whole_tensors_in_its_dtype(tmp_path: Path) -> None:
+    params = _random(d9d.functionalize(Llama(LLAMA)).params)
+    folder = checkpoint.export_hf(params, LLAMA, tmp_path)
+    target = {"norm.weight": checkpoint.Abstract((64,), torch.float64)}
+    _, got = checkpoint.import_hf(folder, target=target)
+    assert torch.equal(got["norm.weight"], params["norm.weight"].double())
+
+
+def test_a_missing_stored_tensor_is_named(tmp_path: Path) -> None:
+    folder = checkpoint.export_hf(_random(d9d.functionalize(Llama(LLAMA)).params), LLAMA, tmp_path)
+    state = load_file(folder / "model.safetensors")
+    del state["model.norm.weight"]
+    save_file(state, folder / "model.safetensors")
+    target = {"norm.weight": checkpoint.Abstract((64,), torch.float32)}
+    with pytest.raises(ParamTreeMismatchError, match=r"stored tensors \['model.norm.weight'\]"):
+        checkpoint.import_hf(folder, target=target)
+
+
+@pytest.mark.parametrize("size", [63, 65])
+def test_a_stored_shape_that_does_not_fit_is_named(tmp_path: Path, size: int) -> None:
+    folder = checkpoint.export_hf(_random(d9d.functionalize(Llama(LLAMA)).params), LLAMA, tmp_path)
+    target = {"norm.weight": checkpoint.Abstract((size,), torch.float32)}
+    with pytest.raises(ParamShapeError, match=rf"'norm.weight' of shape \({size},\) needs stored"):
+        checkpoint.import_hf(folder, target=target)
+
+
+def test_a_python_value_in_the_target_is_refused(tmp_path: Path) -> None:
+    folder = checkpoint.export_hf(_random(d9d.functionalize(Llama(LLAMA)).params), LLAMA, tmp_path)
+    with pytest.raises(TypeError, match=r"Target leaves \['norm.weight'\] are Python values"):
+        checkpoint.import_hf(folder, target={"norm.weight": 1.0})
+
+
+def test_an_unknown_param_is_named(tmp_path: Path) -> None:
+    folder = checkpoint.export_hf(_random(d9d.functionalize(Llama(LLAMA)).params), LLAMA, tmp_path)
+    target = {"extra.weight": checkpoint.Abstract((3,), torch.float32)}
+    with pytest.raises(ParamTreeMismatchError, match=r"target params \['extra.weight'\]"):
+        checkpoint.import_hf(folder, target=target)
+
+
+def test_read_hf_config_names_an_unknown_model_type(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match=r"model_type='gpt2'.*load_hf_weights"):
+        checkpoint.read_hf_config(tmp_path)
+
+
+def _fsdp_load(folder: Path, streamed: bool) -> int:
+    """Peak RSS growth of this rank while it places the Llama at ``folder`` on ``fsdp=2``."""
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    step = d9d.shard_params(mesh, "fsdp")(lambda params, opt_state, batch: (params, opt_state))
+
+    def load() -> dict[str, DTensor]:
+        config = checkpoint.read_hf_config(folder)
+        model = d9d.functionalize(Llama(config, device="meta"))
+        if streamed:
+            target, _ = step.place(model.params, (), model=model)
+            return checkpoint.import_hf(folder, target=target)[1]
+        return step.place(checkpoint.import_hf(folder)[1], (), model=model)[0]
+
+    step.place(d9d.functionalize(Llama(LLAMA, device="meta")).params, ())  # imports, warmed
+    _, grown = peak_rss_growth(load)
+    return grown
+
+
+def test_each_rank_peak_memory_is_its_shard_not_the_model(tmp_path: Path) -> None:
+    config = LlamaConfig.tiny(vocab_size=16000, dim=1024, n_layers=4, n_heads=8, ffn_dim=2816)
+    shapes = {k: v.shape for k, v in Llama(config, device="meta").named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(shape, generator=generator) for k, shape in shapes.items()}
+    model_bytes = sum(p.numel() * 4 for p in params.values())  # 311 MB
+    checkpoint.export_hf(params, config, tmp_path)
+    del params
+    streamed = run_on_ranks(_fsdp_load, 2, tmp_path, True, method="fork")
+    full = run_on_ranks(_fsdp_load, 2, tmp_path, False, method="fork")
+    assert all(grown < 0.75 * model_bytes for grown in streamed), (streamed, model_bytes)
+    assert all(grown >= model_bytes for grown in full), (full, model_bytes)
