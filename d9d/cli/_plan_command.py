@@ -25,7 +25,7 @@ from ..testing import fake_world
 from ..transforms import remat as remat_transform
 from ..transforms import shard_params
 from ._config import TrainConfig
-from ._plan_activations import ActivationLayout, activation_bytes, in_flight
+from ._plan_activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
 from ._plan_dry_run import count_collectives
 from ._plan_models import build_model
 from ._plan_report import human, render_comms, render_plan
@@ -113,7 +113,7 @@ def show_plan(
         title = f"d9d plan: {described} on {ranks} simulated ranks: {layout}"
         activations = (
             _activations(config, plan, sizes, batch, seq, remat, schedule, chunks)
-            if isinstance(config, LlamaConfig)
+            if isinstance(config, LlamaConfig | MoEConfig)
             else None
         )
         first_matrix = next(
@@ -132,7 +132,8 @@ def show_plan(
         + (
             f"  (batch {batch} x seq {seq} per microbatch, remat {remat}; docs/plan.md)"
             if activations is not None
-            else "  (the formula covers d9d's Llama only; docs/plan.md)"
+            else "  (the formula covers d9d's Llama, and its MoE on one device, dp or fsdp, "
+            "without selective remat; docs/plan.md)"
         ),
         f"  total        {human(total):>12}",
         render_comms(comms)
@@ -262,7 +263,7 @@ def _logits_step(model: Model, opt: Any) -> Any:
 
 
 def _activations(
-    config: LlamaConfig,
+    config: LlamaConfig | MoEConfig,
     plan: Any,
     sizes: dict[str, int],
     batch: int,
@@ -270,7 +271,7 @@ def _activations(
     remat: str,
     schedule: str,
     microbatches: int,
-) -> int:
+) -> int | None:
     """Rank 0's activation bytes: its stage's blocks, microbatches in flight (1F1B's first
     stage holds ``pp``), the embedding, and the head where rank 0 holds it."""
     held = set(plan.held)
@@ -287,4 +288,6 @@ def _activations(
         microbatches=in_flight(schedule, microbatches, sizes["pp"], 0),
         remat=remat,
     )
+    if isinstance(config, MoEConfig):
+        return moe_activation_bytes(config, layout)
     return activation_bytes(config, layout)
