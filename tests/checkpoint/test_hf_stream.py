@@ -286,4 +286,6 @@ def test_each_rank_peak_memory_is_its_shard_not_the_model(tmp_path: Path) -> Non
     streamed = run_on_ranks(_fsdp_load, 2, tmp_path, True, method="fork")
     full = run_on_ranks(_fsdp_load, 2, tmp_path, False, method="fork")
     assert all(grown < 0.75 * model_bytes for grown in streamed), (streamed, model_bytes)
-    assert all(grown >= model_bytes for grown in full), (full, model_bytes)
+    # The full import holds the whole model (measured 1.01x to 1.10x); 0.9x leaves room for
+    # the page cache the kernel may reclaim from a loaded machine's mapped file pages.
+    assert all(grown >= 0.9 * model_bytes for grown in full), (full, model_bytes)
