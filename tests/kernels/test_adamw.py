@@ -79,6 +79,30 @@ def test_adamw_strided_params(device, assert_close):
         assert_close(actual, expected, torch.float32)
 
 
+def test_adamw_triton_one_launch_per_dtype_group(device, assert_close, monkeypatch):
+    """Tensors of many sizes (several blocks each, empty ones) and two dtype groups."""
+    from d9d.kernels._triton import adamw as kernels
+
+    launches = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda t, *a: launches.append(len(t)) or launch(t, *a))
+    sizes = [70_001, 5, 0, 131_073, 1, 64, 65_536]
+    dtypes = [torch.float32, torch.bfloat16] * 3 + [torch.float32]
+    results = []
+    for backend in ("triton", "reference"):
+        torch.manual_seed(0)
+        params = [torch.randn(n, device=device).to(d) for n, d in zip(sizes, dtypes, strict=True)]
+        grads = [torch.randn(n, device=device).to(d) for n, d in zip(sizes, dtypes, strict=True)]
+        m = [torch.randn(n, device=device) for n in sizes]
+        v = [torch.rand(n, device=device) for n in sizes]
+        K.adamw(params, grads, m, v, lr=0.01, step=3, backend=backend, **HYPER)
+        results.append((params, m, v))
+    assert sorted(launches) == [3, 3]  # the empty tensor is skipped
+    for actual, expected in zip(*results, strict=True):
+        for a, e in zip(actual, expected, strict=True):
+            assert_close(a, e, a.dtype)
+
+
 def test_params_that_require_grad_are_updated():
     param = torch.ones(3, requires_grad=True)
     K.adamw([param], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)], lr=0.5, step=1)
