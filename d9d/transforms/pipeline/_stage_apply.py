@@ -130,16 +130,30 @@ def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
 
 def _enter_block(run: StageRun, index: int, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     run.entered = True
-    if index == run.start and run.input is not None:
-        # The activation the previous stage sent, laid out as blocks pass it on.
-        return replace_activation(args, kwargs, "block", lambda _: run.input)
-    return None
+    run.carried = bool(args) and isinstance(args[0], tuple)
+    if index != run.start or run.input is None:
+        return None
+    if run.carried:
+        # A carried state: the previous stage sent its leaves, in the order flatten gives.
+        spec = tree.structure(args[0])
+        if spec.num_leaves != len(run.input):
+            raise PlanError(
+                f"block {index} takes a state of {spec.num_leaves} tensors but the stage before "
+                f"sent {len(run.input)}; a block taking a tuple must return one alike"
+            )
+        return (tree.unflatten(spec, list(run.input)), *args[1:]), kwargs
+    # The activation the previous stage sent, laid out as blocks pass it on.
+    return replace_activation(args, kwargs, "block", lambda _: run.input[0])
 
 
 def _exit_block(run: StageRun, output: Any) -> None:
-    if not run.last:
+    if run.last:
+        return
+    if run.carried:
+        run.output = tuple(tree.leaves(output))
+    else:
         run.output = output if isinstance(output, torch.Tensor) else output[0]
-        raise StageDone
+    raise StageDone
 
 
 def _compute_dtypes(
