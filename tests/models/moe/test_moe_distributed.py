@@ -197,6 +197,27 @@ def test_microbatched_step_equals_one_device_accumulating(name: str) -> None:
     _assert_ranks_equal(ranks, want_metrics, want_params)
 
 
+def _traffic_rank() -> tuple[dict, dict]:
+    mesh = d9d.make_mesh("cpu", pp=2)
+    model, opt = _model(n_dense_layers=0), _optimizer()
+    step = d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=2)(make_train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    comms = step.comms(params, state, _batches()[0])
+    return dict(comms.count), dict(comms.bytes)
+
+
+@pytest.mark.distributed
+def test_stages_pass_the_state_of_the_blocks() -> None:
+    """pp=2, 2 microbatches of 4 x 16 tokens, float64: per microbatch each boundary carries
+    the residual stream [4, 16, 64], the aux loss so far (0-d float64) and the loads [2, 6]
+    (float32) forward, and a grad of each back; no collective beyond the loss's and the
+    clipping norm's all-reduce."""
+    state = 4 * 16 * 64 * 8 + 8 + 2 * 6 * 4
+    for count, nbytes in run_on_ranks(_traffic_rank, 2, method="fork", timeout=300):
+        assert count == {("send", "pp"): 6, ("recv", "pp"): 6, ("all_reduce", "pp"): 2}
+        assert nbytes[("send", "pp")] == nbytes[("recv", "pp")] == 2 * state
+
+
 def _sequence_parallel_rank() -> None:
     mesh = d9d.make_mesh("cpu", tp=2)
     model, opt = _model(), _optimizer()
