@@ -42,9 +42,7 @@ class Block(DenseBlock):
     """Pre-norm block over a :class:`MoEState`: the MoE layer ``moe_index`` (None: a dense
     MLP) adds its aux loss and writes its load row."""
 
-    def __init__(
-        self, config: MoEConfig, moe_index: int | None, *, device: _Device = None
-    ) -> None:
+    def __init__(self, config: MoEConfig, moe_index: int | None, *, device: _Device = None) -> None:
         dense = moe_index is None
         attn = Attention(
             config.dim,

@@ -106,3 +106,15 @@ def test_plan_shows_a_moe_preset(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "on 2 simulated ranks: fsdp=2" in out
     assert "router.expert_bias" in out and "memory on rank 0 (AdamW" in out
+
+
+def test_plan_shows_moe_pipeline_and_context_parallel_layouts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "--model", "moe", "--preset", "tiny", "--pp", "2", "--rows", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 simulated ranks: pp=2" in out and "10 of 26 params held by rank 0" in out
+    assert main(["plan", "--model", "moe", "--preset", "tiny", "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 simulated ranks: cp=2" in out
+    assert re.search(r"all_to_all\s*│\s*cp", out), out  # ring attention
