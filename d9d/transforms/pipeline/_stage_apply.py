@@ -8,6 +8,11 @@ replaces by the received activation; one that runs after them (norm, head) must 
 reached, as a stage before the last stops after its last block (:class:`StageDone`).
 Model code between those modules (masks, positions, rotary tables) runs on every stage, from
 the batch every pipeline rank receives.
+
+A block whose first argument is a tuple carries a state (``d9d.models.moe.MoEState``: the
+residual stream and running statistics) and returns one alike: the stage sends every tensor
+of its last block's state, and the next stage rebuilds it, in the structure its own first
+block receives, from the tensors it got.
 """
 
 from __future__ import annotations
