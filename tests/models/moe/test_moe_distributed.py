@@ -108,33 +108,53 @@ def _pipeline(**options):
     return lambda mesh: [d9d.pipeline(mesh, "pp", **options)]
 
 
+# Both blocks MoE, so that each of two pipeline stages holds an MoE layer whose aux loss's
+# gradient crosses the boundary.
+ALL_MOE = {"n_dense_layers": 0}
+
+# (layout, transforms, model overrides)
 LAYOUTS = {
-    "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh, axis="fsdp")]),
+    "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh, axis="fsdp")], {}),
     "tp=2": (
         {"tp": 2},
         lambda mesh: [d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=False)],
+        {},
     ),
-    "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh, axis="cp")]),
+    "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh, axis="cp")], {}),
     "fsdp=2 x cp=2": (
         {"fsdp": 2, "cp": 2},
         lambda mesh: [d9d.shard_params(mesh, axis="fsdp"), d9d.context_parallel(mesh)],
+        {},
     ),
-    "pp=2 gpipe, 1 microbatch": ({"pp": 2}, _pipeline(schedule="gpipe", microbatches=1)),
+    "pp=2 gpipe, 1 microbatch": (
+        {"pp": 2},
+        _pipeline(schedule="gpipe", microbatches=1),
+        ALL_MOE,
+    ),
 }
 
-# (layout, microbatches, model overrides): every pipeline stage holds an MoE layer.
+# (layout, microbatches, transforms, model overrides); interleaved: 4 stages, the first dense.
 MICROBATCHED = {
     "fsdp=2, 2 microbatches": (
         {"fsdp": 2},
         2,
         lambda mesh: [d9d.shard_params(mesh, axis="fsdp", microbatches=2)],
-        {},
+        ALL_MOE,
     ),
     "pp=2 1f1b, 4 microbatches": (
         {"pp": 2},
         4,
         _pipeline(schedule="1f1b", microbatches=4),
-        {"n_dense_layers": 0},
+        ALL_MOE,
+    ),
+    "pp=2 x fsdp=2 1f1b, 2 microbatches": (
+        {"pp": 2, "fsdp": 2},
+        2,
+        lambda mesh: [
+            d9d.shard_params(mesh, axis="fsdp"),
+            d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=2),
+        ],
+        ALL_MOE,
     ),
     "pp=2 interleaved_1f1b, 2 microbatches": (
         {"pp": 2},
@@ -171,13 +191,13 @@ def _assert_ranks_equal(ranks, want_metrics, want_params) -> None:
 def test_transformed_step_equals_one_device(name: str) -> None:
     """Metrics (cross entropy, aux loss, load balance) and every param, the router bias
     included, equal one device's; under a pipeline each rank holds its stage's params."""
-    mesh_axes, transforms = LAYOUTS[name]
-    want_metrics, want_params = _reference()
+    mesh_axes, transforms, overrides = LAYOUTS[name]
+    want_metrics, want_params = _reference(**overrides)
     bias = "layers.1.mlp.router.expert_bias"
     assert want_params[bias].abs().sum() > 0  # the bias moved
     method = "fork" if "pp" in mesh_axes else "thread"  # threads have no point-to-point ops
     world = math.prod(mesh_axes.values())
-    ranks = run_on_ranks(_rank, world, mesh_axes, transforms, {}, method=method, timeout=300)
+    ranks = run_on_ranks(_rank, world, mesh_axes, transforms, overrides, method=method, timeout=300)
     _assert_ranks_equal(ranks, want_metrics, want_params)
 
 
@@ -185,8 +205,8 @@ def test_each_microbatch_balances_its_own_tokens() -> None:
     """The accumulated reference is another objective than the whole batch's: the first
     step's cross entropy is the same (same params, the global token mean), its aux loss is
     the microbatches' own, and so every later step differs."""
-    accumulated, _ = _accumulated_reference(2, 2)
-    whole_batch, _ = _reference()
+    accumulated, _ = _accumulated_reference(2, 2, **ALL_MOE)
+    whole_batch, _ = _reference(**ALL_MOE)
     torch.testing.assert_close(accumulated[0, 0], whole_batch[0, 0], **TOL)
     assert not torch.isclose(accumulated[0, 1], whole_batch[0, 1], rtol=1e-3)
     assert not torch.isclose(accumulated[1:, 0], whole_batch[1:, 0], **TOL).any()
@@ -207,7 +227,7 @@ def test_microbatched_step_equals_one_device_accumulating(name: str) -> None:
 
 def _traffic_rank() -> tuple[dict, dict]:
     mesh = d9d.make_mesh("cpu", pp=2)
-    model, opt = _model(n_dense_layers=0), _optimizer()
+    model, opt = _model(**ALL_MOE), _optimizer()
     step = d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=2)(make_train_step(model, opt))
     params, state = step.place(model.params, opt.init(model.params), model=model)
     comms = step.comms(params, state, _batches()[0])
