@@ -197,11 +197,24 @@ def grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]
     return wrapped
 
 
-def stack_aux(auxes: list[Any]) -> Any:
-    """The aux of several microbatches as one: 0-d leaves averaged, others concatenated."""
-    return tree.map(
-        lambda *xs: torch.stack(xs).mean(0) if xs[0].ndim == 0 else torch.cat(xs), *auxes
-    )
+def stack_aux(auxes: list[Any], weights: list[torch.Tensor | None] | None = None) -> Any:
+    """The aux of several microbatches as one: 0-d leaves averaged, others concatenated.
+
+    With ``weights`` (each microbatch's valid-token count, as its value is weighed), 0-d
+    leaves are averaged with those weights, so that a per-token mean in the aux (the cross
+    entropy beside an aux loss) is the mean over the step's tokens, like the value."""
+    share = None
+    if weights and all(w is not None for w in weights):
+        total = torch.stack(weights)
+        share = total / total.sum().clamp(min=1)
+
+    def combine(*xs: torch.Tensor) -> torch.Tensor:
+        if xs[0].ndim:
+            return torch.cat(xs)
+        stacked = torch.stack(xs)
+        return stacked.mean(0) if share is None else (stacked * share.to(stacked.dtype)).sum(0)
+
+    return tree.map(combine, *auxes)
 
 
 def _check_value(value: Any, *, has_aux: bool) -> None:

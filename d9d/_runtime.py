@@ -42,14 +42,21 @@ def replace_activation(
     args: tuple[Any, ...], kwargs: dict[str, Any], path: str, fn: Callable[[Any], Any]
 ) -> Inputs:
     """``args``/``kwargs`` of the module at ``path`` with its activation input (the first
-    positional tensor, or ``hidden_states=``) replaced by ``fn`` of it."""
+    positional tensor, the first tensor of a first positional tuple: a carried state such as
+    :class:`d9d.models.moe.MoEState`, or ``hidden_states=``) replaced by ``fn`` of it."""
     if args and isinstance(args[0], torch.Tensor):
         return (fn(args[0]), *args[1:]), kwargs
+    if args and isinstance(args[0], tuple) and args[0] and isinstance(args[0][0], torch.Tensor):
+        state = args[0]
+        values = (fn(state[0]), *state[1:])
+        # A NamedTuple is rebuilt from fields, a plain tuple from an iterable.
+        rebuilt = values if type(state) is tuple else type(state)(*values)
+        return (rebuilt, *args[1:]), kwargs
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
     raise PlanError(
         f"cannot find the activation input of module {path!r}: it must take it as the first "
-        "positional tensor or as hidden_states="
+        "positional tensor, the first tensor of a first positional tuple, or as hidden_states="
     )
 
 

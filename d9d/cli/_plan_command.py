@@ -160,8 +160,6 @@ def _check(model: str, remat: str, hf_config: Path | None, **axes: Any) -> dict[
             f"--ep {axes['ep']}: expert_parallel is not built yet, so no layout shards experts "
             "over ranks; plan MoE layouts with --dp/--fsdp/--tp (experts sharded by fsdp)"
         )
-    if model == "moe" and hf_config is None and (axes["pp"] > 1 or axes["cp"] > 1):
-        raise ValueError("--model moe runs without --pp and --cp for now; drop them")
     others = math.prod(axes[name] for name in _AXES if name != "fsdp")
     world, fsdp = axes["world"], axes["fsdp"]
     if fsdp is None:

@@ -150,8 +150,6 @@ def _check(config: TrainConfig) -> None:
             raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
     if config.model not in ("llama", "moe"):
         raise ValueError(f"--model must be llama or moe, got {config.model!r}")
-    if config.model == "moe" and ((config.pp or 1) > 1 or (config.cp or 1) > 1):
-        raise ValueError("--model moe runs without --pp and --cp for now; drop them")
     if config.jit and (config.pp or 1) > 1:
         raise ValueError(
             "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"

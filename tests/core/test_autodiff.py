@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import d9d
+from d9d._autodiff import stack_aux
 
 
 def test_value_and_grad_matches_autograd_and_keeps_paths() -> None:
@@ -84,3 +85,15 @@ def test_value_and_grad_of_plain_and_dtensor_params_traces_as_one_graph(one_rank
     torch.testing.assert_close(value, expected_value)
     torch.testing.assert_close(grads["w"].full_tensor(), expected["w"].full_tensor())
     torch.testing.assert_close(grads["b"], expected["b"])
+
+
+def test_stacked_aux_weighs_scalars_by_token_counts_and_concatenates_the_rest() -> None:
+    auxes = [
+        {"ce": torch.tensor(1.0), "load": torch.ones(2)},
+        {"ce": torch.tensor(4.0), "load": torch.zeros(2)},
+    ]
+    weighted = stack_aux(auxes, [torch.tensor(3.0), torch.tensor(1.0)])
+    assert weighted["ce"].item() == 1.75  # (3 * 1 + 1 * 4) / 4
+    assert weighted["load"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert stack_aux(auxes)["ce"].item() == 2.5  # no counts: every microbatch alike
+    assert stack_aux(auxes, [None, None])["ce"].item() == 2.5

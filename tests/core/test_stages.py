@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import d9d
 from d9d.errors import PlanError
@@ -66,3 +67,21 @@ def test_split_paths() -> None:
 def test_split_errors_name_the_problem(count, paths, match) -> None:
     with pytest.raises(PlanError, match=match):
         split_stages(_model(4), count, paths)
+
+
+def test_a_carried_state_enters_the_stage_leaf_by_leaf() -> None:
+    """A block taking a tuple (a carried state) gets the previous stage's tensors rebuilt into
+    its structure; a count that does not match the state is named."""
+    from d9d.models.moe import MoEState
+    from d9d.transforms.pipeline._executor import StageRun
+    from d9d.transforms.pipeline._stage_apply import _enter_block
+
+    sent = (torch.ones(2, 3), torch.tensor(0.5), torch.ones(1, 4))
+    local = MoEState(torch.zeros(2, 3), torch.tensor(0.0), torch.zeros(1, 4))
+    run = StageRun(1, 1, 2, first=False, last=True, input=sent)
+    (state, cos), _ = _enter_block(run, 1, (local, "cos"), {})
+    assert type(state) is MoEState and run.carried and cos == "cos"
+    assert all(a is b for a, b in zip(state, sent, strict=True))
+    run = StageRun(1, 1, 2, first=False, last=True, input=sent[:2])
+    with pytest.raises(PlanError, match=r"block 1 takes a state of 3 tensors but the stage "):
+        _enter_block(run, 1, (local,), {})

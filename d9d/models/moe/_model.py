@@ -15,7 +15,7 @@ from ..llama._decoder import Block as DenseBlock
 from ..llama._model import Llama
 from ._config import MoEConfig
 
-__all__ = ["MoE", "MoEModelOutput"]
+__all__ = ["MoE", "MoEModelOutput", "MoEState"]
 
 _Device = torch.device | str | None
 
@@ -28,10 +28,22 @@ class MoEModelOutput(NamedTuple):
     expert_load: dict[str, torch.Tensor]  # {"layers.{i}.mlp": [E] global choices per expert}
 
 
-class Block(DenseBlock):
-    """Pre-norm block; returns ``(x, aux_loss, load)``, the last two None for a dense MLP."""
+class MoEState(NamedTuple):
+    """What each block of :class:`MoE` takes and returns: the residual stream and the running
+    balancing statistics. Carried from block to block (and, under ``pipeline``, from stage to
+    stage), so that the last block holds the aux loss and the loads of every MoE layer."""
 
-    def __init__(self, config: MoEConfig, dense: bool, *, device: _Device = None) -> None:
+    x: torch.Tensor  # [B, S, dim]: the residual stream
+    aux_loss: torch.Tensor  # 0-d: the aux losses of the MoE layers so far, summed
+    load: torch.Tensor  # [n_moe_layers, E] float32: each MoE layer's global load (0 until it ran)
+
+
+class Block(DenseBlock):
+    """Pre-norm block over a :class:`MoEState`: the MoE layer ``moe_index`` (None: a dense
+    MLP) adds its aux loss and writes its load row."""
+
+    def __init__(self, config: MoEConfig, moe_index: int | None, *, device: _Device = None) -> None:
+        dense = moe_index is None
         attn = Attention(
             config.dim,
             config.n_heads,
@@ -47,16 +59,18 @@ class Block(DenseBlock):
             else MoELayer(config.moe, device=device)
         )
         super().__init__(config.dim, config.norm_eps, attn, mlp, device=device)
-        self.dense = dense  # not isinstance(self.mlp, MLP): a runtime may intercept self.mlp
+        # Flags, not isinstance(self.mlp, MLP): a runtime may intercept self.mlp.
+        self.dense = dense
+        self.moe_index = moe_index
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, state: MoEState, cos: torch.Tensor, sin: torch.Tensor) -> MoEState:
+        x = state.x + self.attn(self.attn_norm(state.x), cos, sin)
         out = self.mlp(self.mlp_norm(x))
         if self.dense:
-            return x + out, None, None
-        return x + out.out, out.aux_loss, out.load
+            return MoEState(x + out, state.aux_loss, state.load)
+        load = state.load.clone()
+        load[self.moe_index] = out.load
+        return MoEState(x + out.out, state.aux_loss + out.aux_loss, load)
 
 
 class MoE(Decoder):
@@ -71,7 +85,10 @@ class MoE(Decoder):
 
     The forward returns :class:`MoEModelOutput`: the logits, the summed aux loss and each MoE
     layer's global expert load, keyed by layer path, which a training step passes to
-    :func:`d9d.moe.update_router_bias`.
+    :func:`d9d.moe.update_router_bias`. The blocks pass a :class:`MoEState` on (the residual
+    stream, the aux loss so far and a load row per MoE layer), so a pipeline stage hands the
+    next one the statistics of the blocks before it with the residual stream, and the aux
+    loss's gradient comes back to them through autograd (``docs/moe.md``).
 
     Args:
         config: Shapes, MoE options, init scale and seed.
@@ -94,7 +111,8 @@ class MoE(Decoder):
 
     def __init__(self, config: MoEConfig, *, device: _Device = None) -> None:
         def block(i: int, meta: torch.device) -> Block:
-            return Block(config, i < config.n_dense_layers, device=meta)
+            dense = i < config.n_dense_layers
+            return Block(config, None if dense else i - config.n_dense_layers, device=meta)
 
         super().__init__(config, config.attention_head_dim, block, device=device)
 
@@ -108,11 +126,13 @@ class MoE(Decoder):
                 ``positions`` is not ``[S]``.
         """
         x, cos, sin = self.embed_and_rope(tokens, positions)
+        config = self.config
         aux_loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        loads: dict[str, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x, aux, load = layer(x, cos, sin)
-            if load is not None:
-                aux_loss = aux_loss + aux
-                loads[f"layers.{i}.mlp"] = load
-        return MoEModelOutput(self.logits(x), aux_loss, loads)
+        shape = (config.n_moe_layers, config.moe.n_experts)
+        load = torch.zeros(shape, dtype=torch.float32, device=x.device)
+        state = MoEState(x, aux_loss, load)
+        for layer in self.layers:
+            state = layer(state, cos, sin)
+        first = config.n_dense_layers
+        loads = {f"layers.{first + j}.mlp": row for j, row in enumerate(state.load.unbind())}
+        return MoEModelOutput(self.logits(state.x), state.aux_loss, loads)

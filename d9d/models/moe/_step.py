@@ -53,6 +53,7 @@ def make_train_step(
         ['aux_loss', 'load_balance', 'loss']
     """
     rate = model.module.config.moe.bias_update_rate
+    n_experts = model.module.config.moe.n_experts
 
     def loss_fn(params: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         out = model.apply(params, batch["tokens"])
@@ -61,16 +62,22 @@ def make_train_step(
 
     def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
         (_, (ce, aux, loads)), grads = value_and_grad(loss_fn, has_aux=True)(params, batch)
+        # Microbatches (shard_params(microbatches=k), pipeline) concatenate each one's [E]
+        # load: the step's load is their sum, the load of the whole batch (the routing does
+        # not change within a step).
+        loads = {k: v.reshape(-1, n_experts).sum(0) for k, v in loads.items()}
         metrics = {"loss": data_mean(ce), "aux_loss": data_mean(aux)}
         if loads:
             metrics["load_balance"] = load_balance(torch.stack(list(loads.values())))
         if grad_norm:
             metrics["grad_norm"] = optim.global_norm(grads)
         # The new biases come from the old ones, computed before the update (which may work
-        # in place on donated params) and put over whatever the optimizer did to them.
+        # in place on donated params) and put over whatever the optimizer did to them. A
+        # pipeline rank holds (and updates) only its stages' biases.
         biases = {}
         if rate > 0:
-            nudged = update_router_bias(params, loads, rate)
+            held = {k: v for k, v in loads.items() if f"{k}.router.expert_bias" in params}
+            nudged = update_router_bias(params, held, rate)
             biases = {k: nudged[k] for k in nudged if nudged[k] is not params[k]}
         updates, opt_state = opt.update(grads, opt_state, params)
         return {**optim.apply_updates(params, updates), **biases}, opt_state, metrics

@@ -112,17 +112,22 @@ class PipelineLayout:
 
 @dataclass
 class StageRun:
-    """One stage's forward of one microbatch, in progress on this thread."""
+    """One stage's forward of one microbatch, in progress on this thread.
+
+    ``input`` holds the tensors the previous stage sent (None on the first stage) and
+    ``output`` those this stage sends: the activation, or every leaf of a carried state
+    (a block taking and returning a tuple, ``_stage_apply.py``)."""
 
     stage: int
     start: int
     stop: int
     first: bool
     last: bool
-    input: torch.Tensor | None
-    output: torch.Tensor | None = None
+    input: tuple[torch.Tensor, ...] | None
+    output: torch.Tensor | tuple[torch.Tensor, ...] | None = None
     entered: bool = False
     applied: bool = False
+    carried: bool = False  # the block running takes a carried state (a tuple) first
 
 
 class StageDone(Exception):
@@ -153,7 +158,9 @@ class _StageModule(nn.Module):
         self.stage = stage
         self.runner = runner  # a one-element box: the step in progress
 
-    def forward(self, *inputs: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, *inputs: torch.Tensor, mb: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # ``mb``: this microbatch's index, chunked by the schedule like any batch kwarg.
         return self.runner[0].run_stage(self.stage, inputs, int(mb.reshape(-1)[0]))
 
@@ -185,12 +192,12 @@ class _Runner:
         self.aux: dict[int, Any] = {}
         self.weights: dict[int, torch.Tensor | None] = {}
 
-    def run_stage(self, stage: int, inputs: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+    def run_stage(
+        self, stage: int, inputs: tuple[torch.Tensor, ...], index: int
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         split = self.layout.split
         start, stop = split.blocks[stage]
-        run = StageRun(
-            stage, start, stop, stage == 0, stage == split.count - 1, inputs[0] if inputs else None
-        )
+        run = StageRun(stage, start, stop, stage == 0, stage == split.count - 1, inputs or None)
         args, kwargs = self.chunks[index]
         previous, self.layout.run = self.layout.run, run
         try:
@@ -298,7 +305,9 @@ def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> A
     box = [None]
     last = layout.owner(layout.split.count - 1)
     if layout.rank == last:
-        box[0] = stack_aux([runner.aux[i] for i in range(count)])
+        box[0] = stack_aux(
+            [runner.aux[i] for i in range(count)], [runner.weights[i] for i in range(count)]
+        )
     dist.broadcast_object_list(
         box, src=dist.get_global_rank(layout.group, last), group=layout.group
     )
@@ -340,13 +349,14 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
     stages = []
     for s in layout.local_stages:
         entering, leaving = shapes[s]
+        outputs = tuple(_example(shape, dtype, device) for shape, dtype in leaving)
         stage = TracedStage(
             modules[s],
             s,
             layout.split.count,
             device,
             input_args=tuple(_example(shape, dtype, device) for shape, dtype in entering),
-            output_args=_example(*leaving, device),
+            output_args=outputs[0] if len(outputs) == 1 else outputs,
             group=layout.group,
         )
         stage.axis_name = layout.axis
@@ -366,7 +376,7 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
             f"{layout.size} ranks x {len(layout.local_stages)} stages: {error}"
         ) from error
     last = layout.split.count - 1
-    loss_dtype = shapes[last][1][1] if last in shapes else torch.float32
+    loss_dtype = shapes[last][1][0][1] if last in shapes else torch.float32
     return _Runtime(modules, schedule, box, loss_dtype)
 
 

@@ -8,6 +8,11 @@ replaces by the received activation; one that runs after them (norm, head) must 
 reached, as a stage before the last stops after its last block (:class:`StageDone`).
 Model code between those modules (masks, positions, rotary tables) runs on every stage, from
 the batch every pipeline rank receives.
+
+A block whose first argument is a tuple carries a state (``d9d.models.moe.MoEState``: the
+residual stream and running statistics) and returns one alike: the stage sends every tensor
+of its last block's state, and the next stage rebuilds it, in the structure its own first
+block receives, from the tensors it got.
 """
 
 from __future__ import annotations
@@ -130,16 +135,30 @@ def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
 
 def _enter_block(run: StageRun, index: int, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     run.entered = True
-    if index == run.start and run.input is not None:
-        # The activation the previous stage sent, laid out as blocks pass it on.
-        return replace_activation(args, kwargs, "block", lambda _: run.input)
-    return None
+    run.carried = bool(args) and isinstance(args[0], tuple)
+    if index != run.start or run.input is None:
+        return None
+    if run.carried:
+        # A carried state: the previous stage sent its leaves, in the order flatten gives.
+        spec = tree.structure(args[0])
+        if spec.num_leaves != len(run.input):
+            raise PlanError(
+                f"block {index} takes a state of {spec.num_leaves} tensors but the stage before "
+                f"sent {len(run.input)}; a block taking a tuple must return one alike"
+            )
+        return (tree.unflatten(spec, list(run.input)), *args[1:]), kwargs
+    # The activation the previous stage sent, laid out as blocks pass it on.
+    return replace_activation(args, kwargs, "block", lambda _: run.input[0])
 
 
 def _exit_block(run: StageRun, output: Any) -> None:
-    if not run.last:
+    if run.last:
+        return
+    if run.carried:
+        run.output = tuple(tree.leaves(output))
+    else:
         run.output = output if isinstance(output, torch.Tensor) else output[0]
-        raise StageDone
+    raise StageDone
 
 
 def _compute_dtypes(

@@ -1,10 +1,10 @@
 """Activation shapes between pipeline stages, found by a probe.
 
 ``PipelineStage``s are built with static shapes: stage after stage over the ranks, each runs
-microbatch 0 without grad from zeros of the shape it received and sends the shape of its
-output to the next stage's rank (a small int64 header). One forward of one microbatch per
-new batch shape; PyTorch's own inference would run the stage on meta tensors (torch 2.11)
-or a real forward and backward (2.13).
+microbatch 0 without grad from zeros of the shapes it received and sends the shapes of its
+outputs to the next stage's rank (a count, then a small int64 header per tensor). One forward
+of one microbatch per new batch shape; PyTorch's own inference would run the stage on meta
+tensors (torch 2.11) or a real forward and backward (2.13).
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ _META_LENGTH = 10  # ndim, dtype, up to 8 sizes
 Shape = tuple[tuple[int, ...], torch.dtype]
 
 
-def probe(runner: Any, layout: Any, device: torch.device) -> dict[int, tuple[list[Shape], Shape]]:
-    """``{stage: (input shapes, output shape)}`` of this rank's stages, from a forward of
-    microbatch 0 without grad, stage after stage over the ranks."""
-    out: dict[int, tuple[list[Shape], Shape]] = {}
-    previous: Shape | None = None
+def probe(
+    runner: Any, layout: Any, device: torch.device
+) -> dict[int, tuple[list[Shape], list[Shape]]]:
+    """``{stage: (input shapes, output shapes)}`` of this rank's stages, from a forward of
+    microbatch 0 without grad, stage after stage over the ranks. A stage passes one tensor,
+    or several (the leaves of a carried state)."""
+    out: dict[int, tuple[list[Shape], list[Shape]]] = {}
+    previous: list[Shape] | None = None
     for stage in range(layout.split.count):
         owner = layout.owner(stage)
         if owner != layout.rank:
@@ -36,27 +39,38 @@ def probe(runner: Any, layout: Any, device: torch.device) -> dict[int, tuple[lis
             if layout.owner(stage - 1) != layout.rank:
                 previous = _recv_meta(layout, layout.owner(stage - 1), device)
             assert previous is not None
-            entering = [previous]
+            entering = previous
         inputs = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in entering)
         with torch.no_grad():
             value = runner.run_stage(stage, inputs, 0)
-        previous = (tuple(value.shape), value.dtype)
+        values = value if isinstance(value, tuple) else (value,)
+        previous = [(tuple(v.shape), v.dtype) for v in values]
         out[stage] = (entering, previous)
         if stage + 1 < layout.split.count and layout.owner(stage + 1) != layout.rank:
             _send_meta(layout, layout.owner(stage + 1), previous, device)
     return out
 
 
-def _send_meta(layout: Any, to: int, meta: Shape, device: Any) -> None:
-    shape, dtype = meta
-    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
-    header[0], header[1] = len(shape), _ACTIVATION_DTYPES.index(dtype)
-    header[2 : 2 + len(shape)] = torch.tensor(shape)
-    dist.send(header, dst=dist.get_global_rank(layout.group, to), group=layout.group)
+def _send_meta(layout: Any, to: int, metas: list[Shape], device: Any) -> None:
+    header = torch.zeros(1 + _META_LENGTH * len(metas), dtype=torch.int64, device=device)
+    header[0] = len(metas)
+    for i, (shape, dtype) in enumerate(metas):
+        row = header[1 + _META_LENGTH * i : 1 + _META_LENGTH * (i + 1)]
+        row[0], row[1] = len(shape), _ACTIVATION_DTYPES.index(dtype)
+        row[2 : 2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    dst = dist.get_global_rank(layout.group, to)
+    dist.send(header[:1].clone(), dst=dst, group=layout.group)
+    dist.send(header[1:].clone(), dst=dst, group=layout.group)
 
 
-def _recv_meta(layout: Any, source: int, device: Any) -> Shape:
-    header = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
-    dist.recv(header, src=dist.get_global_rank(layout.group, source), group=layout.group)
-    ndim = int(header[0])
-    return tuple(int(x) for x in header[2 : 2 + ndim]), _ACTIVATION_DTYPES[int(header[1])]
+def _recv_meta(layout: Any, source: int, device: Any) -> list[Shape]:
+    src = dist.get_global_rank(layout.group, source)
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(count, src=src, group=layout.group)
+    header = torch.zeros(_META_LENGTH * int(count), dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=layout.group)
+    metas = []
+    for row in header.view(-1, _META_LENGTH):
+        ndim = int(row[0])
+        metas.append((tuple(int(x) for x in row[2 : 2 + ndim]), _ACTIVATION_DTYPES[int(row[1])]))
+    return metas

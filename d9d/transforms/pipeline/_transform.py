@@ -211,8 +211,9 @@ def pipeline(
     only those (and their optimizer state). Inside the step, ``d9d.value_and_grad(loss_fn)``
     splits the batch into ``microbatches`` and runs ``loss_fn`` stage by stage under
     ``schedule``: the first stage from the batch to its last block, the next from the
-    activation it receives, the last to the loss. It returns the mean loss over the batch
-    on every rank and the grads of this rank's params (gathered once per step under
+    activation it receives (every tensor of a block's state, when blocks take and return a
+    tuple, as the MoE decoder's do), the last to the loss. It returns the mean loss over the
+    batch on every rank and the grads of this rank's params (gathered once per step under
     ``shard_params``, reduced once). A param tied between the first and last stage (a head
     sharing the embedding) is held by both and its grads summed.
     ``d9d.optim.clip_by_global_norm`` clips by the norm over all stages.

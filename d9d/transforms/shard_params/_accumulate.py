@@ -51,5 +51,5 @@ class Accumulation(Runtime):
             )
         count = self.microbatches if weights[0] is None else torch.stack(weights).sum().clamp(min=1)
         grads = [g / count for g in total]
-        aux = stack_aux(auxes) if job.has_aux else None
+        aux = stack_aux(auxes, weights) if job.has_aux else None
         return torch.stack(values).sum() / count, aux, grads

@@ -1,7 +1,12 @@
-"""The MoE decoder's training step under ``shard_params``, ``tensor_parallel`` and ``d9d.jit``
-equals the same step on one device (float64, 5 AdamW steps, aux losses and the bias on)."""
+"""The MoE decoder's training step under ``shard_params``, ``tensor_parallel``,
+``context_parallel``, ``pipeline`` and ``d9d.jit`` equals the same step on one device
+(float64, 5 AdamW steps, aux losses and the bias on, unevenly ignored labels); with
+microbatches, the microbatch accumulation written out on one device."""
 
 from __future__ import annotations
+
+import functools
+import math
 
 import pytest
 import torch
@@ -10,10 +15,17 @@ import d9d
 from d9d.errors import RankFailedError
 from d9d.models import MoE, MoEConfig
 from d9d.models.moe import make_train_step
+from d9d.moe import load_balance, update_router_bias
 from d9d.testing import assert_trees_all_close, run_on_ranks
 
 STEPS = 5
 TOL = {"rtol": 1e-9, "atol": 1e-12}
+# A param whose first nonzero grad is near AdamW's eps (1e-8) moves by lr * g / (|g| + eps),
+# whose slope in g there is lr / (4 eps) = 2.5e5: one embedding element (a token seen once,
+# grad 4e-8) turns the grads' 1e-17 rounding into up to 6.8e-13 here (cp=2), and 1.8e-12
+# under pp=2 with the preset's dense first block. So params get atol 1e-11, 1e-9 of an
+# update (lr 1e-2); every other param agrees within 3e-14.
+PARAM_TOL = {"rtol": 1e-9, "atol": 1e-11}
 METRICS = ("loss", "aux_loss", "load_balance")
 
 
@@ -27,11 +39,20 @@ def _optimizer() -> d9d.optim.GradientTransformation:
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
+    """Rows ignore 0 to 16 of their 16 labels, differently each step: a mean of per-rank or
+    per-microbatch means would differ from the global token mean."""
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(STEPS)]
-    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+    out = []
+    for i in range(STEPS):
+        tokens = torch.randint(0, 256, (8, 17), generator=g)
+        labels = tokens[:, 1:].clone()
+        for row in range(labels.shape[0]):
+            labels[row, : (5 * row + 3 * i) % 17] = -100
+        out.append({"tokens": tokens[:, :-1], "labels": labels})
+    return out
 
 
+@functools.cache
 def _reference(**overrides: int):
     model, opt = _model(**overrides), _optimizer()
     step = make_train_step(model, opt)
@@ -43,17 +64,114 @@ def _reference(**overrides: int):
     return torch.stack(metrics), params
 
 
-def _rank(mesh_axes: dict[str, int], transform: str):
+@functools.cache
+def _accumulated_reference(microbatches: int, data_ranks: int = 1, **overrides: int):
+    """One device, the step's microbatch accumulation written out (``docs/losses.md``): each
+    microbatch's loss is its cross entropy plus the aux loss of its own tokens and weighs by
+    its share of the valid labels; the loads of the microbatches add up. Microbatch ``m`` is
+    the ``m``-th slice of every data-parallel rank's shard of the batch."""
+    model, opt = _model(**overrides), _optimizer()
+    rate = model.module.config.moe.bias_update_rate
+
+    def loss_fn(params, batch):
+        out = model.apply(params, batch["tokens"])
+        ce = d9d.losses.cross_entropy(out.logits, batch["labels"])
+        return ce + out.aux_loss, (ce, out.aux_loss, out.expert_load)
+
+    params = {k: v.clone() for k, v in model.params.items()}
+    state, metrics = opt.init(params), []
+    for batch in _batches():
+        parts = [
+            {
+                k: torch.cat([shard.chunk(microbatches)[i] for shard in v.chunk(data_ranks)])
+                for k, v in batch.items()
+            }
+            for i in range(microbatches)
+        ]
+        counts = torch.stack([(part["labels"] != -100).sum() for part in parts]).double()
+        grads, ce, aux, loads = None, 0.0, 0.0, {}
+        for part, share in zip(parts, counts / counts.sum(), strict=True):
+            (_, (ce_m, aux_m, loads_m)), g = d9d.value_and_grad(loss_fn, has_aux=True)(params, part)
+            g = {k: share * v for k, v in g.items()}
+            grads = g if grads is None else {k: grads[k] + g[k] for k in g}
+            ce, aux = ce + share * ce_m, aux + share * aux_m
+            loads = {k: loads.get(k, 0.0) + v for k, v in loads_m.items()}
+        balance = load_balance(torch.stack(list(loads.values())))
+        metrics.append(torch.stack([ce, aux, balance.double()]))
+        biases = update_router_bias(params, loads, rate)
+        updates, state = opt.update(grads, state, params)
+        params = d9d.optim.apply_updates(params, updates)
+        params |= {k: v for k, v in biases.items() if k.endswith("expert_bias")}
+    return torch.stack(metrics), params
+
+
+def _pipeline(**options):
+    return lambda mesh: [d9d.pipeline(mesh, "pp", **options)]
+
+
+# Both blocks MoE, so that each of two pipeline stages holds an MoE layer whose aux loss's
+# gradient crosses the boundary.
+ALL_MOE = {"n_dense_layers": 0}
+
+# (layout, transforms, model overrides)
+LAYOUTS = {
+    "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh, axis="fsdp")], {}),
+    "tp=2": (
+        {"tp": 2},
+        lambda mesh: [d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=False)],
+        {},
+    ),
+    "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh, axis="cp")], {}),
+    "fsdp=2 x cp=2": (
+        {"fsdp": 2, "cp": 2},
+        lambda mesh: [d9d.shard_params(mesh, axis="fsdp"), d9d.context_parallel(mesh)],
+        {},
+    ),
+    "pp=2 gpipe, 1 microbatch": (
+        {"pp": 2},
+        _pipeline(schedule="gpipe", microbatches=1),
+        ALL_MOE,
+    ),
+}
+
+# (layout, microbatches, transforms, model overrides); interleaved: 4 stages, the first dense.
+MICROBATCHED = {
+    "fsdp=2, 2 microbatches": (
+        {"fsdp": 2},
+        2,
+        lambda mesh: [d9d.shard_params(mesh, axis="fsdp", microbatches=2)],
+        ALL_MOE,
+    ),
+    "pp=2 1f1b, 4 microbatches": (
+        {"pp": 2},
+        4,
+        _pipeline(schedule="1f1b", microbatches=4),
+        ALL_MOE,
+    ),
+    "pp=2 x fsdp=2 1f1b, 2 microbatches": (
+        {"pp": 2, "fsdp": 2},
+        2,
+        lambda mesh: [
+            d9d.shard_params(mesh, axis="fsdp"),
+            d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=2),
+        ],
+        ALL_MOE,
+    ),
+    "pp=2 interleaved_1f1b, 2 microbatches": (
+        {"pp": 2},
+        2,
+        _pipeline(schedule="interleaved_1f1b", microbatches=2, virtual_stages=2),
+        {"n_layers": 4, "n_dense_layers": 1},
+    ),
+}
+
+
+def _rank(mesh_axes: dict[str, int], transforms, overrides: dict[str, int]):
     mesh = d9d.make_mesh("cpu", **mesh_axes)
-    model, opt = _model(), _optimizer()
+    model, opt = _model(**overrides), _optimizer()
     step = make_train_step(model, opt)
-    match transform:
-        case "shard_params":
-            step = d9d.shard_params(mesh, axis="fsdp")(step)
-        case "tensor_parallel":
-            step = d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=False)(step)
-        case _:
-            raise ValueError(transform)
+    for transform in transforms(mesh):
+        step = transform(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     metrics = []
     for batch in _batches():
@@ -62,18 +180,71 @@ def _rank(mesh_axes: dict[str, int], transform: str):
     return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
 
 
+def _assert_ranks_equal(ranks, want_metrics, want_params) -> None:
+    for metrics, params in ranks:
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, {k: want_params[k] for k in params}, **PARAM_TOL)
+    assert set().union(*(params for _, params in ranks)) == set(want_params)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("mesh_axes", "transform"),
-    [({"fsdp": 2}, "shard_params"), ({"tp": 2}, "tensor_parallel")],
-)
-def test_transformed_step_equals_one_device(mesh_axes: dict, transform: str) -> None:
-    want_metrics, want_params = _reference()
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_transformed_step_equals_one_device(name: str) -> None:
+    """Metrics (cross entropy, aux loss, load balance) and every param, the router bias
+    included, equal one device's; under a pipeline each rank holds its stage's params."""
+    mesh_axes, transforms, overrides = LAYOUTS[name]
+    want_metrics, want_params = _reference(**overrides)
     bias = "layers.1.mlp.router.expert_bias"
     assert want_params[bias].abs().sum() > 0  # the bias moved
-    for metrics, params in run_on_ranks(_rank, 2, mesh_axes, transform, timeout=300):
-        torch.testing.assert_close(metrics, want_metrics, **TOL)
-        assert_trees_all_close(params, want_params, **TOL)
+    method = "fork" if "pp" in mesh_axes else "thread"  # threads have no point-to-point ops
+    world = math.prod(mesh_axes.values())
+    ranks = run_on_ranks(_rank, world, mesh_axes, transforms, overrides, method=method, timeout=300)
+    _assert_ranks_equal(ranks, want_metrics, want_params)
+
+
+def test_each_microbatch_balances_its_own_tokens() -> None:
+    """The accumulated reference is another objective than the whole batch's: the first
+    step's cross entropy is the same (same params, the global token mean), its aux loss is
+    the microbatches' own, and so every later step differs."""
+    accumulated, _ = _accumulated_reference(2, 2, **ALL_MOE)
+    whole_batch, _ = _reference(**ALL_MOE)
+    torch.testing.assert_close(accumulated[0, 0], whole_batch[0, 0], **TOL)
+    assert not torch.isclose(accumulated[0, 1], whole_batch[0, 1], rtol=1e-3)
+    assert not torch.isclose(accumulated[1:, 0], whole_batch[1:, 0], **TOL).any()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(MICROBATCHED))
+def test_microbatched_step_equals_one_device_accumulating(name: str) -> None:
+    """With microbatches the step equals the accumulation written out on one device."""
+    mesh_axes, microbatches, transforms, overrides = MICROBATCHED[name]
+    data_ranks = mesh_axes.get("fsdp", 1)
+    want_metrics, want_params = _accumulated_reference(microbatches, data_ranks, **overrides)
+    method = "fork" if "pp" in mesh_axes else "thread"
+    world = math.prod(mesh_axes.values())
+    ranks = run_on_ranks(_rank, world, mesh_axes, transforms, overrides, method=method, timeout=300)
+    _assert_ranks_equal(ranks, want_metrics, want_params)
+
+
+def _traffic_rank() -> tuple[dict, dict]:
+    mesh = d9d.make_mesh("cpu", pp=2)
+    model, opt = _model(**ALL_MOE), _optimizer()
+    step = d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=2)(make_train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    comms = step.comms(params, state, _batches()[0])
+    return dict(comms.count), dict(comms.bytes)
+
+
+@pytest.mark.distributed
+def test_stages_pass_the_state_of_the_blocks() -> None:
+    """pp=2, 2 microbatches of 4 x 16 tokens, float64: per microbatch each boundary carries
+    the residual stream [4, 16, 64], the aux loss so far (0-d float64) and the loads [2, 6]
+    (float32) forward, and a grad of each back; no collective beyond the loss's and the
+    clipping norm's all-reduce."""
+    state = 4 * 16 * 64 * 8 + 8 + 2 * 6 * 4
+    for count, nbytes in run_on_ranks(_traffic_rank, 2, method="fork", timeout=300):
+        assert count == {("send", "pp"): 6, ("recv", "pp"): 6, ("all_reduce", "pp"): 2}
+        assert nbytes[("send", "pp")] == nbytes[("recv", "pp")] == 2 * state
 
 
 def _sequence_parallel_rank() -> None:

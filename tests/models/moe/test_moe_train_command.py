@@ -1,15 +1,24 @@
-"""``d9d train --model moe``: trains the MoE decoder and logs its aux loss and load balance."""
+"""``d9d train --model moe``: trains the MoE decoder and logs its aux loss and load balance,
+on one process and under ``--cp``/``--pp`` on forked gloo ranks."""
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from rich.console import Console
 
 from d9d.cli import main
+from d9d.cli._config import TrainConfig
+from d9d.cli._train import train
+from d9d.testing import run_on_ranks
 
 
 def test_train_moe_logs_aux_loss_and_load_balance(
@@ -28,9 +37,52 @@ def test_train_moe_logs_aux_loss_and_load_balance(
     assert re.search(r"aux_loss \d\.\d{4} load_balance \d+\.\d{4}", out), out
 
 
-def test_train_moe_rejects_a_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--model", "moe", "--pp", "2"]) == 2
-    assert "--model moe runs without --pp and --cp" in capsys.readouterr().err
+_RUN = {"model": "moe", "steps": 4, "batch_size": 4, "seq_len": 32}
+
+
+def _records(out: Path, **layout: Any) -> torch.Tensor:
+    """``[steps, 3]``: each step's loss, aux loss and load balance."""
+    config = TrainConfig(out=out, **{**_RUN, **layout})
+    records = train(config, console=Console(file=io.StringIO())).records
+    return torch.tensor([[r["loss"], r["aux_loss"], r["load_balance"]] for r in records])
+
+
+@functools.cache
+def _one_process(tmp: Path) -> torch.Tensor:
+    return _records(tmp)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [{"cp": 2}, {"pp": 2, "schedule": "gpipe", "microbatches": 1}],
+    ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()),
+)
+def test_train_moe_layout_logs_the_metrics_of_one_process(
+    layout: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """float32: the losses, aux losses and load balances of every step equal the one-process
+    run's at rel 1e-5 (ring attention and the stage cut reorder sums)."""
+    expected = _one_process(tmp_path_factory.mktemp("one"))
+    out = tmp_path_factory.mktemp("ranks")
+    for got in run_on_ranks(_records, 2, out, method="fork", timeout=300, **layout):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == _RUN["steps"]
+
+
+@pytest.mark.distributed
+def test_train_moe_pipeline_microbatches_weigh_each_ones_aux_loss(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``--pp 2`` runs 1F1B over 4 microbatches by default: the first step's cross entropy is
+    the one-process run's (same params, the global token mean), its aux loss the mean of the
+    microbatches' own, which differs from the aux loss of the whole batch."""
+    expected = _one_process(tmp_path_factory.mktemp("one"))
+    out = tmp_path_factory.mktemp("ranks")
+    for got in run_on_ranks(_records, 2, out, pp=2, method="fork", timeout=300):
+        torch.testing.assert_close(got[0, 0], expected[0, 0], rtol=1e-5, atol=0)
+        assert not torch.allclose(got[0, 1], expected[0, 1], rtol=1e-3)
+        assert torch.isfinite(got).all() and (got[:, 2] >= 1).all()
 
 
 def test_train_moe_resumes_with_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -54,3 +106,15 @@ def test_plan_shows_a_moe_preset(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "on 2 simulated ranks: fsdp=2" in out
     assert "router.expert_bias" in out and "memory on rank 0 (AdamW" in out
+
+
+def test_plan_shows_moe_pipeline_and_context_parallel_layouts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "--model", "moe", "--preset", "tiny", "--pp", "2", "--rows", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 simulated ranks: pp=2" in out and "10 of 26 params held by rank 0" in out
+    assert main(["plan", "--model", "moe", "--preset", "tiny", "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 simulated ranks: cp=2" in out
+    assert re.search(r"all_to_all\s*│\s*cp", out), out  # ring attention
