@@ -43,17 +43,24 @@ def _reference(**overrides: int):
     return torch.stack(metrics), params
 
 
+def _transform(step, mesh, transform: str):
+    match transform:
+        case "shard_params":
+            return d9d.shard_params(mesh, axis="fsdp")(step)
+        case "tensor_parallel":
+            return d9d.tensor_parallel(mesh, axis="tp")(step)
+        case "tensor_parallel no sp":
+            return d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=False)(step)
+        case "shard_params+tensor_parallel":
+            return d9d.shard_params(mesh, axis="fsdp")(d9d.tensor_parallel(mesh, axis="tp")(step))
+        case _:
+            raise ValueError(transform)
+
+
 def _rank(mesh_axes: dict[str, int], transform: str):
     mesh = d9d.make_mesh("cpu", **mesh_axes)
     model, opt = _model(), _optimizer()
-    step = make_train_step(model, opt)
-    match transform:
-        case "shard_params":
-            step = d9d.shard_params(mesh, axis="fsdp")(step)
-        case "tensor_parallel":
-            step = d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=False)(step)
-        case _:
-            raise ValueError(transform)
+    step = _transform(make_train_step(model, opt), mesh, transform)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     metrics = []
     for batch in _batches():
@@ -65,13 +72,24 @@ def _rank(mesh_axes: dict[str, int], transform: str):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("mesh_axes", "transform"),
-    [({"fsdp": 2}, "shard_params"), ({"tp": 2}, "tensor_parallel")],
+    [
+        ({"fsdp": 2}, "shard_params"),
+        ({"tp": 2}, "tensor_parallel"),
+        ({"tp": 2}, "tensor_parallel no sp"),
+        ({"fsdp": 2, "tp": 2}, "shard_params+tensor_parallel"),
+    ],
+    ids=["fsdp=2", "tp=2", "tp=2 no sp", "fsdp=2 x tp=2"],
 )
 def test_transformed_step_equals_one_device(mesh_axes: dict, transform: str) -> None:
+    """Under tp=2 the shared experts are column/row-parallel and the routed experts whole;
+    with sequence parallelism (the default) each rank routes its half of every sequence."""
     want_metrics, want_params = _reference()
     bias = "layers.1.mlp.router.expert_bias"
     assert want_params[bias].abs().sum() > 0  # the bias moved
-    for metrics, params in run_on_ranks(_rank, 2, mesh_axes, transform, timeout=300):
+    world = 1
+    for size in mesh_axes.values():
+        world *= size
+    for metrics, params in run_on_ranks(_rank, world, mesh_axes, transform, timeout=300):
         torch.testing.assert_close(metrics, want_metrics, **TOL)
         assert_trees_all_close(params, want_params, **TOL)
 
