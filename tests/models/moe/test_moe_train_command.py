@@ -54,3 +54,13 @@ def test_plan_shows_a_moe_preset(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "on 2 simulated ranks: fsdp=2" in out
     assert "router.expert_bias" in out and "memory on rank 0 (AdamW" in out
+
+
+def test_plan_shards_the_shared_experts_over_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "moe", "--preset", "tiny", "--tp", "2", "--rows", "60"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 4}
+    assert "tp:S(0)" in rows["layers.1.mlp.shared.w_gate.weight"]
+    assert "tp:S(1)" in rows["layers.1.mlp.shared.w_down.weight"]
+    assert "tp:S" not in rows["layers.1.mlp.experts.w_gate"]
+    assert "tp:S" not in rows["layers.1.mlp.router.weight"]
