@@ -41,12 +41,19 @@ class StepContext:
         defer_reduction: Gathered params' backward leaves grads unreduced (``Partial``), as
             while accumulating microbatches; the accumulation reduces them once.
         token_counts: While a loss's token counts are collected, the list they go to.
+        sequence_groups: While a position-wise module runs on this rank's part of each
+            sequence (``Structure.position_wise``; set by the runtime that split it), the
+            ``(process group name, ranks)`` of each axis whose ranks hold the other parts.
+            Unlike ``plan.token_groups`` these ranks all compute the same loss and sum their
+            grads: a module sums its statistics over them and returns per-token terms as
+            this rank's share (``d9d.moe`` does).
     """
 
     plan: Plan
     runtimes: tuple[Runtime, ...] = ()
     defer_reduction: bool = False
     token_counts: list[torch.Tensor] | None = None
+    sequence_groups: tuple[tuple[str, int], ...] = ()
 
 
 class _State(threading.local):

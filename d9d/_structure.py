@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Axes", "Block", "Slot", "Structure", "structure_of"]
+from . import hf
+
+__all__ = ["Axes", "Block", "Slot", "Structure", "position_wise_paths", "structure_of"]
 
 Axes = tuple[str | None, ...]
 """Logical axis names of one param, one per tensor dim; ``None`` names no axis."""
@@ -83,6 +85,8 @@ class Structure:
         paths: ``{id(module): path}``, the inverse of ``modules``.
         positions_keyword: The keyword under which ``module.forward`` takes token positions
             (``positions`` or ``position_ids``), if any.
+        position_wise: Paths of the modules declared to compute each position on its own
+            (see :func:`position_wise_paths`), outermost first.
     """
 
     module: nn.Module
@@ -95,6 +99,7 @@ class Structure:
     modules: dict[str, nn.Module]
     paths: dict[int, str]
     positions_keyword: str | None
+    position_wise: tuple[str, ...] = ()
 
     def canonical(self, key: str) -> str:
         """The path under which the param at ``key`` is stored (its own unless tied)."""
@@ -158,8 +163,22 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
             ),
             None,
         ),
+        position_wise=position_wise_paths(module),
     )
     return structure, params, buffers
+
+
+def position_wise_paths(module: nn.Module) -> tuple[str, ...]:
+    """Paths of the modules under ``module`` declared *position-wise*: each position of their
+    output depends on that position of their input only (an MLP, a dropless MoE layer; not
+    attention), apart from statistics the module sums over ranks itself (through
+    ``d9d._context``). A module declares it with an attribute ``position_wise = True`` (a
+    class attribute, or one set per instance, e.g. ``d9d.moe.MoE`` when it drops no
+    token); a Hugging Face family's modules get it from ``d9d.hf``. Transforms may then run
+    such a module on part of each sequence (``tensor_parallel``'s sequence parallelism)."""
+    declared = {p for p, m in module.named_modules() if getattr(m, "position_wise", False) is True}
+    declared.update(hf.position_wise_for(module))
+    return tuple(p for p, _ in module.named_modules() if p in declared)
 
 
 def block_paths(module: nn.Module) -> list[tuple[str, nn.Module]]:

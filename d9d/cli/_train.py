@@ -277,8 +277,8 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     if "dp" in axes or "fsdp" in axes:
         shard_axis = "fsdp" if "fsdp" in axes else None
         step = shard_params(mesh, shard_axis, replicate_axis="dp" if "dp" in axes else None)(step)
-    if sizes["tp"] > 1:  # MoE layers' replicated experts run on whole sequences (docs/moe.md)
-        step = tensor_parallel(mesh, sequence_parallel=config.model != "moe")(step)
+    if sizes["tp"] > 1:
+        step = tensor_parallel(mesh)(step)
     if sizes["cp"] > 1:
         step = context_parallel(mesh)(step)
     if sizes["pp"] > 1:

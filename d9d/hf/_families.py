@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["FAMILIES"]
+__all__ = ["FAMILIES", "POSITION_WISE"]
 
 Rules = Mapping[str, tuple[str | None, ...]]
 
@@ -94,3 +94,17 @@ FAMILIES: Mapping[str, Rules] = MappingProxyType(
     }
 )
 """``{model_type: {path regex: logical axes}}`` of every family d9d has rules for."""
+
+# The sparse MoE blocks route each token on its own (top-k of its own router logits, no
+# capacity, no jitter at the default router_jitter_noise=0.0), so tensor_parallel's sequence
+# parallelism may run them, experts replicated, on each rank's part of the sequence. Their
+# router logits, which transformers' own aux loss reads, then hold those positions only
+# (tensor_parallel refuses output_router_logits under sequence parallelism).
+POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "qwen3_moe": ("Qwen3MoeSparseMoeBlock",),
+        "mixtral": ("MixtralSparseMoeBlock",),
+    }
+)
+"""``{model_type: class names}`` of the modules of a family that compute each position on
+its own (see ``d9d._structure.position_wise_paths``)."""

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
-from ._families import FAMILIES
+from ._families import FAMILIES, POSITION_WISE
 
-__all__ = ["axes_for", "family_of", "is_hf_model"]
+__all__ = ["axes_for", "family_of", "is_hf_model", "position_wise_for"]
 
 _TRANSFORMERS = "transformers."
 _MODELING = re.compile(r"^transformers\.models\.(\w+)\.modeling_\w+$")
@@ -83,6 +83,20 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
     rules = dict(FAMILIES.get(family, {}))
     rules.update(_norm_rules(module))
     return {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
+
+
+def position_wise_for(module: Any) -> tuple[str, ...]:
+    """Paths of the modules of a Hugging Face model that its family's entry in
+    :data:`d9d.hf.POSITION_WISE` declares position-wise (their class named there); ``()`` for
+    any other module.
+
+    Example:
+        >>> position_wise_for(nn.Linear(2, 2))
+        ()
+    """
+    module = getattr(module, "module", module)
+    names = POSITION_WISE.get(family_of(module) or "", ())
+    return tuple(p for p, m in module.named_modules() if type(m).__name__ in names)
 
 
 def _norm_rules(module: nn.Module) -> dict[str, tuple[str | None, ...]]:

@@ -6,6 +6,12 @@ mesh axis on which ranks hold different tokens (``plan.token_groups``: the data 
 ``cp``), with one all-reduce per axis, so a layout equals one device fed the whole batch. Per
 token means follow :func:`d9d.losses.token_mean`: a rank returns its sum times the number of
 those ranks over the global count, and the step's mean over ranks is the global mean.
+
+Under ``tensor_parallel``'s sequence parallelism the layer also runs on part of each
+sequence, the other parts on the ranks of the step context's ``sequence_groups`` (the ``tp``
+axis), which compute the same loss and sum their grads: the counts are summed over those
+ranks too, a rank's per-token sums are its share of the whole (no factor for those ranks),
+and :func:`sequence_sum` completes the aux loss's value while its grad stays the share.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ __all__ = [
     "data_mean",
     "global_load",
     "load_balance",
+    "sequence_sum",
     "update_router_bias",
 ]
 
@@ -34,7 +41,9 @@ _c10d = torch.ops._c10d_functional
 
 def global_load(expert_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, int]:
     """``(load [E] float32, tokens 0-d float32, ranks)``: the choices per expert and the tokens,
-    summed over the ranks holding other tokens (one all-reduce per data axis)."""
+    summed over the ranks holding other tokens (one all-reduce per data axis and per axis of
+    ``sequence_groups``); ``ranks`` counts those of the data axes, over which grads are
+    averaged."""
     flat = expert_ids.reshape(-1)
     counts = torch.zeros(n_experts + 1, dtype=torch.float32, device=flat.device)
     counts = counts.index_add(0, flat, torch.ones_like(flat, dtype=torch.float32))
@@ -44,7 +53,28 @@ def global_load(expert_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, int
     for group, size in step.plan.token_groups if step is not None else ():
         counts = _c10d.wait_tensor(_c10d.all_reduce(counts, "sum", group))
         ranks *= size
+    for group, _ in step.sequence_groups if step is not None else ():
+        counts = _c10d.wait_tensor(_c10d.all_reduce(counts, "sum", group))
     return counts[:n_experts], counts[n_experts], ranks
+
+
+def sequence_sum(value: Tensor) -> Tensor:
+    """The sum of a rank's share ``value`` of a per-token term over the ranks of the step
+    context's ``sequence_groups`` (identity when there are none), whose grad is the share's
+    own: every one of those ranks adds the whole term to the same loss and their grads are
+    summed.
+
+    Example:
+        >>> sequence_sum(torch.tensor(2.0))
+        tensor(2.)
+    """
+    step = current()
+    if step is None or not step.sequence_groups:
+        return value
+    total = value.detach()
+    for group, _ in step.sequence_groups:
+        total = _c10d.wait_tensor(_c10d.all_reduce(total, "sum", group))
+    return total + (value - value.detach())  # the value of total, the grad of value
 
 
 def data_mean(value: Tensor) -> Tensor:

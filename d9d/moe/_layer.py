@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import grouped_gemm, moe_permute, moe_unpermute, swiglu
-from ._balance import balance_losses, global_load
+from ._balance import balance_losses, global_load, sequence_sum
 from ._config import MoEConfig
 from ._routing import route
 
@@ -85,7 +85,14 @@ class MoE(nn.Module):
     [E]`` (with ``bias_update_rate > 0``), ``experts.w_gate``/``experts.w_up [E, dim,
     expert_dim]``, ``experts.w_down [E, expert_dim, dim]``, ``shared.w_{gate,up,down}.weight``
     (with shared experts). :attr:`logical_axes` names their dims: ``experts``,
-    ``expert_mlp`` and ``embed`` (``tensor_parallel`` replicates the first two).
+    ``expert_mlp`` and ``embed`` for the router and routed experts (``tensor_parallel``
+    replicates the first two), ``mlp`` and ``embed`` for the shared experts (sharded by
+    ``tensor_parallel`` like a dense MLP).
+
+    A dropless layer (``capacity_factor=None``) is *position-wise* (:attr:`position_wise`):
+    each token's output depends on that token only, given the global loads, which the layer
+    sums over the ranks of the step context's ``sequence_groups`` itself. So
+    ``tensor_parallel``'s sequence parallelism runs it on each rank's part of the sequence.
 
     The forward never mutates the bias: it returns the global expert load, and the training
     step updates the bias functionally with :func:`d9d.moe.update_router_bias`.
@@ -107,13 +114,15 @@ class MoE(nn.Module):
         r"^router\.expert_bias$": ("experts",),
         r"^experts\.w_(gate|up)$": ("experts", "embed", "expert_mlp"),
         r"^experts\.w_down$": ("experts", "expert_mlp", "embed"),
-        r"^shared\.w_(gate|up)\.weight$": ("expert_mlp", "embed"),
-        r"^shared\.w_down\.weight$": ("embed", "expert_mlp"),
+        r"^shared\.w_(gate|up)\.weight$": ("mlp", "embed"),
+        r"^shared\.w_down\.weight$": ("embed", "mlp"),
     }
 
     def __init__(self, config: MoEConfig, *, device: _Device = None) -> None:
         super().__init__()
         self.config = config
+        # A capacity caps each expert per call in token order: the tokens of one call compete.
+        self.position_wise = config.capacity_factor is None
         self.router = Router(config, device=device)
         self.experts = Experts(config, device=device)
         self.shared = SharedExperts(config, device=device) if config.shared_dim else None
@@ -152,7 +161,7 @@ class MoE(nn.Module):
         routing = route(logits, self.config, self.router.expert_bias)
         load, tokens, ranks = global_load(routing.expert_ids, self.config.n_experts)
         aux_loss = balance_losses(logits, routing, load, tokens, ranks, self.config)
-        out = self.dispatch(flat, routing.expert_ids, routing.weights)
+        out = self.dispatch(flat, routing.expert_ids, routing.weights).view_as(x)
         if self.shared is not None:
-            out = out + self.shared(flat)
-        return MoEOutput(out.view_as(x), aux_loss, load)
+            out = out + self.shared(x)  # x, not flat: tensor_parallel gathers its sequence dim
+        return MoEOutput(out, sequence_sum(aux_loss), load)

@@ -1,5 +1,6 @@
 """Checkpoints of steps placed by real transforms: ``tensor_parallel`` x ``shard_params``
-(fsdp shards dim 1 of column-parallel weights) restore bitwise under other layouts."""
+(fsdp shards dim 1 of column-parallel weights), and the MoE decoder under ``tensor_parallel``,
+restore bitwise under other layouts."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import d9d
 from d9d import checkpoint
-from d9d.models import Llama, LlamaConfig
+from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.testing import assert_trees_all_equal, run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -63,4 +65,36 @@ def test_fsdp2_x_tp2_restores_under_fsdp4_and_one_device(tmp_path: Path) -> None
     run_on_ranks(restore, 4)
     _, whole = _state()
     meta = d9d.tree.map(lambda x: torch.empty_like(x, device="meta"), whole)
+    assert_trees_all_equal(checkpoint.restore(tmp_path / "step_1", meta), whole)
+
+
+def _moe_placed(layout: dict[str, int]) -> dict:
+    mesh = d9d.make_mesh("cpu", **layout)
+    model = d9d.functionalize(MoE(MoEConfig.tiny()))
+    transform = d9d.tensor_parallel(mesh) if "tp" in layout else d9d.shard_params(mesh, "fsdp")
+    params, _ = transform(_identity).place(model.params, {}, model=model)
+    return params
+
+
+def test_moe_saved_under_tp2_restores_under_fsdp2_and_one_device(tmp_path: Path) -> None:
+    """The shared experts are column/row-parallel over tp, the routed experts whole."""
+
+    def save() -> None:
+        params = _moe_placed({"tp": 2})
+        assert params["layers.1.mlp.shared.w_down.weight"].placements == (Shard(1),)
+        checkpoint.save(tmp_path, params, step=1).wait()
+
+    run_on_ranks(save, 2)
+
+    def restore() -> None:
+        expected = _moe_placed({"fsdp": 2})
+        target = {k: torch.zeros_like(v) for k, v in expected.items()}
+        restored = checkpoint.restore(tmp_path / "step_1", target)
+        for key, want in expected.items():
+            assert restored[key].placements == want.placements
+            assert_trees_all_equal(restored[key].to_local(), want.to_local())
+
+    run_on_ranks(restore, 2)
+    whole = d9d.functionalize(MoE(MoEConfig.tiny())).params
+    meta = {k: torch.empty_like(v, device="meta") for k, v in whole.items()}
     assert_trees_all_equal(checkpoint.restore(tmp_path / "step_1", meta), whole)

@@ -18,6 +18,7 @@ from d9d.cli._config import TrainConfig
 from d9d.cli._train import train
 from d9d.errors import RankFailedError
 from d9d.testing import run_on_ranks
+from d9d.transforms.tensor_parallel import TensorParallel
 
 pytestmark = pytest.mark.distributed
 
@@ -30,8 +31,8 @@ def _losses(out: Path, **layout: Any) -> list[float]:
 
 
 @functools.cache
-def _one_process(tmp: Path) -> list[float]:
-    return _losses(tmp)
+def _one_process(tmp: Path, model: str = "llama") -> list[float]:
+    return _losses(tmp, model=model)
 
 
 @pytest.mark.parametrize(
@@ -42,18 +43,27 @@ def _one_process(tmp: Path) -> list[float]:
         {"pp": 2},
         {"pp": 2, "schedule": "gpipe", "microbatches": 2, "fsdp": 2},
         {"dp": 2, "tp": 2},
+        {"model": "moe", "tp": 2},  # sequence parallel: each rank routes half of each sequence
     ],
     ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()),
 )
 def test_layout_trains_like_one_process(
     layout: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    expected = _one_process(tmp_path_factory.mktemp("one"))
+    expected = _one_process(tmp_path_factory.mktemp("one"), layout.get("model", "llama"))
     world = math.prod(v for k, v in layout.items() if k in ("dp", "fsdp", "tp", "cp", "pp"))
     out = tmp_path_factory.mktemp("ranks")
     for losses in run_on_ranks(_losses, world, out, method="fork", timeout=300, **layout):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == _RUN["steps"]
+
+
+def test_moe_runs_tensor_parallel_with_sequence_parallelism() -> None:
+    def rank() -> list[bool]:
+        step = _train._parallel(TrainConfig(model="moe", tp=2), lambda p, s, b: (p, s, {}))
+        return [t.sequence_parallel for t in step.transforms if isinstance(t, TensorParallel)]
+
+    assert run_on_ranks(rank, 2) == [[True], [True]]
 
 
 def test_layout_must_fill_the_job(tmp_path: Path) -> None:

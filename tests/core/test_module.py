@@ -115,6 +115,26 @@ def test_declared_logical_axes_are_relative_and_deepest_first() -> None:
     assert user.axes["block.proj.weight"] == ("a", "b")
 
 
+def test_position_wise_modules_are_those_declaring_it_outermost_first() -> None:
+    class Mixer(nn.Module):
+        def __init__(self, position_wise: bool) -> None:
+            super().__init__()
+            self.position_wise = position_wise  # per instance
+            self.inner = Inner()
+
+    class Inner(nn.Module):
+        position_wise: ClassVar = True  # per class
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Mixer(True), Mixer(False)])
+
+    structure = d9d.functionalize(Net()).structure
+    assert structure.position_wise == ("layers.0", "layers.0.inner", "layers.1.inner")
+    assert d9d.functionalize(nn.Linear(2, 2)).structure.position_wise == ()
+
+
 def test_buffers_are_passed_and_restored() -> None:
     class Shift(nn.Module):
         def __init__(self) -> None:

@@ -26,9 +26,11 @@ LAYOUTS = {
     "pp=2": ({"pp": 2}, lambda mesh: [d9d.pipeline(mesh, microbatches=2)]),
 }
 
-# Families whose blocks tensor_parallel runs replicated (fused or Conv1D projections kept whole,
-# routed experts replicated): no sequence parallelism, which would split their attention.
-WHOLE_BLOCKS_ON_TP = ("phi3", "gpt2", "qwen3_moe", "mixtral")
+# Families whose blocks tensor_parallel runs replicated (fused or Conv1D projections kept whole):
+# no sequence parallelism, which would split their attention. The MoE families' routed experts
+# are whole on tp too, but their MoE blocks are position-wise (d9d.hf.POSITION_WISE): each rank
+# routes its positions, so they run with sequence parallelism.
+WHOLE_BLOCKS_ON_TP = ("phi3", "gpt2")
 # Gemma's norms scale by (1 + weight) in float32, so their weight grads are float32 sums whose
 # order differs with the layout: rel 1e-5 (tests/distributed/test_shard_params.py, the same).
 F32_NORM_GRADS = ("gemma", "gemma2")
@@ -79,6 +81,29 @@ def test_sequence_parallelism_over_whole_blocks_is_refused(family: str) -> None:
 
     with pytest.raises(
         RankFailedError, match=r"PlanError: module '.*' holds '.*' whole on 'tp' and no sharded"
+    ):
+        run_on_ranks(rank, 2)
+
+
+@pytest.mark.parametrize(("family", "source"), [("qwen3_moe", "call"), ("mixtral", "config")])
+def test_router_logits_are_refused_under_sequence_parallelism(family: str, source: str) -> None:
+    """Each rank's MoE blocks route its S / tp positions, so the router logits transformers
+    builds its aux loss from would be the rank's own. Asked for in the call or the config."""
+    make = build(family, output_router_logits=source == "config")
+
+    def rank() -> None:
+        model = make()
+        step = d9d.tensor_parallel(d9d.make_mesh("cpu", tp=2))(
+            lambda p, s, b: (p, s, {"out": model.apply(p, b["tokens"], **asked)})
+        )
+        params, state = step.place(model.params, (), model=model)
+        step(params, state, data(1)[0])
+
+    asked = {"output_router_logits": True} if source == "call" else {}
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: the model is asked for its router logits \(output_router_logits=True\), "
+        r"but under sequence parallelism its position-wise module 'model\.layers\.0\.mlp'",
     ):
         run_on_ranks(rank, 2)
 

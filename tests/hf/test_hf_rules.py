@@ -46,6 +46,20 @@ def test_fused_projections_stay_whole_and_experts_replicated() -> None:
     assert moe["model.layers.0.mlp.gate.weight"] == ("experts", "embed")
 
 
+def test_moe_blocks_are_position_wise_and_nothing_else() -> None:
+    for family in FAMILIES:
+        paths = build(family)().structure.position_wise
+        if family in d9d.hf.POSITION_WISE:
+            assert paths == ("model.layers.0.mlp", "model.layers.1.mlp"), family
+        else:
+            assert paths == (), family
+    assert d9d.hf.position_wise_for(build("mixtral")()) == (
+        "model.layers.0.mlp",
+        "model.layers.1.mlp",
+    )
+    assert d9d.hf.position_wise_for(nn.Linear(2, 2)) == ()
+
+
 def test_rules_given_with_axes_win_and_the_others_stay() -> None:
     module = build("llama")().module
     model = d9d.functionalize(module, axes={r"q_proj\.weight$": ("embed", "embed")})

@@ -1,11 +1,13 @@
 """What ``tensor_parallel`` checks before it runs a model: that every param sharded over its
-axis belongs to a module it knows how to run on a shard, that head counts divide, and that
-no loss needs the whole logits it leaves sharded."""
+axis belongs to a module it knows how to run on a shard, that a module given its input whole
+holds no weight whose grad that would count twice, that only position-wise modules run on part
+of the sequence, that head counts divide, and that no loss needs the whole logits (or router
+logits) it leaves sharded."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -16,7 +18,14 @@ from ..._structure import Structure
 from ...errors import IndivisibleError, PlanError
 from ._layout import ActivationLayout
 
-__all__ = ["check_embedding", "check_heads", "check_modules", "check_own_loss", "check_region"]
+__all__ = [
+    "check_embedding",
+    "check_heads",
+    "check_modules",
+    "check_own_loss",
+    "check_region",
+    "check_router_logits",
+]
 
 
 def check_embedding(path: str, module: nn.Embedding) -> None:
@@ -47,10 +56,63 @@ def check_modules(
     layout: ActivationLayout,
 ) -> None:
     """Raise, before any collective, for params the runtime cannot lay out: see
-    :func:`_check_sharded` and :func:`_check_sequence_regions`."""
+    :func:`_check_sharded`, :func:`_check_whole_beside_sharded` and
+    :func:`_check_sequence_regions`."""
     _check_sharded(structure, entries, layout)
+    _check_whole_beside_sharded(structure, regions, entries, layout)
     if layout.sequence_parallel:
         _check_sequence_regions(structure, regions, entries, layout)
+
+
+def _whole_weights(
+    structure: Structure,
+    regions: Mapping[str, tuple[str, ...]],
+    entries: Mapping[str, ParamPlan],
+    layout: ActivationLayout,
+) -> Iterator[tuple[str, str, set[int]]]:
+    """``(region, param path, dims)`` of each weight (2 dims or more) whole on the axis inside
+    a region, ``dims`` the dims on which the region's linear weights are sharded (0: it holds
+    a column-parallel linear, 1: a row-parallel one)."""
+
+    def placement(key: str) -> Any:
+        entry = entries.get(structure.canonical(key))
+        return entry.compute[layout.index] if entry is not None else None
+
+    for slot in structure.slots:
+        parts = slot.key.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+        region = next((p for p in prefixes if p in regions), None)
+        entry = entries.get(structure.canonical(slot.key)) if slot.is_param else None
+        if region is None or entry is None or len(entry.shape) < 2:
+            continue
+        if isinstance(placement(slot.key), Shard):
+            continue
+        linears = (placement(f"{linear}.weight") for linear in regions[region])
+        yield region, slot.key, {p.dim for p in linears if isinstance(p, Shard)}
+
+
+def _check_whole_beside_sharded(
+    structure: Structure,
+    regions: Mapping[str, tuple[str, ...]],
+    entries: Mapping[str, ParamPlan],
+    layout: ActivationLayout,
+) -> None:
+    """A region holding column-parallel linears gets its input whole on every rank and its
+    input grad summed over the axis: right for what the sharded linears compute, ``tp`` times
+    too much for a weight whole on the axis beside them. Raise for such a weight."""
+    for region, key, dims in _whole_weights(structure, regions, entries, layout):
+        if 0 not in dims:
+            continue
+        raise PlanError(
+            f"module {region!r} holds column-parallel linears and {key!r} whole on "
+            f"{layout.axis!r}: tensor_parallel gives the module its input whole and sums its "
+            f"input grad over {layout.axis!r}, which would count the input grad through that "
+            f"weight {layout.size} times; shard it too, keep the module's linears whole (logical axes "
+            "that map to no mesh axis), or, if the module computes each position on its own, "
+            "declare it position-wise (an attribute position_wise = True) so that its children "
+            "holding the sharded linears get their input whole instead (d9d.moe.MoE declares "
+            "it when it drops no token: capacity_factor=None)"
+        )
 
 
 def _check_sequence_regions(
@@ -60,32 +122,44 @@ def _check_sequence_regions(
     layout: ActivationLayout,
 ) -> None:
     """Under sequence parallelism a region with no sharded linear runs on ``S / tp``
-    positions: right for a norm, wrong for attention or a head. Raise for a weight (2 dims
-    or more) whole on the axis in such a region."""
-
-    def sharded(key: str) -> bool:
-        entry = entries.get(structure.canonical(key))
-        return entry is not None and isinstance(entry.compute[layout.index], Shard)
-
-    for slot in structure.slots:
-        parts = slot.key.split(".")
-        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
-        region = next((p for p in prefixes if p in regions), None)
-        entry = entries.get(structure.canonical(slot.key)) if slot.is_param else None
-        if (
-            region is None
-            or entry is None
-            or len(entry.shape) < 2
-            or sharded(slot.key)
-            or any(sharded(f"{linear}.weight") for linear in regions[region])
-        ):
+    positions: right for a norm or a position-wise module (``Structure.position_wise``),
+    wrong for attention or a head. Raise for a weight (2 dims or more) whole on the axis in
+    such a region, outside every position-wise module."""
+    position_wise = tuple(p + "." for p in structure.position_wise)
+    for region, key, dims in _whole_weights(structure, regions, entries, layout):
+        if dims or key.startswith(position_wise):
             continue
         raise PlanError(
-            f"module {region!r} holds {slot.key!r} whole on {layout.axis!r} and no sharded "
+            f"module {region!r} holds {key!r} whole on {layout.axis!r} and no sharded "
             "nn.Linear, so under sequence parallelism it would run on this rank's "
             f"S / {layout.size} positions only (wrong for attention, or for a head whose loss "
-            "the ranks do not sum); shard its linears (logical axes heads, mlp, vocab) or use "
-            "tensor_parallel(..., sequence_parallel=False)"
+            "the ranks do not sum); shard its linears (logical axes heads, mlp, vocab), declare "
+            "the module position-wise if it computes each position on its own (an attribute "
+            "position_wise = True), or use tensor_parallel(..., sequence_parallel=False)"
+        )
+
+
+def check_router_logits(
+    structure: Structure, layout: ActivationLayout, kwargs: Mapping[str, Any]
+) -> None:
+    """Raise when a Hugging Face MoE model is asked for its router logits (from which
+    ``transformers`` computes its own aux loss) while sequence parallelism runs its
+    position-wise MoE blocks on ``S / tp`` positions: each rank would get its positions'."""
+    if not layout.sequence_parallel or not structure.position_wise:
+        return
+    config = getattr(structure.module, "config", None)
+    asked = kwargs.get("output_router_logits")
+    if asked is None:
+        asked = getattr(config, "output_router_logits", False)
+    if asked is True:
+        raise PlanError(
+            f"the model is asked for its router logits (output_router_logits=True), but "
+            f"under sequence parallelism its position-wise module "
+            f"{structure.position_wise[0]!r} runs on this rank's S / {layout.size} positions "
+            "only, so its router logits, and the aux loss transformers computes from them, "
+            "would be this rank's; call it with output_router_logits=False (d9d.moe's layers "
+            "sum their statistics over the ranks themselves), or use tensor_parallel(..., "
+            "sequence_parallel=False)"
         )
 
 

@@ -18,6 +18,11 @@ linear outside any block (the output head).
 - With sequence parallelism the first block slices the residual stream over the sequence
   (dim 1): model code between the embedding and the blocks (masks and positions) sees the
   whole sequence, and every block after it sees ``S / tp`` positions.
+- A block child the model declares position-wise (``Structure.position_wise``: an MoE layer)
+  is no region itself: it runs on the input it gets, and its children are regions instead
+  (its shared experts gather their input, its routed experts and router do not). Under
+  sequence parallelism it runs on ``S / tp`` positions, with the step context's
+  ``sequence_groups`` naming the axis, over which it sums its statistics.
 """
 
 from __future__ import annotations
@@ -30,11 +35,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
+from ..._context import current
 from ..._plan import Plan
 from ..._runtime import ApplyCall, Interception, Runtime, replace_activation
 from ..._structure import Structure, block_paths
 from ...errors import PlanError
-from ._checks import check_embedding, check_heads, check_modules, check_own_loss, check_region
+from ._checks import (
+    check_embedding,
+    check_heads,
+    check_modules,
+    check_own_loss,
+    check_region,
+    check_router_logits,
+)
 from ._layout import ActivationLayout
 
 __all__ = ["TensorParallelRuntime"]
@@ -49,6 +62,7 @@ class _Roles:
     rows: tuple[str, ...]
     heads: tuple[str, ...]
     embeddings: tuple[str, ...]
+    split: tuple[str, ...]  # position-wise modules that run on the rank's positions (SP)
 
 
 @dataclass(eq=False)
@@ -70,6 +84,7 @@ class TensorParallelRuntime(Runtime):
     def __init__(self, layout: ActivationLayout, plan: Plan) -> None:
         self.layout = layout
         self.plan = plan
+        self._sequence_groups = ((layout.mesh.get_group().group_name, layout.size),)
         # Per model structure (held, so that its id is not reused), found on its first apply.
         self._roles: dict[int, tuple[Structure, _Roles]] = {}
 
@@ -87,7 +102,7 @@ class TensorParallelRuntime(Runtime):
         return found
 
     def _checked_roles(self, structure: Structure) -> _Roles:
-        regions = _regions(structure.module)
+        regions = _regions(structure.module, structure.position_wise)
         check_modules(structure, regions, self.plan.entries, self.layout)
         check_heads(structure.module, self.layout)
         return self._find_roles(structure, regions)
@@ -120,12 +135,24 @@ class TensorParallelRuntime(Runtime):
             if isinstance(module, nn.Embedding) and self._embedding_sharded(structure, path):
                 check_embedding(path, module)
                 embeddings.append(path)
+        # Position-wise modules in blocks that get their input as it comes: sequence-sharded
+        # under sequence parallelism (not those inside a region that gathers it whole).
+        blocks = tuple(b.path + "." for b in structure.blocks)
+        gathered = tuple(column_regions)
+        split = [
+            p
+            for p in structure.position_wise
+            if p.startswith(blocks)
+            and not any(p == r or p.startswith(r + ".") for r in gathered)
+            and not any(p.startswith(q + ".") for q in structure.position_wise)
+        ]
         return _Roles(
             modules=modules,
             column_regions=tuple(column_regions),
             rows=tuple(p for p in linears if role(p) == "row"),
             heads=tuple(p for p in linears if p in regions and role(p) == "column"),
             embeddings=tuple(embeddings),
+            split=tuple(split),
         )
 
     def _embedding_sharded(self, structure: Structure, path: str) -> bool:
@@ -144,6 +171,7 @@ class TensorParallelRuntime(Runtime):
     def enter_apply(self, call: ApplyCall) -> None:
         roles = self.roles(call.structure)
         check_own_loss(list(roles.heads), self.layout, call.kwargs)
+        check_router_logits(call.structure, self.layout, call.kwargs)
         state = _Call(call, self.layout, roles.modules)
         for block in call.structure.blocks:
             call.intercept(block.path, Interception(enter=functools.partial(_enter_block, state)))
@@ -153,6 +181,10 @@ class TensorParallelRuntime(Runtime):
                 call.intercept(owner, Interception(enter=enter))
         for path in roles.column_regions:
             call.intercept(path, Interception(enter=functools.partial(_enter_region, state, path)))
+        if self.layout.sequence_parallel:
+            around = functools.partial(_around_split, state, self._sequence_groups)
+            for path in roles.split:
+                call.intercept(path, Interception(around=around))
         for path in roles.embeddings:
             call.intercept(
                 path,
@@ -211,6 +243,22 @@ def _enter_root_owner(state: _Call, path: str, args: Any, kwargs: Any) -> None:
             )
 
 
+def _around_split(
+    state: _Call, groups: tuple[tuple[str, int], ...], forward: Any, args: Any, kwargs: Any
+) -> Any:
+    """Run a position-wise module on this rank's positions, with ``groups`` (the axis) in the
+    step context's ``sequence_groups`` for the length of its forward."""
+    step = current()
+    if step is None or not state.sequence_sharded:
+        return forward(*args, **kwargs)
+    previous = step.sequence_groups
+    step.sequence_groups = previous + groups
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        step.sequence_groups = previous
+
+
 def _enter_region(state: _Call, path: str, args: Any, kwargs: Any) -> tuple[Any, Any]:
     layout = state.layout
     return replace_activation(
@@ -263,16 +311,25 @@ def _local_row(row: int | None, first: int, count: int) -> int | None:
     return row - first if row is not None and first <= row < first + count else None
 
 
-def _regions(module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Tensor-parallel regions, each with the linears inside it: every child of a block, and
-    every linear outside blocks."""
+def _regions(module: nn.Module, position_wise: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Tensor-parallel regions, each with the linears inside it: every child of a block (one
+    declared position-wise replaced by its children, recursively), and every linear outside
+    blocks."""
     blocks = block_paths(module)
     linears = [p for p, m in module.named_modules() if isinstance(m, nn.Linear)]
     regions: dict[str, tuple[str, ...]] = {}
+
+    def add(path: str, child: nn.Module) -> None:
+        children = list(child.named_children())
+        if path in position_wise and children:
+            for name, grandchild in children:
+                add(f"{path}.{name}", grandchild)
+            return
+        regions[path] = tuple(p for p in linears if p == path or p.startswith(path + "."))
+
     for block_path, block in blocks:
-        for name, _ in block.named_children():
-            child = f"{block_path}.{name}"
-            regions[child] = tuple(p for p in linears if p == child or p.startswith(child + "."))
+        for name, child in block.named_children():
+            add(f"{block_path}.{name}", child)
     in_blocks = tuple(p + "." for p, _ in blocks)
     regions.update({p: (p,) for p in linears if not p.startswith(in_blocks)})
     return regions

@@ -36,7 +36,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "vocab": "tp",
     "embed": None,
     "head_dim": None,
-    "experts": None,  # MoE routed experts, router and shared experts: replicated over tp
+    "experts": None,  # MoE routed experts and router: replicated over tp (shared experts: mlp)
     "expert_mlp": None,
 }
 """Logical axis -> mesh axis (``"tp"`` stands for the transform's axis; None: replicated)."""
@@ -168,7 +168,12 @@ def tensor_parallel(
     global padding row (the only row whose gradient is zero).
 
     Works on any model whose linears and embeddings have logical axes: the d9d Llama declares
-    them; give a Hugging Face model path rules with ``functionalize(module, axes=...)``.
+    them; give a Hugging Face model path rules with ``functionalize(module, axes=...)``. A
+    module declared position-wise (``position_wise = True``: a dropless ``d9d.moe.MoE``) keeps
+    the input it gets, so its weights whole on the axis (routed experts, router) run on the
+    rank's ``S / tp`` positions under sequence parallelism, their grads summed over the axis,
+    while its children with sharded linears (shared experts) gather their input as a dense
+    MLP does.
     Composes with ``shard_params`` (which then shards another dim of each weight).
 
     Args:
@@ -185,10 +190,12 @@ def tensor_parallel(
         PlanError: ``axis`` is not on the mesh; when placing, a param has no logical axes, an
             axis with no rule, or two dims on the axis; when placing with ``model=`` (else
             at the first call, before any collective), a param sharded on the axis whose
-            module is not an ``nn.Linear`` or ``nn.Embedding`` (GPT-2's ``Conv1D``), or,
-            under sequence parallelism, a block child or head with a weight whole on the axis
-            and no sharded linear; at a call, ``labels=`` (a model's own loss) under
-            ``loss_parallel``, or a vocab-sharded embedding with ``max_norm`` or
+            module is not an ``nn.Linear`` or ``nn.Embedding`` (GPT-2's ``Conv1D``), a module
+            with column-parallel linears beside a weight whole on the axis, or, under
+            sequence parallelism, a block child or head with a weight whole on the axis, no
+            sharded linear and no position-wise declaration; at a call, ``labels=`` (a
+            model's own loss) under ``loss_parallel``, ``output_router_logits`` under
+            sequence parallelism, or a vocab-sharded embedding with ``max_norm`` or
             ``scale_grad_by_freq``.
         IndivisibleError: When placing, a heads dim does not divide over the axis.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -116,9 +117,17 @@ ALL_MOE = {"n_dense_layers": 0}
 # (layout, transforms, model overrides)
 LAYOUTS = {
     "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh, axis="fsdp")], {}),
-    "tp=2": (
+    # Under tp=2 the shared experts are column/row-parallel and the routed experts whole;
+    # with sequence parallelism (the default) each rank routes its half of every sequence.
+    "tp=2": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh, axis="tp")], {}),
+    "tp=2 no sp": (
         {"tp": 2},
         lambda mesh: [d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=False)],
+        {},
+    ),
+    "fsdp=2 x tp=2": (
+        {"fsdp": 2, "tp": 2},
+        lambda mesh: [d9d.shard_params(mesh, axis="fsdp"), d9d.tensor_parallel(mesh, axis="tp")],
         {},
     ),
     "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh, axis="cp")], {}),
@@ -247,17 +256,88 @@ def test_stages_pass_the_state_of_the_blocks() -> None:
         assert nbytes[("send", "pp")] == nbytes[("recv", "pp")] == 2 * state
 
 
-def _sequence_parallel_rank() -> None:
+def _place_rank(sequence_parallel: bool, **overrides: object) -> None:
     mesh = d9d.make_mesh("cpu", tp=2)
-    model, opt = _model(), _optimizer()
-    step = d9d.tensor_parallel(mesh, axis="tp")(make_train_step(model, opt))
+    model, opt = _model(**overrides), _optimizer()
+    tp = d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=sequence_parallel)
+    step = tp(make_train_step(model, opt))
     step.place(model.params, opt.init(model.params), model=model)
 
 
+def _capped(n_shared_experts: int) -> dict:
+    moe = MoEConfig.tiny().moe
+    return {"moe": replace(moe, capacity_factor=1.0, n_shared_experts=n_shared_experts)}
+
+
 @pytest.mark.distributed
-def test_sequence_parallelism_over_the_replicated_experts_is_named() -> None:
-    with pytest.raises(RankFailedError, match=r"PlanError: module 'layers\.1\.mlp' holds .*'tp'"):
-        run_on_ranks(_sequence_parallel_rank, 2, timeout=120)
+def test_a_capped_layer_is_not_position_wise_so_sequence_parallelism_refuses_it() -> None:
+    """With a capacity the tokens of one call compete for the experts: the layer does not
+    declare itself position-wise, and runs on whole sequences only."""
+    assert MoE(MoEConfig.tiny(**_capped(0))).layers[1].mlp.position_wise is False
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: module 'layers\.1\.mlp' holds 'layers\.1\.mlp\.router\.weight' "
+        r"whole on 'tp' and no sharded nn\.Linear",
+    ):
+        run_on_ranks(_place_rank, 2, True, **_capped(0), timeout=120)
+    run_on_ranks(_place_rank, 2, False, **_capped(0), timeout=120)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_shared_experts_sharded_beside_a_capped_layer_are_refused(sequence_parallel: bool) -> None:
+    """Given its input whole, the capped layer's input grad would be summed over tp, the
+    routed experts' part of it included: refused, with or without sequence parallelism."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: module 'layers\.1\.mlp' holds column-parallel linears and "
+        r"'layers\.1\.mlp\.router\.weight' whole on 'tp': tensor_parallel gives the module its "
+        r"input whole and sums its input grad over 'tp'",
+    ):
+        run_on_ranks(_place_rank, 2, sequence_parallel, **_capped(1), timeout=120)
+
+
+def _comms_rank(sequence_parallel: bool):
+    mesh = d9d.make_mesh("cpu", tp=2)
+    model, opt = _model(), _optimizer()
+    tp = d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=sequence_parallel)
+    step = tp(make_train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    return step.comms(params, state, _batches()[0])
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_moves_the_analytic_bytes() -> None:
+    """tiny (block 0 dense, block 1 MoE), batch 8 x 16, float64. The shared experts are one
+    more tensor-parallel MLP: an all-gather in and a reduce-scatter out, forward and backward
+    mirrored. With sequence parallelism each rank routes its 8 x 8 positions, so beyond the
+    dense model's all-reduces (embedding, 3 loss values per token, 5 norm grads, the
+    clipping's 26 per-param norms) the MoE layer all-reduces its counts (E + 1 float32) and
+    its aux loss (one float64) in the forward, and the grads of the router and of the routed
+    experts, whole on tp and computed on half the tokens, in the backward. Without sequence
+    parallelism none of those: every rank routes every token and the expert grads are whole;
+    the shared experts all-reduce their output and their input grad instead."""
+    config = MoEConfig.tiny()
+    batch, seq, dim, item = 8, 16, config.dim, 8
+    experts, width = config.moe.n_experts, config.moe.expert_dim
+    act = batch * seq * dim * item
+    regions = 4  # attention and MLP of block 0, attention and shared experts of block 1
+    clip = 26 * item
+    sp, no_sp = (run_on_ranks(_comms_rank, 2, mode)[0] for mode in (True, False))
+    assert sp.count[("all_gather", "tp")] == 2 * regions + 2  # + the head, + the slice's grad
+    assert sp.bytes[("all_gather", "tp")] == (2 * regions + 2) * act
+    assert sp.count[("reduce_scatter", "tp")] == 2 * regions + 1  # + the head's input grad
+    assert sp.bytes[("reduce_scatter", "tp")] == (2 * regions + 1) * act
+    dense = act + 3 * batch * seq * item + 5 * dim * item + clip
+    moe = (experts + 1) * 4 + item + experts * dim * item + 3 * experts * dim * width * item
+    assert sp.count[("all_reduce", "tp")] == 1 + 3 + 5 + 1 + (2 + 4)
+    assert sp.bytes[("all_reduce", "tp")] == dense + moe
+    assert set(sp.count) == {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp")}
+    assert no_sp.count[("all_reduce", "tp")] == 1 + 2 * regions + 1 + 3 + 1
+    assert (
+        no_sp.bytes[("all_reduce", "tp")] == (2 + 2 * regions) * act + 3 * batch * seq * item + clip
+    )
+    assert set(no_sp.count) == {("all_reduce", "tp")}
 
 
 @pytest.mark.compile

@@ -118,3 +118,13 @@ def test_plan_shows_moe_pipeline_and_context_parallel_layouts(
     out = capsys.readouterr().out
     assert "on 2 simulated ranks: cp=2" in out
     assert re.search(r"all_to_all\s*│\s*cp", out), out  # ring attention
+
+
+def test_plan_shards_the_shared_experts_over_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "moe", "--preset", "tiny", "--tp", "2", "--rows", "60"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 4}
+    assert "tp:S(0)" in rows["layers.1.mlp.shared.w_gate.weight"]
+    assert "tp:S(1)" in rows["layers.1.mlp.shared.w_down.weight"]
+    assert "tp:S" not in rows["layers.1.mlp.experts.w_gate"]
+    assert "tp:S" not in rows["layers.1.mlp.router.weight"]
