@@ -120,8 +120,10 @@ def _read_marker(file: str, lines: list[str], i: int, body: str, markers: dict[s
         return end + 1
     if not lines[i].endswith(" -->"):
         raise ValueError(f"{where}: a one-line snippet marker ends with ` -->`")
-    if body.startswith("skip "):
-        markers["skip"] = body.removeprefix("skip ").strip()
+    if body.split(" ", 1)[0] == "skip":
+        markers["skip"] = body.removeprefix("skip").strip()
+        if not markers["skip"]:
+            raise ValueError(f"{where}: a skip marker says why: `snippet: skip WHY`")
     elif body.startswith("sub "):
         sub = _SUB.match(body)
         if not sub:

@@ -24,18 +24,19 @@ def test_markers_right_above_a_fence_belong_to_it() -> None:
     assert block.source() == "for _ in range(2): pass\n"
 
 
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("<!-- snippet: ranks=2 -->\n\n```python\n```\n", "must be right above a fence"),
-        ("<!-- snippet: rank=2 -->\n```python\n```\n", "unknown snippet marker 'rank=2'"),
-        ("<!-- snippet ranks=2 -->\n```python\n```\n", "malformed snippet marker"),
-        ("<!-- snippet: sub a => b -->\n```python\n```\n", "a sub marker reads"),
-        ("<!-- snippet: ranks=2 -->\n```bash\n```\n", "Python blocks only"),
-        ("<!-- snippet: setup\nx = 1\n```python\n```\n", "never closed by a line `-->`"),
-        ("```python\nx = 1\n", "the fence is never closed"),
-    ],
-)
+MALFORMED = [
+    ("<!-- snippet: ranks=2 -->\n\n```python\n```\n", "must be right above a fence"),
+    ("<!-- snippet: rank=2 -->\n```python\n```\n", "unknown snippet marker 'rank=2'"),
+    ("<!-- snippet ranks=2 -->\n```python\n```\n", "malformed snippet marker"),
+    ("<!-- snippet: sub a => b -->\n```python\n```\n", "a sub marker reads"),
+    ("<!-- snippet: skip -->\n```text\n```\n", "a skip marker says why"),
+    ("<!-- snippet: ranks=2 -->\n```bash\n```\n", "Python blocks only"),
+    ("<!-- snippet: setup\nx = 1\n```python\n```\n", "never closed by a line `-->`"),
+    ("```python\nx = 1\n", "the fence is never closed"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), MALFORMED, ids=[m for _, m in MALFORMED])
 def test_malformed_markers_are_refused(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse("page.md", text)
