@@ -5,7 +5,7 @@ may stack. Forms (docs/testing.md, "Doc snippets"):
 
     <!-- snippet: ranks=4 -->                run on 4 thread ranks (`fork`: forked processes)
     <!-- snippet: fork -->                   run in one forked process (process-wide side effects)
-    <!-- snippet: skip REASON -->            not run, for the stated reason
+    <!-- snippet: skip WHY -->               not run, for the stated reason
     <!-- snippet: sub OLD => NEW | WHY -->   run with OLD replaced by NEW (OLD must occur)
     <!-- snippet: setup
     hidden code, run just before the block, where the block runs
@@ -24,7 +24,7 @@ LANGUAGES = ("python", "bash", "text")
 
 _FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
 _MARKER = re.compile(r"^<!-- snippet: (?P<body>.*?)(?: -->)?$")
-_SUB = re.compile(r"^sub (?P<old>.+?) =>(?: (?P<new>.*?))? \| (?P<why>.+)$")
+_SUB = re.compile(r"^sub (?P<old>.+?) =>(?: (?P<new>.*?))? \| .+$")  # the why is required
 
 
 @dataclass(frozen=True)
