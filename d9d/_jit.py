@@ -18,7 +18,7 @@ from . import tree
 from ._backward_graph import rematerialize
 from ._context import running
 from ._index_checks import guard_indices
-from ._step import TransformedStep
+from ._step import OutermostStep, TransformedStep
 from .errors import DonatedTreeError, PlanError, RecompileError
 
 __all__ = ["Jitted", "jit"]
@@ -26,7 +26,7 @@ __all__ = ["Jitted", "jit"]
 _DONATED = "_d9d_donated_at_call"
 
 
-class Jitted:
+class Jitted(OutermostStep):
     """A step compiled by :func:`jit`; call it like the step it wraps.
 
     Attributes other than its own (``place``, ``plan``, ``comms`` of a transformed step) are

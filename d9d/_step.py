@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ._model import Model
     from ._transform import Transform
 
-__all__ = ["Memory", "TransformedStep", "order_transforms"]
+__all__ = ["Memory", "OutermostStep", "TransformedStep", "order_transforms"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,11 @@ class Memory:
             f"params {self.params:,} B, grads {self.grads:,} B, optimizer state "
             f"{self.opt_state:,} B: {self.total:,} B per rank"
         )
+
+
+class OutermostStep:
+    """Base of the step wrappers that must wrap every transform (``d9d.jit``): a transform
+    refuses to apply to one, since it would rewrite a step already compiled for one layout."""
 
 
 class TransformedStep:

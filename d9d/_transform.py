@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._plan import ParamPlan, Plan
 from ._runtime import Runtime
-from ._step import TransformedStep
+from ._step import OutermostStep, TransformedStep
 from .errors import PlanError
 
 if TYPE_CHECKING:
@@ -75,6 +75,12 @@ class Transform(abc.ABC):
         return None
 
     def __call__(self, step: Callable[..., Any]) -> TransformedStep:
+        if isinstance(step, OutermostStep):
+            raise PlanError(
+                f"{self.name} was applied to a step already compiled by d9d.jit; jit must wrap "
+                f"every transform: put @d9d.jit above the @d9d.{self.name}(...) decorator, or "
+                f"write d9d.jit(d9d.{self.name}(...)(step))"
+            )
         if isinstance(step, TransformedStep):
             return step.with_transform(self)
         return TransformedStep(step, (self,))

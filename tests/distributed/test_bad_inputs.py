@@ -12,7 +12,7 @@ import d9d
 import d9d._step
 from d9d._batch_check import check_batch
 from d9d.cli._train import make_train_step
-from d9d.errors import BatchShapeError, ParamShapeError
+from d9d.errors import BatchShapeError, ParamShapeError, PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
 
@@ -32,6 +32,21 @@ def _setup(**axes: int):
 def _batch(rows: int = 2, seq_len: int = 8) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, 256, (rows, seq_len + 1), generator=torch.Generator().manual_seed(0))
     return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+@pytest.mark.parametrize("transform", ["shard_params", "remat"])
+def test_a_transform_of_a_jitted_step_names_the_order_to_use(transform: str) -> None:
+    with fake_world(2):
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model = d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=1)))
+        jitted = d9d.jit(make_train_step(model, d9d.optim.sgd(0.1)))
+        rewrite = d9d.shard_params(mesh, "fsdp") if transform == "shard_params" else d9d.remat()
+        with pytest.raises(
+            PlanError,
+            match=rf"{transform} was applied to a step already compiled by d9d\.jit; jit must "
+            rf"wrap every transform: put @d9d\.jit above the @d9d\.{transform}\(\.\.\.\)",
+        ):
+            rewrite(jitted)
 
 
 def test_param_of_wrong_shape_is_named_by_place_and_by_the_step() -> None:
