@@ -102,8 +102,8 @@ def show_plan(
         memory = step.memory(params, state)
         tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
         data = {"tokens": tokens, "labels": tokens}
-        if sizes["pp"] > 1:  # its schedule sends shapes between stages: no values here
-            comms = None
+        if sizes["pp"] > 1:
+            comms = count_collectives(step, params, state, data)
         elif config is None or config.n_layers < _base_blocks(config) + 2:
             comms = count_collectives(step, params, state, data)
         else:

@@ -16,7 +16,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     Initialises the default process group with PyTorch's "fake" backend
     (``torch.testing._internal.distributed.fake_pg``), which never communicates: every
-    collective returns at once with meaningless data. Device meshes, their coordinates and
+    collective and point-to-point op, on CPU, CUDA or meta tensors, returns at once with
+    meaningless data. Device meshes, their coordinates and
     DTensor placements and local shapes are real, so a 64-rank ``init_device_mesh`` and
     the placement plan over it are built in milliseconds. Use it to check plans, shapes
     and error messages, never values. The group is destroyed on exit.
@@ -47,7 +48,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
             f"initialised (backend {dist.get_backend()!r}, world size "
             f"{dist.get_world_size()}). Destroy it first, or do not nest fake_world blocks."
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # meta too: a dry run of a pipeline step batches point-to-point ops of meta tensors.
+    backend = "cpu:fake,cuda:fake,meta:fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -45,6 +45,15 @@ def test_rejects_bad_sizes(world_size: int, rank: int, match: str) -> None:
 
 
 def test_rejects_nesting() -> None:
-    with fake_world(4), pytest.raises(RuntimeError, match=r"initialised \(backend 'fake'"):
+    with fake_world(4), pytest.raises(RuntimeError, match=r"initialised \(backend 'cpu:fake,cuda:fake,meta:fake'"):
         fake_world(4).__enter__()
     assert not dist.is_initialized()
+
+
+def test_point_to_point_ops_complete_at_once_on_meta_tensors() -> None:
+    """A dry run of a pipeline step batches sends and receives of meta tensors."""
+    with fake_world(4):
+        meta = torch.empty(3, device="meta")
+        ops = [dist.P2POp(dist.isend, meta, 1), dist.P2POp(dist.irecv, meta, 1)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
