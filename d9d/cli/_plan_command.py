@@ -10,6 +10,7 @@ meta tensors (``_plan_dry_run``); activations from the formula in ``_plan_activa
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,12 @@ from .._autodiff import value_and_grad
 from .._comms import CommStats
 from .._mesh import make_mesh
 from .._model import Model
+from .._step import TransformedStep
 from ..models import LlamaConfig, MoEConfig
 from ..testing import fake_world
 from ..transforms import remat as remat_transform
 from ..transforms import shard_params
+from ..transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from ._config import TrainConfig
 from ._plan_activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
 from ._plan_dry_run import count_collectives
@@ -102,15 +105,14 @@ def show_plan(
         memory = step.memory(params, state)
         tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
         data = {"tokens": tokens, "labels": tokens}
-        if sizes["pp"] > 1:
-            comms = count_collectives(step, params, state, data)
-        elif config is None or config.n_layers < _base_blocks(config) + 2:
-            comms = count_collectives(step, params, state, data)
-        else:
-            comms = _per_block(config, model, preset, sizes, remat, schedule, chunks, data)
+        layout = _pipeline_layout(step)
+        comms = _collectives(
+            step, params, state, data, config, model, preset, sizes, remat, schedule, chunks
+        )
         plan = step.plan
-        layout = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
-        title = f"d9d plan: {described} on {ranks} simulated ranks: {layout}"
+        axes = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
+        title = f"d9d plan: {described} on {ranks} simulated ranks: {axes}"
+        stage = _stage_line(layout, schedule, chunks, batch, seq) if layout is not None else None
         activations = (
             _activations(config, plan, sizes, batch, seq, remat, schedule, chunks)
             if isinstance(config, LlamaConfig | MoEConfig)
@@ -136,10 +138,8 @@ def show_plan(
             "without selective remat; docs/plan.md)"
         ),
         f"  total        {human(total):>12}",
-        render_comms(comms)
-        if comms is not None
-        else "collectives: not counted under --pp (the pipeline schedule exchanges tensor "
-        "shapes between stages as it runs, which simulated ranks cannot)",
+        *([stage] if stage is not None else []),
+        render_comms(comms),
         explained,
     ]
     return "\n".join(lines)
@@ -190,7 +190,11 @@ def _step(
     remat: str,
     schedule: str,
     microbatches: int,
+    *,
+    split: tuple[str, ...] | None = None,
 ) -> tuple[Any, Any]:
+    """``d9d train``'s step and optimizer for the layout; ``split``: the block paths that
+    begin pipeline stages 1, 2, ... (None: ``pipeline`` balances them, as ``d9d train``)."""
     from ._train import _optimizer, _parallel, make_train_step
 
     config = TrainConfig(model=family, schedule=schedule, microbatches=microbatches, **sizes)
@@ -207,14 +211,70 @@ def _step(
         step = shard_params(make_mesh("cpu", dp=1), None, replicate_axis="dp")(fn)
     else:
         step = _parallel(config, fn)
+    if split is not None:
+        transforms = (
+            replace(t, stages=split) if isinstance(t, Pipeline) else t for t in step.transforms
+        )
+        step = TransformedStep(step.fn, tuple(transforms))
     if remat != "none":
         step = remat_transform(remat, mesh=step.mesh)(step)
     return step, opt
 
 
+def _pipeline_layout(step: TransformedStep) -> PipelineLayout | None:
+    """Rank 0's part of the pipeline, or None without ``--pp``."""
+    return next((r.layout for r in step.runtimes if isinstance(r, PipelineRuntime)), None)
+
+
+def _stage_line(
+    layout: PipelineLayout, schedule: str, microbatches: int, batch: int, seq: int
+) -> str:
+    """Which stages rank 0 runs, and the schedule that moves its microbatches."""
+    split = layout.split
+    described = dict(enumerate(split.describe().splitlines()))
+    stages = "; ".join(described[s] for s in layout.local_stages)
+    return (
+        f"pipeline: rank 0 runs {stages} (of {split.count} stages on {layout.size} ranks); "
+        f"schedule {schedule}, {microbatches} microbatches of {batch} x {seq} tokens"
+    )
+
+
 def _base_blocks(config: LlamaConfig | MoEConfig) -> int:
     """Blocks before the run of identical ones: an MoE's dense blocks, and one."""
     return getattr(config, "n_dense_layers", 0) + 1
+
+
+def _collectives(
+    step: TransformedStep,
+    params: Any,
+    state: Any,
+    batch: dict[str, torch.Tensor],
+    config: LlamaConfig | MoEConfig | None,
+    model: str,
+    preset: str,
+    sizes: dict[str, int],
+    remat: str,
+    schedule: str,
+    microbatches: int,
+) -> CommStats:
+    """The collectives of one step on rank 0: counted on the model itself, or, past a few
+    blocks, on two small ones and extrapolated (``_per_block``)."""
+    if config is None:
+        return count_collectives(step, params, state, batch)
+    layout = _pipeline_layout(step)
+    if layout is None:
+        if config.n_layers < _base_blocks(config) + 2:
+            return count_collectives(step, params, state, batch)
+        return _per_block(config, model, preset, sizes, remat, schedule, microbatches, batch)
+    virtual = len(layout.local_stages)
+    held = sum(
+        stop - start for start, stop in (layout.split.blocks[s] for s in layout.local_stages)
+    )
+    if held < virtual + 2:
+        return count_collectives(step, params, state, batch)
+    return _per_block(
+        config, model, preset, sizes, remat, schedule, microbatches, batch, pipeline=(virtual, held)
+    )
 
 
 def _per_block(
@@ -226,19 +286,36 @@ def _per_block(
     schedule: str,
     microbatches: int,
     batch: dict[str, torch.Tensor],
+    *,
+    pipeline: tuple[int, int] | None = None,
 ) -> CommStats:
     """The collectives of the whole model from steps of ``base`` and ``base + 1`` blocks:
     every further block is identical, so moves what the one added block moves. (Counting
-    2 blocks instead of 32 is what makes an 8B plan answer in seconds.)"""
-    base = _base_blocks(config)
+    2 blocks instead of 32 is what makes an 8B plan answer in seconds.)
+
+    Under ``pipeline=(stages on rank 0, blocks on rank 0)`` the small models have one block
+    per stage, then one more in stage 0: rank 0's further blocks each move what that one
+    moves (within its stage: fsdp, tp, cp collectives), and what crosses stages (an
+    activation per microbatch) does not depend on how many blocks a stage holds."""
+    if pipeline is None:
+        base = _base_blocks(config)
+        runs = ((base, None), (base + 1, None))
+        extra = config.n_layers - base
+    else:
+        virtual, held = pipeline
+        count = sizes["pp"] * virtual
+        runs = ((count, 1), (count + 1, 2))  # (blocks, blocks of stage 0)
+        extra = held - virtual
     counted = []
-    for n_layers in (base, base + 1):
+    for n_layers, first in runs:
         small, _, _ = build_model(model, preset, None, n_layers=n_layers)
-        step, opt = _step(small, sizes, model, None, remat, schedule, microbatches)
+        split = None
+        if first is not None:
+            split = tuple(b.path for b in small.structure.blocks)[first:]
+        step, opt = _step(small, sizes, model, None, remat, schedule, microbatches, split=split)
         params, state = step.place(small.params, opt.init(small.params), model=small)
         counted.append(count_collectives(step, params, state, batch))
     low, high = counted
-    extra = config.n_layers - base
     stats = CommStats()
     for key in high.count:
         stats.count[key] = low.count[key] + extra * (high.count[key] - low.count[key])
