@@ -4,7 +4,9 @@ simulated world.
 The model is built on the meta device and the ranks are simulated (``fake_world``); the step
 is ``d9d train``'s, under the transforms ``d9d train`` composes for the same flags, so the
 plan printed is the one a run would use. Collectives come from running that step once on
-meta tensors (``_plan_dry_run``); activations from the formula in ``_plan_activations``.
+meta tensors (``_plan_dry_run``), under ``--pp`` the pipeline schedule too (its point-to-point
+sends and receives complete at once on the simulated world); activations from the formula in
+``_plan_activations``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..transforms import shard_params
 from ..transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from ._config import TrainConfig
 from ._plan_activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
-from ._plan_dry_run import count_collectives
+from ._plan_dry_run import count_collectives, group_labels
 from ._plan_models import build_model
 from ._plan_report import human, render_comms, render_plan
 
@@ -76,11 +78,14 @@ def show_plan(
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
-        The report.
+        The report; with ``pp`` it names rank 0's stages, and its collectives include the
+        schedule's sends and receives of activations and their grads.
 
     Raises:
-        ValueError: A size is below 1, the axes do not multiply to ``world``, ``ep > 1``,
-            an unknown ``model``, ``preset`` or ``remat``, or a dim that does not split.
+        ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
+            not multiply to ``world``, ``ep > 1``, an unknown ``model``, ``preset`` or
+            ``remat``, a dim that does not split, or a schedule that cannot run
+            ``microbatches``.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -89,8 +94,8 @@ def show_plan(
     sizes = _check(
         model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
     )
-    for name, value in (("batch", batch), ("seq", seq)):
-        if name == "seq" and value is None:
+    for name, value in (("batch", batch), ("seq", seq), ("microbatches", microbatches)):
+        if name != "batch" and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
@@ -231,11 +236,18 @@ def _stage_line(
 ) -> str:
     """Which stages rank 0 runs, and the schedule that moves its microbatches."""
     split = layout.split
-    described = dict(enumerate(split.describe().splitlines()))
-    stages = "; ".join(described[s] for s in layout.local_stages)
+    stages = []
+    for s in layout.local_stages:
+        start, stop = split.blocks[s]
+        paths = split.block_paths[start:stop]
+        held = [paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]}"]
+        held = [*(split.before if s == 0 else ()), *held]
+        held += split.after if s == split.count - 1 else ()
+        stages.append(f"stage {s} ({', '.join(held)})")
     return (
-        f"pipeline: rank 0 runs {stages} (of {split.count} stages on {layout.size} ranks); "
-        f"schedule {schedule}, {microbatches} microbatches of {batch} x {seq} tokens"
+        f"pipeline: rank 0 runs {' and '.join(stages)} of {split.count} stages on "
+        f"{layout.size} ranks; schedule {schedule}, {microbatches} microbatches of {batch} x "
+        f"{seq} tokens"
     )
 
 
@@ -265,7 +277,9 @@ def _collectives(
     if layout is None:
         if config.n_layers < _base_blocks(config) + 2:
             return count_collectives(step, params, state, batch)
-        return _per_block(config, model, preset, sizes, remat, schedule, microbatches, batch)
+        return _per_block(
+            config, model, preset, sizes, remat, schedule, microbatches, batch, known=step
+        )
     virtual = len(layout.local_stages)
     held = sum(
         stop - start for start, stop in (layout.split.blocks[s] for s in layout.local_stages)
@@ -273,7 +287,16 @@ def _collectives(
     if held < virtual + 2:
         return count_collectives(step, params, state, batch)
     return _per_block(
-        config, model, preset, sizes, remat, schedule, microbatches, batch, pipeline=(virtual, held)
+        config,
+        model,
+        preset,
+        sizes,
+        remat,
+        schedule,
+        microbatches,
+        batch,
+        pipeline=(virtual, held),
+        known=step,
     )
 
 
@@ -288,6 +311,7 @@ def _per_block(
     batch: dict[str, torch.Tensor],
     *,
     pipeline: tuple[int, int] | None = None,
+    known: TransformedStep | None = None,
 ) -> CommStats:
     """The collectives of the whole model from steps of ``base`` and ``base + 1`` blocks:
     every further block is identical, so moves what the one added block moves. (Counting
@@ -296,7 +320,9 @@ def _per_block(
     Under ``pipeline=(stages on rank 0, blocks on rank 0)`` the small models have one block
     per stage, then one more in stage 0: rank 0's further blocks each move what that one
     moves (within its stage: fsdp, tp, cp collectives), and what crosses stages (an
-    activation per microbatch) does not depend on how many blocks a stage holds."""
+    activation per microbatch) does not depend on how many blocks a stage holds.
+
+    ``known``: a step built before these on the same mesh layout (``count_collectives``)."""
     if pipeline is None:
         base = _base_blocks(config)
         runs = ((base, None), (base + 1, None))
@@ -307,6 +333,7 @@ def _per_block(
         runs = ((count, 1), (count + 1, 2))  # (blocks, blocks of stage 0)
         extra = held - virtual
     counted = []
+    labels = group_labels(known) if known is not None else {}
     for n_layers, first in runs:
         small, _, _ = build_model(model, preset, None, n_layers=n_layers)
         split = None
@@ -314,7 +341,8 @@ def _per_block(
             split = tuple(b.path for b in small.structure.blocks)[first:]
         step, opt = _step(small, sizes, model, None, remat, schedule, microbatches, split=split)
         params, state = step.place(small.params, opt.init(small.params), model=small)
-        counted.append(count_collectives(step, params, state, batch))
+        counted.append(count_collectives(step, params, state, batch, known=labels))
+        labels.update(group_labels(step))
     low, high = counted
     stats = CommStats()
     for key in high.count:
