@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 __all__ = ["fake_world"]
 
@@ -20,7 +21,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     meaningless data. Device meshes, their coordinates and
     DTensor placements and local shapes are real, so a 64-rank ``init_device_mesh`` and
     the placement plan over it are built in milliseconds. Use it to check plans, shapes
-    and error messages, never values. The group is destroyed on exit.
+    and error messages, never values. The group is destroyed on exit, and DTensor's
+    sharding caches cleared (their entries hold this world's meshes).
 
     Args:
         world_size: Number of simulated ranks (>= 1).
@@ -55,3 +57,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor caches sharding decisions keyed by mesh layout, not identity, and the
+        # outputs carry the cached mesh: a later world in this process (or a fork of it)
+        # with an equal mesh would otherwise get DTensors on this world's dead groups.
+        _clear_sharding_prop_cache()
