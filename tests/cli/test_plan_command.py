@@ -188,10 +188,8 @@ def test_plan_prints_the_pipeline_figures_of_a_real_step() -> None:
             rf"{kind} +│ {axis} +│ +{n} │ +{re.escape(human(nbytes[(kind, axis)]))}", text
         )
     sent = nbytes[("send", "pp")]
-    assert (
-        f"send on pp: 2 x one microbatch's activation (forward) or its grad (backward), {sent // 2:,} B each; {sent:,} B in all"
-        in text
-    )
+    assert "send on pp: 2 x one microbatch's activation (forward) or its grad (backward)" in text
+    assert f"{sent // 2:,} B each; {sent:,} B in all" in text
 
 
 def test_dry_run_of_a_pipeline_rank_without_stage_0_is_refused() -> None:
@@ -202,7 +200,8 @@ def test_dry_run_of_a_pipeline_rank_without_stage_0_is_refused() -> None:
         params, state = step.place(model.params, opt.init(model.params), model=model)
         with pytest.raises(
             PlanError,
-            match=r"pipeline rank 1 runs on meta tensors .* only the rank holding stage 0 \(pipeline rank 0\) can run on meta",
+            match=r"pipeline rank 1 runs on meta tensors .* only the rank holding stage 0 "
+            r"\(pipeline rank 0\) can run on meta",
         ):
             count_collectives(step, params, state, {"tokens": tokens, "labels": tokens})
 
