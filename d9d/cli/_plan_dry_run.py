@@ -3,7 +3,9 @@
 Every tensor is a meta tensor and every collective returns at once (``fake_world``), so a
 step of an 8B model on 1024 simulated ranks runs in seconds with no memory: shapes, DTensor
 placements and the collectives they issue are real, values are not. The few values the step
-reads back to Python (the loss's check of out-of-vocab labels) read as 0.
+reads back to Python (the loss's check of out-of-vocab labels) read as 0. A pipeline step
+runs its schedule too: its sends and receives between stages complete at once, and the
+pipeline supplies what peers would have told it (``transforms/pipeline/_stage_shapes.py``).
 """
 
 from __future__ import annotations
