@@ -4,12 +4,15 @@ simulated world.
 The model is built on the meta device and the ranks are simulated (``fake_world``); the step
 is ``d9d train``'s, under the transforms ``d9d train`` composes for the same flags, so the
 plan printed is the one a run would use. Collectives come from running that step once on
-meta tensors (``_plan_dry_run``); activations from the formula in ``_plan_activations``.
+meta tensors (``_plan_dry_run``), under ``--pp`` the pipeline schedule too (its point-to-point
+sends and receives complete at once on the simulated world); activations from the formula in
+``_plan_activations``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +23,16 @@ from .._autodiff import value_and_grad
 from .._comms import CommStats
 from .._mesh import make_mesh
 from .._model import Model
+from .._step import TransformedStep
+from ..errors import PlanError
 from ..models import LlamaConfig, MoEConfig
 from ..testing import fake_world
 from ..transforms import remat as remat_transform
 from ..transforms import shard_params
+from ..transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from ._config import TrainConfig
 from ._plan_activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
-from ._plan_dry_run import count_collectives
+from ._plan_dry_run import count_collectives, group_labels
 from ._plan_models import build_model
 from ._plan_report import human, render_comms, render_plan
 
@@ -73,11 +79,14 @@ def show_plan(
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
-        The report.
+        The report; with ``pp`` it names rank 0's stages, and its collectives include the
+        schedule's sends and receives of activations and their grads.
 
     Raises:
-        ValueError: A size is below 1, the axes do not multiply to ``world``, ``ep > 1``,
-            an unknown ``model``, ``preset`` or ``remat``, or a dim that does not split.
+        ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
+            not multiply to ``world``, ``ep > 1``, an unknown ``model``, ``preset`` or
+            ``remat``, a dim that does not split, or a schedule that cannot run
+            ``microbatches``.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -86,8 +95,8 @@ def show_plan(
     sizes = _check(
         model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
     )
-    for name, value in (("batch", batch), ("seq", seq)):
-        if name == "seq" and value is None:
+    for name, value in (("batch", batch), ("seq", seq), ("microbatches", microbatches)):
+        if name != "batch" and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
@@ -102,15 +111,19 @@ def show_plan(
         memory = step.memory(params, state)
         tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
         data = {"tokens": tokens, "labels": tokens}
-        if sizes["pp"] > 1:  # its schedule sends shapes between stages: no values here
-            comms = None
-        elif config is None or config.n_layers < _base_blocks(config) + 2:
-            comms = count_collectives(step, params, state, data)
-        else:
-            comms = _per_block(config, model, preset, sizes, remat, schedule, chunks, data)
+        layout = _pipeline_layout(step)
+        try:
+            comms = render_comms(
+                _collectives(
+                    step, params, state, data, config, model, preset, sizes, remat, schedule, chunks
+                )
+            )
+        except PlanError as error:
+            comms = f"collectives: not counted on simulated ranks: {error}"
         plan = step.plan
-        layout = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
-        title = f"d9d plan: {described} on {ranks} simulated ranks: {layout}"
+        axes = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
+        title = f"d9d plan: {described} on {ranks} simulated ranks: {axes}"
+        stage = _stage_line(layout, schedule, chunks, batch, seq) if layout is not None else None
         activations = (
             _activations(config, plan, sizes, batch, seq, remat, schedule, chunks)
             if isinstance(config, LlamaConfig | MoEConfig)
@@ -136,10 +149,8 @@ def show_plan(
             "without selective remat; docs/plan.md)"
         ),
         f"  total        {human(total):>12}",
-        render_comms(comms)
-        if comms is not None
-        else "collectives: not counted under --pp (the pipeline schedule exchanges tensor "
-        "shapes between stages as it runs, which simulated ranks cannot)",
+        *([stage] if stage is not None else []),
+        comms,
         explained,
     ]
     return "\n".join(lines)
@@ -188,7 +199,11 @@ def _step(
     remat: str,
     schedule: str,
     microbatches: int,
+    *,
+    split: tuple[str, ...] | None = None,
 ) -> tuple[Any, Any]:
+    """``d9d train``'s step and optimizer for the layout; ``split``: the block paths that
+    begin pipeline stages 1, 2, ... (None: ``pipeline`` balances them, as ``d9d train``)."""
     from ._train import _optimizer, _parallel, make_train_step
 
     config = TrainConfig(model=family, schedule=schedule, microbatches=microbatches, **sizes)
@@ -205,14 +220,88 @@ def _step(
         step = shard_params(make_mesh("cpu", dp=1), None, replicate_axis="dp")(fn)
     else:
         step = _parallel(config, fn)
+    if split is not None:
+        transforms = (
+            replace(t, stages=split) if isinstance(t, Pipeline) else t for t in step.transforms
+        )
+        step = TransformedStep(step.fn, tuple(transforms))
     if remat != "none":
         step = remat_transform(remat, mesh=step.mesh)(step)
     return step, opt
 
 
+def _pipeline_layout(step: TransformedStep) -> PipelineLayout | None:
+    """Rank 0's part of the pipeline, or None without ``--pp``."""
+    return next((r.layout for r in step.runtimes if isinstance(r, PipelineRuntime)), None)
+
+
+def _stage_line(
+    layout: PipelineLayout, schedule: str, microbatches: int, batch: int, seq: int
+) -> str:
+    """Which stages rank 0 runs, and the schedule that moves its microbatches."""
+    split = layout.split
+    stages = []
+    for s in layout.local_stages:
+        start, stop = split.blocks[s]
+        paths = split.block_paths[start:stop]
+        held = [paths[0] if len(paths) == 1 else f"{paths[0]} .. {paths[-1]}"]
+        held = [*(split.before if s == 0 else ()), *held]
+        held += split.after if s == split.count - 1 else ()
+        stages.append(f"stage {s} ({', '.join(held)})")
+    return (
+        f"pipeline: rank 0 runs {' and '.join(stages)} of {split.count} stages on "
+        f"{layout.size} ranks; schedule {schedule}, {microbatches} microbatches of {batch} x "
+        f"{seq} tokens"
+    )
+
+
 def _base_blocks(config: LlamaConfig | MoEConfig) -> int:
     """Blocks before the run of identical ones: an MoE's dense blocks, and one."""
     return getattr(config, "n_dense_layers", 0) + 1
+
+
+def _collectives(
+    step: TransformedStep,
+    params: Any,
+    state: Any,
+    batch: dict[str, torch.Tensor],
+    config: LlamaConfig | MoEConfig | None,
+    model: str,
+    preset: str,
+    sizes: dict[str, int],
+    remat: str,
+    schedule: str,
+    microbatches: int,
+) -> CommStats:
+    """The collectives of one step on rank 0: counted on the model itself, or, past a few
+    blocks, on two small ones and extrapolated (``_per_block``)."""
+    if config is None:
+        return count_collectives(step, params, state, batch)
+    layout = _pipeline_layout(step)
+    if layout is None:
+        if config.n_layers < _base_blocks(config) + 2:
+            return count_collectives(step, params, state, batch)
+        return _per_block(
+            config, model, preset, sizes, remat, schedule, microbatches, batch, known=step
+        )
+    virtual = len(layout.local_stages)
+    held = sum(
+        stop - start for start, stop in (layout.split.blocks[s] for s in layout.local_stages)
+    )
+    if held < virtual + 2:
+        return count_collectives(step, params, state, batch)
+    return _per_block(
+        config,
+        model,
+        preset,
+        sizes,
+        remat,
+        schedule,
+        microbatches,
+        batch,
+        pipeline=(virtual, held),
+        known=step,
+    )
 
 
 def _per_block(
@@ -224,19 +313,41 @@ def _per_block(
     schedule: str,
     microbatches: int,
     batch: dict[str, torch.Tensor],
+    *,
+    pipeline: tuple[int, int] | None = None,
+    known: TransformedStep | None = None,
 ) -> CommStats:
     """The collectives of the whole model from steps of ``base`` and ``base + 1`` blocks:
     every further block is identical, so moves what the one added block moves. (Counting
-    2 blocks instead of 32 is what makes an 8B plan answer in seconds.)"""
-    base = _base_blocks(config)
+    2 blocks instead of 32 is what makes an 8B plan answer in seconds.)
+
+    Under ``pipeline=(stages on rank 0, blocks on rank 0)`` the small models have one block
+    per stage, then one more in stage 0: rank 0's further blocks each move what that one
+    moves (within its stage: fsdp, tp, cp collectives), and what crosses stages (an
+    activation per microbatch) does not depend on how many blocks a stage holds.
+
+    ``known``: a step built before these on the same mesh layout (``count_collectives``)."""
+    if pipeline is None:
+        base = _base_blocks(config)
+        runs = ((base, None), (base + 1, None))
+        extra = config.n_layers - base
+    else:
+        virtual, held = pipeline
+        count = sizes["pp"] * virtual
+        runs = ((count, 1), (count + 1, 2))  # (blocks, blocks of stage 0)
+        extra = held - virtual
     counted = []
-    for n_layers in (base, base + 1):
+    labels = group_labels(known) if known is not None else {}
+    for n_layers, first in runs:
         small, _, _ = build_model(model, preset, None, n_layers=n_layers)
-        step, opt = _step(small, sizes, model, None, remat, schedule, microbatches)
+        split = None
+        if first is not None:
+            split = tuple(b.path for b in small.structure.blocks)[first:]
+        step, opt = _step(small, sizes, model, None, remat, schedule, microbatches, split=split)
         params, state = step.place(small.params, opt.init(small.params), model=small)
-        counted.append(count_collectives(step, params, state, batch))
+        counted.append(count_collectives(step, params, state, batch, known=labels))
+        labels.update(group_labels(step))
     low, high = counted
-    extra = config.n_layers - base
     stats = CommStats()
     for key in high.count:
         stats.count[key] = low.count[key] + extra * (high.count[key] - low.count[key])

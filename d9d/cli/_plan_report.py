@@ -66,15 +66,24 @@ def render_plan(plan: Plan, title: str, *, max_rows: int | None) -> str:
 
 
 def render_comms(stats: CommStats) -> str:
-    """One row per (kind, mesh axis): collectives per step and the bytes of their buffers."""
-    table = Table(title="collectives per step on rank 0 (buffer bytes)", title_justify="left")
+    """One row per (kind, mesh axis): collectives per step and the bytes of their buffers;
+    under a pipeline, a line on what one send or receive carries."""
+    table = Table()
     for column in ("kind", "axis", "count", "bytes"):
         table.add_column(column, justify="right" if column in ("count", "bytes") else "left")
     for kind, axis in sorted(stats.count):
         table.add_row(kind, axis, str(stats.count[(kind, axis)]), human(stats.bytes[(kind, axis)]))
     table.add_section()
     table.add_row("total", "", str(stats.total_count()), human(stats.total_bytes()))
-    return _text(table)
+    lines = ["collectives per step on rank 0 (buffer bytes):", _text(table)]
+    for kind, axis in sorted(k for k in stats.count if k[0] in ("send", "recv")):
+        count, nbytes = stats.count[(kind, axis)], stats.bytes[(kind, axis)]
+        each = f"{nbytes // count:,} B each" if nbytes % count == 0 else "sizes vary"
+        lines.append(
+            f"  {kind} on {axis}: {count} x one microbatch's activation (forward) or its "
+            f"grad (backward), {each}; {nbytes:,} B in all"
+        )
+    return "\n".join(lines)
 
 
 class _Null:

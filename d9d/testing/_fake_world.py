@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 __all__ = ["fake_world"]
 
@@ -16,10 +17,12 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     Initialises the default process group with PyTorch's "fake" backend
     (``torch.testing._internal.distributed.fake_pg``), which never communicates: every
-    collective returns at once with meaningless data. Device meshes, their coordinates and
-    DTensor placements and local shapes are real, so a 64-rank ``init_device_mesh`` and
-    the placement plan over it are built in milliseconds. Use it to check plans, shapes
-    and error messages, never values. The group is destroyed on exit.
+    collective and point-to-point op, on CPU, CUDA or meta tensors, returns at once with
+    meaningless data. Device meshes, their coordinates and DTensor placements and local
+    shapes are real, so a 64-rank ``init_device_mesh`` and the placement plan over it are
+    built in milliseconds. Use it to check plans, shapes
+    and error messages, never values. The group is destroyed on exit, and DTensor's
+    sharding caches cleared (their entries hold this world's meshes).
 
     Args:
         world_size: Number of simulated ranks (>= 1).
@@ -47,8 +50,14 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
             f"initialised (backend {dist.get_backend()!r}, world size "
             f"{dist.get_world_size()}). Destroy it first, or do not nest fake_world blocks."
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # meta too: a dry run of a pipeline step batches point-to-point ops of meta tensors.
+    backend = "cpu:fake,cuda:fake,meta:fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor caches sharding decisions keyed by mesh layout, not identity, and the
+        # outputs carry the cached mesh: a later world in this process (or a fork of it)
+        # with an equal mesh would otherwise get DTensors on this world's dead groups.
+        _clear_sharding_prop_cache()

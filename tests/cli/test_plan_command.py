@@ -1,20 +1,25 @@
-"""``d9d plan``: every axis, human units, activations, collectives, large worlds, errors."""
+"""``d9d plan``: every axis, human units, activations, collectives (against a real pipelined
+step too), large worlds, errors."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
+import d9d
 from d9d.cli import main
-from d9d.cli._plan_command import _per_block, _step, show_plan
+from d9d.cli._plan_command import _collectives, _per_block, _pipeline_layout, _step, show_plan
 from d9d.cli._plan_dry_run import count_collectives
 from d9d.cli._plan_models import build_model
 from d9d.cli._plan_report import human
-from d9d.testing import fake_world
+from d9d.errors import PlanError
+from d9d.models import Llama, LlamaConfig
+from d9d.testing import fake_world, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -38,10 +43,21 @@ def test_plan_of_every_axis_shows_memory_activations_and_collectives() -> None:
     assert "reduce_scatter │ tp" in text
 
 
-def test_pipeline_plan_holds_one_stage_and_says_collectives_are_not_counted() -> None:
+def test_pipeline_plan_names_rank_0s_stage_and_counts_its_sends() -> None:
+    """pp=2 x fsdp=2, 4 microbatches of 1 x 64 tokens of width 256 (float32): rank 0 runs
+    stage 0, sends 4 activations of 64 KiB forward and receives their 4 grads back."""
     text = show_plan("small", pp=2, fsdp=2, seq=64, max_rows=None)
     assert "19 of 39 params held by rank 0" in text
-    assert "collectives: not counted under --pp" in text
+    assert (
+        "pipeline: rank 0 runs stage 0 (embed, layers.0 .. layers.1) of 2 stages on 2 ranks; "
+        "schedule 1f1b, 4 microbatches of 1 x 64 tokens"
+    ) in text
+    activation = 1 * 64 * 256 * 4
+    for kind in ("send", "recv"):
+        assert f"{kind:<14} │ pp   │     4 │ 256.00 KiB" in text
+        assert f"  {kind} on pp: 4 x one microbatch's activation" in text
+        assert f"{activation:,} B each; {4 * activation:,} B in all" in text
+    assert "all_gather     │ fsdp │     1" in text and "not counted" not in text
 
 
 def test_collectives_from_two_sizes_of_model_equal_the_whole_model_counted() -> None:
@@ -56,6 +72,138 @@ def test_collectives_from_two_sizes_of_model_equal_the_whole_model_counted() -> 
         parts = _per_block(config, "llama", "small", sizes, "none", "1f1b", 1, batch)
     assert dict(parts.count) == dict(whole.count)
     assert dict(parts.bytes) == dict(whole.bytes)
+
+
+def _sizes(**axes: int) -> dict[str, int]:
+    return {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 1, **axes}
+
+
+def _plan_comms(
+    preset: str, sizes: dict[str, int], schedule: str, microbatches: int, n_layers: int
+) -> tuple[dict, dict, bool]:
+    """``d9d plan``'s collectives of a layout (as ``show_plan`` counts them: extrapolated
+    past a few blocks), and whether they were extrapolated."""
+    tokens = torch.zeros(2 * microbatches, 32, dtype=torch.long, device="meta")
+    batch = {"tokens": tokens, "labels": tokens}
+    with fake_world(math.prod(sizes.values())):
+        model, config, _ = build_model("llama", preset, None, n_layers=n_layers)
+        step, opt = _step(model, sizes, "llama", None, "none", schedule, microbatches)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        layout = _pipeline_layout(step)
+        held = sum(b - a for a, b in (layout.split.blocks[s] for s in layout.local_stages))
+        stats = _collectives(
+            step,
+            params,
+            state,
+            batch,
+            config,
+            "llama",
+            preset,
+            sizes,
+            "none",
+            schedule,
+            microbatches,
+        )
+    return dict(stats.count), dict(stats.bytes), held > len(layout.local_stages) + 1
+
+
+PIPELINE_LAYOUTS = {
+    # name: (preset, sizes, schedule, microbatches, blocks)
+    "pp=2 1f1b": ("tiny", _sizes(pp=2), "1f1b", 4, 6),
+    "pp=2 interleaved_1f1b": ("tiny", _sizes(pp=2), "interleaved_1f1b", 4, 8),
+    "pp=2 zbv x tp=2": ("tiny", _sizes(pp=2, tp=2), "zbv", 4, 8),
+    "pp=2 x fsdp=2": ("tiny", _sizes(pp=2, fsdp=2), "1f1b", 2, 6),
+    "pp=4 gpipe x fsdp=2 x tp=2": ("tiny", _sizes(pp=4, fsdp=2, tp=2), "gpipe", 4, 12),
+    "pp=2 interleaved_zb, tied": ("1b", _sizes(pp=2, fsdp=4), "interleaved_zb", 4, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINE_LAYOUTS))
+def test_pipeline_collectives_from_small_models_equal_the_whole_model_counted(name: str) -> None:
+    """Under pp the step is counted on models whose stages hold one block, then one more in
+    stage 0; rank 0's blocks past those move what the added one moves."""
+    preset, sizes, schedule, microbatches, n_layers = PIPELINE_LAYOUTS[name]
+    tokens = torch.zeros(2 * microbatches, 32, dtype=torch.long, device="meta")
+    batch = {"tokens": tokens, "labels": tokens}
+    with fake_world(math.prod(sizes.values())):
+        model, _, _ = build_model("llama", preset, None, n_layers=n_layers)
+        step, opt = _step(model, sizes, "llama", None, "none", schedule, microbatches)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        whole = count_collectives(step, params, state, batch)
+    count, nbytes, extrapolated = _plan_comms(preset, sizes, schedule, microbatches, n_layers)
+    assert extrapolated
+    assert count == dict(whole.count)
+    assert nbytes == dict(whole.bytes)
+
+
+def _real_step_comms(
+    sizes: dict[str, int], schedule: str, microbatches: int, n_layers: int
+) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    model = d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=n_layers)))
+    step, opt = _step(model, sizes, "llama", None, "none", schedule, microbatches)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    tokens = torch.randint(0, 256, (2 * microbatches, 32))
+    stats = step.comms(params, state, {"tokens": tokens, "labels": tokens})
+    return dict(stats.count), dict(stats.bytes)
+
+
+# Rank 0's sends per microbatch (activations forward, grads back) and the bytes of each:
+# batch 2 x 32 tokens x width 64 x 4 bytes, half the tokens under tp's sequence parallelism.
+REAL_LAYOUTS = {
+    "pp=2 1f1b": ("pp=2 1f1b", 1, 2 * 32 * 64 * 4),  # stage 0 of 2
+    "pp=2 interleaved_1f1b": ("pp=2 interleaved_1f1b", 3, 2 * 32 * 64 * 4),  # 0, 2 of 4
+    "pp=2 zbv x tp=2": ("pp=2 zbv x tp=2", 2, 2 * 16 * 64 * 4),  # stages 0 and 3 of 4
+    "pp=2 x fsdp=2": ("pp=2 x fsdp=2", 1, 2 * 32 * 64 * 4),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_LAYOUTS))
+def test_plan_collectives_equal_a_real_pipelined_step(name: str) -> None:
+    """``d9d plan``'s figures for rank 0 equal what ``step.comms`` counts on rank 0 of gloo
+    ranks running the same step (``d9d train``'s, AdamW with clipping) on real tensors:
+    every collective and every send and receive between stages, count and bytes."""
+    layout, per_microbatch, activation = REAL_LAYOUTS[name]
+    preset, sizes, schedule, microbatches, n_layers = PIPELINE_LAYOUTS[layout]
+    count, nbytes, extrapolated = _plan_comms(preset, sizes, schedule, microbatches, n_layers)
+    ranks = math.prod(sizes.values())
+    real = run_on_ranks(
+        _real_step_comms, ranks, sizes, schedule, microbatches, n_layers, method="fork"
+    )
+    assert extrapolated
+    assert (count, nbytes) == real[0]
+    for kind in ("send", "recv"):
+        assert count[(kind, "pp")] == per_microbatch * microbatches
+        assert nbytes[(kind, "pp")] == per_microbatch * microbatches * activation
+
+
+def test_plan_prints_the_pipeline_figures_of_a_real_step() -> None:
+    """The text: tiny (2 blocks) on pp=2 x fsdp=2, 2 microbatches of 2 x 32 tokens."""
+    text = show_plan("tiny", pp=2, fsdp=2, batch=2, seq=32, microbatches=2, max_rows=4)
+    count, nbytes = run_on_ranks(
+        _real_step_comms, 4, _sizes(pp=2, fsdp=2), "1f1b", 2, 2, method="fork"
+    )[0]
+    for (kind, axis), n in count.items():
+        assert re.search(
+            rf"{kind} +│ {axis} +│ +{n} │ +{re.escape(human(nbytes[(kind, axis)]))}", text
+        )
+    sent = nbytes[("send", "pp")]
+    assert "send on pp: 2 x one microbatch's activation (forward) or its grad (backward)" in text
+    assert f"{sent // 2:,} B each; {sent:,} B in all" in text
+
+
+def test_dry_run_of_a_pipeline_rank_without_stage_0_is_refused() -> None:
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    with fake_world(2, rank=1):
+        model, _, _ = build_model("llama", "tiny", None)
+        step, opt = _step(model, _sizes(pp=2), "llama", None, "none", "1f1b", 2)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        with pytest.raises(
+            PlanError,
+            match=r"pipeline rank 1 runs on meta tensors .* only the rank holding stage 0 "
+            r"\(pipeline rank 0\) can run on meta",
+        ):
+            count_collectives(step, params, state, {"tokens": tokens, "labels": tokens})
 
 
 def test_8b_on_1024_simulated_ranks_builds() -> None:
@@ -92,6 +240,11 @@ def test_hugging_face_config(tmp_path: Path) -> None:
         (["--preset", "9b"], r"name='9b'; valid presets are"),
         (["--ep", "2"], r"--ep 2: expert_parallel is not built yet"),
         (["--dp", "0"], r"--dp must be an int >= 1, got 0"),
+        (["--pp", "2", "--microbatches", "0"], r"--microbatches must be an int >= 1, got 0"),
+        (
+            ["--pp", "2", "--microbatches", "1"],
+            r"pipeline\(schedule='1f1b'\) cannot run 1 microbatches on 2 ranks",
+        ),
         (["--hf-config", "/no/such/config.json"], r"'/no/such/config.json' is not a file"),
     ],
 )

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from d9d.testing import fake_world
+from d9d.testing import fake_world, run_on_ranks
 
 
 def test_builds_a_64_rank_2d_mesh_instantly() -> None:
@@ -45,6 +45,35 @@ def test_rejects_bad_sizes(world_size: int, rank: int, match: str) -> None:
 
 
 def test_rejects_nesting() -> None:
-    with fake_world(4), pytest.raises(RuntimeError, match=r"initialised \(backend 'fake'"):
+    with (
+        fake_world(4),
+        pytest.raises(RuntimeError, match=r"initialised \(backend 'cpu:fake,cuda:fake,meta:fake'"),
+    ):
         fake_world(4).__enter__()
     assert not dist.is_initialized()
+
+
+def test_point_to_point_ops_complete_at_once_on_meta_tensors() -> None:
+    """A dry run of a pipeline step batches sends and receives of meta tensors."""
+    with fake_world(4):
+        meta = torch.empty(3, device="meta")
+        ops = [dist.P2POp(dist.isend, meta, 1), dist.P2POp(dist.irecv, meta, 1)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _norm_over_a_submesh() -> float:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "fsdp"))["fsdp"]
+    x = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm([x], 2))).full_tensor())
+
+
+@pytest.mark.distributed
+def test_a_real_world_after_it_gets_no_dtensor_on_its_meshes() -> None:
+    """DTensor caches sharding by mesh layout; without clearing, a forked real world with an
+    equal mesh got the fake mesh back and failed: "Could not resolve the process group"."""
+    with fake_world(4):
+        for _ in range(3):  # the fake mesh's group names are not the real one's
+            dist.new_group([0, 1, 2, 3])
+        _norm_over_a_submesh()
+    assert run_on_ranks(_norm_over_a_submesh, 4, method="fork") == pytest.approx([14**0.5] * 4)

@@ -173,6 +173,7 @@ class _Runtime:
     schedule: Any
     box: list[Any]
     loss_dtype: torch.dtype
+    device: torch.device
 
 
 class _Runner:
@@ -251,7 +252,7 @@ def run_pipeline(
     with torch.enable_grad(), span("schedule", -1, count):
         runtime.schedule.step(mb=torch.arange(count), **extra)
     runtime.box[0] = None
-    value, total = _loss_on_every_rank(losses, runner, runtime.loss_dtype, last, layout)
+    value, total = _loss_on_every_rank(losses, runner, runtime, last, layout)
     compute_grads = [
         weights[p].grad / total if weights[p].grad is not None else torch.zeros_like(weights[p])
         for p in paths
@@ -266,7 +267,7 @@ def run_pipeline(
         materialize_grads=True,
     )
     grads = [_sum_tied(g, p, layout) for g, p in zip(grads, paths, strict=True)]
-    aux = _aux_on_every_rank(runner, count, layout) if job.has_aux else None
+    aux = _aux_on_every_rank(runner, count, layout, runtime.device) if job.has_aux else None
     return value, aux, grads
 
 
@@ -282,15 +283,15 @@ def _sum_tied(grad: torch.Tensor, path: str, layout: PipelineLayout) -> torch.Te
 def _loss_on_every_rank(
     losses: list[torch.Tensor],
     runner: _Runner,
-    dtype: torch.dtype,
+    runtime: _Runtime,
     last: bool,
     layout: PipelineLayout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, total weight)`` on every pipeline rank (one all-reduce): the last stage's
     microbatch losses, each weighed by its valid-token count (or all alike when the loss
     counts none), and the total the summed grads are divided by."""
-    device = layout.stage_mesh.device_type
-    packed = torch.zeros(3, dtype=torch.float64, device=device)
+    dtype = runtime.loss_dtype
+    packed = torch.zeros(3, dtype=torch.float64, device=runtime.device)
     if last:
         weights = list(runner.weights.values())
         packed[0] = torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
@@ -298,12 +299,24 @@ def _loss_on_every_rank(
         packed[2] = len(losses) if weights[0] is None else torch.stack(weights).sum()
     packed = _c10d.wait_tensor(_c10d.all_reduce(packed, "sum", layout.group.group_name))
     total = packed[2].clamp(min=1)
-    return (packed[0] / total).to(LOSS_DTYPES[int(packed[1])]), total
+    if not packed.is_meta:  # a dry run on meta has no values: it keeps its own dtype
+        dtype = LOSS_DTYPES[int(packed[1])]
+    return (packed[0] / total).to(dtype), total
 
 
-def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> Any:
+def _aux_on_every_rank(
+    runner: _Runner, count: int, layout: PipelineLayout, device: torch.device
+) -> Any:
+    """The loss function's aux outputs, which only the last stage computes, on every rank:
+    sent as a Python object, whose structure and shapes no other rank knows beforehand."""
     box = [None]
     last = layout.owner(layout.split.count - 1)
+    if device.type == "meta" and layout.rank != last:
+        raise PlanError(
+            "a pipelined loss with aux outputs (has_aux=True) sends them from the last stage "
+            "as a Python object, which a dry run on meta tensors cannot receive; count the "
+            "collectives of a real step with step.comms"
+        )
     if layout.rank == last:
         box[0] = stack_aux(
             [runner.aux[i] for i in range(count)], [runner.weights[i] for i in range(count)]
@@ -333,7 +346,11 @@ def _runtime(runner: _Runner, layout: PipelineLayout, chunks: list[Any]) -> _Run
     return runtime
 
 
-def _device(layout: PipelineLayout) -> torch.device:
+def _device(layout: PipelineLayout, params: Mapping[str, torch.Tensor]) -> torch.device:
+    """The stages' device: the mesh's, or meta for a step run on meta params (a dry run,
+    as ``d9d plan`` counts collectives)."""
+    if any(p.is_meta for p in params.values()):
+        return torch.device("meta")
     kind = layout.stage_mesh.device_type
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -344,7 +361,7 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
     """Probe activation shapes, then build the stages and the schedule."""
     box: list[Any] = [runner]
     modules = {s: _StageModule(s, box) for s in layout.local_stages}
-    device = _device(layout)
+    device = _device(layout, runner.params)
     shapes = probe(runner, layout, device)
     stages = []
     for s in layout.local_stages:
@@ -377,7 +394,7 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
         ) from error
     last = layout.split.count - 1
     loss_dtype = shapes[last][1][0][1] if last in shapes else torch.float32
-    return _Runtime(modules, schedule, box, loss_dtype)
+    return _Runtime(modules, schedule, box, loss_dtype, device)
 
 
 def _example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -5,6 +5,12 @@ microbatch 0 without grad from zeros of the shapes it received and sends the sha
 outputs to the next stage's rank (a count, then a small int64 header per tensor). One forward
 of one microbatch per new batch shape; PyTorch's own inference would run the stage on meta
 tensors (torch 2.11) or a real forward and backward (2.13).
+
+On the meta device (a dry run, as ``d9d plan`` runs one on a simulated world) no rank can
+send another a value, so nothing is exchanged: a stage entered from another rank takes the
+shapes the rank's own previous stage sent, since the stages between keep them (a decoder's
+blocks map hidden states, or a carried state, to the same shapes). The rank must hold stage
+0, as rank 0 does.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ...errors import PlanError
 
 __all__ = ["LOSS_DTYPES", "probe"]
 
@@ -30,13 +38,20 @@ def probe(
     or several (the leaves of a carried state)."""
     out: dict[int, tuple[list[Shape], list[Shape]]] = {}
     previous: list[Shape] | None = None
+    dry = device.type == "meta"
+    if dry and layout.owner(0) != layout.rank:
+        raise PlanError(
+            f"pipeline rank {layout.rank} runs on meta tensors (a dry run), where no rank "
+            "sends it the shape of its first stage's input: only the rank holding stage 0 "
+            f"(pipeline rank {layout.owner(0)}) can run on meta; run that one"
+        )
     for stage in range(layout.split.count):
         owner = layout.owner(stage)
         if owner != layout.rank:
             continue
         entering: list[Shape] = []
         if stage > 0:
-            if layout.owner(stage - 1) != layout.rank:
+            if layout.owner(stage - 1) != layout.rank and not dry:
                 previous = _recv_meta(layout, layout.owner(stage - 1), device)
             assert previous is not None
             entering = previous
@@ -46,7 +61,8 @@ def probe(
         values = value if isinstance(value, tuple) else (value,)
         previous = [(tuple(v.shape), v.dtype) for v in values]
         out[stage] = (entering, previous)
-        if stage + 1 < layout.split.count and layout.owner(stage + 1) != layout.rank:
+        last = stage + 1 == layout.split.count
+        if not last and layout.owner(stage + 1) != layout.rank and not dry:
             _send_meta(layout, layout.owner(stage + 1), previous, device)
     return out
 

@@ -2,7 +2,8 @@
 
 :class:`TracedStage` is PyTorch's ``PipelineStage`` reporting the bytes it sends and receives
 (``send``/``recv`` on the pipeline axis) and, inside :func:`stage_spans`, the spans of its
-compute: forward, backward, and the weight-grad half of zero-bubble schedules.
+compute: forward, backward, and the weight-grad half of zero-bubble schedules. On the meta
+device it runs without peers (``d9d plan``'s dry run).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
@@ -73,6 +75,19 @@ class TracedStage(pipelining.PipelineStage):
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with span("W", self.stage_index, bwd_chunk_id):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    # torch 2.13's schedules open with a vote passed down the stages and back: STATIC (1)
+    # when every stage has fixed shapes without DTensors, as every d9d stage has. On meta
+    # (a dry run on a simulated world) no peer answers, so the stage casts the known result.
+    def _warmup_forward_vote(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.device.type == "meta":
+            return torch.ones(1, dtype=torch.int32)
+        return super()._warmup_forward_vote(*args, **kwargs)
+
+    def _warmup_backward_result(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.device.type == "meta":
+            return torch.ones(1, dtype=torch.int32)
+        return super()._warmup_backward_result(*args, **kwargs)
 
     def _count(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         for op in ops:
