@@ -33,6 +33,9 @@ LAYOUTS = {
 WHOLE_BLOCKS_ON_TP = ("phi3", "gpt2")
 # Gemma's norms scale by (1 + weight) in float32, so their weight grads are float32 sums whose
 # order differs with the layout: rel 1e-5 (tests/distributed/test_shard_params.py, the same).
+# atol 1e-7: gemma2 under tp=2 (transformers 5.24) moved two embedding elements whose grads sit
+# near AdamW's eps by 1.8e-8 (rel 5.7e-5); with the norms computed in float64 instead, the
+# same layout equals one device at the default rel 1e-9.
 F32_NORM_GRADS = ("gemma", "gemma2")
 
 
@@ -56,7 +59,7 @@ def _reference(family: str):
 @pytest.mark.parametrize(("family", "layout"), CASES)
 def test_family_equals_one_device(family: str, layout: str) -> None:
     mesh_axes, transforms = LAYOUTS[layout]
-    tol = {"rtol": 1e-5, "atol": 1e-8} if family in F32_NORM_GRADS else None
+    tol = {"rtol": 1e-5, "atol": 1e-7} if family in F32_NORM_GRADS else None
     assert_equivalent(
         build(family),
         transforms,
