@@ -251,6 +251,15 @@ class Runtime:
     drives_differentiation: bool = False
     attention: Callable[..., torch.Tensor] | None = None
 
+    def split_backward(self) -> str | None:
+        """How this runtime's differentiation runs a block's backward in more than one
+        autograd pass (input grads, then weight grads), or None: it runs one."""
+        return None
+
+    def one_backward_only(self) -> str | None:
+        """Why the blocks this runtime wraps allow a single backward pass, or None."""
+        return None
+
     def on_batch(self, batch: Any) -> Any:
         """The batch the step body sees (this rank's part of it)."""
         return batch

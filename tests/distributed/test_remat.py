@@ -18,7 +18,7 @@ import d9d
 import d9d._jit
 from d9d._backward_graph import in_backward, rematerialize
 from d9d._context import running
-from d9d.errors import PlanError
+from d9d.errors import PlanError, RankFailedError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import KeptBytes, run_on_ranks
 
@@ -53,13 +53,22 @@ def _grad_step(model: d9d.Model) -> Callable[..., Any]:
     return step
 
 
+# Zero-bubble schedules take input grads and weight grads in two backward passes: a
+# checkpointed block is recomputed in each. Two stages per rank: four blocks.
+def _zero_bubble(schedule: str) -> Callable[[Any], list[Any]]:
+    return lambda mesh: [d9d.pipeline(mesh, schedule=schedule, microbatches=2, virtual_stages=2)]
+
+
+ZERO_BUBBLE = {f"pp=2 {s}": ({"pp": 2}, _zero_bubble(s)) for s in ("zbv", "interleaved_zb")}
+
+
 def _grads(layout: str, policy: str | None, every: int = 1) -> list[dict]:
-    axes, make = LAYOUTS[layout]
+    axes, make = {**LAYOUTS, **ZERO_BUBBLE}[layout]
     world = math.prod(axes.values())
 
     def rank() -> dict[str, torch.Tensor]:
         mesh = d9d.make_mesh("cpu", **axes)
-        model = _model()
+        model = _model(4 if layout in ZERO_BUBBLE else 2)
         transforms = make(mesh)
         if policy is not None:
             transforms.append(d9d.remat(policy, every=every, mesh=mesh))
@@ -85,6 +94,26 @@ def test_remat_grads_bitwise_equal_no_remat(layout: str, policy: str) -> None:
         assert want.keys() == got.keys()
         for path in want:
             assert torch.equal(want[path], got[path]), (layout, policy, rank, path)
+
+
+@pytest.mark.parametrize("layout", list(ZERO_BUBBLE))
+def test_full_remat_under_zero_bubble_schedules_grads_bitwise_equal_no_remat(layout: str) -> None:
+    plain = _grads(layout, None)
+    for rank, (want, got) in enumerate(zip(plain, _grads(layout, "full"), strict=True)):
+        assert want.keys() == got.keys()
+        for path in want:
+            assert torch.equal(want[path], got[path]), (layout, rank, path)
+
+
+def test_selective_remat_under_a_zero_bubble_schedule_is_refused_by_name() -> None:
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: pipeline\(axis='pp', schedule='zbv', .*\) takes each stage's input "
+        r"grads and its weight grads in two backward passes, but under remat\(policy="
+        r"'selective', every=1\) a block's kept outputs serve one backward pass .* use "
+        r"remat\('full'\)",
+    ):
+        _grads("pp=2 zbv", "selective")
 
 
 def test_remat_every_other_block() -> None:

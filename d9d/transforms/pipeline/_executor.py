@@ -52,21 +52,23 @@ _c10d = torch.ops._c10d_functional
 
 @dataclass(frozen=True)
 class ScheduleKind:
-    """A ``torch.distributed.pipelining`` schedule: its class, stage placement and the
-    stages per rank it runs (None: any)."""
+    """A ``torch.distributed.pipelining`` schedule: its class, stage placement, the stages
+    per rank it runs (None: any), whether it runs several, and whether it takes input and
+    weight grads in separate backward passes (zero bubble)."""
 
     name: str
     style: str
     virtual_stages: int | None
     multi: bool
+    zero_bubble: bool = False
 
 
 SCHEDULES = {
     "gpipe": ScheduleKind("ScheduleGPipe", "loop", 1, False),
     "1f1b": ScheduleKind("Schedule1F1B", "loop", 1, False),
     "interleaved_1f1b": ScheduleKind("ScheduleInterleaved1F1B", "loop", None, True),
-    "interleaved_zb": ScheduleKind("ScheduleInterleavedZeroBubble", "loop", None, True),
-    "zbv": ScheduleKind("ScheduleZBVZeroBubble", "v", 2, True),
+    "interleaved_zb": ScheduleKind("ScheduleInterleavedZeroBubble", "loop", None, True, True),
+    "zbv": ScheduleKind("ScheduleZBVZeroBubble", "v", 2, True, True),
 }
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..._plan import Plan
 from ..._runtime import ApplyCall, Differentiation, Runtime
-from ._executor import PipelineLayout, run_pipeline
+from ._executor import SCHEDULES, PipelineLayout, run_pipeline
 from ._stage_apply import enter_stage
 
 __all__ = ["PipelineRuntime"]
@@ -29,6 +29,11 @@ class PipelineRuntime(Runtime):
 
     def enter_apply(self, call: ApplyCall) -> None:
         enter_stage(self.layout, call)
+
+    def split_backward(self) -> str | None:
+        if SCHEDULES[self.layout.schedule].zero_bubble:
+            return "takes each stage's input grads and its weight grads in two backward passes"
+        return None
 
     def jit_refusal(self) -> str:
         return (

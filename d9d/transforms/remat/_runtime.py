@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +49,17 @@ class RematRuntime(Runtime):
     def jit_config(self) -> dict[str, Any]:
         return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
 
+    def one_backward_only(self) -> str | None:
+        if self.policy == "selective":
+            # torch's selective checkpoint hands each kept output to one recomputation; a
+            # second backward pass over the block recomputes it again and finds it consumed.
+            return (
+                "a block's kept outputs serve one backward pass (torch's selective checkpoint "
+                "consumes them): use remat('full'), which recomputes the block in each pass, "
+                "or a schedule without zero bubble ('1f1b', 'interleaved_1f1b')"
+            )
+        return None
+
     def _checkpointed(
         self, call: ApplyCall, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
     ) -> Any:
@@ -64,11 +75,24 @@ def _eager_contexts(call: ApplyCall, policy: str) -> tuple[Any, Any]:
         forward, recompute = selective_contexts()
     else:
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-    return forward, _entered(call, recompute)
+    return forward, _Recomputation(call, recompute)
 
 
-@contextlib.contextmanager
-def _entered(call: ApplyCall, inner: Any) -> Iterator[None]:
-    """The call's environment (module interceptions) and ``inner``, for a recomputation."""
-    with call.environment(), inner:
-        yield
+class _Recomputation:
+    """The call's environment (module interceptions) and ``inner``, for a recomputation;
+    entered once per backward pass over the block (zero-bubble pipelines run two: input
+    grads, then weight grads, and torch's checkpoint recomputes the block in each)."""
+
+    def __init__(self, call: ApplyCall, inner: Any) -> None:
+        self.call = call
+        self.inner = inner
+        self.stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.call.environment())
+        stack.enter_context(self.inner)
+        self.stack.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stack.pop().__exit__(*exc)
