@@ -8,8 +8,9 @@ Each transform is a package holding its rule (how it rewrites a param's plan) an
 :class:`Jitted` step of ``d9d.jit``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .._comms import CommStats as CommStats
-from .._jit import Jitted as Jitted
 from .._plan import ParamPlan as ParamPlan
 from .._plan import Plan as Plan
 from .._runtime import ApplyCall as ApplyCall
@@ -30,6 +31,19 @@ from .shard_params import shard_params as shard_params
 from .tensor_parallel import DEFAULT_RULES as DEFAULT_RULES
 from .tensor_parallel import TensorParallel as TensorParallel
 from .tensor_parallel import tensor_parallel as tensor_parallel
+
+if TYPE_CHECKING:
+    from .._jit import Jitted as Jitted
+
+
+def __getattr__(name: str) -> Any:
+    # ``Jitted`` comes with ``d9d._jit``, which imports torch's compiler (about 2 s): loaded
+    # when asked for, so that ``d9d plan`` and the transforms start without it.
+    if name == "Jitted":
+        from .._jit import Jitted
+
+        return Jitted
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "DEFAULT_RULES",

@@ -30,3 +30,11 @@ def test_the_parser_offers_the_library_choices() -> None:
     assert tuple(_main.BENCH_SHAPES) == tuple(_bench_cases.SHAPES)
     assert tuple(_main.BENCH_OPS) == tuple(_bench_cases.OPS)
     assert tuple(_main.BENCH_DTYPES) == tuple(_bench.DTYPES)
+
+
+def test_the_plan_command_and_the_transforms_load_no_compiler_backend() -> None:
+    """``d9d._jit`` brings inductor's ``compile_fx`` (about 2 s): only ``jit`` loads it."""
+    loaded = _loaded_after("import d9d.cli._plan_command, d9d.transforms")
+    assert not {"d9d._jit", "torch._inductor.compile_fx"} & loaded
+    loaded = _loaded_after("import d9d.transforms\nprint(d9d.transforms.Jitted)")
+    assert {"d9d._jit", "torch._inductor.compile_fx"} <= loaded
