@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DonatedTreeError",
+    "DryRunError",
     "IndexRangeError",
     "IndivisibleError",
     "KernelInputError",
@@ -93,6 +94,10 @@ class MeshError(ValueError):
 
 class PlanError(ValueError):
     """Transforms conflict, or a param cannot be laid out as asked: names the path and the fix."""
+
+
+class DryRunError(PlanError):
+    """A step cannot run on meta tensors of a simulated world (``d9d plan``'s dry run)."""
 
 
 class BatchShapeError(ValueError):

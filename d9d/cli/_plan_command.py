@@ -24,7 +24,7 @@ from .._comms import CommStats
 from .._mesh import make_mesh
 from .._model import Model
 from .._step import TransformedStep
-from ..errors import PlanError
+from ..errors import DryRunError
 from ..models import LlamaConfig, MoEConfig
 from ..testing import fake_world
 from ..transforms import remat as remat_transform
@@ -118,7 +118,7 @@ def show_plan(
                     step, params, state, data, config, model, preset, sizes, remat, schedule, chunks
                 )
             )
-        except PlanError as error:
+        except DryRunError as error:
             comms = f"collectives: not counted on simulated ranks: {error}"
         plan = step.plan
         axes = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"

@@ -45,6 +45,7 @@ def __getattr__(name: str) -> Any:
         return Jitted
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "DEFAULT_RULES",
     "ApplyCall",

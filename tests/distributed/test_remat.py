@@ -154,7 +154,7 @@ def _jit_grads(layout: str, policy: str | None, backend: str, n_layers: int = 2)
         local = {p: g.to_local() if isinstance(g, DTensor) else g for p, g in grads.items()}
         return {**local, "loss": metrics["loss"]}
 
-    return run_on_ranks(rank, math.prod(axes.values()))
+    return run_on_ranks(rank, math.prod(axes.values()), timeout=600)  # inductor: minutes
 
 
 @pytest.mark.compile

@@ -6,6 +6,7 @@ may stack. Forms (docs/testing.md, "Doc snippets"):
     <!-- snippet: ranks=4 -->                run on 4 thread ranks (`fork`: forked processes)
     <!-- snippet: fork -->                   run in one forked process (process-wide side effects)
     <!-- snippet: skip WHY -->               not run, for the stated reason
+    <!-- snippet: output -->                 a text block: lines the bash block above prints
     <!-- snippet: sub OLD => NEW | WHY -->   run with OLD replaced by NEW (OLD must occur)
     <!-- snippet: setup
     hidden code, run just before the block, where the block runs
@@ -38,6 +39,7 @@ class Block:
     ranks: int = 0  # 0: in this process, in the page's namespace
     fork: bool = False
     skip: str = ""  # the reason, if not run
+    output: bool = False  # a text block of what the bash block before it prints
     subs: tuple[tuple[str, str], ...] = ()
     setup: str = ""  # hidden code, its first line at setup_line
     setup_line: int = 0
@@ -98,6 +100,8 @@ def parse(file: str, text: str) -> list[Block]:
             )
             if (block.ranks or block.fork) and block.lang != "python":
                 raise ValueError(f"{block.id}: ranks and fork apply to Python blocks only")
+            if block.output and not (block.lang == "text" and blocks and blocks[-1].lang == "bash"):
+                raise ValueError(f"{block.id}: an output block is text right after a bash block")
             blocks.append(block)
             markers = {}
             i = end + 1
@@ -133,6 +137,8 @@ def _read_marker(file: str, lines: list[str], i: int, body: str, markers: dict[s
         for word in body.split():
             if word == "fork":
                 markers["fork"] = True
+            elif word == "output":
+                markers["output"] = True
             elif re.fullmatch(r"ranks=[1-9][0-9]*", word):
                 markers["ranks"] = int(word.removeprefix("ranks="))
             else:

@@ -46,3 +46,12 @@ def test_a_sub_whose_text_is_gone_fails() -> None:
     [block] = parse("page.md", "<!-- snippet: sub range(9) => range(2) | why -->\n```python\n```\n")
     with pytest.raises(AssertionError, match=r"'range\(9\)' is not in it"):
         block.source()
+
+
+def test_an_output_block_follows_a_bash_block() -> None:
+    [bash, output] = parse(
+        "p.md", "```bash\nd9d plan\n```\n<!-- snippet: output -->\n```text\nx\n```\n"
+    )
+    assert output.output and not bash.output
+    with pytest.raises(ValueError, match=r"p.md:2: an output block is text right after a bash"):
+        parse("p.md", "<!-- snippet: output -->\n```text\nx\n```\n")

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,8 +40,11 @@ def _param(block: Block) -> Any:
 def test_every_block_runs_or_says_why_not() -> None:
     unknown = [f"{b.id} ```{b.lang}" for b in BLOCKS if b.lang not in LANGUAGES]
     assert not unknown, f"blocks need a language of {LANGUAGES}: {unknown}"
-    silent = [b.id for b in BLOCKS if b.lang == "text" and not b.skip]
-    assert not silent, f"```text blocks are not run: mark each `snippet: skip REASON`: {silent}"
+    silent = [b.id for b in BLOCKS if b.lang == "text" and not (b.skip or b.output)]
+    assert not silent, (
+        f"```text blocks are not run: mark each `snippet: output` or `snippet: skip REASON`: "
+        f"{silent}"
+    )
     skipped = [f"{b.id} ({b.skip})" for b in BLOCKS if b.skip]
     assert len(skipped) <= MAX_SKIPPED, f"{len(skipped)} blocks are skipped: {skipped}"
 
@@ -55,7 +59,10 @@ def test_block(
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
     if block.lang == "bash":
-        _run_bash(block, tmp_path_factory.mktemp("bash"))
+        _bash_stdout(block)
+        return
+    if block.output:
+        _check_output(block)
         return
     if block.lang != "python":
         pytest.fail(f"{block.id}: a ```{block.lang} block is not run; mark it skip with a reason")
@@ -203,10 +210,35 @@ def _script(block: Block) -> str:
     return "\n".join(script)
 
 
-def _run_bash(block: Block, folder: Path) -> None:
+@functools.cache
+def _bash_stdout(block: Block) -> str:
+    """What the block prints, run once in a temporary folder of its own."""
+    with tempfile.TemporaryDirectory(prefix="d9d-doc-bash-") as folder:
+        return _run_bash(block, Path(folder))
+
+
+def _check_output(block: Block) -> None:
+    """Each line of an output block (but `...`, which elides lines) is a line the bash block
+    above it prints, in order."""
+    [bash] = [
+        b for b in BLOCKS if b.file == block.file and b.lang == "bash" and b.line < block.line
+    ][-1:]
+    printed = [line.rstrip() for line in _bash_stdout(bash).splitlines()]
+    at = 0
+    for line in block.code.splitlines():
+        if line.strip() in ("", "...") or line == bash.code.strip():
+            continue
+        found = next((i for i in range(at, len(printed)) if printed[i] == line.rstrip()), None)
+        assert found is not None, (
+            f"{block.id}: {line!r} is not printed by {bash.id} (after line {at})"
+        )
+        at = found + 1
+
+
+def _run_bash(block: Block, folder: Path) -> str:
     script = _script(block)
     if not script.strip():
-        return
+        return ""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", block.setup + script],
@@ -220,3 +252,4 @@ def _run_bash(block: Block, folder: Path) -> None:
         f"{block.id} exited {done.returncode}:\n{script}\n--- stdout\n{done.stdout[-3000:]}"
         f"\n--- stderr\n{done.stderr[-3000:]}"
     )
+    return done.stdout

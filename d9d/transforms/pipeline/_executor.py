@@ -33,7 +33,7 @@ from ..._collectives import gather_params, local_like
 from ..._context import count_tokens
 from ..._plan import Plan
 from ..._runtime import Differentiation
-from ...errors import PlanError
+from ...errors import DryRunError, PlanError
 from ._stage_shapes import LOSS_DTYPES, probe
 from ._stage_trace import TracedStage, span
 from ._stages import StageSplit
@@ -314,7 +314,7 @@ def _aux_on_every_rank(
     box = [None]
     last = layout.owner(layout.split.count - 1)
     if device.type == "meta" and layout.rank != last:
-        raise PlanError(
+        raise DryRunError(
             "a pipelined loss with aux outputs (has_aux=True) sends them from the last stage "
             "as a Python object, which a dry run on meta tensors cannot receive; count the "
             "collectives of a real step with step.comms"

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import PlanError
+from ...errors import DryRunError
 
 __all__ = ["LOSS_DTYPES", "probe"]
 
@@ -40,7 +40,7 @@ def probe(
     previous: list[Shape] | None = None
     dry = device.type == "meta"
     if dry and layout.owner(0) != layout.rank:
-        raise PlanError(
+        raise DryRunError(
             f"pipeline rank {layout.rank} runs on meta tensors (a dry run), where no rank "
             "sends it the shape of its first stage's input: only the rank holding stage 0 "
             f"(pipeline rank {layout.owner(0)}) can run on meta; run that one"
