@@ -76,15 +76,15 @@ class Regather:
             if self.plan.entries[k].regather and isinstance(self.params[k], DTensor)
         }
         for key, local in kept.items():
-            self.gathered[local.untyped_storage().data_ptr()] = (key, weakref.ref(local))
+            self.gathered[_storage_key(local)] = (key, weakref.ref(local))
             self.together[key] = tuple(kept)
         if kept:
             self._used(tuple(kept))
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, DTensor) or tensor.device.type == "meta":
+        if isinstance(tensor, DTensor):
             return tensor
-        found = self.gathered.get(tensor.untyped_storage().data_ptr())
+        found = self.gathered.get(_storage_key(tensor))
         if found is None or found[1]() is None:  # a dead entry's address may be reused
             return tensor
         key = found[0]
@@ -135,3 +135,10 @@ class Regather:
         if wanted and all(self.plan.entries[k].prefetch for k in wanted):
             detached = {k: self.params[k].detach() for k in wanted}
             self.issued = issue_gather(self.plan, wanted, detached)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` views: its address, or on meta (no data, every address 0:
+    a dry run, as ``d9d plan``'s) the storage object's."""
+    storage = tensor.untyped_storage()
+    return storage._cdata if tensor.is_meta else storage.data_ptr()
