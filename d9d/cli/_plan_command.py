@@ -5,8 +5,9 @@ The model is built on the meta device and the ranks are simulated (``fake_world`
 is ``d9d train``'s, under the transforms ``d9d train`` composes for the same flags, so the
 plan printed is the one a run would use. Collectives come from running that step once on
 meta tensors (``_plan_dry_run``), under ``--pp`` the pipeline schedule too (its point-to-point
-sends and receives complete at once on the simulated world); activations from the formula in
-``_plan_activations``.
+sends and receives complete at once on the simulated world). Activations: the formula of
+``_plan_activations`` where it covers the model and layout (d9d's Llama and MoE, without
+``--pp``), else the bytes the same dry run's forward kept for its backward.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from .._comms import CommStats
 from .._mesh import make_mesh
 from .._model import Model
 from .._step import TransformedStep
-from ..errors import DryRunError
 from ..models import LlamaConfig, MoEConfig
 from ..testing import fake_world
 from ..transforms import remat as remat_transform
@@ -32,7 +32,7 @@ from ..transforms import shard_params
 from ..transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from ._config import TrainConfig
 from ._plan_activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
-from ._plan_dry_run import count_collectives, group_labels
+from ._plan_dry_run import DryRun, dry_run, group_labels
 from ._plan_models import build_model
 from ._plan_report import human, render_comms, render_plan
 
@@ -80,7 +80,8 @@ def show_plan(
 
     Returns:
         The report; with ``pp`` it names rank 0's stages, and its collectives include the
-        schedule's sends and receives of activations and their grads.
+        schedule's sends and receives of activations and their grads. The activation line
+        says whether its figure is the formula's or measured on meta (docs/plan.md).
 
     Raises:
         ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
@@ -105,34 +106,40 @@ def show_plan(
     with fake_world(ranks):
         functional, config, described = build_model(model, preset, hf_config)
         if seq is None:  # the model's longest sequence, at most 4096
-            seq = min(4096, getattr(config, "max_seq_len", None) or 4096)
+            longest = getattr(config, "max_seq_len", None) or getattr(
+                getattr(functional.module, "config", None), "max_position_embeddings", None
+            )
+            seq = min(4096, longest or 4096)
         step, opt = _step(functional, sizes, model, hf_config, remat, schedule, chunks)
         params, state = step.place(functional.params, opt.init(functional.params), model=functional)
         memory = step.memory(params, state)
         tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
         data = {"tokens": tokens, "labels": tokens}
         layout = _pipeline_layout(step)
-        try:
-            comms = render_comms(
-                _collectives(
-                    step, params, state, data, config, model, preset, sizes, remat, schedule, chunks
-                )
-            )
-        except DryRunError as error:
-            comms = f"collectives: not counted on simulated ranks: {error}"
+        measured = _measure(
+            functional, step, params, state, data, config, model, preset, hf_config,
+            sizes, remat, schedule, chunks,
+        )  # fmt: skip
+        if measured.comms is not None:
+            comms = render_comms(measured.comms)
+        else:
+            comms = f"collectives: not counted on simulated ranks: {measured.error}"
         plan = step.plan
         axes = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
         title = f"d9d plan: {described} on {ranks} simulated ranks: {axes}"
         stage = _stage_line(layout, schedule, chunks, batch, seq) if layout is not None else None
-        activations = (
+        # Under --pp the schedule holds more than its microbatches' activations (its
+        # receive buffers; under shard_params the stages' gathered params): measured only.
+        formula = (
             _activations(config, plan, sizes, batch, seq, remat, schedule, chunks)
-            if isinstance(config, LlamaConfig | MoEConfig)
+            if isinstance(config, LlamaConfig | MoEConfig) and layout is None
             else None
         )
         first_matrix = next(
             p for p, e in plan.entries.items() if len(e.shape) == 2 and e.path in plan.held
         )
         explained = plan.explain(first_matrix)
+    activations = formula if formula is not None else measured.kept
     total = memory.total + (activations or 0)
     lines = [
         title,
@@ -142,18 +149,35 @@ def show_plan(
         f"  grads        {human(memory.grads):>12}",
         f"  optimizer    {human(memory.opt_state):>12}",
         f"  activations  {human(activations) if activations is not None else 'n/a':>12}"
-        + (
-            f"  (batch {batch} x seq {seq} per microbatch, remat {remat}; docs/plan.md)"
-            if activations is not None
-            else "  (the formula covers d9d's Llama, and its MoE on one device, dp or fsdp, "
-            "without selective remat; docs/plan.md)"
-        ),
+        + _activation_note(formula, measured, batch, seq, remat, sizes),
         f"  total        {human(total):>12}",
         *([stage] if stage is not None else []),
         comms,
         explained,
     ]
     return "\n".join(lines)
+
+
+def _activation_note(
+    formula: int | None,
+    measured: DryRun,
+    batch: int,
+    seq: int,
+    remat: str,
+    sizes: dict[str, int],
+) -> str:
+    """Where the activation figure comes from, and what it counts."""
+    shape = f"batch {batch} x seq {seq} per microbatch, remat {remat}"
+    if formula is not None:
+        return f"  (formula: {shape}; docs/plan.md)"
+    if measured.kept is None:
+        return f"  (not measured: the step did not run on meta: {measured.error})"
+    if sizes["pp"] == 1:
+        return f"  (measured on meta: {shape}; docs/plan.md)"
+    held = "the schedule's buffers"
+    if sizes["dp"] * sizes["fsdp"] > 1:
+        held += " and the stages' gathered params"
+    return f"  (measured on meta at rank 0's first backward, with {held}: {shape}; docs/plan.md)"
 
 
 def _check(model: str, remat: str, hf_config: Path | None, **axes: Any) -> dict[str, int]:
@@ -255,12 +279,13 @@ def _stage_line(
     )
 
 
-def _base_blocks(config: LlamaConfig | MoEConfig) -> int:
+def _base_blocks(config: LlamaConfig | MoEConfig | None) -> int:
     """Blocks before the run of identical ones: an MoE's dense blocks, and one."""
     return getattr(config, "n_dense_layers", 0) + 1
 
 
-def _collectives(
+def _measure(
+    functional: Model,
     step: TransformedStep,
     params: Any,
     state: Any,
@@ -268,44 +293,54 @@ def _collectives(
     config: LlamaConfig | MoEConfig | None,
     model: str,
     preset: str,
+    hf_config: Path | None,
     sizes: dict[str, int],
     remat: str,
     schedule: str,
     microbatches: int,
-) -> CommStats:
-    """The collectives of one step on rank 0: counted on the model itself, or, past a few
-    blocks, on two small ones and extrapolated (``_per_block``)."""
-    if config is None:
-        return count_collectives(step, params, state, batch)
+) -> DryRun:
+    """The collectives of one step on rank 0 and the bytes its forward keeps: measured on
+    the model itself, or, past a few blocks, on two small ones and extrapolated
+    (``_per_block``)."""
     layout = _pipeline_layout(step)
+    if config is None and not _uniform(functional):
+        return dry_run(step, params, state, batch)
+    n_layers = len(functional.structure.blocks) if config is None else config.n_layers
     if layout is None:
-        if config.n_layers < _base_blocks(config) + 2:
-            return count_collectives(step, params, state, batch)
+        if n_layers < _base_blocks(config) + 2:
+            return dry_run(step, params, state, batch)
         return _per_block(
-            config, model, preset, sizes, remat, schedule, microbatches, batch, known=step
-        )
+            config, model, preset, sizes, remat, schedule, microbatches, batch,
+            hf_config=hf_config, n_layers=n_layers, known=step,
+        )  # fmt: skip
     virtual = len(layout.local_stages)
     held = sum(
         stop - start for start, stop in (layout.split.blocks[s] for s in layout.local_stages)
     )
     if held < virtual + 2:
-        return count_collectives(step, params, state, batch)
+        return dry_run(step, params, state, batch)
     return _per_block(
-        config,
-        model,
-        preset,
-        sizes,
-        remat,
-        schedule,
-        microbatches,
-        batch,
-        pipeline=(virtual, held),
-        known=step,
-    )
+        config, model, preset, sizes, remat, schedule, microbatches, batch,
+        hf_config=hf_config, pipeline=(virtual, held), known=step,
+    )  # fmt: skip
+
+
+def _uniform(model: Model) -> bool:
+    """Whether every block of a Hugging Face model is alike (its params' shapes, the
+    config's ``layer_types``), so that a model of one or two stands for the rest."""
+    structure = model.structure
+    types = getattr(getattr(structure.module, "config", None), "layer_types", None)
+    if types is not None and len(set(types)) > 1:
+        return False
+    shapes = {
+        tuple((s.key[len(b.path) :], tuple(s.owner._parameters[s.name].shape)) for s in b.slots)
+        for b in structure.blocks
+    }
+    return len(shapes) <= 1
 
 
 def _per_block(
-    config: LlamaConfig | MoEConfig,
+    config: LlamaConfig | MoEConfig | None,
     model: str,
     preset: str,
     sizes: dict[str, int],
@@ -314,45 +349,61 @@ def _per_block(
     microbatches: int,
     batch: dict[str, torch.Tensor],
     *,
+    hf_config: Path | None = None,
+    n_layers: int | None = None,
     pipeline: tuple[int, int] | None = None,
     known: TransformedStep | None = None,
-) -> CommStats:
-    """The collectives of the whole model from steps of ``base`` and ``base + 1`` blocks:
-    every further block is identical, so moves what the one added block moves. (Counting
-    2 blocks instead of 32 is what makes an 8B plan answer in seconds.)
+) -> DryRun:
+    """The collectives of the whole model, and the bytes its forward keeps, from steps of
+    ``base`` and ``base + 1`` blocks: every further block is identical, so moves and keeps
+    what the one added block does. (Counting 2 blocks instead of 32 is what makes an 8B
+    plan answer in seconds.)
 
     Under ``pipeline=(stages on rank 0, blocks on rank 0)`` the small models have one block
     per stage, then one more in stage 0: rank 0's further blocks each move what that one
-    moves (within its stage: fsdp, tp, cp collectives), and what crosses stages (an
-    activation per microbatch) does not depend on how many blocks a stage holds.
+    moves (within its stage: fsdp, tp, cp collectives) and keep what it keeps (for the
+    microbatches in flight at the first backward), and what crosses stages (an activation
+    per microbatch) does not depend on how many blocks a stage holds.
 
-    ``known``: a step built before these on the same mesh layout (``count_collectives``)."""
+    ``n_layers``: the model's blocks (default ``config.n_layers``). ``known``: a step built
+    before these on the same mesh layout (``dry_run``)."""
     if pipeline is None:
         base = _base_blocks(config)
         runs = ((base, None), (base + 1, None))
-        extra = config.n_layers - base
+        extra = (n_layers if n_layers is not None else config.n_layers) - base
     else:
         virtual, held = pipeline
         count = sizes["pp"] * virtual
         runs = ((count, 1), (count + 1, 2))  # (blocks, blocks of stage 0)
         extra = held - virtual
-    counted = []
+    measured = []
     labels = group_labels(known) if known is not None else {}
-    for n_layers, first in runs:
-        small, _, _ = build_model(model, preset, None, n_layers=n_layers)
+    for blocks, first in runs:
+        small, _, _ = build_model(model, preset, hf_config, n_layers=blocks)
         split = None
         if first is not None:
             split = tuple(b.path for b in small.structure.blocks)[first:]
-        step, opt = _step(small, sizes, model, None, remat, schedule, microbatches, split=split)
+        step, opt = _step(
+            small, sizes, model, hf_config, remat, schedule, microbatches, split=split
+        )
         params, state = step.place(small.params, opt.init(small.params), model=small)
-        counted.append(count_collectives(step, params, state, batch, known=labels))
+        measured.append(dry_run(step, params, state, batch, known=labels))
         labels.update(group_labels(step))
-    low, high = counted
+    low, high = measured
+    kept = None
+    if low.kept is not None and high.kept is not None:
+        kept = low.kept + extra * (high.kept - low.kept)
+    if low.comms is None or high.comms is None:
+        return DryRun(None, kept, low.error or high.error)
     stats = CommStats()
-    for key in high.count:
-        stats.count[key] = low.count[key] + extra * (high.count[key] - low.count[key])
-        stats.bytes[key] = low.bytes[key] + extra * (high.bytes[key] - low.bytes[key])
-    return stats
+    for key in high.comms.count:
+        stats.count[key] = low.comms.count[key] + extra * (
+            high.comms.count[key] - low.comms.count[key]
+        )
+        stats.bytes[key] = low.comms.bytes[key] + extra * (
+            high.comms.bytes[key] - low.comms.bytes[key]
+        )
+    return DryRun(stats, kept)
 
 
 def _logits_step(model: Model, opt: Any) -> Any:

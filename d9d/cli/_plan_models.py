@@ -36,7 +36,8 @@ def build_model(
     model: str, preset: str, hf_config: Path | None, *, n_layers: int | None = None
 ) -> tuple[Model, LlamaConfig | MoEConfig | None, str]:
     """``(functionalized model on meta, its d9d config or None, a one-line description)``;
-    ``n_layers`` overrides a preset's number of blocks.
+    ``n_layers`` overrides the number of blocks of a preset or a Hugging Face config (whose
+    ``layer_types`` it cuts to the first ``n_layers``).
 
     Raises:
         ConfigError: ``preset`` is not a preset of ``model``.
@@ -44,7 +45,7 @@ def build_model(
         ValueError: ``hf_config`` is not a transformers config.
     """
     if hf_config is not None:
-        return _hf(hf_config)
+        return _hf(hf_config, n_layers)
     overrides = {} if n_layers is None else {"n_layers": n_layers}
     config = (MoEConfig if model == "moe" else LlamaConfig).preset(preset, **overrides)
     with torch.device("meta"):
@@ -53,7 +54,7 @@ def build_model(
     return functionalize(module), config, f"{model} {preset} ({_count(count)} params)"
 
 
-def _hf(path: Path) -> tuple[Model, None, str]:
+def _hf(path: Path, n_layers: int | None) -> tuple[Model, None, str]:
     if not path.is_file():
         raise FileNotFoundError(f"--hf-config {str(path)!r} is not a file; pass a config.json")
     try:
@@ -64,6 +65,10 @@ def _hf(path: Path) -> tuple[Model, None, str]:
             f"--hf-config {str(path)!r} is not a transformers config.json with a model_type "
             f"({error})"
         ) from None
+    if n_layers is not None:
+        fields["num_hidden_layers"] = n_layers
+        if isinstance(fields.get("layer_types"), list):
+            fields["layer_types"] = fields["layer_types"][:n_layers]
     import transformers
 
     try:

@@ -1,19 +1,34 @@
-"""``d9d plan``'s activation estimate against the bytes a real forward keeps (``KeptBytes``)."""
+"""``d9d plan``'s activation figures: the formula and the dry run on meta, against each other
+and against the bytes a real forward keeps (``KeptBytes``)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import re
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 import d9d
 from d9d._context import running
-from d9d.cli._plan_activations import ActivationLayout, activation_bytes, moe_activation_bytes
+from d9d.cli._plan_activations import (
+    ActivationLayout,
+    activation_bytes,
+    in_flight,
+    moe_activation_bytes,
+)
+from d9d.cli._plan_command import _measure, _step, show_plan
+from d9d.cli._plan_dry_run import count_collectives, dry_run
+from d9d.cli._plan_models import build_model
+from d9d.cli._plan_report import human
+from d9d.errors import DryRunError
 from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.moe import MoEConfig as LayerConfig
-from d9d.testing import KeptBytes, run_on_ranks
+from d9d.testing import KeptBytes, fake_world, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -134,3 +149,176 @@ def test_moe_estimate_covers_no_tensor_or_context_parallel_layout() -> None:
         ActivationLayout(batch=2, seq=8, remat="selective"),
     ):
         assert moe_activation_bytes(MOE_CONFIG, layout) is None
+
+
+def test_formula_covers_no_selective_remat_under_context_parallelism() -> None:
+    layout = ActivationLayout(batch=BATCH, seq=SEQ, cp=2, remat="selective")
+    assert activation_bytes(CONFIG, layout) is None
+
+
+# ``d9d plan`` measures what rank 0's forward keeps on meta (``dry_run``: d9d train's step on
+# a simulated world, KeptBytes at the first backward op). Below: that figure against the
+# formula, and against KeptBytes on gloo ranks running the same step on real tensors.
+
+
+def _sizes(axes: dict[str, int]) -> dict[str, int]:
+    return {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 1, **axes}
+
+
+def _meta_kept(
+    build: Callable[[], torch.nn.Module],
+    family: str,
+    axes: dict,
+    policy: str,
+    microbatches: int = 1,
+) -> int:
+    """Bytes ``d9d plan``'s dry run measures for a model built by ``build`` (measured whole,
+    not extrapolated) on the layout ``axes``."""
+    sizes = _sizes(axes)
+    with fake_world(math.prod(sizes.values())):
+        with torch.device("meta"):
+            model = d9d.functionalize(build())
+        step, opt = _step(model, sizes, family, None, policy, "1f1b", microbatches)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        tokens = torch.zeros(BATCH * microbatches, SEQ, dtype=torch.long, device="meta")
+        return dry_run(step, params, state, {"tokens": tokens, "labels": tokens}).kept
+
+
+# value_and_grad's own scalars in d9d train's step (the grad seed, the token count), which
+# the formula, read off a bare forward and loss, leaves out.
+STEP_SCALARS = 16
+
+FORMULA_LAYOUTS = [
+    ("llama", {}, "none"),
+    ("llama", {"fsdp": 2}, "selective"),
+    ("llama", {"tp": 2}, "none"),
+    ("llama", {"dp": 2, "tp": 2}, "full"),
+    ("llama", {"fsdp": 2, "tp": 2}, "selective"),
+    ("moe", {}, "none"),
+    ("moe", {"fsdp": 2}, "none"),
+]
+
+
+@pytest.mark.parametrize(("family", "axes", "policy"), FORMULA_LAYOUTS)
+def test_meta_measurement_equals_the_formula(family: str, axes: dict, policy: str) -> None:
+    config = MOE_CONFIG if family == "moe" else CONFIG
+    build = (lambda: MoE(config)) if family == "moe" else (lambda: Llama(config))
+    measured = _meta_kept(build, family, axes, policy)
+    layout = ActivationLayout(batch=BATCH, seq=SEQ, tp=axes.get("tp", 1), remat=policy)
+    formula = (moe_activation_bytes if family == "moe" else activation_bytes)(config, layout)
+    print(f"{family} {axes} {policy}: formula {formula:,} B, meta {measured:,} B")
+    if family == "moe":  # the MoE formula is within 0.02% of KeptBytes (docs/plan.md)
+        assert abs(measured - formula) <= 0.0002 * measured
+    else:
+        assert 0 <= measured - formula <= STEP_SCALARS
+
+
+def _real_kept(
+    build: Callable[[], torch.nn.Module],
+    family: str,
+    axes: dict,
+    vocab: int,
+    *,
+    hf: bool = False,
+    microbatches: int = 1,
+) -> int:
+    """KeptBytes at the first backward op of rank 0 running d9d train's step on gloo ranks
+    (``hf``: a Hugging Face model, whose output's logits the loss takes)."""
+
+    def rank() -> int:
+        torch.manual_seed(0)
+        model = d9d.functionalize(build())
+        path = Path("config.json") if hf else None  # _step only reads whether it is given
+        step, opt = _step(model, _sizes(axes), family, path, "none", "1f1b", microbatches)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        shape = (BATCH * microbatches, SEQ)
+        tokens = torch.randint(0, vocab, shape, generator=torch.Generator())
+        batch = {"tokens": tokens, "labels": tokens}
+        with KeptBytes((params, state, batch)) as kept:
+            step(params, state, batch)
+        return kept.before_backward
+
+    return run_on_ranks(rank, math.prod(axes.values()), method="fork")[0]
+
+
+# Three blocks, so that the plan measures models of one and two and extrapolates; every
+# width differs from the others, the kv heads are fewer, and Qwen2's q/k/v have biases.
+QWEN2 = {
+    "model_type": "qwen2", "vocab_size": 300, "hidden_size": 96, "intermediate_size": 200,
+    "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2}, {"tp": 2}], ids=["fsdp=2", "tp=2"])
+def test_plan_of_a_hugging_face_model_equals_a_real_step(axes: dict, tmp_path: Path) -> None:
+    import transformers
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2))
+    fields = {k: v for k, v in QWEN2.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model("qwen2", **fields)
+    build = lambda: transformers.AutoModelForCausalLM.from_config(config)  # noqa: E731
+    real = _real_kept(build, "llama", axes, QWEN2["vocab_size"], hf=True)
+    sizes = _sizes(axes)
+    with fake_world(math.prod(sizes.values())):
+        model, _, _ = build_model("llama", "", path)
+        step, opt = _step(model, sizes, "llama", path, "none", "1f1b", 1)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        tokens = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+        batch = {"tokens": tokens, "labels": tokens}
+        planned = _measure(model, step, params, state, batch, None, "llama", "", path, sizes,
+                           "none", "1f1b", 1)  # fmt: skip
+        whole = dry_run(step, params, state, batch)
+    print(f"qwen2 {axes}: plan {planned.kept:,} B, real {real:,} B")
+    assert planned.kept == whole.kept == real
+    assert planned.comms.count == whole.comms.count and planned.comms.bytes == whole.comms.bytes
+    text = show_plan(hf_config=path, seq=SEQ, batch=BATCH, max_rows=2, **axes)
+    assert f"activations  {human(real):>12}  (measured on meta: batch 2 x seq 48" in text
+
+
+def test_plan_of_the_moe_decoder_under_tensor_parallelism_equals_a_real_step() -> None:
+    build = lambda: MoE(MOE_CONFIG)  # noqa: E731
+    measured = _meta_kept(build, "moe", {"tp": 2}, "none")
+    real = _real_kept(build, "moe", {"tp": 2}, MOE_CONFIG.vocab_size)
+    print(f"moe tp=2: meta {measured:,} B, real {real:,} B")
+    assert measured == real
+
+
+def test_plan_under_pipeline_parallelism_equals_a_real_pipelined_step() -> None:
+    """pp=2, 1F1B, 4 microbatches: rank 0 (the embedding and 2 of 4 blocks) holds 2
+    microbatches in flight at its first backward (``in_flight``), as the formula counts them,
+    and the schedule's buffers: a receive buffer for the grad of each microbatch's output and
+    each microbatch's index (int64)."""
+    config = LlamaConfig.small(
+        n_layers=4, vocab_size=300, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=200
+    )
+    build = lambda: Llama(config)  # noqa: E731
+    measured = _meta_kept(build, "llama", {"pp": 2}, "none", microbatches=4)
+    real = _real_kept(build, "llama", {"pp": 2}, config.vocab_size, microbatches=4)
+    layout = ActivationLayout(
+        batch=BATCH, seq=SEQ, blocks=2, last=False, microbatches=in_flight("1f1b", 4, 2, 0)
+    )
+    formula = activation_bytes(config, layout)
+    buffers = 4 * (BATCH * SEQ * config.dim * 4 + 8)
+    print(
+        f"pp=2: formula {formula:,} B + buffers {buffers:,} B, meta {measured:,} B, real {real:,} B"
+    )
+    assert measured == real == formula + buffers
+
+
+def test_moe_under_pipeline_parallelism_measures_what_it_cannot_count() -> None:
+    """The MoE's aux outputs reach the other ranks as a Python object that a dry run cannot
+    receive, after the schedule ran: the bytes kept are measured, the collectives are not."""
+    text = show_plan("tiny", model="moe", pp=2, seq=32, max_rows=2)
+    assert "collectives: not counted on simulated ranks: a pipelined loss with aux outputs" in text
+    assert re.search(
+        r"activations +[\d.]+ [KM]iB  \(measured on meta at rank 0's first backw", text
+    )
+    with fake_world(2):
+        model, _, _ = build_model("moe", "tiny", None)
+        step, opt = _step(model, _sizes({"pp": 2}), "moe", None, "none", "1f1b", 2)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+        with pytest.raises(DryRunError, match="as a Python object, which a dry run on meta"):
+            count_collectives(step, params, state, {"tokens": tokens, "labels": tokens})

@@ -13,11 +13,18 @@ import torch
 
 import d9d
 from d9d.cli import main
-from d9d.cli._plan_command import _collectives, _per_block, _pipeline_layout, _step, show_plan
-from d9d.cli._plan_dry_run import count_collectives
+from d9d.cli._plan_command import (
+    _measure,
+    _per_block,
+    _pipeline_layout,
+    _step,
+    _uniform,
+    show_plan,
+)
+from d9d.cli._plan_dry_run import count_collectives, dry_run
 from d9d.cli._plan_models import build_model
 from d9d.cli._plan_report import human
-from d9d.errors import PlanError
+from d9d.errors import DryRunError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
 
@@ -69,7 +76,7 @@ def test_collectives_from_two_sizes_of_model_equal_the_whole_model_counted() -> 
         step, opt = _step(model, sizes, "llama", None, "none", "1f1b", 1)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         whole = count_collectives(step, params, state, batch)
-        parts = _per_block(config, "llama", "small", sizes, "none", "1f1b", 1, batch)
+        parts = _per_block(config, "llama", "small", sizes, "none", "1f1b", 1, batch).comms
     assert dict(parts.count) == dict(whole.count)
     assert dict(parts.bytes) == dict(whole.bytes)
 
@@ -91,19 +98,10 @@ def _plan_comms(
         params, state = step.place(model.params, opt.init(model.params), model=model)
         layout = _pipeline_layout(step)
         held = sum(b - a for a, b in (layout.split.blocks[s] for s in layout.local_stages))
-        stats = _collectives(
-            step,
-            params,
-            state,
-            batch,
-            config,
-            "llama",
-            preset,
-            sizes,
-            "none",
-            schedule,
-            microbatches,
-        )
+        stats = _measure(
+            model, step, params, state, batch, config, "llama", preset, None, sizes, "none",
+            schedule, microbatches,
+        ).comms  # fmt: skip
     return dict(stats.count), dict(stats.bytes), held > len(layout.local_stages) + 1
 
 
@@ -199,7 +197,7 @@ def test_dry_run_of_a_pipeline_rank_without_stage_0_is_refused() -> None:
         step, opt = _step(model, _sizes(pp=2), "llama", None, "none", "1f1b", 2)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         with pytest.raises(
-            PlanError,
+            DryRunError,
             match=r"pipeline rank 1 runs on meta tensors .* only the rank holding stage 0 "
             r"\(pipeline rank 0\) can run on meta",
         ):
@@ -227,7 +225,7 @@ def test_hugging_face_config(tmp_path: Path) -> None:
     path.write_text(json.dumps(config))
     text = show_plan(hf_config=path, fsdp=2, tp=2, seq=32, max_rows=None)
     assert "LlamaForCausalLM" in text and "model.layers.0.self_attn.q_proj.weight" in text
-    assert "tp:S(0)" in text and "activations           n/a" in text
+    assert "tp:S(0)" in text and "(measured on meta: batch 1 x seq 32 per microbatch" in text
     assert "reduce_scatter │ fsdp" in text
 
 
@@ -253,3 +251,49 @@ def test_bad_layouts_are_named(argv: list[str], message: str, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("d9d plan: error: ")
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2}, {"fsdp": 2, "tp": 2}], ids=["fsdp=2", "fsdp=2xtp=2"])
+def test_plan_collectives_equal_a_real_step(axes: dict[str, int]) -> None:
+    """Without --pp too, the figures equal ``step.comms`` on rank 0 of gloo ranks: the
+    forward's gathers, and the backward's (``shard_params`` drops gathered params after the
+    forward and gathers them again, which the dry run on meta does as a real step does)."""
+    sizes = _sizes(**axes)
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    batch = {"tokens": tokens, "labels": tokens}
+    with fake_world(math.prod(sizes.values())):
+        model, config, _ = build_model("llama", "tiny", None, n_layers=3)
+        step, opt = _step(model, sizes, "llama", None, "none", "1f1b", 1)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        stats = _measure(
+            model, step, params, state, batch, config, "llama", "tiny", None, sizes, "none",
+            "1f1b", 1,
+        ).comms  # fmt: skip
+    real = run_on_ranks(_real_step_comms, math.prod(sizes.values()), sizes, "1f1b", 1, 3)
+    assert (dict(stats.count), dict(stats.bytes)) == real[0]
+    assert stats.count[("all_gather", "fsdp")] == 2 * 4  # embedding & head, 3 blocks; twice
+
+
+def test_hugging_face_blocks_of_different_kinds_are_measured_whole(tmp_path: Path) -> None:
+    """Gemma 2 alternates sliding-window and global attention (``layer_types``): one or two
+    blocks do not stand for the rest, so the plan runs the whole model."""
+    config = {
+        "model_type": "gemma2", "vocab_size": 97, "hidden_size": 48, "intermediate_size": 100,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 12, "max_position_embeddings": 64, "sliding_window": 8,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    tokens = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    batch = {"tokens": tokens, "labels": tokens}
+    with fake_world(2):
+        model, _, _ = build_model("llama", "", path)
+        step, opt = _step(model, _sizes(fsdp=2), "llama", path, "none", "1f1b", 1)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        planned = _measure(
+            model, step, params, state, batch, None, "llama", "", path, _sizes(fsdp=2), "none",
+            "1f1b", 1,
+        )  # fmt: skip
+        whole = dry_run(step, params, state, batch)
+    assert not _uniform(model)
+    assert planned.kept == whole.kept and planned.comms.count == whole.comms.count
