@@ -313,15 +313,12 @@ def _measure(
             config, model, preset, sizes, remat, schedule, microbatches, batch,
             hf_config=hf_config, n_layers=n_layers, known=step,
         )  # fmt: skip
-    virtual = len(layout.local_stages)
-    held = sum(
-        stop - start for start, stop in (layout.split.blocks[s] for s in layout.local_stages)
-    )
-    if held < virtual + 2:
+    held = {s: layout.split.blocks[s][1] - layout.split.blocks[s][0] for s in layout.local_stages}
+    if sum(held.values()) < len(held) + 2:
         return dry_run(step, params, state, batch)
     return _per_block(
         config, model, preset, sizes, remat, schedule, microbatches, batch,
-        hf_config=hf_config, pipeline=(virtual, held), known=step,
+        hf_config=hf_config, pipeline=held, known=step,
     )  # fmt: skip
 
 
@@ -351,7 +348,7 @@ def _per_block(
     *,
     hf_config: Path | None = None,
     n_layers: int | None = None,
-    pipeline: tuple[int, int] | None = None,
+    pipeline: dict[int, int] | None = None,
     known: TransformedStep | None = None,
 ) -> DryRun:
     """The collectives of the whole model, and the bytes its forward keeps, from steps of
@@ -359,50 +356,55 @@ def _per_block(
     what the one added block does. (Counting 2 blocks instead of 32 is what makes an 8B
     plan answer in seconds.)
 
-    Under ``pipeline=(stages on rank 0, blocks on rank 0)`` the small models have one block
-    per stage, then one more in stage 0: rank 0's further blocks each move what that one
-    moves (within its stage: fsdp, tp, cp collectives) and keep what it keeps (for the
-    microbatches in flight at the first backward), and what crosses stages (an activation
-    per microbatch) does not depend on how many blocks a stage holds.
+    Under ``pipeline={rank 0's stage: blocks it holds}`` the small models have one block per
+    stage, then one more in each of rank 0's stages in turn: each further block of a stage
+    moves and keeps what the one added to it does (within its stage: fsdp, tp, cp
+    collectives; its activations for the microbatches in flight in that stage at rank 0's
+    first backward, which differ between the stages of an interleaved or zero-bubble
+    schedule), and what crosses stages (an activation per microbatch) does not depend on
+    how many blocks a stage holds.
 
     ``n_layers``: the model's blocks (default ``config.n_layers``). ``known``: a step built
     before these on the same mesh layout (``dry_run``)."""
     if pipeline is None:
         base = _base_blocks(config)
-        runs = ((base, None), (base + 1, None))
-        extra = (n_layers if n_layers is not None else config.n_layers) - base
+        total = n_layers if n_layers is not None else config.n_layers
+        blocks, extra = base, {None: total - base}
     else:
-        virtual, held = pipeline
-        count = sizes["pp"] * virtual
-        runs = ((count, 1), (count + 1, 2))  # (blocks, blocks of stage 0)
-        extra = held - virtual
-    measured = []
+        blocks, extra = sizes["pp"] * len(pipeline), {s: n - 1 for s, n in pipeline.items()}
     labels = group_labels(known) if known is not None else {}
-    for blocks, first in runs:
-        small, _, _ = build_model(model, preset, hf_config, n_layers=blocks)
+
+    def measure(grown: int | None, n_blocks: int) -> DryRun:
+        small, _, _ = build_model(model, preset, hf_config, n_layers=n_blocks)
         split = None
-        if first is not None:
-            split = tuple(b.path for b in small.structure.blocks)[first:]
+        if pipeline is not None:  # the blocks that begin stages 1, 2, ...: one a stage, two
+            paths = [b.path for b in small.structure.blocks]  # in stage ``grown``
+            split = tuple(paths[i + (grown is not None and i > grown)] for i in range(1, blocks))
         step, opt = _step(
             small, sizes, model, hf_config, remat, schedule, microbatches, split=split
         )
         params, state = step.place(small.params, opt.init(small.params), model=small)
-        measured.append(dry_run(step, params, state, batch, known=labels))
+        run = dry_run(step, params, state, batch, known=labels)
         labels.update(group_labels(step))
-    low, high = measured
+        return run
+
+    low = measure(None, blocks)
+    grown = {key: measure(key, blocks + 1) for key in extra}
+    runs = [low, *grown.values()]
     kept = None
-    if low.kept is not None and high.kept is not None:
-        kept = low.kept + extra * (high.kept - low.kept)
-    if low.comms is None or high.comms is None:
-        return DryRun(None, kept, low.error or high.error)
+    if all(r.kept is not None for r in runs):
+        kept = low.kept + sum(n * (grown[key].kept - low.kept) for key, n in extra.items())
+    if any(r.comms is None for r in runs):
+        return DryRun(None, kept, next(r.error for r in runs if r.error is not None))
     stats = CommStats()
-    for key in high.comms.count:
-        stats.count[key] = low.comms.count[key] + extra * (
-            high.comms.count[key] - low.comms.count[key]
-        )
-        stats.bytes[key] = low.comms.bytes[key] + extra * (
-            high.comms.bytes[key] - low.comms.bytes[key]
-        )
+    for name in ("count", "bytes"):
+        base_figures, figures = getattr(low.comms, name), getattr(stats, name)
+        for key, n in extra.items():
+            added = getattr(grown[key].comms, name)
+            for what in added:
+                figures[what] += n * (added[what] - base_figures[what])
+        for what in base_figures:
+            figures[what] += base_figures[what]
     return DryRun(stats, kept)
 
 
