@@ -39,6 +39,8 @@ class Model:
         axes: ``{path: logical axis names}`` per param, one name (or ``None``) per dim.
         tied: ``{alias path: canonical path}`` for params shared between modules.
         structure: The module's slots, blocks and param owners, which transforms read.
+        defaults: Keyword arguments ``apply`` passes the forward unless given
+            (``use_cache=False`` for a ``transformers`` model: ``d9d.hf.apply_defaults``).
     """
 
     module: nn.Module
@@ -47,6 +49,7 @@ class Model:
     axes: dict[str, Axes]
     tied: dict[str, str]
     structure: Structure = field(repr=False)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Call the module's forward with ``params`` in place of its own tensors.
@@ -60,7 +63,7 @@ class Model:
         Args:
             params: ``{path: tensor}`` with exactly the paths of ``self.params``.
             *args: Positional inputs of ``module.forward``.
-            **kwargs: Keyword inputs of ``module.forward``.
+            **kwargs: Keyword inputs of ``module.forward``, over :attr:`defaults`.
 
         Returns:
             Whatever ``module.forward`` returns (a ``transformers`` model's output object: take
@@ -75,6 +78,7 @@ class Model:
             >>> model.apply(model.params, torch.ones(1, 3)).shape
             torch.Size([1, 2])
         """
+        kwargs = {**self.defaults, **kwargs}
         step = current()
         if step is None:
             self.check_params(params)
@@ -174,6 +178,7 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
         axes=_resolve_axes(module, params, dict(axes or {})),
         tied=structure.tied,
         structure=structure,
+        defaults=hf.apply_defaults(module),
     )
 
 

@@ -8,9 +8,18 @@ what its forward returns, an output object: take ``.logits``. Nothing here impor
 
 from ._families import FAMILIES as FAMILIES
 from ._families import POSITION_WISE as POSITION_WISE
+from ._rules import apply_defaults as apply_defaults
 from ._rules import axes_for as axes_for
 from ._rules import family_of as family_of
 from ._rules import is_hf_model as is_hf_model
 from ._rules import position_wise_for as position_wise_for
 
-__all__ = ["FAMILIES", "POSITION_WISE", "axes_for", "family_of", "is_hf_model", "position_wise_for"]
+__all__ = [
+    "FAMILIES",
+    "POSITION_WISE",
+    "apply_defaults",
+    "axes_for",
+    "family_of",
+    "is_hf_model",
+    "position_wise_for",
+]

@@ -6,6 +6,7 @@ imported here, so ``import d9d`` stays free of it.
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from ._families import FAMILIES, POSITION_WISE
 
-__all__ = ["axes_for", "family_of", "is_hf_model", "position_wise_for"]
+__all__ = ["apply_defaults", "axes_for", "family_of", "is_hf_model", "position_wise_for"]
 
 _TRANSFORMERS = "transformers."
 _MODELING = re.compile(r"^transformers\.models\.(\w+)\.modeling_\w+$")
@@ -97,6 +98,24 @@ def position_wise_for(module: Any) -> tuple[str, ...]:
     module = getattr(module, "module", module)
     names = POSITION_WISE.get(family_of(module) or "", ())
     return tuple(p for p, m in module.named_modules() if type(m).__name__ in names)
+
+
+def apply_defaults(module: nn.Module) -> dict[str, Any]:
+    """Keyword arguments ``Model.apply`` passes a Hugging Face model unless the caller does:
+    ``use_cache=False`` where its forward takes ``use_cache``; ``{}`` for any other module.
+
+    A training step has no use for the key/value cache, which ``transformers`` builds by
+    default (``config.use_cache``): it would hold every layer's keys and values to the end of
+    the forward, so that ``remat`` could not free them, and a recomputed block would append
+    to it a second time (which torch's selective checkpoint refuses: its ops differ).
+
+    Example:
+        >>> apply_defaults(nn.Linear(2, 2))
+        {}
+    """
+    if is_hf_model(module) and "use_cache" in inspect.signature(module.forward).parameters:
+        return {"use_cache": False}
+    return {}
 
 
 def _norm_rules(module: nn.Module) -> dict[str, tuple[str | None, ...]]:

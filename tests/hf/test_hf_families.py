@@ -90,6 +90,21 @@ def test_gemma2_with_float64_norms_equals_one_device_at_the_default_tolerance(
     )
 
 
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe"])
+def test_remat_of_the_blocks_equals_one_device(family: str, policy: str) -> None:
+    """The blocks recomputed (``Model.apply`` passes ``use_cache=False``: a cache would get the
+    recomputed block's keys a second time, which selective checkpointing refuses)."""
+    assert_equivalent(
+        build(family),
+        lambda mesh: [d9d.shard_params(mesh, "fsdp"), d9d.remat(policy, mesh=mesh)],
+        {"fsdp": 2},
+        data(),
+        _reference(family),
+        dtype=torch.float64,
+    )
+
+
 @pytest.mark.parametrize("family", WHOLE_BLOCKS_ON_TP)
 def test_sequence_parallelism_over_whole_blocks_is_refused(family: str) -> None:
     """Under sequence parallelism a block kept whole on tp would attend over S / tp positions."""

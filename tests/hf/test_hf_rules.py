@@ -127,3 +127,21 @@ def test_apply_returns_the_output_object() -> None:
 
 def test_docstring_examples_run() -> None:
     assert doctest.testmod(_rules).failed == 0
+
+
+def test_apply_passes_no_cache_to_a_hugging_face_model_unless_asked() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = d9d.functionalize(transformers.LlamaForCausalLM(config))
+    assert model.defaults == {"use_cache": False} == d9d.hf.apply_defaults(model.module)
+    tokens = torch.zeros(1, 5, dtype=torch.long)
+    assert model.apply(model.params, tokens).past_key_values is None
+    assert model.apply(model.params, tokens, use_cache=True).past_key_values is not None
+    assert d9d.functionalize(torch.nn.Linear(2, 2)).defaults == {}
