@@ -151,3 +151,28 @@ def test_out_of_range_ids_of_a_hugging_face_model_are_named_under_any_backend() 
         r"position \(0, 7\)",
     ):
         step(model.params, (), batch)
+
+
+def test_a_graph_break_in_the_loss_leaves_the_step_exact() -> None:
+    """A loss that breaks the graph (a ``print`` or ``.item()`` in real code) makes Dynamo run
+    ``value_and_grad``'s frames eagerly on values its trace made; a tree structure it made
+    could not unflatten there (optree raised ``length mismatch`` or ``unhashable type``),
+    so none crosses the break."""
+    params = {"w": torch.randn(4, 3), "layer": {"b": torch.randn(3), "scales": (torch.ones(3),)}}
+    opt = d9d.optim.sgd(0.1)
+
+    def loss_fn(p, x):
+        y = (x @ p["w"] + p["layer"]["b"]) * p["layer"]["scales"][0]
+        torch._dynamo.graph_break()
+        return y.square().mean()
+
+    def step(params, opt_state, x):
+        loss, grads = d9d.value_and_grad(loss_fn)(params, x)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return d9d.optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    want = step(_clone(params), opt.init(params), x)
+    got = d9d.jit(step, backend="aot_eager")(_clone(params), opt.init(params), x)
+    assert_trees_all_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[2]["loss"], want[2]["loss"], rtol=1e-6, atol=0)
