@@ -193,6 +193,15 @@ def jit(
     return build if step is None else build(step)
 
 
+# Inductor's CPU code runs a scatter-add (the backward of every gather, as in the cross
+# entropy) in its own kernel, not as ATen's in-place scatter_reduce_ after it. torch 2.11's
+# CPU fusion drops the ordering after such an in-place op when it fuses a later reader with
+# a kernel of other loop sizes (pytorch/pytorch#177631, fixed by #177816 after 2.11): the
+# jitted step read the logits' grad buffer before the scatter wrote it, so every grad was
+# wrong (tiny Llama, float64, up to 100%). The scatters are one element per token.
+_INDUCTOR_PATCHES = {"cpp.fallback_scatter_reduce_sum": False}
+
+
 def _compiler(backend: str, inductor_options: dict[str, Any]) -> Callable[..., Any]:
     """The backend that compiles a step's graph. With inductor and aot_eager, torch's
     rematerialization of checkpointed blocks runs as :func:`rematerialize` (``remat``)."""
@@ -201,7 +210,7 @@ def _compiler(backend: str, inductor_options: dict[str, Any]) -> Callable[..., A
         return functools.partial(
             torch._inductor.compile_fx.compile_fx,
             inner_compile=inner,
-            config_patches=inductor_options,
+            config_patches={**inductor_options, **_INDUCTOR_PATCHES},
         )
     if backend == "aot_eager":
         nop = _rematerializing(torch._dynamo.backends.debugging.boxed_nop)
