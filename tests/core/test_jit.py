@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import d9d
+from d9d._jit import _shared_patch
 from d9d.cli._train import make_train_step
 from d9d.errors import DonatedTreeError, IndexRangeError, ParamShapeError, RecompileError
 from d9d.models import Llama, LlamaConfig
@@ -202,3 +203,28 @@ def test_jitted_grads_equal_eager_grads_of_one_block_in_float64() -> None:
     got = d9d.jit(step, donate=())(model.params, (), batch)
     assert_trees_all_close(got[0], want[0], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got[2]["loss"], want[2]["loss"], rtol=1e-12, atol=0)
+
+
+def test_options_stay_set_until_the_last_of_concurrent_calls_leaves() -> None:
+    """Ranks as threads share torch's config: a rank leaving its call must not unset the
+    options another rank still traces with (it broke its graph and hung in a collective)."""
+    config, name = torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    before = getattr(config, name)
+    first = _shared_patch(config, {name: not before})
+    second = _shared_patch(config, {name: not before})
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert getattr(config, name) is (not before)
+    second.__exit__(None, None, None)
+    assert getattr(config, name) is before
+    with (
+        _shared_patch(config, {name: True}),
+        pytest.raises(
+            RuntimeError,
+            match=rf"two jitted calls running at once \(ranks as threads\) need .*\.{name} = True "
+            "and False",
+        ),
+    ):
+        _shared_patch(config, {name: False}).__enter__()
+    assert getattr(config, name) is before
