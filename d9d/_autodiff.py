@@ -53,7 +53,11 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
 
     @functools.wraps(fn)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
-        pairs, spec = tree.flatten_with_paths(params)
+        # No PyTreeSpec is kept across a call into ``fn``: when ``fn`` breaks a ``jit`` graph,
+        # Dynamo resumes in eager code with the values its trace made, and a spec it made
+        # comes back as its own stand-in object, which cannot unflatten (optree raises
+        # ``length mismatch``; torch 2.11 and 2.13). So each frame flattens ``params`` itself.
+        pairs = tree.flatten_with_paths(params)[0]
         for path, leaf in pairs:
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
                 kind = f"dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf)
@@ -61,13 +65,12 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                     f"cannot differentiate params leaf {path!r} of {kind}: value_and_grad "
                     "needs floating tensors; move it out of the first argument"
                 )
-        leaves = [leaf for _, leaf in pairs]
         step = current()
         driver = (
             next((r for r in step.runtimes if r.drives_differentiation), None) if step else None
         )
         if driver is None:
-            value, aux, grads, _ = _differentiate(fn, spec, leaves, args, kwargs, has_aux=has_aux)
+            value, aux, grads, _ = _differentiate(fn, params, args, kwargs, has_aux=has_aux)
         else:
             job = Differentiation(
                 fn=fn,
@@ -75,24 +78,22 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                 args=args,
                 kwargs=kwargs,
                 has_aux=has_aux,
-                run=functools.partial(_differentiate, fn, spec, leaves, has_aux=has_aux),
+                run=functools.partial(_differentiate, fn, params, has_aux=has_aux),
                 split=functools.partial(split_microbatches, args, kwargs),
                 check_value=functools.partial(_check_value, has_aux=has_aux),
             )
             value, aux, grads = driver.differentiate(job)
         plan = step.plan if step is not None else None
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
-        if has_aux:
-            return (value, aux), tree.unflatten(spec, grads)
-        return value, tree.unflatten(spec, grads)
+        grads = tree.unflatten(tree.structure(params), grads)
+        return ((value, aux), grads) if has_aux else (value, grads)
 
     return wrapped
 
 
 def _differentiate(
     fn: Callable[..., Any],
-    spec: Any,
-    leaves: list[torch.Tensor],
+    params: Any,
     args: Any,
     kwargs: Any,
     weighted: bool = False,
@@ -102,6 +103,7 @@ def _differentiate(
     """``(value, aux, grads, weight)``; ``weight`` is the valid-token count the value's token
     means recorded (None if none did), and with ``weighted`` the grads are those of
     ``weight * value``, ready to be summed over microbatches."""
+    leaves, spec = tree.flatten(params)
     with torch.enable_grad(), count_tokens() as counts:
         inputs = [_differentiable(leaf) for leaf in leaves]
         out = fn(tree.unflatten(spec, inputs), *args, **kwargs)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -101,8 +102,8 @@ class Jitted(OutermostStep):
             context = self.step.context()
         try:
             with (
-                torch._dynamo.config.patch(**config),
-                torch._functorch.config.patch(**self._remat_config),
+                _shared_patch(torch._dynamo.config, config),
+                _shared_patch(torch._functorch.config, self._remat_config),
                 self._stance(),
                 running(context),
             ):
@@ -193,6 +194,56 @@ def jit(
     return build if step is None else build(step)
 
 
+# Inductor's CPU code runs a scatter-add (the backward of every gather, as in the cross
+# entropy) in its own kernel, not as ATen's in-place scatter_reduce_ after it. torch 2.11's
+# CPU fusion drops the ordering after such an in-place op when it fuses a later reader with
+# a kernel of other loop sizes (pytorch/pytorch#177631, fixed by #177816 after 2.11): the
+# jitted step read the logits' grad buffer before the scatter wrote it, so every grad was
+# wrong (one-block Llama, float64: by up to 105%). The scatters are one element per token.
+_INDUCTOR_PATCHES = {"cpp.fallback_scatter_reduce_sum": False}
+
+
+# torch's config modules are process-wide, and their ``patch`` restores on exit what it
+# found on entry: with ranks as threads, a rank leaving its call set the options back while
+# another still traced (the compile lock lets one trace at a time), which then traced
+# without remat's side-effect switch, broke its graph and ran collectives eagerly, alone
+# (a hang). So the first call in sets the options and the last one out restores them.
+_PATCH_LOCK = threading.Lock()
+_PATCHED: dict[tuple[Any, str], list[Any]] = {}  # (config, name) -> [value, users, saved]
+
+
+@contextlib.contextmanager
+def _shared_patch(config: Any, options: dict[str, Any]) -> Iterator[None]:
+    """Set ``options`` on the torch config module ``config`` while any call holding them runs.
+
+    Raises:
+        RuntimeError: A call running at the same time holds one of them at another value.
+    """
+    with _PATCH_LOCK:
+        for name, value in options.items():
+            held = _PATCHED.get((config, name))
+            if held is not None and held[0] != value:
+                raise RuntimeError(
+                    f"two jitted calls running at once (ranks as threads) need "
+                    f"{config.__name__}.{name} = {held[0]!r} and {value!r}; run steps that "
+                    "need different options one after the other"
+                )
+        for name, value in options.items():
+            held = _PATCHED.setdefault((config, name), [value, 0, getattr(config, name)])
+            held[1] += 1
+            setattr(config, name, value)
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            for name in options:
+                held = _PATCHED[(config, name)]
+                held[1] -= 1
+                if not held[1]:
+                    setattr(config, name, held[2])
+                    del _PATCHED[(config, name)]
+
+
 def _compiler(backend: str, inductor_options: dict[str, Any]) -> Callable[..., Any]:
     """The backend that compiles a step's graph. With inductor and aot_eager, torch's
     rematerialization of checkpointed blocks runs as :func:`rematerialize` (``remat``)."""
@@ -201,7 +252,7 @@ def _compiler(backend: str, inductor_options: dict[str, Any]) -> Callable[..., A
         return functools.partial(
             torch._inductor.compile_fx.compile_fx,
             inner_compile=inner,
-            config_patches=inductor_options,
+            config_patches={**inductor_options, **_INDUCTOR_PATCHES},
         )
     if backend == "aot_eager":
         nop = _rematerializing(torch._dynamo.backends.debugging.boxed_nop)

@@ -28,3 +28,16 @@ def one_rank_mesh():
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def math_attention():
+    """SDPA's math kernel for the test. torch 2.11's inductor cannot compile the backward of
+    CPU flash attention in float64: its fake kernel makes the log-sum-exp float32, so inductor
+    copies the real float64 one into a float32 buffer ("expected scalar type Double but found
+    Float"); 2.13's fake kernel has the query's dtype. The flag is process-wide: thread ranks
+    started inside the test see it too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield

@@ -13,6 +13,12 @@ gloo, NCCL (which lowers it to grouped send/recv, so only the neighbour's bytes 
 the threaded group, is traced by ``torch.compile``, and is what ``d9d._comms`` counts.
 Per call: forward ``cp - 1`` exchanges of (K, V); backward ``cp`` exchanges, ``cp - 1`` of
 (K, V, dK, dV) and a last one of (dK, dV). Tensors of one exchange travel as one byte buffer.
+
+The group is read (its name, this rank's index, its size) before the autograd function, which
+gets a str and two ints: torch 2.11's Dynamo can neither pass a process group object that is
+not exactly ``ProcessGroup`` (the threaded test group's ``ProcessLocalGroup``) into an
+``autograd.Function`` nor ask it for its rank, and ``context_parallel`` reads them when it
+builds its runtime, so nothing of the group's is looked up while ``jit`` traces.
 """
 
 from __future__ import annotations
@@ -30,14 +36,15 @@ from d9d.errors import IndivisibleError
 from ._block_attention import MATH_BLOCK_ATTENTION, BlockAttention, compute_dtype
 from ._zigzag import LoadBalance, check_load_balance
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_attention_on"]
 
 _ALL = slice(None)
 
 
-def _pass_to_next(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+def _pass_to_next(
+    tensors: Sequence[torch.Tensor], group_name: str, rank: int, cp: int
+) -> torch.Tensor:
     """Start sending ``tensors`` to the next cp rank and receiving the previous rank's."""
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
     # Widest dtype first, so every tensor starts at a byte offset its dtype can be viewed at.
     ordered = sorted(tensors, key=lambda t: -t.element_size())
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in ordered])
@@ -45,7 +52,7 @@ def _pass_to_next(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> 
     recv = [0] * cp
     send[(rank + 1) % cp] = flat.numel()
     recv[(rank - 1) % cp] = flat.numel()
-    return funcol.all_to_all_single(flat, recv, send, group)
+    return funcol.all_to_all_single(flat, recv, send, group_name)
 
 
 def _received(pending: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -100,13 +107,14 @@ class _RingAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        group: dist.ProcessGroup,
+        group_name: str,
+        rank: int,
+        cp: int,
         causal: bool,
         zigzag: bool,
         scale: float,
         block: BlockAttention,
     ) -> torch.Tensor:
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
         batch, heads, seq, _ = q.shape
         dtype = compute_dtype(q.dtype)
         out = torch.zeros(batch, heads, seq, v.shape[-1], dtype=dtype, device=q.device)
@@ -114,7 +122,7 @@ class _RingAttention(torch.autograd.Function):
         k_cur, v_cur = k, v
         for step in range(cp):
             # Start the next exchange before computing, so it overlaps with this block.
-            pending = _pass_to_next((k_cur, v_cur), group) if step < cp - 1 else None
+            pending = _pass_to_next((k_cur, v_cur), group_name, rank, cp) if step < cp - 1 else None
             plan = _block_plan(rank, (rank - step) % cp, seq, causal=causal, zigzag=zigzag)
             if plan is not None:
                 rows, cols, masked = plan
@@ -128,14 +136,13 @@ class _RingAttention(torch.autograd.Function):
         # an output that a no-op .to() (or .contiguous()) returned, so jitted cp grads were 0.
         result = out if out.dtype == q.dtype else out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.options = (group, causal, zigzag, scale, block)
+        ctx.options = (group_name, rank, cp, causal, zigzag, scale, block)
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, zigzag, scale, block = ctx.options
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        group_name, rank, cp, causal, zigzag, scale, block = ctx.options
         seq = q.shape[2]
         dtype = compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -163,27 +170,24 @@ class _RingAttention(torch.autograd.Function):
                 break
             if step < cp - 1:
                 moving = (k_cur, v_cur, dk_cur, dv_cur)
-                k_cur, v_cur, dk_cur, dv_cur = _received(_pass_to_next(moving, group), moving)
+                k_cur, v_cur, dk_cur, dv_cur = _received(
+                    _pass_to_next(moving, group_name, rank, cp), moving
+                )
             else:
                 # The block held now belongs to rank + 1: one more hop returns its gradients.
                 moving = (dk_cur, dv_cur)
-                dk_cur, dv_cur = _received(_pass_to_next(moving, group), moving)
-        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None, None
+                dk_cur, dv_cur = _received(_pass_to_next(moving, group_name, rank, cp), moving)
+        grads = (dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype))
+        return *grads, None, None, None, None, None, None, None
 
 
 def _validate(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    group: object,
     load_balance: object,
     scale: float | None,
 ) -> None:
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group={group!r} must be a torch.distributed.ProcessGroup: pass the cp axis's "
-            'group, e.g. mesh.get_group("cp").'
-        )
     check_load_balance(load_balance)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4 or not t.is_floating_point():
@@ -264,7 +268,42 @@ def ring_attention(
         torch.Size([1, 2, 4, 8])
         >>> dist.destroy_process_group()
     """
-    _validate(q, k, v, group, load_balance, scale)
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group={group!r} must be a torch.distributed.ProcessGroup: pass the cp axis's "
+            'group, e.g. mesh.get_group("cp").'
+        )
+    return ring_attention_on(
+        q,
+        k,
+        v,
+        group_name=group.group_name,
+        rank=dist.get_rank(group),
+        size=dist.get_world_size(group),
+        causal=causal,
+        load_balance=load_balance,
+        scale=scale,
+        block=block,
+    )
+
+
+def ring_attention_on(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group_name: str,
+    rank: int,
+    size: int,
+    causal: bool = True,
+    load_balance: LoadBalance = "zigzag",
+    scale: float | None = None,
+    block: BlockAttention = MATH_BLOCK_ATTENTION,
+) -> torch.Tensor:
+    """:func:`ring_attention` on the group named ``group_name``, of ``size`` ranks, this rank
+    being its ``rank``-th: what ``context_parallel`` calls, with the three read from its mesh
+    when it builds its runtime, so a trace sees no process group object."""
+    _validate(q, k, v, load_balance, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     zigzag = load_balance == "zigzag"
-    return _RingAttention.apply(q, k, v, group, causal, zigzag, scale, block)
+    return _RingAttention.apply(q, k, v, group_name, rank, size, causal, zigzag, scale, block)

@@ -97,6 +97,15 @@ def run_threads(
     finished = threading.Condition()
     deadline = time.monotonic() + timeout
     store = dist.HashStore()
+    if not torch.cuda.is_available():
+        # Tracing (fake tensors) without a usable GPU installs a no-op CUDA device guard on
+        # first use. torch 2.11 keeps that guard in the installing thread's thread-local
+        # storage but registers it process-wide, so once a rank thread that traced first
+        # exits, the next trace on another thread calls into freed memory (a segfault in
+        # ``ensureCUDADeviceGuardSet``, seen with two compiled thread-rank tests in a row).
+        # Installing it here, on the thread that outlives the ranks, is what FakeTensorMode
+        # itself calls on entry in that case; 2.13 keeps the guard in static storage.
+        torch._C._ensureCUDADeviceGuardSet()
     # Functional collectives (DTensor) resolve groups by name; isolation mode makes that
     # registry per thread, as it is per process for real ranks.
     torch._C._distributed_c10d._set_thread_isolation_mode(True)

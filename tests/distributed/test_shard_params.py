@@ -84,6 +84,7 @@ def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("math_attention")
 @pytest.mark.parametrize("layout", ["fsdp=2", "dp=2", "dp=2 x fsdp=2"])
 def test_jit_equals_one_device(layout: str) -> None:
     """One block keeps the compile affordable: each thread rank compiles its own graph, about
@@ -93,6 +94,7 @@ def test_jit_equals_one_device(layout: str) -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("math_attention")
 def test_jit_hf_llama_equals_one_device() -> None:
     """float32 tolerance: Hugging Face RMSNorm and rotary embedding compute in float32 even for
     float64 inputs, and inductor fuses them differently from eager. Measured: 1.4e-9 relative on
@@ -183,9 +185,8 @@ def _jit_grads_rank():
 @pytest.mark.compile  # backend "eager": Dynamo tracing only
 def test_jit_grads_of_coalesced_gathers_equal_eager():
     """The coalesced gather's outputs are views of its buffer, not a no-op ``.contiguous()``,
-    which torch 2.11's Dynamo gave zero grads; forked ranks: 2.11 cannot trace the threaded
-    group."""
-    for grads in run_on_ranks(_jit_grads_rank, 2, method="fork", timeout=300):
+    which torch 2.11's Dynamo gave zero grads."""
+    for grads in run_on_ranks(_jit_grads_rank, 2, timeout=300):
         for path, (expected, got) in grads.items():
             assert expected.abs().max() > 0, path
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=path)

@@ -141,12 +141,14 @@ def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("math_attention")
 @pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
 def test_jit_equals_one_device(layout: str) -> None:
     _check("d9d", layout, torch.float64, jit=True, n_layers=1)
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("math_attention")
 def test_jit_hf_llama_equals_one_device() -> None:
     """float32 tolerance: Hugging Face norms compute in float32 (see test_shard_params.py)."""
     _check("hf", "tp=2", torch.float64, jit=True, n_layers=1, tol={"rtol": 1e-5, "atol": 1e-6})

@@ -19,6 +19,7 @@ from d9d.parallel import (
     zigzag_shard,
     zigzag_unshard,
 )
+from d9d.parallel._ring_attention import ring_attention_on
 from d9d.parallel._sdpa_block_attention import SDPA_BLOCK_ATTENTION
 from d9d.testing import run_on_ranks
 
@@ -246,13 +247,20 @@ def test_ring_attention_input_errors(one_rank_mesh):
         ring_attention(q, k, v, group=group, load_balance="ring")
 
 
+def _ring(mesh):
+    """The cp group as ``context_parallel`` passes it into a trace: its name, this rank's index
+    and its size (torch 2.11's Dynamo cannot query the threaded group's object)."""
+    group = mesh.get_group("cp")
+    return {"group_name": group.group_name, "rank": dist.get_rank(group), "size": 2}
+
+
 def _compiled_rank(tensors):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    group = mesh.get_group("cp")
-    q, k, v = (zigzag_shard(t, 2, dist.get_rank(group), 2).requires_grad_() for t in tensors[:3])
+    ring = _ring(mesh)
+    q, k, v = (zigzag_shard(t, 2, ring["rank"], 2).requires_grad_() for t in tensors[:3])
 
     def loss(q, k, v):
-        return ring_attention(q, k, v, group=group).square().sum()
+        return ring_attention_on(q, k, v, **ring).square().sum()
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
@@ -270,13 +278,13 @@ def test_traces_with_fullgraph():
 
 def _grads_compiled_rank(tensors):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    group = mesh.get_group("cp")
-    q, k, v = (zigzag_shard(t, 2, dist.get_rank(group), 2) for t in tensors[:3])
+    ring = _ring(mesh)
+    q, k, v = (zigzag_shard(t, 2, ring["rank"], 2) for t in tensors[:3])
 
     def grads(q, k, v):  # differentiated inside the compiled region, as under d9d.jit
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
-            loss = ring_attention(q, k, v, group=group).square().sum()
+            loss = ring_attention_on(q, k, v, **ring).square().sum()
             return torch.autograd.grad(loss, (q, k, v))
 
     with torch._dynamo.config.patch(trace_autograd_ops=True):
@@ -288,9 +296,8 @@ def _grads_compiled_rank(tensors):
 @pytest.mark.compile  # aot_eager
 def test_grads_taken_inside_the_compiled_region_equal_eager():
     """torch 2.11's Dynamo handed the traced backward a zero ``dout`` when the forward returned
-    the buffer it had merged into in place; forked gloo ranks: 2.11 cannot trace the threaded
-    group."""
-    results = run_on_ranks(_grads_compiled_rank, 2, _inputs(4, 2, 8, torch.float64), method="fork")
+    the buffer it had merged into in place."""
+    results = run_on_ranks(_grads_compiled_rank, 2, _inputs(4, 2, 8, torch.float64))
     for expected, got in results:
         assert any(e.abs().max() > 0 for e in expected)
         for e, g in zip(expected, got, strict=True):

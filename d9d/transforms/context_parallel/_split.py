@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from ... import tree
 from ..._context import sequence_attention
 from ...errors import PlanError
 from ...kernels._registry import resolve
-from ...parallel import positions_for, ring_attention, shard_sequence
+from ...parallel import positions_for, shard_sequence
+from ...parallel._ring_attention import ring_attention_on
 
 __all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "with_positions"]
 
@@ -27,14 +27,15 @@ class SequenceSplit:
     """How ``context_parallel`` splits sequences.
 
     Attributes:
-        group: The process group of the cp axis.
-        axis: Its name.
+        group_name: The name of the cp axis's process group (a name, not the group: ``jit``
+            traces the attention, and torch 2.11's Dynamo cannot trace every group object).
+        axis: The axis's name.
         rank: This rank's coordinate on it.
         size: Ranks on it.
         load_balance: ``"zigzag"`` or None (contiguous chunks).
     """
 
-    group: ProcessGroup
+    group_name: str
     axis: str
     rank: int
     size: int
@@ -81,11 +82,13 @@ class SequenceSplit:
                 "support; train on sequences no longer than the window, or without "
                 "context_parallel"
             )
-        return ring_attention(
+        return ring_attention_on(
             q,
             k,
             v,
-            group=self.group,
+            group_name=self.group_name,
+            rank=self.rank,
+            size=self.size,
             causal=causal,
             load_balance=self.load_balance,
             scale=scale,

@@ -51,7 +51,7 @@ class ContextParallel(Transform):
     def runtime(self, plan: Plan, model: Model | None) -> ContextParallelRuntime:
         del plan, model
         split = SequenceSplit(
-            group=self.mesh.get_group(self.axis),
+            group_name=self.mesh.get_group(self.axis).group_name,
             axis=self.axis,
             rank=self._coordinate(self.axis),
             size=self.mesh.shape[self._axis_index(self.axis, "axis")],

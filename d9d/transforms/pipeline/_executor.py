@@ -224,9 +224,31 @@ class _Runner:
         self.weights[index] = weight
         if weight is not None:
             value = value * weight
+        if run.carried and run.input:  # leaves past the activation: an aux loss, loads
+            value = _ZeroGradsFor.apply(value, *run.input[1:])
         # (1,), not 0-d: the schedule concatenates the last stage's outputs, and the
         # zero-bubble schedules detach them in place, which a view forbids.
         return value.reshape(1).clone()
+
+
+class _ZeroGradsFor(torch.autograd.Function):
+    """``value``, with a zero grad for each of ``received`` in backward.
+
+    The last stage sends back a grad for every tensor it received, and torch 2.11's stage
+    raises for one its loss did not use (the MoE loads: "has gradients None and is expecting
+    to send gradients"), where 2.13 sends zeros. Zeros add nothing to the grads of those it
+    used (the aux loss), and the leaves past the activation are small.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, *received: torch.Tensor) -> torch.Tensor:
+        ctx.received = [(t.shape, t.dtype, t.device) for t in received]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        zeros = (torch.zeros(s, dtype=d, device=device) for s, d, device in ctx.received)
+        return grad, *zeros
 
 
 def run_pipeline(

@@ -89,6 +89,13 @@ class TracedStage(pipelining.PipelineStage):
             return torch.ones(1, dtype=torch.int32)
         return super()._warmup_backward_result(*args, **kwargs)
 
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        # Before its first step torch 2.11 sends a value to each neighbour stage, to open
+        # the links, also to its own rank when that holds the neighbour (the V of zbv),
+        # which gloo refuses ("Pair is not connected"). A rank needs no link to itself.
+        rank = dist.get_rank()
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.peer != rank]
+
     def _count(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         for op in ops:
             record_p2p(kind, self.axis_name, op.tensor.numel() * op.tensor.element_size())
