@@ -4,7 +4,9 @@ measure what its forward keeps for the backward.
 Every tensor is a meta tensor and every collective returns at once (``fake_world``), so a
 step of an 8B model on 1024 simulated ranks runs in seconds with no memory: shapes, DTensor
 placements and the collectives they issue are real, values are not. The few values the step
-reads back to Python (the loss's check of out-of-vocab labels) read as 0. A pipeline step
+reads back to Python read as ordinary data reads: every check passes (the loss's check of
+out-of-vocab labels finds none; ``transformers``' check for packed sequences finds every
+position in order, as the real batch's ``all()`` does). A pipeline step
 runs its schedule too: its sends and receives between stages complete at once, and the
 pipeline supplies what peers would have told it (``transforms/pipeline/_stage_shapes.py``).
 
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._comms import CollectiveCounter, CommStats
 from .._context import running
@@ -37,7 +40,7 @@ __all__ = ["DryRun", "count_collectives", "dry_run", "group_labels", "meta_as_cp
 @contextlib.contextmanager
 def meta_as_cpu() -> Iterator[None]:
     """Runs meta tensors through what CPU would run: a meta scalar read back to Python reads
-    as 0 (False) instead of raising, and ``F.scaled_dot_product_attention`` takes the kernel
+    as ordinary data would (:class:`_MetaScalars`) instead of raising, and ``F.scaled_dot_product_attention`` takes the kernel
     CPU takes (:func:`_cpu_attention`), in the forward and in a recomputation alike."""
     # Meta's choice of SDPA kernel is made inside the op, from the device (always the math
     # one, which keeps the attention matrix for the backward where CPU's flash kernel keeps a
@@ -54,13 +57,23 @@ def meta_as_cpu() -> Iterator[None]:
 
 
 class _MetaScalars(TorchDispatchMode):
-    """Reads a meta scalar as 0 (False) instead of raising, and gives ``_embedding_bag``'s
-    outputs CPU's shapes (:func:`_cpu_embedding_bag`)."""
+    """Reads a meta scalar as ordinary data would read, so that every check passes: the
+    result of an ``all()`` reads True, any other boolean False (``any()`` of what would be an
+    error), a number 0; and gives ``_embedding_bag``'s outputs CPU's shapes
+    (:func:`_cpu_embedding_bag`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._alls = WeakIdKeyDictionary()  # the results of all(), by identity
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
-            return False if args[0].dtype == torch.bool else 0
+            if args[0].dtype == torch.bool:
+                return args[0] in self._alls
+            return 0
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.all and isinstance(out, torch.Tensor):
+            self._alls[out] = True
         if func is torch.ops.aten._embedding_bag.default and args[0].is_meta:
             return _cpu_embedding_bag(out, *args, **(kwargs or {}))
         return out

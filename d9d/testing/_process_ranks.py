@@ -2,16 +2,21 @@
 
 Each child initialises the default process group from a ``FileStore`` (no port to pick,
 so no port races between parallel test runs), runs ``fn``, destroys the group and sends
-back ``pickle.dumps`` of its return value, or its formatted traceback, through a pipe.
+back ``pickle.dumps`` of its return value, or its formatted traceback, through a pipe. A
+rank still running at the deadline is asked for its Python stacks (``faulthandler`` on
+SIGUSR1, into a file beside the store) before it is stopped, so a hang says where it hung.
 Plain ``pickle`` copies tensor storage; ``multiprocessing``'s own pickler would pass shared
 memory that dies with the child.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import multiprocessing
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -24,6 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ._outcome import FAILURE_GRACE_S, STOP_GRACE_S, RankOutcome, summarize
+
+# How long a rank asked for its stacks at the deadline gets to write them.
+STACKS_GRACE_S = 0.5
 
 __all__ = ["run_processes"]
 
@@ -40,6 +48,8 @@ def _rank_main(
     # After fork it is also required: GNU OpenMP's pool does not survive fork once the
     # parent used it, and a forked child's first parallel op (a 2000x2000 matmul) hung.
     torch.set_num_threads(1)
+    stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 (open while the rank runs)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     failed_at = None
     try:
         fn, args, kwargs = call
@@ -61,6 +71,28 @@ def _rank_main(
         payload = pickle.dumps(("raised", (detail, summarize(exc), failed_at or time.time())))
     writer.send_bytes(payload)
     writer.close()
+
+
+def _stacks_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks-{rank}"
+
+
+def _stacks_at_deadline(
+    procs: list[BaseProcess], ranks: list[int], store_path: str
+) -> dict[int, str]:
+    """The Python stacks of each of ``ranks`` still running at the deadline, by rank.
+    ``faulthandler`` writes them from its C signal handler, at once even where the rank is
+    blocked in C++ (a collective)."""
+    asked = [r for r in ranks if procs[r].is_alive() and procs[r].pid is not None]
+    for rank in asked:
+        os.kill(procs[rank].pid, signal.SIGUSR1)  # type: ignore[arg-type]
+    time.sleep(STACKS_GRACE_S)
+    stacks = {}
+    for rank in asked:
+        with contextlib.suppress(OSError), open(_stacks_path(store_path, rank)) as file:
+            if text := file.read().rstrip():
+                stacks[rank] = f"Python stacks at the deadline (faulthandler):\n{text}"
+    return stacks
 
 
 def _decode(rank: int, payload: bytes) -> RankOutcome:
@@ -159,12 +191,15 @@ def run_processes(
                 procs.append(proc)
                 writer.close()
             collected = _collect(readers, procs, deadline)
+            stuck = [rank for rank, o in enumerate(collected) if o is None]
+            stacks = _stacks_at_deadline(procs, stuck, store_path) if stuck else {}
         finally:
             _stop(procs)
             for reader in readers:
                 reader.close()
     failed = any(o is not None and o.status != "ok" for o in collected)
+    unfinished = "stopped" if failed else "timed_out"
     return [
-        o if o is not None else RankOutcome(rank, "stopped" if failed else "timed_out")
+        o if o is not None else RankOutcome(rank, unfinished, detail=stacks.get(rank, ""))
         for rank, o in enumerate(collected)
     ]

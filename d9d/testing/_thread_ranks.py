@@ -10,6 +10,7 @@ gloo processes on a 2-core machine.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 import traceback
@@ -135,6 +136,12 @@ def run_threads(
                     break
                 finished.wait(remaining)
             running = [t for t, o in zip(threads, outcomes, strict=True) if o is None]
+            frames = sys._current_frames()
+            stacks = {
+                t: "Python stack at the deadline:\n" + "".join(traceback.format_stack(frame))
+                for t in running
+                if (frame := frames.get(t.ident or -1)) is not None
+            }
             if running:
                 threaded.ProcessLocalGroup.exception_handle(None)
                 for thread in running:
@@ -144,12 +151,13 @@ def run_threads(
         failed = any(o is not None and o.status == "raised" for o in outcomes)
         for rank, thread in enumerate(threads):
             if thread in running:
-                detail = (
+                blocked = (
                     f"Thread {thread.name} is blocked outside Python (in a C call) and could "
-                    "not be stopped; it is left running as a daemon thread."
+                    "not be stopped; it is left running as a daemon thread.\n"
                     if thread.is_alive()
                     else ""
                 )
+                detail = blocked + stacks.get(thread, "")
                 outcomes[rank] = RankOutcome(
                     rank, "stopped" if failed else "timed_out", detail=detail
                 )

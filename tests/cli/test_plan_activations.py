@@ -22,7 +22,7 @@ from d9d.cli._plan_activations import (
     moe_activation_bytes,
 )
 from d9d.cli._plan_command import _measure, _step, show_plan
-from d9d.cli._plan_dry_run import count_collectives, dry_run
+from d9d.cli._plan_dry_run import count_collectives, dry_run, meta_as_cpu
 from d9d.cli._plan_models import build_model
 from d9d.cli._plan_report import human
 from d9d.errors import DryRunError
@@ -248,6 +248,16 @@ QWEN2 = {
     "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }  # fmt: skip
+
+
+def test_meta_reads_back_what_ordinary_data_would() -> None:
+    # Every check passes: no id out of range (any() is False), every position in order
+    # (all() is True: transformers' packed-sequence check, which would otherwise build a mask).
+    x = torch.zeros(2, 5, device="meta")
+    with meta_as_cpu():
+        assert bool((x < 0).any()) is False
+        assert bool((x == 0).all()) is True
+        assert int(x.sum()) == 0
 
 
 @pytest.mark.parametrize("axes", [{"fsdp": 2}, {"tp": 2}], ids=["fsdp=2", "tp=2"])

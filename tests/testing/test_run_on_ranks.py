@@ -190,6 +190,10 @@ def test_timeout_stops_the_hung_rank(method: str, tmp_path: Path) -> None:
         f"run_on_ranks(method={method!r}, world_size=2, timeout=1.5) timed out: "
         "rank(s) [0, 1] did not finish within 1.5 s."
     ) in message
+    # Each rank's Python stack says where it hung: rank 0 in the barrier, rank 1 in the loop.
+    rank0, rank1 = message.split("--- rank 0 ---")[1].split("--- rank 1 ---")
+    assert "in _hang" in rank0, rank0
+    assert "in _hang" in rank1, rank1
     if method == "thread":
         assert not [t for t in threading.enumerate() if t.name.startswith("d9d-rank-")]
     else:
