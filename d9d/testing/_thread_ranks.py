@@ -10,6 +10,7 @@ gloo processes on a 2-core machine.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -38,6 +39,10 @@ def _rank_main(
 ) -> None:
     from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
+    # One intra-op thread per rank, as for process ranks (``torchrun`` sets it for several
+    # ranks). Set on the rank's own thread: MKL in a new thread otherwise takes OpenMP's
+    # default (every core) whatever the main thread set, and starts a pool of its own.
+    torch.set_num_threads(1)
     fn, args, kwargs = call
     try:
         # The timeout bounds the start-up barrier, a C++ wait that SystemExit cannot reach.
@@ -84,6 +89,17 @@ def _raise_in_thread(thread: threading.Thread) -> None:
     )
 
 
+def _wait_until_exited(native_ids: list[int | None], limit_s: float = 1.0) -> None:
+    """Waits until the native threads of joined rank threads are gone (Linux; elsewhere it
+    returns at once): a joined Python thread's native thread may still be running its
+    thread-local destructors, and a ``fork`` meanwhile (the next ``run_on_ranks(method=
+    "fork")``) would copy whatever lock it holds. A precaution: ``docs/testing.md``."""
+    until = time.monotonic() + limit_s
+    for native_id in native_ids:
+        while os.path.exists(f"/proc/self/task/{native_id}") and time.monotonic() < until:
+            time.sleep(0.001)
+
+
 def run_threads(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -115,6 +131,7 @@ def run_threads(
         # torch 2.11's destroy_process_group iterates the world's ``comms`` (torchcomms
         # communicators), which that version's threaded world lacks; a threaded group has none.
         world.comms = []
+    intra_op_threads = torch.get_num_threads()  # each rank sets 1; restored at the end
     threads = [
         threading.Thread(
             target=_rank_main,
@@ -161,7 +178,12 @@ def run_threads(
                 outcomes[rank] = RankOutcome(
                     rank, "stopped" if failed else "timed_out", detail=detail
                 )
+        for thread in threads:
+            if thread not in running:  # it has reported and is returning
+                thread.join(STOP_GRACE_S)
+        _wait_until_exited([t.native_id for t in threads if not t.is_alive()])
     finally:
+        torch.set_num_threads(intra_op_threads)
         threaded.ProcessLocalGroup.reset()
         threaded._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
