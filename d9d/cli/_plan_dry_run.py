@@ -4,11 +4,11 @@ measure what its forward keeps for the backward.
 Every tensor is a meta tensor and every collective returns at once (``fake_world``), so a
 step of an 8B model on 1024 simulated ranks runs in seconds with no memory: shapes, DTensor
 placements and the collectives they issue are real, values are not. The few values the step
-reads back to Python read as ordinary data reads: every check passes (the loss's check of
-out-of-vocab labels finds none; ``transformers``' check for packed sequences finds every
-position in order, as the real batch's ``all()`` does). A pipeline step
-runs its schedule too: its sends and receives between stages complete at once, and the
-pipeline supplies what peers would have told it (``transforms/pipeline/_stage_shapes.py``).
+reads back to Python read as ordinary data would: every check passes (the loss's check
+of out-of-vocab labels finds none; ``transformers``' check for packed sequences finds every
+position in order, as the real batch's ``all()`` does). A pipeline step runs its schedule
+too: its sends and receives between stages complete at once, and the pipeline supplies what
+peers would have told it (``transforms/pipeline/_stage_shapes.py``).
 
 The bytes kept are measured as ``d9d.testing.KeptBytes`` measures a real run (meta tensors
 have real sizes), with the kernels CPU would run (:func:`meta_as_cpu`).
@@ -40,8 +40,9 @@ __all__ = ["DryRun", "count_collectives", "dry_run", "group_labels", "meta_as_cp
 @contextlib.contextmanager
 def meta_as_cpu() -> Iterator[None]:
     """Runs meta tensors through what CPU would run: a meta scalar read back to Python reads
-    as ordinary data would (:class:`_MetaScalars`) instead of raising, and ``F.scaled_dot_product_attention`` takes the kernel
-    CPU takes (:func:`_cpu_attention`), in the forward and in a recomputation alike."""
+    as ordinary data would (:class:`_MetaScalars`) instead of raising, and
+    ``F.scaled_dot_product_attention`` takes the kernel CPU takes (:func:`_cpu_attention`),
+    in the forward and in a recomputation alike."""
     # Meta's choice of SDPA kernel is made inside the op, from the device (always the math
     # one, which keeps the attention matrix for the backward where CPU's flash kernel keeps a
     # log-sum-exp), and no mode sees it: so the op's autograd kernel for meta is replaced
