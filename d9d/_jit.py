@@ -228,20 +228,31 @@ def _shared_patch(config: Any, options: dict[str, Any]) -> Iterator[None]:
                     f"{config.__name__}.{name} = {held[0]!r} and {value!r}; run steps that "
                     "need different options one after the other"
                 )
-        for name, value in options.items():
-            held = _PATCHED.setdefault((config, name), [value, 0, getattr(config, name)])
-            held[1] += 1
-            setattr(config, name, value)
+        held_here: list[str] = []
+        try:
+            for name, value in options.items():
+                held = _PATCHED.setdefault((config, name), [value, 0, getattr(config, name)])
+                held[1] += 1
+                held_here.append(name)
+                setattr(config, name, value)
+        except BaseException:  # an unknown option: give back what this call took
+            _release(config, held_here)
+            raise
     try:
         yield
     finally:
         with _PATCH_LOCK:
-            for name in options:
-                held = _PATCHED[(config, name)]
-                held[1] -= 1
-                if not held[1]:
-                    setattr(config, name, held[2])
-                    del _PATCHED[(config, name)]
+            _release(config, held_here)
+
+
+def _release(config: Any, names: list[str]) -> None:
+    """One user fewer of each of ``names``; the last one out restores the saved value."""
+    for name in names:
+        held = _PATCHED[(config, name)]
+        held[1] -= 1
+        if not held[1]:
+            setattr(config, name, held[2])
+            del _PATCHED[(config, name)]
 
 
 def _compiler(backend: str, inductor_options: dict[str, Any]) -> Callable[..., Any]:

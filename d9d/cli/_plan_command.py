@@ -314,7 +314,10 @@ def _measure(
             hf_config=hf_config, n_layers=n_layers, known=step,
         )  # fmt: skip
     held = {s: layout.split.blocks[s][1] - layout.split.blocks[s][0] for s in layout.local_stages}
-    if sum(held.values()) < len(held) + 2:
+    # The small models have one block a stage, then grow one: an MoE's first block may be
+    # dense (stage 0 holds it in both), but a second dense block would land in stage 1 and
+    # be taken for what each added block costs, so such a model is measured whole.
+    if sum(held.values()) < len(held) + 2 or _base_blocks(config) > 2:
         return dry_run(step, params, state, batch)
     return _per_block(
         config, model, preset, sizes, remat, schedule, microbatches, batch,

@@ -80,8 +80,8 @@ def render_comms(stats: CommStats) -> str:
         count, nbytes = stats.count[(kind, axis)], stats.bytes[(kind, axis)]
         each = f"{nbytes // count:,} B each" if nbytes % count == 0 else "sizes vary"
         lines.append(
-            f"  {kind} on {axis}: {count} x one microbatch's activation (forward) or its "
-            f"grad (backward), {each}; {nbytes:,} B in all"
+            f"  {kind} on {axis}: {count} tensors, each a microbatch's activation (forward) or "
+            f"its grad (backward), or state carried beside it; {each}; {nbytes:,} B in all"
         )
     return "\n".join(lines)
 

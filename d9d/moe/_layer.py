@@ -87,7 +87,7 @@ class MoE(nn.Module):
     (with shared experts). :attr:`logical_axes` names their dims: ``experts``,
     ``expert_mlp`` and ``embed`` for the router and routed experts (``tensor_parallel``
     replicates the first two), ``mlp`` and ``embed`` for the shared experts (sharded by
-    ``tensor_parallel`` like a dense MLP).
+    ``tensor_parallel`` like a dense MLP; ``expert_mlp`` in a capped layer).
 
     A dropless layer (``capacity_factor=None``) is *position-wise* (:attr:`position_wise`):
     each token's output depends on that token only, given the global loads, which the layer
@@ -109,13 +109,11 @@ class MoE(nn.Module):
         (torch.Size([2, 7, 8]), 28.0)
     """
 
-    logical_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
+    _routed_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
         r"^router\.weight$": ("experts", "embed"),
         r"^router\.expert_bias$": ("experts",),
         r"^experts\.w_(gate|up)$": ("experts", "embed", "expert_mlp"),
         r"^experts\.w_down$": ("experts", "expert_mlp", "embed"),
-        r"^shared\.w_(gate|up)\.weight$": ("mlp", "embed"),
-        r"^shared\.w_down\.weight$": ("embed", "mlp"),
     }
 
     def __init__(self, config: MoEConfig, *, device: _Device = None) -> None:
@@ -128,6 +126,19 @@ class MoE(nn.Module):
         self.shared = SharedExperts(config, device=device) if config.shared_dim else None
         if self.router.weight.device.type != "meta":
             self.init_weights()
+
+    @property
+    def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """The params' logical axes. The shared experts' hidden dim is ``mlp`` (sharded by
+        ``tensor_parallel`` like a dense MLP's) in a position-wise layer; in a capped one, which
+        ``tensor_parallel`` runs whole beside its whole router, it is ``expert_mlp`` (whole too:
+        a sharded linear there would have the layer's input grad summed over the axis)."""
+        hidden = "mlp" if self.position_wise else "expert_mlp"
+        return {
+            **self._routed_axes,
+            r"^shared\.w_(gate|up)\.weight$": (hidden, "embed"),
+            r"^shared\.w_down\.weight$": ("embed", hidden),
+        }
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

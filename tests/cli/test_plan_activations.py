@@ -15,6 +15,7 @@ import torch
 
 import d9d
 from d9d._context import running
+from d9d.cli import _plan_command as plan_command
 from d9d.cli._plan_activations import (
     ActivationLayout,
     activation_bytes,
@@ -315,6 +316,20 @@ def test_plan_under_pipeline_parallelism_equals_a_real_pipelined_step() -> None:
         f"pp=2: formula {formula:,} B + buffers {buffers:,} B, meta {measured:,} B, real {real:,} B"
     )
     assert measured == real == formula + buffers
+
+
+def test_moe_with_several_dense_blocks_under_pipeline_parallelism_is_measured_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSeek-V3's three dense blocks: the small models of one block a stage would put one
+    in stage 1 and count it as what every added block costs (and could not hold three)."""
+
+    def extrapolated(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the plan measured blocks and extrapolated")
+
+    monkeypatch.setattr(plan_command, "_per_block", extrapolated)
+    text = show_plan("deepseek-v3", model="moe", pp=2, seq=64, max_rows=1)
+    assert re.search(r"activations +[\d.]+ GiB  \(measured on meta at rank 0's first backw", text)
 
 
 def test_moe_under_pipeline_parallelism_measures_what_it_cannot_count() -> None:

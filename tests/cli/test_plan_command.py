@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import d9d
+from d9d.cli import _plan_command as plan_command
 from d9d.cli import main
 from d9d.cli._plan_command import (
     _measure,
@@ -62,7 +63,7 @@ def test_pipeline_plan_names_rank_0s_stage_and_counts_its_sends() -> None:
     activation = 1 * 64 * 256 * 4
     for kind in ("send", "recv"):
         assert f"{kind:<14} │ pp   │     4 │ 256.00 KiB" in text
-        assert f"  {kind} on pp: 4 x one microbatch's activation" in text
+        assert f"  {kind} on pp: 4 tensors, each a microbatch's activation" in text
         assert f"{activation:,} B each; {4 * activation:,} B in all" in text
     assert "all_gather     │ fsdp │     1" in text and "not counted" not in text
 
@@ -191,7 +192,7 @@ def test_plan_prints_the_pipeline_figures_of_a_real_step() -> None:
             rf"{kind} +│ {axis} +│ +{n} │ +{re.escape(human(nbytes[(kind, axis)]))}", text
         )
     sent = nbytes[("send", "pp")]
-    assert "send on pp: 2 x one microbatch's activation (forward) or its grad (backward)" in text
+    assert "send on pp: 2 tensors, each a microbatch's activation (forward) or its grad" in text
     assert f"{sent // 2:,} B each; {sent:,} B in all" in text
 
 
@@ -279,9 +280,16 @@ def test_plan_collectives_equal_a_real_step(axes: dict[str, int]) -> None:
     assert stats.count[("all_gather", "fsdp")] == 2 * 4  # embedding & head, 3 blocks; twice
 
 
-def test_hugging_face_blocks_of_different_kinds_are_measured_whole(tmp_path: Path) -> None:
+def test_hugging_face_blocks_of_different_kinds_are_measured_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Gemma 2 alternates sliding-window and global attention (``layer_types``): one or two
     blocks do not stand for the rest, so the plan runs the whole model."""
+
+    def extrapolated(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the plan measured blocks and extrapolated")
+
+    monkeypatch.setattr(plan_command, "_per_block", extrapolated)
     config = {
         "model_type": "gemma2", "vocab_size": 97, "hidden_size": 48, "intermediate_size": 100,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,

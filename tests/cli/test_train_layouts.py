@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,10 @@ def _losses(out: Path, **layout: Any) -> list[float]:
 
 
 @functools.cache
-def _one_process(tmp: Path, model: str = "llama") -> list[float]:
-    return _losses(tmp, model=model)
+def _one_process(model: str) -> list[float]:
+    """The one-process run of ``model``, once per worker (its folder is thrown away)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _losses(Path(tmp), model=model)
 
 
 @pytest.mark.parametrize(
@@ -50,7 +53,7 @@ def _one_process(tmp: Path, model: str = "llama") -> list[float]:
 def test_layout_trains_like_one_process(
     layout: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    expected = _one_process(tmp_path_factory.mktemp("one"), layout.get("model", "llama"))
+    expected = _one_process(layout.get("model", "llama"))
     world = math.prod(v for k, v in layout.items() if k in ("dp", "fsdp", "tp", "cp", "pp"))
     out = tmp_path_factory.mktemp("ranks")
     for losses in run_on_ranks(_losses, world, out, method="fork", timeout=300, **layout):

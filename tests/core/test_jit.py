@@ -228,3 +228,9 @@ def test_options_stay_set_until_the_last_of_concurrent_calls_leaves() -> None:
     ):
         _shared_patch(config, {name: False}).__enter__()
     assert getattr(config, name) is before
+    # An unknown option fails the call and leaves no hold behind: the next call sets freely.
+    with pytest.raises(AttributeError), _shared_patch(config, {name: True, "no_such": 1}):
+        pass
+    with _shared_patch(config, {name: False}):
+        assert getattr(config, name) is False
+    assert getattr(config, name) is before

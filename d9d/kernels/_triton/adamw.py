@@ -3,9 +3,9 @@
 A program updates one block of one tensor. Which tensor and which block it takes comes from
 two small tables built from the tensors' sizes (cached: a training run passes the same
 sizes every step), and where that tensor lies from a table of its four addresses, loaded
-as an integer and cast to a pointer. Tensors whose four dtypes agree share a launch, so a
-model of bfloat16 params with float32 moments is one launch, not one per param (the
-per-tensor launch measured 0.85x ``torch.compile`` on one Llama-3 8B decoder layer, H100).
+as an integer and cast to a pointer. Tensors on one device whose four dtypes agree share a
+launch, so a model of bfloat16 params with float32 moments is one launch, not one per param
+(the per-tensor launch measured 0.85x ``torch.compile`` on one Llama-3 8B decoder layer, H100).
 
 ``lr`` and the bias corrections are read from 0-d device tensors, so a schedule's value
 changes without a recompile or a host sync.
@@ -121,21 +121,23 @@ def update_(
     """Updates ``params``, ``exp_avgs`` and ``exp_avg_sqs`` in place (via copies if strided)."""
     if not params:
         return
-    device = params[0].device
-    lr = lr.to(device=device, dtype=torch.float32).reshape(())
-    step = step.to(device=device, dtype=torch.float32)
-    step_size = (lr / (1 - beta1**step)).reshape(())
-    bias_correction2_sqrt = torch.sqrt(1 - beta2**step).reshape(())
-    groups: dict[tuple[torch.dtype, ...], list[tuple[torch.Tensor, ...]]] = {}
+    # One launch per device and dtypes: the kernel dereferences every address on one device.
+    groups: dict[tuple[torch.device, tuple[torch.dtype, ...]], list[tuple[torch.Tensor, ...]]] = {}
     written_back = []
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         if p.numel() == 0:
             continue
         contiguous = tuple(t if t.is_contiguous() else t.contiguous() for t in (p, g, m, v))
         written_back += [(p, contiguous[0]), (m, contiguous[2]), (v, contiguous[3])]
-        groups.setdefault(tuple(t.dtype for t in contiguous), []).append(contiguous)
-    for tensors in groups.values():
-        _launch(tensors, (lr, step_size, bias_correction2_sqrt), (beta1, beta2, eps, weight_decay))
+        key = (p.device, tuple(t.dtype for t in contiguous))
+        groups.setdefault(key, []).append(contiguous)
+    for (device, _), tensors in groups.items():
+        lr_on = lr.to(device=device, dtype=torch.float32).reshape(())
+        step_on = step.to(device=device, dtype=torch.float32)
+        step_size = (lr_on / (1 - beta1**step_on)).reshape(())
+        bias_correction2_sqrt = torch.sqrt(1 - beta2**step_on).reshape(())
+        scalars = (lr_on, step_size, bias_correction2_sqrt)
+        _launch(tensors, scalars, (beta1, beta2, eps, weight_decay))
     for target, result in written_back:
         if result is not target:
             target.copy_(result)

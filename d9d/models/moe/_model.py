@@ -31,7 +31,18 @@ class MoEModelOutput(NamedTuple):
 class MoEState(NamedTuple):
     """What each block of :class:`MoE` takes and returns: the residual stream and the running
     balancing statistics. Carried from block to block (and, under ``pipeline``, from stage to
-    stage), so that the last block holds the aux loss and the loads of every MoE layer."""
+    stage), so that the last block holds the aux loss and the loads of every MoE layer.
+
+    Example:
+        >>> config = MoEConfig.tiny()  # block 0 dense, block 1 MoE
+        >>> model = MoE(config)
+        >>> x, cos, sin = model.embed_and_rope(torch.zeros(1, 4, dtype=torch.long), None)
+        >>> state = MoEState(x, torch.zeros(()), torch.zeros(1, config.moe.n_experts))
+        >>> for block in model.layers:
+        ...     state = block(state, cos, sin)
+        >>> state.load.sum().item() == 4 * config.moe.top_k  # every token's top-k choices
+        True
+    """
 
     x: torch.Tensor  # [B, S, dim]: the residual stream
     aux_loss: torch.Tensor  # 0-d: the aux losses of the MoE layers so far, summed

@@ -30,8 +30,8 @@ PARAM_TOL = {"rtol": 1e-9, "atol": 1e-11}
 METRICS = ("loss", "aux_loss", "load_balance")
 
 
-def _model(**overrides: int) -> d9d.Model:
-    return d9d.functionalize(MoE(MoEConfig.tiny(**overrides)).to(torch.float64))
+def _model(axes: dict | None = None, **overrides: object) -> d9d.Model:
+    return d9d.functionalize(MoE(MoEConfig.tiny(**overrides)).to(torch.float64), axes=axes)
 
 
 def _optimizer() -> d9d.optim.GradientTransformation:
@@ -114,7 +114,13 @@ def _pipeline(**options):
 # gradient crosses the boundary.
 ALL_MOE = {"n_dense_layers": 0}
 
+
 # (layout, transforms, model overrides)
+def _capped(n_shared_experts: int) -> dict:
+    moe = MoEConfig.tiny().moe
+    return {"moe": replace(moe, capacity_factor=1.0, n_shared_experts=n_shared_experts)}
+
+
 LAYOUTS = {
     "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh, axis="fsdp")], {}),
     # Under tp=2 the shared experts are column/row-parallel and the routed experts whole;
@@ -129,6 +135,12 @@ LAYOUTS = {
         {"fsdp": 2, "tp": 2},
         lambda mesh: [d9d.shard_params(mesh, axis="fsdp"), d9d.tensor_parallel(mesh, axis="tp")],
         {},
+    ),
+    # A capped layer runs on whole sequences; its shared experts stay whole beside it.
+    "tp=2 no sp, capped with shared experts": (
+        {"tp": 2},
+        lambda mesh: [d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=False)],
+        _capped(1),
     ),
     "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh, axis="cp")], {}),
     "fsdp=2 x cp=2": (
@@ -256,17 +268,12 @@ def test_stages_pass_the_state_of_the_blocks() -> None:
         assert nbytes[("send", "pp")] == nbytes[("recv", "pp")] == 2 * state
 
 
-def _place_rank(sequence_parallel: bool, **overrides: object) -> None:
+def _place_rank(sequence_parallel: bool, axes: dict | None = None, **overrides: object) -> None:
     mesh = d9d.make_mesh("cpu", tp=2)
-    model, opt = _model(**overrides), _optimizer()
+    model, opt = _model(axes, **overrides), _optimizer()
     tp = d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=sequence_parallel)
     step = tp(make_train_step(model, opt))
     step.place(model.params, opt.init(model.params), model=model)
-
-
-def _capped(n_shared_experts: int) -> dict:
-    moe = MoEConfig.tiny().moe
-    return {"moe": replace(moe, capacity_factor=1.0, n_shared_experts=n_shared_experts)}
 
 
 @pytest.mark.distributed
@@ -283,6 +290,20 @@ def test_a_capped_layer_is_not_position_wise_so_sequence_parallelism_refuses_it(
     run_on_ranks(_place_rank, 2, False, **_capped(0), timeout=120)
 
 
+# Shared experts sharded over tp like a dense MLP's, which a capped layer does not declare.
+SHARDED_SHARED = {
+    r"\.shared\.w_(gate|up)\.weight$": ("mlp", "embed"),
+    r"\.shared\.w_down\.weight$": ("embed", "mlp"),
+}
+
+
+def test_a_capped_layer_keeps_its_shared_experts_whole() -> None:
+    axes = _model(**_capped(1)).axes
+    assert axes["layers.1.mlp.shared.w_gate.weight"] == ("expert_mlp", "embed")
+    assert axes["layers.1.mlp.shared.w_down.weight"] == ("embed", "expert_mlp")
+    assert _model(**ALL_MOE).axes["layers.0.mlp.shared.w_gate.weight"] == ("mlp", "embed")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_shared_experts_sharded_beside_a_capped_layer_are_refused(sequence_parallel: bool) -> None:
@@ -294,7 +315,7 @@ def test_shared_experts_sharded_beside_a_capped_layer_are_refused(sequence_paral
         r"'layers\.1\.mlp\.router\.weight' whole on 'tp': tensor_parallel gives the module its "
         r"input whole and sums its input grad over 'tp'",
     ):
-        run_on_ranks(_place_rank, 2, sequence_parallel, **_capped(1), timeout=120)
+        run_on_ranks(_place_rank, 2, sequence_parallel, SHARDED_SHARED, **_capped(1), timeout=120)
 
 
 def _comms_rank(sequence_parallel: bool):
