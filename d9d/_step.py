@@ -224,8 +224,8 @@ class TransformedStep:
                 f"{drivers[0]} and {drivers[1]} both run d9d.value_and_grad over microbatches "
                 "of their own; keep the microbatches of one of them"
             )
-        split = [(t, r.split_backward()) for t, r in runtimes if r.split_backward()]
-        single = [(t, r.one_backward_only()) for t, r in runtimes if r.one_backward_only()]
+        split = [(t, how) for t, r in runtimes if (how := r.split_backward())]
+        single = [(t, why) for t, r in runtimes if (why := r.one_backward_only())]
         if split and single:
             (splitter, how), (holder, why) = split[0], single[0]
             raise PlanError(f"{splitter} {how}, but under {holder} {why}")

@@ -20,9 +20,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     collective and point-to-point op, on CPU, CUDA or meta tensors, returns at once with
     meaningless data. Device meshes, their coordinates and DTensor placements and local
     shapes are real, so a 64-rank ``init_device_mesh`` and the placement plan over it are
-    built in milliseconds. Use it to check plans, shapes
-    and error messages, never values. The group is destroyed on exit, and DTensor's
-    sharding caches cleared (their entries hold this world's meshes).
+    built in milliseconds. Use it to check plans, shapes and error messages, never values.
+    The group is destroyed on exit, and DTensor's sharding caches cleared (their entries
+    hold this world's meshes).
 
     Args:
         world_size: Number of simulated ranks (>= 1).
