@@ -432,7 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     wrote = written_files(config, run.first_step)
     if not run.records:
-        print(f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later; {wrote}")
+        print(
+            f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later; {wrote}"
+        )
         return 0
     first, last = run.records[0], run.records[-1]
     print(

@@ -32,7 +32,7 @@ def header_lines(
     held_out: int,
     device: torch.device,
 ) -> list[tuple[str, str]]:
-    """The header as ``(label, text)`` rows: model, data, step, device, out.
+    """The header as ``(label, text)`` rows: model, data, batch, device, out.
 
     Args:
         config: The run's options.
@@ -56,7 +56,7 @@ def header_lines(
         >>> rows[0]
         ('model', "Llama preset 'tiny' (2 layers, dim 64, vocab 256): 125.25K (125,248) params")
         >>> rows[2]
-        ('step', '16 sequences x 128 tokens = 2,048 tokens per step')
+        ('batch', '16 sequences x 128 tokens = 2,048 tokens per step')
     """
     num_params = sum(p.numel() for p in model.params.values())
     mesh = step.mesh if isinstance(step, TransformedStep) else None
@@ -66,11 +66,13 @@ def header_lines(
         data += f" (and {held_out:,} held out for --eval-every)"
     read = config.steps * per_step
     data += f"; {config.steps} steps read {read:,} of them ({read / tokens:.3g} epochs)"
-    step = f"{config.batch_size} sequences x {config.seq_len} tokens = {per_step:,} tokens per step"
+    batch = (
+        f"{config.batch_size} sequences x {config.seq_len} tokens = {per_step:,} tokens per step"
+    )
     return [
         ("model", f"{_model(config, model_config)}: {_count(num_params)} params"),
         ("data", data),
-        ("step", step),
+        ("batch", batch),
         ("device", _device(device, mesh)),
         ("out", str(config.out) + (" (resuming)" if config.resume or config.resume_from else "")),
     ]

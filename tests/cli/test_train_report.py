@@ -31,7 +31,7 @@ def test_header_names_model_data_step_device_and_out_before_the_first_step(
         f"model  Llama preset 'tiny' (2 layers, dim 64, vocab 256): "
         f"{params / 1e3:.2f}K ({params:,}) params",
         f"data   {text} (text, as bytes): 5,000 tokens; 2 steps read 64 of them (0.0128 epochs)",
-        "step   2 sequences x 16 tokens = 32 tokens per step",
+        "batch  2 sequences x 16 tokens = 32 tokens per step",
         f"device cpu ({torch.get_num_threads()} threads), 1 process",
         f"out    {tmp_path / 'run'}",
     ]
