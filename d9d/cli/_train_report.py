@@ -139,7 +139,8 @@ def _device(device: torch.device, mesh: DeviceMesh | None) -> str:
     if device.type == "cuda":
         where = f"{device} ({torch.cuda.get_device_name(device)})"
     else:
-        where = f"{device.type} ({torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        where = f"{device.type} ({threads} thread{'' if threads == 1 else 's'})"
     if mesh is None:
         return f"{where}, 1 process"
     names = mesh.mesh_dim_names or ()

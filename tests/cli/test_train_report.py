@@ -32,7 +32,8 @@ def test_header_names_model_data_step_device_and_out_before_the_first_step(
         f"{params / 1e3:.2f}K ({params:,}) params",
         f"data   {text} (text, as bytes): 5,000 tokens; 2 steps read 64 of them (0.0128 epochs)",
         "batch  2 sequences x 16 tokens = 32 tokens per step",
-        f"device cpu ({torch.get_num_threads()} threads), 1 process",
+        f"device cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}), "
+        "1 process",
         f"out    {tmp_path / 'run'}",
     ]
     assert lines[5].startswith("step 1/2 loss ")
