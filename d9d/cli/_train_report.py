@@ -99,11 +99,10 @@ def written_files(config: TrainConfig, first_step: int) -> str:
     wandb_dir = Path(os.environ.get("WANDB_DIR", out)) / "wandb"
     if config.wandb and wandb_dir.is_dir():
         names.append(_under(out, wandb_dir) + "/")
-    saved = [
-        int(path.name.removeprefix("step_"))
-        for path in checkpoint.all_checkpoints(out / "checkpoints")
-        if int(path.name.removeprefix("step_")) > first_step
+    steps = [
+        int(p.name.removeprefix("step_")) for p in checkpoint.all_checkpoints(out / "checkpoints")
     ]
+    saved = [step for step in steps if step > first_step]
     if saved:
         names.append(f"checkpoints/step_{_braces(saved)}/")
     world = int(os.environ.get("WORLD_SIZE", "1"))
