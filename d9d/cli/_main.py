@@ -408,7 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from ._train import train
 
-        run = train(TrainConfig(**options))
+        config = TrainConfig(**options)
+        run = train(config)
     except (ValueError, KeyError, FileNotFoundError) as error:
         if debug:
             raise
@@ -427,13 +428,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
+    from ._train_report import written_files
+
+    wrote = written_files(config, run.first_step)
     if not run.records:
-        print(f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later")
+        print(
+            f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later; {wrote}"
+        )
         return 0
     first, last = run.records[0], run.records[-1]
     print(
         f"loss {first['loss']:.3f} -> {last['loss']:.3f} in {run.last_step - run.first_step} "
-        f"steps ({run.first_step + 1}-{run.last_step}), {last['elapsed_s']:.1f} s; "
-        f"wrote {args.out}/metrics.jsonl and {args.out}/loss.png"
+        f"steps ({run.first_step + 1}-{run.last_step}), {last['elapsed_s']:.1f} s; {wrote}"
     )
     return 0

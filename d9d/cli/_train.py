@@ -42,6 +42,7 @@ from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
+from ._train_report import header_lines, print_header
 from ._train_watch import Dashboards
 
 __all__ = ["TrainConfig", "TrainRun", "make_train_step", "train"]
@@ -336,6 +337,10 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
             seq_len=config.seq_len,
             device=device,
         )
+    if rank0:  # before jit, which hides the transformed step's mesh
+        held = held_out.size if config.eval_every else 0
+        rows = header_lines(config, model_config, model, step, loader.tokens.size, held, device)
+        print_header(console or Console(), rows)
     if config.jit:
         step = jit(step)
 

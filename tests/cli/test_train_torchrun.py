@@ -59,6 +59,8 @@ def test_two_ranks_train_like_one_and_resume_on_one(
     )
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     assert result.stdout.count("wrote") == 1, "only rank 0 reports"
+    [device] = [line for line in result.stdout.splitlines() if line.startswith("device ")]
+    assert device.endswith(" per rank, 2 ranks: fsdp=2"), "rank 0's header shows the mesh"
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(two) == 4
     for a, b in zip(one, two, strict=True):

@@ -7,6 +7,8 @@ may stack. Forms (docs/testing.md, "Doc snippets"):
     <!-- snippet: fork -->                   run in one forked process (process-wide side effects)
     <!-- snippet: skip WHY -->               not run, for the stated reason
     <!-- snippet: output -->                 a text block: lines the bash block above prints
+    <!-- snippet: file NAME.py -->           not run: saved as NAME.py where the page's bash
+                                             blocks below it run (a script they launch)
     <!-- snippet: sub OLD => NEW | WHY -->   run with OLD replaced by NEW (OLD must occur)
     <!-- snippet: setup
     hidden code, run just before the block, where the block runs
@@ -43,6 +45,7 @@ class Block:
     subs: tuple[tuple[str, str], ...] = ()
     setup: str = ""  # hidden code, its first line at setup_line
     setup_line: int = 0
+    script: str = ""  # the file name it is saved as for the bash blocks below it, if any
 
     @property
     def id(self) -> str:
@@ -98,8 +101,8 @@ def parse(file: str, text: str) -> list[Block]:
             block = Block(
                 file, i + 1, fence["lang"], "\n".join(lines[i + 1 : end]) + "\n", **markers
             )
-            if (block.ranks or block.fork) and block.lang != "python":
-                raise ValueError(f"{block.id}: ranks and fork apply to Python blocks only")
+            if (block.ranks or block.fork or block.script) and block.lang != "python":
+                raise ValueError(f"{block.id}: ranks, fork and file apply to Python blocks only")
             if block.output and not (block.lang == "text" and blocks and blocks[-1].lang == "bash"):
                 raise ValueError(f"{block.id}: an output block is text right after a bash block")
             blocks.append(block)
@@ -128,6 +131,11 @@ def _read_marker(file: str, lines: list[str], i: int, body: str, markers: dict[s
         markers["skip"] = body.removeprefix("skip").strip()
         if not markers["skip"]:
             raise ValueError(f"{where}: a skip marker says why: `snippet: skip WHY`")
+    elif body.startswith("file "):
+        name = body.removeprefix("file ").strip()
+        if not re.fullmatch(r"[\w-]+\.py", name):
+            raise ValueError(f"{where}: a file marker names a Python file: `snippet: file x.py`")
+        markers["script"] = name
     elif body.startswith("sub "):
         sub = _SUB.match(body)
         if not sub:

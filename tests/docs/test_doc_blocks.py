@@ -31,6 +31,8 @@ MALFORMED = [
     ("<!-- snippet: sub a => b -->\n```python\n```\n", "a sub marker reads"),
     ("<!-- snippet: skip -->\n```text\n```\n", "a skip marker says why"),
     ("<!-- snippet: ranks=2 -->\n```bash\n```\n", "Python blocks only"),
+    ("<!-- snippet: file run.py -->\n```bash\n```\n", "Python blocks only"),
+    ("<!-- snippet: file run.sh -->\n```python\n```\n", "a file marker names a Python file"),
     ("<!-- snippet: setup\nx = 1\n```python\n```\n", "never closed by a line `-->`"),
     ("```python\nx = 1\n", "the fence is never closed"),
 ]
@@ -55,3 +57,11 @@ def test_an_output_block_follows_a_bash_block() -> None:
     assert output.output and not bash.output
     with pytest.raises(ValueError, match=r"p.md:2: an output block is text right after a bash"):
         parse("p.md", "<!-- snippet: output -->\n```text\nx\n```\n")
+
+
+def test_a_file_marker_names_the_script_a_bash_block_runs() -> None:
+    [script, bash] = parse(
+        "p.md",
+        "<!-- snippet: file run.py -->\n```python\nprint(1)\n```\n```bash\npython run.py\n```\n",
+    )
+    assert (script.script, bash.script) == ("run.py", "")
