@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(variant, args)
             except ImportError as error:
                 row = {"variant": variant, "batch": args.batch, "error": f"unavailable: {error}"}
+            except Exception as error:  # a variant that fails is a result, as on CUDA
+                row = {"variant": variant, "batch": args.batch, "error": repr(error)[:300]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = torch.device(args.device)

@@ -15,7 +15,7 @@ not read its loss runs). Reported:
   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``), counted;
   the one ``cudaDeviceSynchronize`` after the last step is the harness's.
 
-    python benchmarks/gpu/profile_step.py --preset 1b --layers 4 --seq 2048 --batch 4 --out p.json
+    python benchmarks/gpu/profile_step.py --preset 1b --layers 4 --seq 2048 --batch 8 --out p.json
     python benchmarks/gpu/profile_step.py --device cpu --eager --preset tiny --seq 16 --out p.json
 """
 
@@ -63,8 +63,12 @@ def top_kernels(events: Iterable[dict], top: int) -> list[dict[str, Any]]:
     all_us = sum(us for _, us in totals.values()) or 1.0
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
     return [
-        {"name": name[:120], "calls": calls, "total_ms": round(us / 1e3, 3),
-         "share": round(us / all_us, 4)}  # fmt: skip
+        {
+            "name": name[:120],
+            "calls": calls,
+            "total_ms": round(us / 1e3, 3),
+            "share": round(us / all_us, 4),
+        }
         for name, (calls, us) in ranked
     ]
 
@@ -117,8 +121,12 @@ def _top_cpu_ops(prof: profile, top: int) -> list[dict[str, Any]]:
     averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]
     all_us = sum(a.self_cpu_time_total for a in prof.key_averages()) or 1.0
     return [
-        {"name": a.key[:120], "calls": a.count, "total_ms": round(a.self_cpu_time_total / 1e3, 3),
-         "share": round(a.self_cpu_time_total / all_us, 4)}  # fmt: skip
+        {
+            "name": a.key[:120],
+            "calls": a.count,
+            "total_ms": round(a.self_cpu_time_total / 1e3, 3),
+            "share": round(a.self_cpu_time_total / all_us, 4),
+        }
         for a in averages
     ]
 
@@ -170,8 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
         "torch": torch.__version__,
         "command": " ".join(["python", "benchmarks/gpu/profile_step.py", *argv]),
-        "config": {"preset": args.preset, "n_layers": config.n_layers, "seq": args.seq,
-                   "batch": args.batch, "dtype": args.dtype, "jit": not args.eager},  # fmt: skip
+        "config": {
+            "preset": args.preset,
+            "n_layers": config.n_layers,
+            "seq": args.seq,
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "jit": not args.eager,
+        },
         "steps": args.steps,
         "step_ms": round(seconds / args.steps * 1e3, 2),
         "top_by": "GPU time of kernels" if on_gpu else "self CPU time of operators",

@@ -25,14 +25,22 @@ export PYTHONUNBUFFERED=1
     echo "d9d GPU suite: $(date -u +%FT%TZ) on $(hostname), checkout $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     shopt -s nullglob
     wheels=("$repo"/.whl/*.whl)
-    if [ ${#wheels[@]} -gt 0 ]; then
+    if [[ " $* " == *" --smoke "* ]]; then
+        echo "smoke run: the carried wheels (for the GPU machine's Python) are not installed"
+    elif [ ${#wheels[@]} -gt 0 ]; then
         site="${D9D_GPU_SITE:-/tmp/d9d-gpu-site}"
         echo "installing ${#wheels[@]} carried wheels into $site"
-        python3 -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
-            --target "$site" "${wheels[@]}" || echo "WARNING: installing the carried wheels failed"
+        install=(python3 -m pip install -q --no-index --no-deps --no-compile
+                 --disable-pip-version-check --root-user-action=ignore --target "$site")
+        if ! "${install[@]}" "${wheels[@]}"; then
+            echo "WARNING: installing them together failed; one by one:"
+            for wheel in "${wheels[@]}"; do
+                "${install[@]}" --upgrade "$wheel" || echo "WARNING: not installed: $wheel"
+            done
+        fi
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     else
-        echo "no wheels in $repo/.whl: using what this Python has"
+        echo "no wheels in $repo/.whl (benchmarks/gpu/wheels.sh): using what this Python has"
     fi
     export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
     python3 "$repo/benchmarks/gpu/suite.py" "$out" "$@"

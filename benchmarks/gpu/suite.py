@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -57,9 +58,10 @@ def run_stage(stage: Stage, out_dir: Path, *, smoke: bool, budget_s: float) -> d
     suite's record added, and returns that report."""
     out = out_dir / f"{stage.name}.json"
     out.unlink(missing_ok=True)
-    argv = [arg.replace("{out}", str(out)) for arg in (stage.smoke if smoke else stage.gpu)]
+    words = shlex.split(stage.smoke if smoke else stage.gpu)
+    argv = [word.replace("{out}", str(out)) for word in words]
     command = ["timeout", f"--kill-after={_KILL_AFTER_S}", f"{budget_s:g}", sys.executable, *argv]
-    shown = " ".join(["python3", *argv])
+    shown = shlex.join(["python3", *argv])
     print(f"\n=== {stage.name}: {stage.what} (budget {budget_s:g} s)\n$ {shown}", flush=True)
     start = time.perf_counter()
     process = subprocess.Popen(
@@ -102,7 +104,9 @@ def _budgets(overrides: list[str], smoke: bool) -> dict[str, float]:
     for override in overrides:
         name, _, seconds = override.partition("=")
         if name not in budgets:
-            raise SystemExit(f"--budget {override!r}: no stage {name!r}; stages are {list(budgets)}")
+            raise SystemExit(
+                f"--budget {override!r}: no stage {name!r}; stages are {list(budgets)}"
+            )
         try:
             budgets[name] = float(seconds)
         except ValueError:
@@ -115,8 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("out_dir", type=Path, help="where the JSON reports and summary.md go")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, in minutes")
     parser.add_argument("--only", default="", help="comma-separated stages (default: all)")
-    parser.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
-                        help="another budget for a stage (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="STAGE=SECONDS",
+        help="another budget for a stage (repeatable)",
+    )
     return parser
 
 

@@ -60,8 +60,13 @@ def _status(reports: dict[str, dict]) -> str:
     for name, report in reports.items():
         suite = report.get("suite", {})
         rows.append(
-            [name, suite.get("status", "recorded"), suite.get("seconds"), suite.get("budget_s"),
-             _short(suite.get("error", ""))]  # fmt: skip
+            [
+                name,
+                suite.get("status", "recorded"),
+                suite.get("seconds"),
+                suite.get("budget_s"),
+                _short(suite.get("error", "")),
+            ]
         )
     return _table(["stage", "status", "seconds", "budget s", "error"], rows)
 
@@ -95,11 +100,22 @@ def _jit(report: dict) -> str:
 
 
 def _kernels(report: dict) -> str:
-    columns = [("op", "op"), ("shape", "shape"), ("mode", "mode"), ("impl", "impl"),
-               ("median_ms", "ms"), ("gbps", "GB/s"), ("pct_of_copy", "% of copy"),
-               ("tflops", "TFLOP/s"), ("peak_memory_bytes", "peak bytes"), ("error", "error")]  # fmt: skip
-    rows = [row | {"error": _short(row["error"])} if "error" in row else row
-            for row in report.get("results", [])]  # fmt: skip
+    columns = [
+        ("op", "op"),
+        ("shape", "shape"),
+        ("mode", "mode"),
+        ("impl", "impl"),
+        ("median_ms", "ms"),
+        ("gbps", "GB/s"),
+        ("pct_of_copy", "% of copy"),
+        ("tflops", "TFLOP/s"),
+        ("peak_memory_bytes", "peak bytes"),
+        ("error", "error"),
+    ]
+    rows = [
+        row | {"error": _short(row["error"])} if "error" in row else row
+        for row in report.get("results", [])
+    ]
     text = f"copy bandwidth {report.get('copy_gbps')} GB/s, {report.get('config', {}).get('dtype')}"
     text += "\n\n" + _columns(rows, columns)
     checks = report.get("checks", [])
@@ -116,25 +132,52 @@ def _mfu(report: dict) -> str:
         f"{config.get('params')} params, {report.get('dtype')}, "
         f"peak {report.get('peak_flops')} FLOP/s"
     )
-    columns = [("variant", "variant"), ("batch", "batch"), ("seq", "seq"),
-               ("step_ms_median", "step ms"), ("step_ms_stdev", "± ms"),
-               ("tokens_per_s", "tokens/s"), ("tflop_per_s", "TFLOP/s"), ("mfu", "MFU"),
-               ("peak_memory_gib", "peak GiB"), ("error", "error")]  # fmt: skip
+    columns = [
+        ("variant", "variant"),
+        ("batch", "batch"),
+        ("seq", "seq"),
+        ("step_ms_median", "step ms"),
+        ("step_ms_stdev", "± ms"),
+        ("tokens_per_s", "tokens/s"),
+        ("tflop_per_s", "TFLOP/s"),
+        ("mfu", "MFU"),
+        ("peak_memory_gib", "peak GiB"),
+        ("error", "error"),
+    ]
     return text + "\n\n" + _columns(report.get("rows", []), columns)
 
 
 def _moe(report: dict) -> str:
     sections = {
-        "layer": [("shape", "shape"), ("variant", "variant"), ("tokens", "tokens"),
-                  ("median_ms", "ms"), ("tokens_per_s", "tokens/s"),
-                  ("expert_tflop_per_s", "expert TFLOP/s"), ("time_vs_d9d", "time / d9d")],
-        "grouped_gemm": [("shape", "shape"), ("mode", "mode"), ("backend", "backend"),
-                         ("tokens", "tokens"), ("median_ms", "ms"),
-                         ("tflop_per_s", "TFLOP/s"), ("time_vs_torch", "time / torch")],
-        "permute": [("shape", "shape"), ("op", "op"), ("backend", "backend"),
-                    ("tokens", "tokens"), ("median_ms", "ms"), ("gb_per_s", "GB/s"),
-                    ("copy_gb_per_s", "copy GB/s"), ("fraction_of_copy", "of copy")],
-    }  # fmt: skip
+        "layer": [
+            ("shape", "shape"),
+            ("variant", "variant"),
+            ("tokens", "tokens"),
+            ("median_ms", "ms"),
+            ("tokens_per_s", "tokens/s"),
+            ("expert_tflop_per_s", "expert TFLOP/s"),
+            ("time_vs_d9d", "time / d9d"),
+        ],
+        "grouped_gemm": [
+            ("shape", "shape"),
+            ("mode", "mode"),
+            ("backend", "backend"),
+            ("tokens", "tokens"),
+            ("median_ms", "ms"),
+            ("tflop_per_s", "TFLOP/s"),
+            ("time_vs_torch", "time / torch"),
+        ],
+        "permute": [
+            ("shape", "shape"),
+            ("op", "op"),
+            ("backend", "backend"),
+            ("tokens", "tokens"),
+            ("median_ms", "ms"),
+            ("gb_per_s", "GB/s"),
+            ("copy_gb_per_s", "copy GB/s"),
+            ("fraction_of_copy", "of copy"),
+        ],
+    }
     tokens = {k: v for k, v in report.get("tokens", {}).items() if k != "why"}
     parts = [f"{report.get('dtype')}, tokens {tokens}"]
     for section, columns in sections.items():
@@ -156,7 +199,9 @@ def _profile(report: dict) -> str:
         text += "; host syncs " + ", ".join(f"{k} {v}" for k, v in report["host_syncs"].items())
     top = report.get("top", [])
     rows = [[r["name"], r["calls"], r["total_ms"], f"{100 * r['share']:.1f}%"] for r in top]
-    text += f"\n\nTop by {report.get('top_by')}:\n\n" + _table(["name", "calls", "ms", "share"], rows)
+    text += f"\n\nTop by {report.get('top_by')}:\n\n" + _table(
+        ["name", "calls", "ms", "share"], rows
+    )
     if line and line["longest_gaps"]:
         rows = [[g["us"], g["after"], g["before"]] for g in line["longest_gaps"]]
         text += "\n\nLongest GPU idle gaps:\n\n" + _table(["µs", "after", "before"], rows)
