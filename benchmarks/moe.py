@@ -437,15 +437,22 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "reps": args.reps,
     }
+    failed = []
     for section, bench in sections.items():
         if section in only:
-            report[section] = bench(args, device, dtype)
+            try:
+                report[section] = bench(args, device, dtype)
+            except Exception as error:  # recorded; the other sections still run
+                report[section] = []
+                report[f"{section}_error"] = f"{type(error).__name__}: {error}"[:500]
+                failed.append(section)
+                print(f"section {section} failed: {report[f'{section}_error']}", file=sys.stderr)
     slug = "cpu" if device.type == "cpu" else name.lower().replace(" ", "-")
     out = args.out or Path(__file__).parent / "results" / f"moe-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -65,7 +65,13 @@ def _device() -> dict[str, Any]:
 
 
 def _commit() -> str | None:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    """The checkout's short commit; None where git or its metadata is missing (a copied tree)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:
+        return None
     return done.stdout.strip() or None
 
 

@@ -4,11 +4,11 @@
 #   bash benchmarks/gpu/run.sh OUT_DIR            # on a GPU machine: about 8 minutes
 #   bash benchmarks/gpu/run.sh OUT_DIR --smoke    # every stage at tiny sizes on CPU (CI)
 #
-# Other arguments go to suite.py (--only STAGES, --budget STAGE=SECONDS). It installs the
-# wheels carried in .whl/ (built by wheels.sh where pip works: the GPU machine has no
-# network) into a folder on PYTHONPATH, puts this checkout's d9d first on PYTHONPATH, then
-# runs suite.py with its output unbuffered and copied to OUT_DIR/run.log as it comes, so a
-# run cut off from outside still leaves its log.
+# Other arguments go to suite.py (--only STAGES, --budget STAGE=SECONDS); $PYTHON, if set, is
+# the interpreter (default python3). It installs the wheels carried in .whl/ (built by
+# wheels.sh where pip works: the GPU machine has no network) into a folder on PYTHONPATH, puts
+# this checkout's d9d first on PYTHONPATH, then runs suite.py with its output unbuffered and
+# copied to OUT_DIR/run.log as it comes, so a run cut off from outside still leaves its log.
 set -uo pipefail
 if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
     echo "usage: bash benchmarks/gpu/run.sh OUT_DIR [--smoke] [--only STAGES] [--budget STAGE=SECONDS]" >&2
@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1
     elif [ ${#wheels[@]} -gt 0 ]; then
         site="${D9D_GPU_SITE:-/tmp/d9d-gpu-site}"
         echo "installing ${#wheels[@]} carried wheels into $site"
-        install=(python3 -m pip install -q --no-index --no-deps --no-compile
+        install=("${PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile
                  --disable-pip-version-check --root-user-action=ignore --target "$site")
         if ! "${install[@]}" "${wheels[@]}"; then
             echo "WARNING: installing them together failed; one by one:"
@@ -43,6 +43,6 @@ export PYTHONUNBUFFERED=1
         echo "no wheels in $repo/.whl (benchmarks/gpu/wheels.sh): using what this Python has"
     fi
     export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
-    python3 "$repo/benchmarks/gpu/suite.py" "$out" "$@"
+    "${PYTHON:-python3}" "$repo/benchmarks/gpu/suite.py" "$out" "$@"
 } 2>&1 | tee -a "$log"
 exit "${PIPESTATUS[0]}"

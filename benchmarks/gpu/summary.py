@@ -183,6 +183,8 @@ def _moe(report: dict) -> str:
     for section, columns in sections.items():
         if report.get(section):
             parts.append(f"{section}:\n\n" + _columns(report[section], columns))
+        if report.get(f"{section}_error"):
+            parts.append(f"{section} failed: {_short(report[f'{section}_error'])}")
     return "\n\n".join(parts)
 
 
@@ -239,6 +241,9 @@ def render(reports: dict[str, dict], *, heading: str = "#") -> str:
     for name, report in reports.items():
         where = report.get("device") or device
         parts.append(f"{heading}# {name} — {where}")
+        source = [f"{key} {report[key]}" for key in ("torch", "commit", "date") if report.get(key)]
+        if source and name != "env":
+            parts.append(", ".join(source))
         suite = report.get("suite", {})
         if "partial_rows" in report:
             parts.append(_partial(report))
