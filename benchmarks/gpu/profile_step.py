@@ -117,6 +117,17 @@ def host_syncs(events: Iterable[dict]) -> dict[str, int]:
     return counts
 
 
+def _trace_events(prof: profile) -> tuple[list[dict], str | None]:
+    """The chrome-trace events of ``prof``, or none and why (a trace JSON would not parse)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        try:
+            return json.loads(trace.read_text())["traceEvents"], None
+        except (ValueError, KeyError) as error:
+            return [], f"the trace did not parse: {error!r}"[:300]
+
+
 def _top_cpu_ops(prof: profile, top: int) -> list[dict[str, Any]]:
     averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]
     all_us = sum(a.self_cpu_time_total for a in prof.key_averages()) or 1.0
@@ -168,11 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             run(batch)
         _sync(device)
         seconds = time.perf_counter() - start
-    with tempfile.TemporaryDirectory() as scratch:
-        trace = Path(scratch) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
     on_gpu = device.type == "cuda"
+    events, trace_error = _trace_events(prof)
     report = {
         "benchmark": "profile",
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         "timeline": timeline(events, args.gaps),
         "host_syncs": host_syncs(events) if on_gpu else None,
     }
+    if trace_error:
+        report["trace_error"] = trace_error
     for row in report["top"]:
         print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,11 +53,15 @@ def _device() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON report")
     parser.add_argument("pytest_args", nargs="+", help="after --: pytest's arguments")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     recorder = Recorder()
     start = time.perf_counter()
     code = int(pytest.main(["-p", "no:cacheprovider", *args.pytest_args], plugins=[recorder]))

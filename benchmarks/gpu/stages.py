@@ -73,7 +73,7 @@ STAGES = (
         "jit",
         "d9d.jit of every transform and the Triton backends: the tests, on this machine's torch",
         120,
-        gpu=f"benchmarks/gpu/run_tests.py --out {{out}} -- -n 8 --timeout 110 {JIT_TESTS}",
+        gpu=f"benchmarks/gpu/run_tests.py --out {{out}} -- -n 12 --timeout 110 {JIT_TESTS}",
         smoke=f"benchmarks/gpu/run_tests.py --out {{out}} -- -n 0 {SMOKE_TEST}",
     ),
     Stage(

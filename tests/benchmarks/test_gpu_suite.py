@@ -62,6 +62,36 @@ def _moe_rows(report: dict) -> list[dict]:
     return [row | {"section": name} for name in sections for row in report[name]]
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_gpu_commands_parse(stage: str) -> None:
+    """What the smoke run cannot show: each stage's GPU command is one its script accepts."""
+    import importlib.util
+    import shlex
+
+    from stages import STAGES as ALL
+
+    words = shlex.split(next(s for s in ALL if s.name == stage).gpu.replace("{out}", "x.json"))
+    spec = importlib.util.spec_from_file_location(f"stage_{stage}", ROOT / words[0])
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script._parser().parse_args(words[1:])
+
+
+def test_the_gpu_test_list_collects() -> None:
+    from stages import JIT_TESTS
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         *JIT_TESTS.split()],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert (
+        "tests/core/test_jit.py::" in done.stdout
+        and "tests/kernels/test_compile.py::" in done.stdout
+    )
+
+
 def test_a_failed_and_a_cut_off_stage_are_recorded_and_the_next_runs(tmp_path: Path) -> None:
     import suite
     from stages import Stage
