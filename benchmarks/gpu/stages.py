@@ -65,28 +65,28 @@ STAGES = (
     Stage(
         "env",
         "the machine: Python, torch, CUDA, device, Triton, optional packages",
-        40,
+        35,
         gpu="benchmarks/gpu/env_report.py --out {out}",
         smoke="benchmarks/gpu/env_report.py --out {out}",
     ),
     Stage(
         "jit",
         "d9d.jit of every transform and the Triton backends: the tests, on this machine's torch",
-        120,
+        110,
         gpu=f"benchmarks/gpu/run_tests.py --out {{out}} -- -n 12 --timeout 110 {JIT_TESTS}",
         smoke=f"benchmarks/gpu/run_tests.py --out {{out}} -- -n 0 {SMOKE_TEST}",
     ),
     Stage(
         "kernels",
         "d9d's kernels at Llama-3 8B and MoE shapes against eager, torch.compile and Liger",
-        95,
+        90,
         gpu=f"benchmarks/kernels.py --only {KERNEL_OPS} --out {{out}}",
         smoke=f"benchmarks/kernels.py --cpu-smoke --only {KERNEL_OPS} --out {{out}}",
     ),
     Stage(
         "mfu",
         "one training step's MFU: d9d.jit against transformers + torch.compile and torchtitan",
-        150,
+        180,
         gpu=f"benchmarks/mfu.py {MFU_MODEL} --batch auto --min-batch 8 --max-batch 16 "
         "--steps 5 --warmup 2 --out {out}",
         smoke=f"benchmarks/mfu.py {TINY_MODEL} --batch 2 --steps 2 --warmup 1 --out {{out}}",
@@ -94,7 +94,7 @@ STAGES = (
     Stage(
         "moe",
         "the MoE layer against transformers' Qwen3-MoE block, grouped GEMM, permute (T=8192)",
-        50,
+        45,
         gpu="benchmarks/moe.py --layer-tokens 8192 --gemm-tokens 8192 --reference-tokens 512 "
         "--permute-tokens 8192 --warmup 2 --reps 10 --out {out}",
         smoke="benchmarks/moe.py --shapes tiny --layer-tokens 16 --gemm-tokens 16 "
@@ -103,7 +103,7 @@ STAGES = (
     Stage(
         "profile",
         "the mfu stage's d9d step under torch.profiler: top kernels, GPU idle gaps, host syncs",
-        40,
+        35,
         gpu=f"benchmarks/gpu/profile_step.py {MFU_MODEL} --batch 8 --steps 3 --out {{out}}",
         smoke=f"benchmarks/gpu/profile_step.py {TINY_MODEL} --batch 2 --warmup 1 --steps 1 "
         "--out {out}",
