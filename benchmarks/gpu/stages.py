@@ -27,7 +27,9 @@ class Stage:
     smoke: str
 
 
-SMOKE_BUDGET_S = 90.0
+# A smoke stage's budget only stops a hang: on the shared 2-core machine, under a load average
+# of 15 to 20, a smoke stage took up to 46 s of wall time for a few seconds of CPU.
+SMOKE_BUDGET_S = 300.0
 
 # The jit stage on a GPU: d9d.jit of each transform's step against one device (thread gloo
 # ranks, on the GPU machine's torch: 2.11; the list .ci/jit-on-torch-2.11 runs, plus remat's

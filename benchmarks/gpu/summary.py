@@ -126,11 +126,11 @@ def _kernels(report: dict) -> str:
 
 
 def _mfu(report: dict) -> str:
-    config = report.get("config", {})
+    config, peak = report.get("config", {}), report.get("peak_flops")
     text = (
         f"preset {config.get('preset')}, {config.get('n_layers')} blocks, "
-        f"{config.get('params')} params, {report.get('dtype')}, "
-        f"peak {report.get('peak_flops')} FLOP/s"
+        f"{config.get('params')} params, {report.get('dtype')}; MFU against "
+        + (f"a dense bf16 peak of {peak / 1e12:g} TFLOP/s" if peak else "no known peak")
     )
     columns = [
         ("variant", "variant"),
