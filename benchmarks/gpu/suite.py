@@ -7,6 +7,7 @@ error, the last lines it printed, the result rows it printed so far) and the nex
 Exit status 0 only when every stage succeeded.
 
     python benchmarks/gpu/suite.py OUT_DIR [--smoke] [--only env,kernels] [--budget mfu=300]
+        [--total 510]
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 _KILL_AFTER_S = 10  # after the budget's SIGTERM, SIGKILL
 _TAIL_LINES = 25  # of a failed stage's output, kept in its record
 _TIMED_OUT = (124, 137)  # timeout's status: SIGTERM'd in time, or killed after --kill-after
+# The stages' own budgets add up to 495 s; this cap keeps a run whose stages each ran a little
+# past theirs (up to _KILL_AFTER_S) inside one 9-minute command, with the install before it.
+TOTAL_S = 510.0
+_LEAST_S = 5.0  # a stage given less is not started
 
 
 def json_rows(lines: list[str]) -> list[dict]:
@@ -126,7 +131,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STAGE=SECONDS",
         help="another budget for a stage (repeatable)",
     )
+    parser.add_argument(
+        "--total",
+        type=float,
+        default=None,
+        help=f"seconds for all stages: each gets at most what is left (default {TOTAL_S:g} on "
+        "a GPU, none with --smoke)",
+    )
     return parser
+
+
+def _not_run(stage: Stage, out_dir: Path, total_s: float) -> dict:
+    """The record of a stage left out because the suite's ``--total`` was spent."""
+    error = f"not run: less than {_LEAST_S:g} s was left of the suite's {total_s:g} s"
+    report = {"benchmark": stage.name, "suite": {"status": "not run", "error": error}}
+    (out_dir / f"{stage.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n=== {stage.name}: {error}", flush=True)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,12 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     # One compile cache for every stage: the profile stage's step is the mfu stage's, cached.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="d9d-gpu-inductor-"))
     os.environ["PYTHONUNBUFFERED"] = "1"
+    total_s = args.total or (None if args.smoke else TOTAL_S)
+    deadline = time.monotonic() + (total_s or float("inf"))
     reports = {}
     for stage in STAGES:
-        if stage.name in only:
-            reports[stage.name] = run_stage(
-                stage, args.out_dir, smoke=args.smoke, budget_s=budgets[stage.name]
-            )
+        if stage.name not in only:
+            continue
+        budget_s = min(budgets[stage.name], round(deadline - time.monotonic()))
+        if budget_s < _LEAST_S:
+            reports[stage.name] = _not_run(stage, args.out_dir, total_s)
+            continue
+        reports[stage.name] = run_stage(stage, args.out_dir, smoke=args.smoke, budget_s=budget_s)
     text = summary.render(reports)
     (args.out_dir / "summary.md").write_text(text)
     print("\n" + text, flush=True)

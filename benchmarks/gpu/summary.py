@@ -245,7 +245,9 @@ def render(reports: dict[str, dict], *, heading: str = "#") -> str:
         if source and name != "env":
             parts.append(", ".join(source))
         suite = report.get("suite", {})
-        if "partial_rows" in report:
+        if suite.get("status") == "not run":
+            parts.append(suite["error"])
+        elif "partial_rows" in report:
             parts.append(_partial(report))
         elif name in _SECTIONS:
             try:

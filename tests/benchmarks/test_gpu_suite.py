@@ -131,6 +131,19 @@ def test_unknown_stage_names_are_refused(tmp_path: Path) -> None:
         suite.main([str(tmp_path), "--budget", "mfu:30"])
 
 
+def test_a_stage_with_too_little_of_the_total_left_is_recorded_not_run(tmp_path: Path) -> None:
+    import suite
+
+    assert suite.main([str(tmp_path), "--only", "env,jit", "--total", "3"]) == 1
+    for stage in ("env", "jit"):
+        report = json.loads((tmp_path / f"{stage}.json").read_text())
+        assert report["suite"] == {
+            "status": "not run",
+            "error": "not run: less than 5 s was left of the suite's 3 s",
+        }
+    assert "| jit | not run |" in (tmp_path / "summary.md").read_text()
+
+
 def test_timeline_sums_busy_time_and_finds_the_idle_gaps() -> None:
     import profile_step
 
