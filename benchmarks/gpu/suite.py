@@ -69,8 +69,15 @@ def run_stage(stage: Stage, out_dir: Path, *, smoke: bool, budget_s: float) -> d
     shown = shlex.join(["python3", *argv])
     print(f"\n=== {stage.name}: {stage.what} (budget {budget_s:g} s)\n$ {shown}", flush=True)
     start = time.perf_counter()
+    # errors="replace": one undecodable byte (a compiler's message) must not stop the reader,
+    # which would leave the stage blocked on a full pipe until its budget ran out.
     process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
     )
     lines: list[str] = []
     reader = threading.Thread(target=_echo, args=(process.stdout, lines), daemon=True)
@@ -93,7 +100,11 @@ def run_stage(stage: Stage, out_dir: Path, *, smoke: bool, budget_s: float) -> d
         record["error"] = f"stopped after its budget of {budget_s:g} s"
     elif code != 0 or report is None:
         record["status"] = "failed"
-        record["error"] = "".join(lines[-_TAIL_LINES:]).strip() or f"exit status {code}, no output"
+        printed = [line.strip() for line in lines if line.strip()]
+        if code == 0:
+            record["error"] = f"exited 0 without writing {out.name}"
+        else:
+            record["error"] = printed[-1] if printed else f"exit status {code}, no output"
     if record["status"] != "ok":
         record["output_tail"] = "".join(lines[-_TAIL_LINES:])
     if report is None:
