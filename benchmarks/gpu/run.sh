@@ -22,7 +22,7 @@ out="$(cd "$out" && pwd)"
 log="$out/run.log"
 export PYTHONUNBUFFERED=1
 {
-    echo "d9d GPU suite: $(date -u +%FT%TZ) on $(hostname), checkout $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "d9d GPU suite: $(date -u +%FT%TZ) on ${HOSTNAME:-unknown host}, checkout $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     shopt -s nullglob
     wheels=("$repo"/.whl/*.whl)
     if [[ " $* " == *" --smoke "* ]]; then
