@@ -149,7 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
-    parser.add_argument("--warmup", type=int, default=2, help="steps before (compilation)")
+    # d9d.jit traces again on the second call, whose inputs are the first call's donated
+    # outputs (seen on CPU: a profile after one warm-up step held the second trace).
+    parser.add_argument("--warmup", type=int, default=3, help="steps before (compilation)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default bfloat16 on cuda, else float32")
     parser.add_argument("--eager", action="store_true", help="no d9d.jit (smoke runs)")
@@ -200,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         "top": top_kernels(events, args.top) if on_gpu else _top_cpu_ops(prof, args.top),
         "timeline": timeline(events, args.gaps),
         "host_syncs": host_syncs(events) if on_gpu else None,
+        # Dynamo traces inside the profiled steps: not 0 means a step recompiled, and the
+        # figures above include compilation (give more --warmup).
+        "traces_in_window": sum(
+            1 for event in events if str(event.get("name", "")).startswith("bytecode_tracing")
+        ),
     }
     if trace_error:
         report["trace_error"] = trace_error

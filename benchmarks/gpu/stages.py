@@ -90,7 +90,7 @@ STAGES = (
         "one training step's MFU: d9d.jit against transformers + torch.compile and torchtitan",
         180,
         gpu=f"benchmarks/mfu.py {MFU_MODEL} --batch auto --min-batch 8 --max-batch 16 "
-        "--steps 5 --warmup 2 --out {out}",
+        "--steps 5 --warmup 3 --out {out}",
         smoke=f"benchmarks/mfu.py {TINY_MODEL} --batch 2 --steps 2 --warmup 1 --out {{out}}",
     ),
     Stage(
@@ -106,7 +106,8 @@ STAGES = (
         "profile",
         "the mfu stage's d9d step under torch.profiler: top kernels, GPU idle gaps, host syncs",
         35,
-        gpu=f"benchmarks/gpu/profile_step.py {MFU_MODEL} --batch 8 --steps 3 --out {{out}}",
+        gpu=f"benchmarks/gpu/profile_step.py {MFU_MODEL} --batch 8 --warmup 3 --steps 3 "
+        "--out {out}",
         smoke=f"benchmarks/gpu/profile_step.py {TINY_MODEL} --batch 2 --warmup 1 --steps 1 "
         "--out {out}",
     ),

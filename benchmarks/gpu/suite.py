@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage in STAGES:
         if stage.name not in only:
             continue
-        budget_s = min(budgets[stage.name], round(deadline - time.monotonic()))
+        budget_s = min(budgets[stage.name], round(deadline - time.monotonic(), 1))
         if budget_s < _LEAST_S:
             reports[stage.name] = _not_run(stage, args.out_dir, total_s)
             continue

@@ -197,6 +197,8 @@ def _profile(report: dict) -> str:
             f"; GPU span {line['span_ms']} ms, busy {line['busy_ms']} ms, idle {line['idle_ms']}"
             f" ms ({100 * line['idle_share']:.1f}%) in {line['gaps']} gaps"
         )
+    if report.get("traces_in_window"):
+        text += f"; WARNING: {report['traces_in_window']} Dynamo traces inside the profile"
     if report.get("host_syncs") is not None:
         text += "; host syncs " + ", ".join(f"{k} {v}" for k, v in report["host_syncs"].items())
     top = report.get("top", [])
