@@ -16,7 +16,8 @@ Variants, each training the same Llama shapes on the same batches:
 Params, grads and optimizer state are in ``--dtype`` (bfloat16 on CUDA: pure bf16 training,
 the same for every variant). Each variant runs in its own process on CUDA, so its peak memory
 is its own and an out-of-memory ends only that variant. ``--batch auto`` doubles the batch
-while the d9d variant fits and runs every variant at the largest one.
+from ``--min-batch`` while the d9d variant fits and runs every other variant at the largest
+one (the d9d row is the search's own run there).
 
 Reported per variant: median step time and its spread, tokens/s, MFU (training FLOPs
 ``LlamaConfig.flops_per_token``, ``6 * N`` plus attention, against the device's dense bf16
@@ -246,14 +247,21 @@ def _isolated(variant: str, args: argparse.Namespace, batch: int) -> dict[str, A
     }
 
 
-def _largest_batch(args: argparse.Namespace) -> int:
-    """The largest power-of-two batch at which the d9d variant runs."""
-    batch, fits = 1, 0
-    while batch <= args.max_batch and "error" not in _isolated("d9d", args, batch):
-        fits, batch = batch, 2 * batch
-    if not fits:
-        raise SystemExit("the d9d variant does not fit even batch 1: cut --layers or --seq")
-    return fits
+def _largest_batch(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """The largest batch ``--min-batch * 2**k`` (up to ``--max-batch``) at which the d9d variant
+    runs, and the d9d row measured there (each try is a whole measured run: no need to repeat).
+    Where even ``--min-batch`` fails, that batch and the d9d row's error: the other variants
+    still run there."""
+    batch, fits, row = args.min_batch, None, {}
+    while batch <= args.max_batch:
+        row = _isolated("d9d", args, batch)
+        print(json.dumps(row | {"auto_batch_try": True}), flush=True)
+        if "error" in row:
+            break
+        fits, batch = row, 2 * batch
+    if fits is None:
+        return args.min_batch, row
+    return fits["batch"], fits
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -262,6 +270,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=None, help="blocks kept (default all)")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", default="auto", help="sequences per step, or auto")
+    parser.add_argument("--min-batch", type=int, default=1, help="first batch auto tries")
     parser.add_argument("--max-batch", type=int, default=64, help="largest batch auto tries")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
@@ -295,18 +304,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.only, args)), flush=True)
         return 0
     isolate = args.device == "cuda"
-    if args.batch == "auto":
-        args.batch = _largest_batch(args) if isolate else 8
-    args.batch = int(args.batch)
+    measured = {}
+    if args.batch == "auto" and isolate:
+        args.batch, measured["d9d"] = _largest_batch(args)
+    args.batch = 8 if args.batch == "auto" else int(args.batch)
     rows = []
     for variant in args.variants.split(","):
-        if isolate:
+        if variant in measured:
+            row = measured[variant]
+        elif isolate:
             row = _isolated(variant, args, args.batch)
         else:
             try:
                 row = measure(variant, args)
             except ImportError as error:
                 row = {"variant": variant, "batch": args.batch, "error": f"unavailable: {error}"}
+            except Exception as error:  # a variant that fails is a result, as on CUDA
+                row = {"variant": variant, "batch": args.batch, "error": repr(error)[:300]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = torch.device(args.device)

@@ -28,6 +28,7 @@ under the interpreter (``TRITON_INTERPRET=1``), a correctness tool: not timed.
 
     python benchmarks/moe.py                                  # minutes on 2 CPU cores
     python benchmarks/moe.py --layer-tokens 128 --gemm-tokens 256 --reps 3 --out /tmp/moe.json
+    python benchmarks/moe.py --shapes tiny --out /tmp/moe.json      # seconds: the code path only
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ SHAPES = {
     "olmoe-1b-7b": dict(n_experts=64, top_k=8, dim=2048, expert_dim=1024, norm_topk=False),
     "qwen3-30b-a3b": dict(n_experts=128, top_k=8, dim=2048, expert_dim=768, norm_topk=True),
 }
+# ``--shapes tiny``: the same code at sizes that take seconds on a CPU (benchmarks/gpu's smoke run).
+TINY_SHAPES = {"tiny": dict(n_experts=5, top_k=2, dim=32, expert_dim=24, norm_topk=True)}
 MACHINE_NOTE = (
     "CPU runs: a 2-core x86_64 machine shared with about 6 other agents' processes; variants "
     "are interleaved and their ratios are the figures to compare, absolute times vary with load."
@@ -200,7 +203,7 @@ def _float64_check(shape: dict, device: torch.device) -> dict[str, float]:
 
 def bench_layer(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list:
     rows = []
-    for name, shape in SHAPES.items():
+    for name, shape in args.shape_set.items():
         exact = _float64_check(shape, device)
         layer, block = (m.to(dtype) for m in _layer_pair(shape, device))
         variants = _variants(layer, block)
@@ -281,7 +284,7 @@ def bench_grouped_gemm(args: argparse.Namespace, device: torch.device, dtype: to
     rows = []
     fast = ["torch", "loop"] + (["triton"] if device.type == "cuda" else [])
     runs = [(args.gemm_tokens, fast), (args.reference_tokens, [*fast, "reference"])]
-    for name, shape in SHAPES.items():
+    for name, shape in args.shape_set.items():
         for tokens, backends in runs:
             per_mode = _gemm_variants(backends, tokens, shape, device, dtype)
             flops = 2 * tokens * shape["top_k"] * shape["dim"] * shape["expert_dim"]
@@ -344,7 +347,7 @@ def _copy(source: torch.Tensor) -> torch.Tensor:
 def bench_permute(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list:
     rows = []
     tokens = args.permute_tokens
-    for name, shape in SHAPES.items():
+    for name, shape in args.shape_set.items():
         for op, (calls, nbytes) in _permute_calls(tokens, shape, device, dtype).items():
             source = torch.randn(nbytes // 8, device=device)  # float32: reads + writes = nbytes
             times = interleaved(calls | {"copy": functools.partial(_copy, source)}, device,
@@ -394,6 +397,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--eager", action="store_true",
                         help="also time the Qwen3-MoE block's eager experts (minutes a call)")  # fmt: skip
     parser.add_argument("--only", default="layer,grouped_gemm,permute")
+    parser.add_argument("--shapes", choices=("real", "tiny"), default="real",
+                        help="real: OLMoE and Qwen3 layers; tiny: a smoke run in seconds")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     return parser
 
@@ -404,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     args.tolerance = args.tolerance or (2e-2 if args.dtype == "bfloat16" else 1e-4)
+    args.shape_set = SHAPES if args.shapes == "real" else TINY_SHAPES
     dtype = getattr(torch, args.dtype)
     sections = {"layer": bench_layer, "grouped_gemm": bench_grouped_gemm, "permute": bench_permute}
     only = args.only.split(",")
@@ -418,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "machine_note": MACHINE_NOTE if device.type == "cpu" else "",
         "triton_note": TRITON_NOTE,
-        "shapes": SHAPES,
+        "shapes": args.shape_set,
         "tokens": {
             "layer": args.layer_tokens,
             "grouped_gemm": args.gemm_tokens,
@@ -431,15 +437,22 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "reps": args.reps,
     }
+    failed = []
     for section, bench in sections.items():
         if section in only:
-            report[section] = bench(args, device, dtype)
+            try:
+                report[section] = bench(args, device, dtype)
+            except Exception as error:  # recorded; the other sections still run
+                report[section] = []
+                report[f"{section}_error"] = f"{type(error).__name__}: {error}"[:500]
+                failed.append(section)
+                print(f"section {section} failed: {report[f'{section}_error']}", file=sys.stderr)
     slug = "cpu" if device.type == "cpu" else name.lower().replace(" ", "-")
     out = args.out or Path(__file__).parent / "results" / f"moe-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

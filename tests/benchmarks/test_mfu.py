@@ -48,3 +48,22 @@ def test_no_peak_on_a_cpu(mfu):
     import torch
 
     assert mfu.peak_flops(torch.device("cpu")) is None
+
+
+def test_auto_batch_keeps_the_largest_try_that_ran_and_its_row(mfu, monkeypatch):
+    tries = []
+
+    def run(variant, args, batch):
+        tries.append((variant, batch))
+        if batch > 16:
+            return {"variant": variant, "batch": batch, "error": "out of memory"}
+        return {"variant": variant, "batch": batch, "step_ms_median": 10.0 * batch}
+
+    monkeypatch.setattr(mfu, "_isolated", run)
+    args = mfu._parser().parse_args(["--min-batch", "4", "--max-batch", "64"])
+    assert mfu._largest_batch(args) == (16, {"variant": "d9d", "batch": 16, "step_ms_median": 160})
+    assert tries == [("d9d", 4), ("d9d", 8), ("d9d", 16), ("d9d", 32)]
+    args = mfu._parser().parse_args(["--min-batch", "32", "--max-batch", "64"])
+    assert mfu._largest_batch(args) == (
+        32, {"variant": "d9d", "batch": 32, "error": "out of memory"}
+    )  # fmt: skip
