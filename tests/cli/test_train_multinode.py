@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -54,6 +54,7 @@ class _Job:
 
     def __init__(self, out: Path, logs: Path, env: dict[str, str]) -> None:
         port = _free_port()
+        logs.mkdir()
         self.logs = [logs / f"node{node}.txt" for node in range(2)]
         self.deadline = time.monotonic() + DEADLINE_S
         self.agents = []
@@ -78,21 +79,22 @@ class _Job:
     def wait_for(self, found: Callable[[], Any], what: str) -> Any:
         while not (value := found()):
             for node, agent in enumerate(self.agents):
-                assert agent.poll() is None, f"node {node} ended before {what}:\n{self.tail()}"
+                if agent.poll() is not None:
+                    raise _AgentEnded(f"node {node} ended before {what}:\n{self.tail()}")
             assert time.monotonic() < self.deadline, f"no {what} in {DEADLINE_S} s:\n{self.tail()}"
             time.sleep(0.05)
         return value
 
-    def new_workers(self, old: set[int]) -> dict[int, int]:
-        """``{node: pid}`` of each node's worker that is not in ``old``, once both have one."""
+    def new_workers(self, old: set[_Process]) -> dict[int, _Process]:
+        """Each node's worker that is not in ``old``, once both nodes have one."""
         new = {n: set(_children(agent.pid)) - old for n, agent in enumerate(self.agents)}
-        return {n: pids.pop() for n, pids in new.items()} if all(new.values()) else {}
+        return {n: found.pop() for n, found in new.items()} if all(new.values()) else {}
 
     def stop(self) -> None:
         for agent in self.agents:
             if agent.poll() is None:
-                for pid in _children(agent.pid):
-                    _kill(pid)
+                for worker in _children(agent.pid):
+                    _kill(worker)
                 agent.kill()
             agent.wait()
 
@@ -101,33 +103,60 @@ class _Job:
         return "\n".join(f"--- node {n}:\n{log.read_text()[-3000:]}" for n, log in logs)
 
 
+class _AgentEnded(AssertionError):
+    pass
+
+
+def _started(out: Path, folder: Path, env: dict[str, str]) -> tuple[_Job, dict[int, _Process]]:
+    """A job and its first round's worker on each node. Were the rendezvous port taken
+    between picking and binding it, node 0's agent (``is_host=1``) exits at once, never joining
+    another store: the job is started again on another port."""
+    for attempt in range(3):
+        job = _Job(out, folder / f"start{attempt}", env)
+        try:
+            return job, job.wait_for(partial(job.new_workers, set()), "round 0's workers")
+        except _AgentEnded:
+            job.stop()
+    raise AssertionError(f"the job did not start in 3 tries:\n{job.tail()}")
+
+
 def _free_port() -> int:
-    # Node 0 hosts the rendezvous there (is_host=1): were the port taken meanwhile, its agent
-    # would fail at once and the test say so, never join another job's store.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _children(parent: int) -> list[int]:
+class _Process(NamedTuple):
+    pid: int
+    start: int  # clock ticks after boot: with the pid, names the process (pids are reused)
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` from its third field (``state``) on: ``[1]`` the parent, ``[19]``
+    the start time."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _children(parent: int) -> list[_Process]:
     """The worker processes ``parent`` (an agent) started."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
-                continue
-            if b"TORCHELASTIC_RUN_ID=" in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
+            stat = _stat(int(entry.name))
+            if (
+                int(stat[1]) == parent
+                and b"TORCHELASTIC_RUN_ID=" in (entry / "environ").read_bytes()
+            ):
+                found.append(_Process(int(entry.name), int(stat[19])))
         except (OSError, ValueError, IndexError):
-            continue  # gone
+            continue  # not a process, or gone
     return found
 
 
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+def _kill(worker: _Process) -> None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        if int(_stat(worker.pid)[19]) == worker.start:  # not a process that reused its pid
+            os.kill(worker.pid, signal.SIGKILL)
 
 
 def _committed(folder: Path, before: frozenset[str] = frozenset()) -> set[str]:
@@ -145,14 +174,15 @@ def test_ranks_killed_on_either_node_resume_and_end_like_one_process(
     if share == "store-per-round":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     rng = random.Random(0)
-    job = _Job(out, tmp_path, env)
+    job, workers = _started(out, tmp_path, env)
     try:
-        old: set[int] = set()  # workers of earlier rounds
+        old = set(workers.values())  # workers of this and earlier rounds
         for kill in range(KILLS):
-            # This round's workers: new on both nodes (the old ones were stopped before the
-            # round's rendezvous completed, so a commit from now on is this round's).
-            workers = job.wait_for(partial(job.new_workers, old), f"round {kill}'s workers")
-            old |= set(workers.values())
+            if kill:
+                # This round's workers: new on both nodes (the old ones were stopped before
+                # the round's rendezvous completed, so a commit from now on is this round's).
+                workers = job.wait_for(partial(job.new_workers, old), f"round {kill}'s workers")
+                old |= set(workers.values())
             before = frozenset(_committed(out / "checkpoints"))
             job.wait_for(partial(_committed, out / "checkpoints", before), f"round {kill}'s commit")
             time.sleep(rng.uniform(0.0, 0.3))  # not a wait: where in the step the kill lands
