@@ -3,6 +3,7 @@ earlier rounds' keys, whatever order the ranks start in and whatever a dead roun
 
 from __future__ import annotations
 
+import doctest
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -10,6 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from d9d import _rendezvous_round
 from d9d._rendezvous_round import round_scope
 
 pytestmark = pytest.mark.distributed
@@ -78,3 +80,7 @@ def test_rank_0_names_the_ranks_that_never_came(server: dist.TCPStore) -> None:
 def test_a_rank_says_when_rank_0_never_answers(server: dist.TCPStore) -> None:
     with pytest.raises(TimeoutError, match="rank 1 of 2: rank 0 did not answer within"):
         round_scope(_client(server), 1, 2, timedelta(seconds=0.2))
+
+
+def test_the_docstring_example_runs() -> None:
+    assert doctest.testmod(_rendezvous_round).failed == 0
