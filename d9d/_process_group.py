@@ -1,12 +1,13 @@
-"""Joining a ``torchrun`` job so that a restarted attempt never meets the dead one's keys.
+"""Joining a ``torchrun`` job so that a restarted round never meets the dead one's keys.
 
 [Note: the store shared across restarts] ``torchrun``'s c10d rendezvous hosts one TCPStore in
-the agent and, by default, hands it to every attempt's workers (``TORCHELASTIC_USE_AGENT_STORE``).
+the agent and, by default, hands it to the workers of every round
+(``TORCHELASTIC_USE_AGENT_STORE``).
 ``init_process_group`` prefixes its keys with ``default_pg`` only, so after a restart the new
-workers find the dead attempt's keys still there: gloo reads a dead peer's address and fails
-``connectFullMesh ... Connection refused`` or waits on it (pytorch/pytorch#135712; seen here 3 of
-3 times with a rank killed mid-run). :func:`init_process_group` prefixes the store with the
-attempt number, which is what ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` achieves from outside.
+workers find the dead round's keys still there: gloo reads a dead peer's address and fails
+``connectFullMesh ... Connection refused`` or waits on it (pytorch/pytorch#135712).
+:func:`init_process_group` prefixes the store with an id the round's ranks agree on
+(``_rendezvous_round.py`` says how, and why the restart count cannot be it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ._rendezvous_round import round_scope
 
 __all__ = ["init_process_group"]
 
@@ -27,9 +30,10 @@ def init_process_group(
 
     Like ``torch.distributed.init_process_group()`` with the ``env://`` rendezvous torchrun
     sets up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), except that the
-    store's keys are scoped to the restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a job
-    restarted by ``torchrun --max-restarts N`` after a rank died starts cleanly, and that every
-    store wait and collective gives up after ``timeout`` with an error instead of hanging.
+    store's keys are scoped to the rendezvous round (an id rank 0 draws and hands to every
+    rank), so a job restarted by ``torchrun --max-restarts N`` after a rank died starts
+    cleanly, on one node or many, and that every store wait and collective gives up after
+    ``timeout`` with an error instead of hanging.
     On CUDA it also selects the device of ``LOCAL_RANK``.
 
     Args:
@@ -38,6 +42,7 @@ def init_process_group(
 
     Raises:
         ValueError: The process was not started by ``torchrun`` (no ``RANK`` set).
+        TimeoutError: A rank did not join within ``timeout``.
 
     Example:
         >>> import d9d
@@ -54,6 +59,5 @@ def init_process_group(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"d9d/attempt_{attempt}", store)
+    store = dist.PrefixStore(round_scope(store, rank, world, timeout), store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

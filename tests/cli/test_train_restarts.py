@@ -4,7 +4,7 @@ uninterrupted one.
 
 One job takes 5 kills, alternating rank 0 and rank 1, each at a random moment after the
 attempt has committed a checkpoint of its own. Before ``d9d.init_process_group`` scoped the
-rendezvous store to the attempt, a restarted gloo group read the dead attempt's addresses
+rendezvous store to the round, a restarted gloo group read the dead attempt's addresses
 from it (``connectFullMesh failed ... Connection refused``, or a hang).
 """
 

@@ -51,7 +51,7 @@ LAYERS = (
     ("core", CORE),
     ("libraries", ("d9d.losses", "d9d.optim", "d9d.moe", "d9d.models", "d9d.data")),
     ("transforms", ("d9d.transforms",)),
-    ("tools", ("d9d.checkpoint", "d9d.testing", "d9d._process_group")),
+    ("tools", ("d9d.checkpoint", "d9d.testing", "d9d._process_group", "d9d._rendezvous_round")),
     ("command", ("d9d.cli", "d9d.__main__")),
 )
 

@@ -1,11 +1,16 @@
-"""``d9d.init_process_group`` outside torchrun (the restart behaviour is tested under a real
-torchrun in tests/cli/test_train_restarts.py)."""
+"""``d9d.init_process_group`` outside torchrun, and two rounds of forked workers on one agent
+store (a real torchrun with restarts: tests/cli/test_train_restarts.py and
+tests/cli/test_train_multinode.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from datetime import timedelta
+from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import d9d
@@ -17,37 +22,53 @@ def test_outside_torchrun_it_says_how_to_launch(monkeypatch: pytest.MonkeyPatch)
         d9d.init_process_group()
 
 
-def test_a_restarted_attempt_does_not_see_the_dead_attempts_keys(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """torchrun's agent store outlives an attempt; what one attempt's group wrote there is
-    invisible to the next (and visible to the same attempt number, so the scoping is by
-    attempt, not by chance)."""
+def _worker(env: dict[str, str], results: Any) -> None:
+    """One torchrun worker: join, sum the ranks, see whether an earlier round's key shows."""
+    os.environ.update(env)
+    d9d.init_process_group("gloo", timeout=timedelta(seconds=20))
+    try:
+        total = torch.tensor([int(env["RANK"]) + 1])
+        dist.all_reduce(total)
+        store = dist.distributed_c10d._get_default_store()
+        seen = store.check(["left by round 1"])
+        dist.barrier()
+        store.set("left by round 1", "x")
+        results.put((int(env["RANK"]), int(total), seen))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ranks_restarted_different_times_join_one_new_round() -> None:
+    """torchrun's agent store outlives a round, and each agent counts only its own failures:
+    the second round's rank 0 comes from a node whose worker died (restart count 1), rank 1
+    from a node that was only asked to join the new round (count 0). They join one group
+    and see nothing of the first round's keys."""
     agent = dist.TCPStore(
         "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
     )
-    env = {
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(agent.port),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-    }
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-
-    def sees_key_after_joining(attempt: str) -> bool:
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
-        d9d.init_process_group(timeout=timedelta(seconds=30))
+    fork = multiprocessing.get_context("fork")
+    for counts in (("0", "0"), ("1", "0")):
+        results = fork.Queue()
+        workers = []
+        for rank, count in enumerate(counts):
+            env = {
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": count,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(agent.port),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+            }
+            workers.append(fork.Process(target=_worker, args=(env, results)))
+        for worker in workers:
+            worker.start()
         try:
-            store = dist.distributed_c10d._get_default_store()
-            seen = store.check(["left by attempt 0"])
-            store.set("left by attempt 0", "x")
-            dist.barrier()
-            return seen
+            got = sorted(results.get(timeout=60) for _ in workers)
         finally:
-            dist.destroy_process_group()
-
-    assert not sees_key_after_joining("0")
-    assert not sees_key_after_joining("1")
-    assert sees_key_after_joining("0")
+            for worker in workers:
+                worker.join(timeout=30)
+                if worker.is_alive():
+                    worker.kill()
+        assert got == [(0, 3, False), (1, 3, False)], f"restart counts {counts}: {got}"
+        assert [worker.exitcode for worker in workers] == [0, 0]
