@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _KILL_AFTER_S = 10  # after the budget's SIGTERM, SIGKILL
 _TAIL_LINES = 25  # of a failed stage's output, kept in its record
 _TIMED_OUT = (124, 137)  # timeout's status: SIGTERM'd in time, or killed after --kill-after
-# The stages' own budgets add up to 495 s; this cap keeps a run whose stages each ran a little
-# past theirs (up to _KILL_AFTER_S) inside one 9-minute command, with the install before it.
+# Each call of stages.CALLS budgets at most 475 s; this cap keeps a call whose stages each ran a
+# little past theirs (up to _KILL_AFTER_S) inside one 9-minute command, with the install.
 TOTAL_S = 510.0
 _LEAST_S = 5.0  # a stage given less is not started
 

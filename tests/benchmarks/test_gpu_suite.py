@@ -196,3 +196,14 @@ def test_collect_files_a_gpu_run_and_refuses_a_smoke_run(tmp_path: Path) -> None
     (run / "env.json").write_text(json.dumps(env | {"device": "cpu"}))
     with pytest.raises(SystemExit, match="holds a run on 'cpu' \\(a smoke run\\?\\)"):
         collect.copy_run(run, results)
+
+
+def test_each_gpu_call_fits_one_command_and_the_calls_run_every_stage() -> None:
+    import suite
+    from stages import CALLS
+    from stages import STAGES as STAGE_LIST
+
+    budgets = {stage.name: stage.budget_s for stage in STAGE_LIST}
+    for call in CALLS:
+        assert sum(budgets[name] for name in call) <= suite.TOTAL_S - 30, call
+    assert {name for call in CALLS for name in call} == set(budgets)
