@@ -40,6 +40,7 @@ from ._train_data import training_tokens
 from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
+from ._train_out import check_fresh_out
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
 from ._train_watch import Dashboards
@@ -216,13 +217,15 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
     Raises:
         DataError: The data path is missing or empty, or holds ids past the vocab.
         ValueError: An option is out of range.
-        ConfigError: Resuming with a flag that changes the schedule or the model.
+        ConfigError: Resuming with a flag that changes the schedule or the model, or
+            ``out`` holds a run and neither ``resume`` nor ``resume_from`` is given.
         CheckpointCorruptError: ``resume_from`` is damaged, or every checkpoint is.
         FloatingPointError: A loss or gradient norm is not finite (that step is not saved).
     """
     _check(config)
     started_group = _init_distributed(config)
     try:
+        check_fresh_out(config.out, resuming=config.resume or config.resume_from is not None)
         run = _train(config, console)
     except BaseException:
         if started_group:

@@ -327,7 +327,7 @@ def test_permission_error_is_one_line_and_debug_raises(
     err = _err(capsys).strip().splitlines()
     assert len(err) == 1 and "Permission denied" in err[0] and "--debug" in err[0]
     with pytest.raises(PermissionError, match="Permission denied"):
-        main(_args(tmp_path, "--steps", "1", "--debug"))
+        main(_args(tmp_path / "again", "--steps", "1", "--debug"))
 
 
 def test_data_folder_with_train_bin_is_read_as_tokens(
