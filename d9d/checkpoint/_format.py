@@ -38,7 +38,9 @@ __all__ = [
     "commit",
     "latest",
     "metadata",
+    "missing_markers",
     "rotate",
+    "step_folders",
     "step_path",
     "sweep",
     "tmp_path",
@@ -95,14 +97,24 @@ def array_spec(root: Path, record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _committed(directory: Path) -> list[tuple[int, Path]]:
+def step_folders(directory: Path) -> list[tuple[int, Path]]:
+    """Every ``step_<N>`` entry of ``directory`` with its step, committed or not, by step."""
     found = []
     if directory.is_dir():
         for entry in directory.iterdir():
             match = _STEP.match(entry.name)
-            if match and (entry / COMMIT).is_file() and (entry / METADATA).is_file():
+            if match:
                 found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def missing_markers(path: Path) -> list[str]:
+    """The commit's files (``COMMIT``, ``metadata.json``) that ``path`` lacks."""
+    return [name for name in (COMMIT, METADATA) if not (path / name).is_file()]
+
+
+def _committed(directory: Path) -> list[tuple[int, Path]]:
+    return [(step, path) for step, path in step_folders(directory) if not missing_markers(path)]
 
 
 def all_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
