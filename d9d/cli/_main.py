@@ -384,8 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success, 2 on a bad argument or input, 1 on another failure (a non-finite
-        loss, a failed checkpoint save, a file system error); errors are one line on
-        standard error (``--debug``: raised, with the traceback).
+        loss, a failed checkpoint save, a file system error), 143 when SIGTERM stopped
+        ``d9d train`` after committing a checkpoint (continue with ``--resume``); errors
+        are one line on standard error (``--debug``: raised, with the traceback).
 
     Example:
         >>> main(["train", "--steps", "0"])
@@ -407,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 0
         from ._train import train
+        from ._train_preempt import PREEMPTED_EXIT_CODE
 
         run = train(TrainConfig(**options))
     except (ValueError, KeyError, FileNotFoundError) as error:
@@ -425,8 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    code = PREEMPTED_EXIT_CODE if run.preempted else 0
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+        return code
     if not run.records:
         print(f"nothing to do: {args.out}/checkpoints already holds step {args.steps} or later")
         return 0
@@ -436,4 +439,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"steps ({run.first_step + 1}-{run.last_step}), {last['elapsed_s']:.1f} s; "
         f"wrote {args.out}/metrics.jsonl and {args.out}/loss.png"
     )
-    return 0
+    return code
