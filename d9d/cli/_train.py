@@ -388,6 +388,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
             records = _loop(
                 config, step, params, opt_state, loader, device, first_step, saver, watch
             )
+            saver.wait()  # the last checkpoint commits while SIGTERM is still handled
     finally:
         saver.wait()  # even after a crash, the checkpoint in flight gets committed
     if rank0:
