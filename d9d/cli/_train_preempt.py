@@ -4,9 +4,9 @@ On the first SIGTERM the run finishes the step in flight, saves it and commits t
 before going on, says so in one line and exits with :data:`PREEMPTED_EXIT_CODE`; a second
 SIGTERM ends the process at once (the handler gives SIGTERM back to the kernel's default).
 Ranks may get the signal at different moments, or only some of them: at every step boundary
-they agree through one all-reduce of a flag on a CPU tensor (on the default group when it is
-gloo, else on a gloo group made once), so every rank stops after the same step. The all-reduce
-needs no device sync; see docs/train.md for what it costs.
+they agree through one all-reduce of a flag on a CPU tensor (on the default group, or on a
+gloo group made once when that is NCCL's), so every rank stops after the same step. The
+all-reduce needs no device sync; docs/train.md says what it costs.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ import torch.distributed as dist
 from ._train_resume import say
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preemption"]
+
+# Default-group backends that cannot all-reduce a CPU tensor (gloo, threaded, mpi can).
+_DEVICE_ONLY = ("nccl", "xccl")
 
 PREEMPTED_EXIT_CODE = 143
 """What ``d9d train`` exits with after a SIGTERM: 128 + 15, what a shell reports for a process
@@ -38,17 +42,15 @@ class Preemption:
     def __init__(self) -> None:
         self.requested = False  # this process got SIGTERM
         self.stopped_at: int | None = None  # the step the run stopped after, once it did
-        self._previous: signal.Handlers | None = None
+        self._installed = False
+        self._previous: Any = None  # the SIGTERM handler before this one (None: set from C)
         self._group: dist.ProcessGroup | None = None
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # handlers live only there
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        if (
-            dist.is_initialized()
-            and dist.get_world_size() > 1
-            and "gloo" not in str(dist.get_backend())
-        ):
+            self._installed = True
+        if dist.is_initialized() and dist.get_backend() in _DEVICE_ONLY:
             self._group = dist.new_group(backend="gloo")  # a flag on CPU: no device sync
         return self
 
@@ -78,5 +80,5 @@ class Preemption:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
