@@ -21,8 +21,8 @@ from d9d.testing import run_on_ranks
 
 
 def _args(out: Path, *extra: str) -> list[str]:
-    return ["train", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--save-every", "4",
-            "--out", str(out), *extra]  # fmt: skip
+    return ["train", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--out", str(out),
+            *extra]  # fmt: skip
 
 
 def _records(out: Path) -> list[tuple[int, float, float, float]]:
@@ -57,27 +57,33 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
     return _records(out)
 
 
-@pytest.mark.parametrize("call", [3, 4], ids=["between-saves", "at-a-save"])
+@pytest.mark.parametrize(
+    ("call", "save_every", "committed"),
+    [(3, "0", [3]), (4, "2", [2, 4])],
+    ids=["no-save-every", "at-a-save"],
+)
 def test_sigterm_saves_the_step_in_flight_exits_143_and_resumes_exactly(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     uninterrupted: list[tuple],
     call: int,
+    save_every: str,
+    committed: list[int],
 ) -> None:
     handler = signal.getsignal(signal.SIGTERM)
     with monkeypatch.context() as patch:
         _sigterm_before_call(patch, call)
-        assert main(_args(tmp_path)) == 143
+        assert main(_args(tmp_path, "--save-every", save_every)) == 143
     assert signal.getsignal(signal.SIGTERM) is handler  # given back
     checkpoints = tmp_path / "checkpoints"
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"d9d train: SIGTERM: stopped after step {call} of 6 and committed "
         f"'{checkpoints / f'step_{call}'}'; exiting with code 143 (continue with --resume)"
     )
-    assert checkpoint.all_checkpoints(checkpoints) == [checkpoints / f"step_{call}"]
+    assert checkpoint.all_checkpoints(checkpoints) == [checkpoints / f"step_{n}" for n in committed]
     assert [r[0] for r in _records(tmp_path)] == list(range(1, call + 1))
-    assert main(_args(tmp_path, "--resume")) == 0
+    assert main(_args(tmp_path, "--save-every", save_every, "--resume")) == 0
     assert _records(tmp_path) == uninterrupted
 
 
@@ -87,7 +93,7 @@ def _train_signalled_twice(out: Path) -> None:
     torch.set_num_threads(1)  # a forked child's OpenMP pool is not the parent's
     with pytest.MonkeyPatch.context() as patch:
         _sigterm_before_call(patch, 2, times=2)
-        os._exit(main(_args(out, "--save-every", "0")))
+        os._exit(main(_args(out)))
 
 
 def test_a_second_sigterm_ends_the_run_at_once(tmp_path: Path) -> None:
@@ -105,7 +111,7 @@ def _rank_run(out: Path, signalled: tuple[int, ...], *extra: str) -> int:
     with pytest.MonkeyPatch.context() as patch:
         if dist.get_rank() in signalled:
             _sigterm_before_call(patch, 3)
-        return main(_args(out, *extra))
+        return main(_args(out, "--save-every", "4", *extra))
 
 
 def _preempt_and_resume(folder: Path) -> dict[str, list[int]]:
