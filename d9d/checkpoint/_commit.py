@@ -23,6 +23,7 @@ import torch
 
 from ..errors import CheckpointExistsError, CheckpointSaveError
 from . import _format
+from ._claim import Claim
 from ._layout import box_slices, brief, to_numpy
 
 __all__ = ["SaveHandle", "Write", "WriteJob"]
@@ -53,6 +54,7 @@ class WriteJob:
     store: Any  # a torch.distributed Store, None on one process
     key: str
     gate: threading.Event | None = None  # a held save commits once it is set
+    claim: Claim | None = None  # rank 0's lock on ``tmp``, released once committed or removed
     discarded: bool = False  # set with the gate: drop the written data instead
     error: BaseException | None = field(default=None)
 
@@ -103,8 +105,7 @@ class WriteJob:
                 self.store.wait(keys, _COMMIT_TIMEOUT)
                 outcomes = [self.store.get(k).decode() for k in keys]
                 failures += [f"rank {r}: {o}" for r, o in enumerate(outcomes, 1) if o != "ok"]
-            if self.final.exists():  # another save of this step won; its rotation may
-                # have swept this save's folder mid-write, so its own errors say nothing
+            if self.final.exists():  # another save of this step won: say so, whatever else
                 failures = [f"{str(self.final)!r} is already committed by another save"]
             if failures:
                 raise CheckpointSaveError(
@@ -118,7 +119,6 @@ class WriteJob:
                 if self.world > 1:
                     self.store.set(f"{self.key}/done", "discarded")
                 return
-            self.tmp.mkdir(parents=True, exist_ok=True)
             try:
                 _format.commit(self.tmp, self.final, self.meta)
             except CheckpointExistsError as exc:
@@ -132,6 +132,9 @@ class WriteJob:
                 why = str(exc) if isinstance(exc, CheckpointSaveError) else brief(exc)
                 self.store.set(f"{self.key}/done", f"rank 0 did not commit: {why}")
             raise
+        finally:
+            if self.claim is not None:
+                self.claim.release()
         if self.world > 1:
             self.store.set(f"{self.key}/done", "ok")
 

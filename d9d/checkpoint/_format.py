@@ -10,8 +10,8 @@ A save writes into ``step_<N>.tmp-<nonce>/`` and rank 0 commits it by writing
 ``COMMIT`` and renaming the folder, which is atomic on POSIX file systems. Readers only
 look at ``step_<N>`` folders holding ``COMMIT``; a crash at any point leaves either the
 old set of checkpoints or the new one, plus a ``.tmp-`` folder that is ignored (and
-removed by the next commit of that step, by ``keep``'s rotation if it is rotation trash, or by
-:func:`sweep`). A committed checkpoint whose ``metadata.json`` does not parse is damaged:
+removed by the next commit of that step once no live save claims it, by ``keep``'s rotation if
+it is rotation trash, or by :func:`sweep`). A committed checkpoint whose ``metadata.json`` does not parse is damaged:
 :func:`latest` skips it with a warning and :func:`metadata` raises ``CheckpointCorruptError``.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
+from . import _claim
 
 __all__ = [
     "all_checkpoints",
@@ -37,7 +38,9 @@ __all__ = [
     "commit",
     "latest",
     "metadata",
+    "missing_markers",
     "rotate",
+    "step_folders",
     "step_path",
     "sweep",
     "tmp_path",
@@ -94,14 +97,24 @@ def array_spec(root: Path, record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _committed(directory: Path) -> list[tuple[int, Path]]:
+def step_folders(directory: Path) -> list[tuple[int, Path]]:
+    """Every ``step_<N>`` entry of ``directory`` with its step, committed or not, by step."""
     found = []
     if directory.is_dir():
         for entry in directory.iterdir():
             match = _STEP.match(entry.name)
-            if match and (entry / COMMIT).is_file() and (entry / METADATA).is_file():
+            if match:
                 found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def missing_markers(path: Path) -> list[str]:
+    """The commit's files (``COMMIT``, ``metadata.json``) that ``path`` lacks."""
+    return [name for name in (COMMIT, METADATA) if not (path / name).is_file()]
+
+
+def _committed(directory: Path) -> list[tuple[int, Path]]:
+    return [(step, path) for step, path in step_folders(directory) if not missing_markers(path)]
 
 
 def all_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
@@ -269,17 +282,26 @@ def rotate(directory: Path, step: int, keep: int | None) -> None:
     """After committing ``step``: drop leftovers of crashed saves of ``step``, the trash of
     an interrupted earlier rotation, and all but the newest ``keep`` checkpoints.
 
-    A checkpoint is first renamed to a ``.tmp-deleted-`` name, so a crash mid-delete never
-    leaves a half-deleted folder that looks complete.
+    A leftover is a ``step_<step>.tmp-`` folder that no live save claims (``_claim.py``):
+    another save of ``step`` may be writing into its own. A checkpoint is first renamed to a
+    ``.tmp-deleted-`` name, so a crash mid-delete never leaves a half-deleted folder that
+    looks complete.
     """
-    doomed = [p for p in directory.glob(f"step_{step}{_TMP}*") if p.is_dir()]
-    doomed += [p for p in directory.glob(f"step_*{_TRASH}*") if p.is_dir() and p not in doomed]
+    for path in directory.glob(f"step_{step}{_TMP}*"):
+        held = _claim.abandoned(path)
+        if held is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            held.release()
+    doomed = [p for p in directory.glob(f"step_*{_TRASH}*") if p.is_dir()]
     if keep is not None:
         committed = _committed(directory)
         others = [path for s, path in committed if s != step]  # never the one just made
         for path in others[: max(0, len(committed) - keep)]:
             trash = path.with_name(f"{path.name}{_TRASH}{secrets.token_hex(4)}")
-            os.rename(path, trash)
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:  # the rotation of a concurrent save took it first
+                continue
             doomed.append(trash)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)

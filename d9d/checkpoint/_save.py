@@ -9,10 +9,12 @@ takes part in the commit (``_commit.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import secrets
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import tree as tree_lib
 from ..errors import CheckpointExistsError
-from . import _format
+from . import _claim, _format
 from ._commit import SaveHandle, Write, WriteJob
 from ._host_memory import host_empty
 from ._layout import chunk_shape, dtype_name, layout_of, local_box, writes_box
@@ -228,9 +230,24 @@ def save(
     if dist.is_initialized() and dist.get_world_size() > 1:
         rank, world = dist.get_rank(), dist.get_world_size()
         store = dist.distributed_c10d._get_default_store()
-        nonce, records, holders = _agree(step, nonce, records)
-    tmp = _format.tmp_path(directory, step, nonce)
-    creates, writes = _plan(leaves, records, holders, rank, tmp, snapshot=async_)
+    tmp = _format.tmp_path(directory, step, nonce)  # rank 0's nonce is the one all ranks use
+    # Claimed before any rank can write into it (they do after _agree), so that no rotation
+    # ever takes it for a dead save's leftover.
+    claim = None
+    if rank == 0:
+        # A folder that cannot be made fails the writes into it too, and wait() says why.
+        with contextlib.suppress(OSError):
+            claim = _claim.claim(tmp)
+    try:
+        if world > 1:
+            nonce, records, holders = _agree(step, nonce, records)
+            tmp = _format.tmp_path(directory, step, nonce)
+        creates, writes = _plan(leaves, records, holders, rank, tmp, snapshot=async_)
+    except BaseException:
+        if claim is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            claim.release()
+        raise
     meta = {
         "format": _format.FORMAT,
         "step": step,
@@ -241,7 +258,7 @@ def save(
     }
     gate = threading.Event() if hold else None
     key = f"d9d/ckpt/{nonce}"
-    job = WriteJob(tmp, final, meta, keep, creates, writes, rank, world, store, key, gate)
+    job = WriteJob(tmp, final, meta, keep, creates, writes, rank, world, store, key, gate, claim)
     if not async_:
         job.run()
         handle = SaveHandle(final, job, None)

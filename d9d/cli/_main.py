@@ -384,8 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success, 2 on a bad argument or input, 1 on another failure (a non-finite
-        loss, a failed checkpoint save, a file system error); errors are one line on
-        standard error (``--debug``: raised, with the traceback).
+        loss, a failed checkpoint save, a file system error), 143 when SIGTERM stopped
+        ``d9d train`` after committing a checkpoint (continue with ``--resume``); errors
+        are one line on standard error (``--debug``: raised, with the traceback).
 
     Example:
         >>> main(["train", "--steps", "0"])
@@ -407,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 0
         from ._train import train
+        from ._train_preempt import PREEMPTED_EXIT_CODE
 
         config = TrainConfig(**options)
         run = train(config)
@@ -426,8 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    code = PREEMPTED_EXIT_CODE if run.preempted else 0
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+        return code
     from ._train_report import written_files
 
     wrote = written_files(config, run.first_step)
@@ -441,4 +444,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"loss {first['loss']:.3f} -> {last['loss']:.3f} in {run.last_step - run.first_step} "
         f"steps ({run.first_step + 1}-{run.last_step}), {last['elapsed_s']:.1f} s; {wrote}"
     )
-    return 0
+    return code

@@ -40,6 +40,8 @@ from ._train_data import training_tokens
 from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
+from ._train_out import check_fresh_out
+from ._train_preempt import Preemption
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
 from ._train_report import header_lines, print_header
@@ -190,11 +192,14 @@ class TrainRun:
             ``eval_perplexity`` at evaluated steps.
         first_step: Steps done before this call (the restored checkpoint's step, or 0).
         last_step: Steps done after it.
+        preempted: A SIGTERM stopped the run after ``last_step``, whose checkpoint is
+            committed (``d9d train`` then exits with 143).
     """
 
     records: list[dict[str, float]] = field(default_factory=list)
     first_step: int = 0
     last_step: int = 0
+    preempted: bool = False
 
 
 def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
@@ -217,13 +222,15 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
     Raises:
         DataError: The data path is missing or empty, or holds ids past the vocab.
         ValueError: An option is out of range.
-        ConfigError: Resuming with a flag that changes the schedule or the model.
+        ConfigError: Resuming with a flag that changes the schedule or the model, or
+            ``out`` holds a run and neither ``resume`` nor ``resume_from`` is given.
         CheckpointCorruptError: ``resume_from`` is damaged, or every checkpoint is.
         FloatingPointError: A loss or gradient norm is not finite (that step is not saved).
     """
     _check(config)
     started_group = _init_distributed(config)
     try:
+        check_fresh_out(config.out, resuming=config.resume or config.resume_from is not None)
         run = _train(config, console)
     except BaseException:
         if started_group:
@@ -374,6 +381,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     profile_steps = config.profile_steps if config.profile else 0
     try:
         with (
+            Preemption() as preemption,
             MetricsLog(log_path, first_step) as log,
             Dashboards(config, _config_json(config), first_step, rank0) as dashboards,
             TrainProgress(console or Console(), config.steps, first_step, show=rank0) as progress,
@@ -381,15 +389,18 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
                 config.out / "profile" / f"rank{rank}.json", first_step, profile_steps
             ) as profiler,
         ):
-            watch = _Watch(log, dashboards, progress, speed, evaluator, profiler)
+            watch = _Watch(log, dashboards, progress, speed, evaluator, profiler, preemption)
             records = _loop(
                 config, step, params, opt_state, loader, device, first_step, saver, watch
             )
+            saver.wait()  # the last checkpoint commits while SIGTERM is still handled
     finally:
         saver.wait()  # even after a crash, the checkpoint in flight gets committed
     if rank0:
         logged = [json.loads(r) for r in (config.out / "metrics.jsonl").read_text().splitlines()]
         _plot(logged, config.out / "loss.png", title=f"d9d train --preset {config.preset}")
+    if preemption.stopped_at is not None:
+        return TrainRun(records, first_step, preemption.stopped_at, preempted=True)
     return TrainRun(records, first_step, max(first_step, config.steps))
 
 
@@ -403,6 +414,7 @@ class _Watch:
     speed: SpeedMeter
     evaluator: Evaluator | None
     profiler: StepProfiler
+    preemption: Preemption
 
 
 def _loop(
@@ -425,9 +437,10 @@ def _loop(
         params, opt_state, metrics = step(params, opt_state, batch)
         watch.profiler.after(i)
         n, saving = i + 1, saver.due(i + 1)
+        stopping = watch.preemption.agreed() and n < config.steps  # SIGTERM on some rank
         evaluating = watch.evaluator is not None and n % config.eval_every == 0
         logging = n % config.log_every == 0 or n == config.steps or evaluating
-        if not (saving or logging or saver.held is not None):
+        if not (saving or logging or stopping or saver.held is not None):
             watch.progress.advance()
             continue
         try:  # every rank sees the same loss and norm, so decides the same
@@ -455,9 +468,12 @@ def _loop(
             records.append(record)
             watch.log.write(record)
             watch.dashboards.write(record)
-        if saving:
+        if saving or stopping:
             watch.log.sync()  # the records up to a committed checkpoint are on disk
             saver.save(n, params, opt_state, loader)
+        if stopping:
+            watch.preemption.stop(n, config.steps, saver.commit_now())
+            break
         watch.progress.advance(loss, record)
     return records
 

@@ -48,6 +48,13 @@ class Checkpointer:
             self._pending.commit()
             self.held = None
 
+    def commit_now(self) -> Path:
+        """Commit the held checkpoint and return once it is committed, with its path: a
+        preempted run has no next step to vouch for it (its own step was finite)."""
+        self.vouch()
+        pending, self._pending = self._pending, None
+        return pending.wait()
+
     def discard(self) -> None:
         """The held checkpoint's params gave a non-finite step: drop it."""
         if self.held is not None:

@@ -2,11 +2,13 @@
 
 * The flags that change the schedule or the model must equal the ``config.json`` of the run
   that wrote the checkpoint, unless ``--allow-config-change``.
-* ``--resume`` tries the committed checkpoints newest first and falls back past damaged ones
-  (unparsable metadata, a chunk failing its checksum) with a warning; ``--resume-from PATH``
-  restores exactly PATH or fails. Every rank must read its slices; ranks agree on the outcome.
-* Committed checkpoints newer than the restored one are moved aside (``step_<N>.abandoned``):
-  the resumed run writes its own ``step_<N>``, and they are kept for inspection.
+* ``--resume`` tries every ``step_<N>`` folder newest first and falls back past damaged ones
+  (no ``COMMIT`` or ``metadata.json``, unparsable metadata, a chunk failing its checksum);
+  ``--resume-from PATH`` restores exactly PATH or fails. Every rank must read its slices;
+  ranks agree on the outcome.
+* Folders newer than the restored one, damaged or not, are moved aside
+  (``step_<N>.abandoned``, one warning line each): the resumed run writes its own
+  ``step_<N>``, and they are kept for inspection, never deleted.
 * A checkpoint saved by another number of ranks restores onto this run's layout; its per-rank
   RNG states cannot be, so they are left as this run seeded them (with a warning).
 """
@@ -23,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import checkpoint
+from ..checkpoint import _format
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
 __all__ = ["SCHEDULE_FLAGS", "check_unchanged", "restore", "say", "set_aside_newer"]
@@ -137,10 +140,24 @@ def _try_restore(path: Path, restore_one: Callable[[Path, bool], Any]) -> tuple[
     return state, _agree(problem)
 
 
+def _why_damaged(path: Path) -> str | None:
+    """Why the ``step_<N>`` folder ``path`` is no checkpoint at all (``None``: it has its
+    commit's files, so restoring it decides)."""
+    missing = _format.missing_markers(path)
+    return f"it has no {' and no '.join(missing)}" if missing else None
+
+
 def restore(
     directory: Path, resume_from: Path | None, restore_one: Callable[[Path, bool], Any]
 ) -> Any:
     """The train state to continue from, or ``None`` to start at step 1.
+
+    With ``resume_from`` ``None``, every ``step_<N>`` folder of ``directory`` is tried,
+    newest first; the damaged ones newer than the one restored (no ``COMMIT`` or
+    ``metadata.json``, metadata that does not parse, an array that fails its checks on any
+    rank) are moved aside as ``step_<N>.abandoned`` by rank 0, each with one warning line
+    naming the folder and why, so this run can save that step afresh. Nothing is moved when
+    none can be restored.
 
     Args:
         directory: The run's checkpoint folder (``OUT/checkpoints``).
@@ -151,35 +168,48 @@ def restore(
         CheckpointCorruptError: ``resume_from`` is damaged, or every checkpoint is.
         CheckpointNotFoundError: ``resume_from`` is not a committed checkpoint.
     """
-    candidates = [resume_from] if resume_from else checkpoint.all_checkpoints(directory)[::-1]
+    if resume_from:
+        candidates = [resume_from]
+    else:
+        candidates = [path for _, path in reversed(_format.step_folders(directory))]
     if not candidates:
         say(f"no checkpoint in {str(directory)!r}; starting at step 1")
         return None
+    damaged: list[tuple[Path, str]] = []
     for path in candidates:
-        state, problem = _try_restore(path, restore_one)
-        if problem is None:
-            say(f"resumed from {str(path)!r} at step {state.step + 1}")
-            return state
-        if resume_from:
-            raise problem
-        say(f"warning: {str(path)!r} cannot be restored ({problem}); trying an older checkpoint")
+        why = None if resume_from else _why_damaged(path)
+        if why is None:
+            state, problem = _try_restore(path, restore_one)
+            if problem is None:
+                for bad, bad_why in damaged:
+                    _move_aside(bad, f"cannot be restored ({bad_why})")
+                say(f"resumed from {str(path)!r} at step {state.step + 1}")
+                return state
+            if resume_from:
+                raise problem
+            why = str(problem)
+        damaged.append((path, " ".join(why.split())))
+    for path, why in damaged:
+        say(f"warning: {str(path)!r} cannot be restored ({why})")
     raise CheckpointCorruptError(
         f"every checkpoint in {str(directory)!r} is damaged ({[p.name for p in candidates]}); "
         "pass --resume-from with a good copy, or delete the folder to start afresh"
     )
 
 
-def set_aside_newer(directory: Path, step: int) -> None:
-    """Rename the committed checkpoints past ``step`` to ``step_<N>.abandoned`` (rank 0)."""
+def _move_aside(path: Path, why: str) -> None:
+    """Rename ``path`` to ``step_<N>.abandoned`` (or ``-1``, ``-2``...), saying why (rank 0)."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    for path in checkpoint.all_checkpoints(directory):
-        if int(path.name.removeprefix("step_")) <= step:
-            continue
-        aside, n = path.with_name(f"{path.name}.abandoned"), 1
-        while aside.exists():
-            aside, n = path.with_name(f"{path.name}.abandoned-{n}"), n + 1
-        os.rename(path, aside)
-        say(
-            f"warning: moved {str(path)!r} aside to {aside.name!r}: this run resumed at step {step + 1}"
-        )
+    aside, n = path.with_name(f"{path.name}.abandoned"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.abandoned-{n}"), n + 1
+    os.rename(path, aside)
+    say(f"warning: {str(path)!r} {why}; moved it aside to {aside.name!r}")
+
+
+def set_aside_newer(directory: Path, step: int) -> None:
+    """Rename the ``step_<N>`` folders past ``step`` to ``step_<N>.abandoned`` (rank 0)."""
+    for n, path in _format.step_folders(directory):
+        if n > step:
+            _move_aside(path, f"is past step {step}, where this run resumed")

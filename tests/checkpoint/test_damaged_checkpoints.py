@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,31 @@ def test_a_save_that_commits_between_the_check_and_the_rename_is_named(
     with pytest.raises(CheckpointExistsError, match=r"step_4' is already committed by another"):
         _format.commit(tmp, final, {"step": 4})
     assert (final / "data").is_dir() and tmp.is_dir()
+
+
+def test_a_rotation_never_removes_the_folder_of_a_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CI failure, forced: save B of step 4 has written its metadata and is about to write
+    ``COMMIT`` when save A of step 4 commits and rotates. A's rotation used to remove B's
+    folder, and B failed with ``FileNotFoundError: .../step_4.tmp-.../COMMIT``."""
+    write_synced, paused, resume = _format._write_synced, threading.Event(), threading.Event()
+
+    def pause_after_the_first_metadata(path: Path, text: str) -> None:
+        write_synced(path, text)
+        if path.name == "metadata.json" and not paused.is_set():
+            paused.set()
+            assert resume.wait(60)
+
+    monkeypatch.setattr(_format, "_write_synced", pause_after_the_first_metadata)
+    b = checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=4)  # its thread pauses in commit
+    assert paused.wait(60)
+    (b_folder,) = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    a = checkpoint.save(tmp_path, {"w": torch.zeros(3)}, step=4, async_=False)
+    assert a.path == tmp_path / "step_4"
+    assert b_folder.is_dir(), "the rotation removed a save in flight"
+    resume.set()
+    with pytest.raises(CheckpointSaveError, match=r"step_4' is already committed by another"):
+        b.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+    assert checkpoint.restore(tmp_path / "step_4", {"w": torch.ones(3)})["w"].eq(0).all()

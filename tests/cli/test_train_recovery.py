@@ -234,34 +234,7 @@ def test_allow_config_change_resumes_with_the_new_flags(
 # Item 12: a damaged newest checkpoint is recoverable from the CLI.
 
 
-def _damage_chunk(path: Path) -> None:
-    chunk = next(p for p in (path / "arrays").rglob("c/*") if p.is_file())
-    chunk.write_bytes(chunk.read_bytes()[:-3] + b"xyz")
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [
-        _damage_chunk,
-        lambda path: (path / "metadata.json").write_text((path / "metadata.json").read_text()[:50]),
-        lambda path: (path / "metadata.json").write_text('{"format": "d9d.checkpoint/1"}'),
-    ],
-    ids=["chunk", "truncated-metadata", "invalid-metadata"],
-)
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(
-    run: Path, reference: list, capsys: pytest.CaptureFixture[str], damage: Any
-) -> None:
-    checkpoints = run / "checkpoints"
-    damage(checkpoints / "step_3")
-    (checkpoints / "step_9.tmp-0dead000" / "arrays").mkdir(parents=True)  # a dead save's folder
-    assert main(_args(run, "--save-every", "1", "--resume")) == 0
-    err = _err(capsys)
-    assert f"warning: '{checkpoints / 'step_3'}' cannot be restored" in err
-    assert f"resumed from '{checkpoints / 'step_2'}' at step 3" in err
-    assert f"moved '{checkpoints / 'step_3'}' aside to 'step_3.abandoned'" in err
-    assert _records(run) == reference
-    names = sorted(p.name for p in checkpoints.iterdir())
-    assert names == ["step_1", "step_2", "step_3", "step_3.abandoned", "step_4"]
+# Every kind of damaged checkpoint: tests/cli/test_train_damaged.py.
 
 
 def test_resume_from_a_path(run: Path, reference: list, capsys: pytest.CaptureFixture[str]) -> None:
@@ -327,7 +300,7 @@ def test_permission_error_is_one_line_and_debug_raises(
     err = _err(capsys).strip().splitlines()
     assert len(err) == 1 and "Permission denied" in err[0] and "--debug" in err[0]
     with pytest.raises(PermissionError, match="Permission denied"):
-        main(_args(tmp_path, "--steps", "1", "--debug"))
+        main(_args(tmp_path / "again", "--steps", "1", "--debug"))
 
 
 def test_data_folder_with_train_bin_is_read_as_tokens(

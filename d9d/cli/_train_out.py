@@ -1,0 +1,61 @@
+"""``--out`` of ``d9d train``: a fresh run never writes into another run's folder.
+
+Without ``--resume`` (or ``--resume-from``), an ``--out`` that already holds a run (its
+``config.json``, ``metrics.jsonl`` or a checkpoint) is refused before anything is written:
+starting there used to truncate the old ``metrics.jsonl``, rewrite its ``config.json`` and
+then fail at the first save of a step the old run had committed (issue 23). We refuse rather
+than move the old run aside, so that no run's gigabytes of checkpoints pile up unnoticed and
+every command line means one thing. Under a process group rank 0 looks and tells the others
+(one broadcast), so no rank sees a folder rank 0 has begun to write.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+__all__ = ["check_fresh_out"]
+
+# What a run writes first (rank 0): either one means a run has been there.
+_RUN_FILES = ("config.json", "metrics.jsonl")
+
+
+def _run_files(out: Path) -> list[str]:
+    found = [name for name in _RUN_FILES if (out / name).exists()]
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def check_fresh_out(out: Path, *, resuming: bool) -> None:
+    """Refuse to start a fresh run in ``out`` when it holds another run (collective
+    under a process group: every rank calls it, before rank 0 writes into ``out``).
+
+    Args:
+        out: The run's folder (``--out``).
+        resuming: ``--resume`` or ``--resume-from`` was given: continuing there is the point.
+
+    Raises:
+        ConfigError: ``out`` holds a run and ``resuming`` is false; the message names what
+            was found, ``--resume`` and a new ``--out``.
+
+    Example:
+        >>> import tempfile
+        >>> check_fresh_out(Path(tempfile.mkdtemp()), resuming=False)  # empty: fine
+    """
+    if resuming:
+        return
+    found = _run_files(out)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdict = [found]
+        dist.broadcast_object_list(verdict, src=0)
+        found = verdict[0]
+    if found:
+        raise ConfigError(
+            f"--out {str(out)!r} already holds a run ({', '.join(found)}); pass --resume to "
+            "continue it, or a new --out to start another (nothing was written)"
+        )
