@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -20,6 +21,7 @@ from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._collectives import distribute
 from ._comms import CollectiveCounter, CommStats
 from ._context import StepContext, running
+from ._mesh import make_mesh
 from ._place import check_placed, place_state, without
 from ._plan import ParamPlan, Plan
 from ._runtime import Runtime
@@ -68,7 +70,7 @@ class TransformedStep:
     def __init__(self, fn: Callable[..., Any], transforms: tuple[Transform, ...]) -> None:
         self.fn = fn
         self.transforms = order_transforms(transforms)
-        self.mesh = _one_mesh(self.transforms)
+        self._mesh = _one_mesh(self.transforms)
         _check_claims(self.transforms)
         self._plan: Plan | None = None
         self._runtimes: tuple[Runtime, ...] = ()
@@ -83,8 +85,23 @@ class TransformedStep:
         """``fn`` under this step's transforms, plan and runtimes: a second step (an eval step,
         say) over the params this step placed, with no ``place`` of its own."""
         other = TransformedStep(fn, self.transforms)
-        other._plan, other._runtimes = self._plan, self._runtimes
+        other._mesh, other._plan, other._runtimes = self._mesh, self._plan, self._runtimes
         return other
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The transforms' mesh; when none has one (``remat`` alone), a one-rank mesh
+        (``d9d.make_mesh(fsdp=1)``), made on first use."""
+        if self._mesh is None:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                names = ", ".join(str(t) for t in self.transforms)
+                raise PlanError(
+                    f"the step's transforms ({names}) have no mesh, and this process is one "
+                    f"of {dist.get_world_size()} ranks: pass mesh=d9d.make_mesh(...) to one "
+                    "of them"
+                )
+            self._mesh = make_mesh(fsdp=1)
+        return self._mesh
 
     @property
     def data_axes(self) -> tuple[str, ...]:

@@ -206,7 +206,11 @@ def test_8b_plan_on_64_simulated_ranks_without_allocating() -> None:
 
 
 def test_make_mesh_errors_state_the_numbers() -> None:
-    with pytest.raises(MeshError, match=r"needs a process group"):
+    with pytest.raises(
+        MeshError,
+        match=r"make_mesh\(fsdp=2\) spans 2 ranks but this process was started alone \(no "
+        r"process group, no torchrun\): launch it with `torchrun --nproc-per-node 2 script\.py`",
+    ):
         d9d.make_mesh(fsdp=2)
     with fake_world(8):
         with pytest.raises(MeshError, match=r"has 4 ranks but the world has 8"):
