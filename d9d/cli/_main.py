@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from ..errors import CheckpointSaveError
 from ._config import TrainConfig
+from ._native_warnings import native_warnings_dropped
 
 __all__ = ["BENCH_DTYPES", "BENCH_OPS", "BENCH_SHAPES", "SCHEDULE_NAMES", "main"]
 
@@ -402,9 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             from ._plan_command import show_plan
 
-            print(
-                show_plan(**{k: v for k, v in options.items() if k != "rows"}, max_rows=args.rows)
-            )
+            with native_warnings_dropped():
+                table = show_plan(
+                    **{k: v for k, v in options.items() if k != "rows"}, max_rows=args.rows
+                )
+            print(table)
             return 0
         from ._train import train
 
