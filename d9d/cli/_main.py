@@ -18,6 +18,8 @@ from typing import NoReturn
 from ..errors import CheckpointSaveError
 from ._config import TrainConfig
 from ._native_warnings import native_warnings_dropped
+from ._plan_checks import AXES, check_layout
+from ._train_checks import check_flags
 
 __all__ = ["BENCH_DTYPES", "BENCH_OPS", "BENCH_SHAPES", "SCHEDULE_NAMES", "main"]
 
@@ -401,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _bench_kernels(args, argv)
             return 0
         if args.command == "plan":
+            axes = {name: options[name] for name in (*AXES, "ep", "world")}
+            check_layout(args.model, args.remat, args.hf_config, **axes)
             from ._plan_command import show_plan
 
             with native_warnings_dropped():
@@ -409,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             print(table)
             return 0
+        check_flags(TrainConfig(**options))
         from ._train import train
 
         run = train(TrainConfig(**options))

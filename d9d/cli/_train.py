@@ -4,7 +4,6 @@ tensor, context and pipeline parallel over ``--tp``, ``--cp``, ``--pp``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from . import _train_resume as resume
 from ._config import TrainConfig
 from ._flops import train_flops_per_token
 from ._train_checkpoints import Checkpointer, check_finite
+from ._train_checks import check_flags as _check
 from ._train_data import training_tokens
 from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
@@ -133,42 +133,6 @@ def _loader(
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
-
-
-def _check(config: TrainConfig) -> None:
-    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "profile_steps"):
-        if getattr(config, name) < 1:
-            raise ValueError(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
-            )
-    if not (config.lr > 0 and math.isfinite(config.lr)):
-        raise ValueError(f"--lr must be a positive number, got {config.lr}")
-    if config.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
-    for name in ("dp", "fsdp", "tp", "cp", "pp", "microbatches"):
-        if getattr(config, name) is not None and getattr(config, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
-    if config.model not in ("llama", "moe"):
-        raise ValueError(f"--model must be llama or moe, got {config.model!r}")
-    if config.jit and (config.pp or 1) > 1:
-        raise ValueError(
-            "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"
-        )
-    if config.eval_every < 0 or not 0 < config.eval_fraction < 1:
-        raise ValueError(
-            f"--eval-every must be >= 0 and --eval-fraction in (0, 1), got {config.eval_every} "
-            f"and {config.eval_fraction}"
-        )
-    if config.wandb and importlib.util.find_spec("wandb") is None:
-        raise ValueError("--wandb needs the wandb package: pip install 'd9d[wandb]'")
-    if config.eval_every and (config.pp or 1) > 1:
-        raise ValueError(
-            "--eval-every does not run with --pp yet (eval has no forward-only schedule); drop one"
-        )
-    if config.save_every < 0 or (config.keep is not None and config.keep < 1):
-        raise ValueError(
-            f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
-        )
 
 
 def _device() -> torch.device:
