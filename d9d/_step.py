@@ -113,11 +113,12 @@ class TransformedStep:
         """Mesh axes over which ranks hold different tokens (data axes and the cp axis)."""
         return tuple(a for t in self.transforms for a in t.token_axes())
 
-    def batch_shard(self) -> tuple[int, int]:
-        """``(index, count)`` of this rank's batch among the data-parallel ranks.
+    def data_rank(self) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``: this rank's index among the data-parallel ranks, and their
+        count; what a loader takes to yield this rank's batch (``TokenLoader(dp_rank=...,
+        dp_size=...)``). :meth:`shard_batch` instead cuts that batch from a global one.
 
-        Ranks that differ only on other axes (``tp``, ``cp``, ``pp``) get the same index; feed
-        rank ``index`` of ``count`` (``TokenLoader(dp_rank=index, dp_size=count)``).
+        Ranks that differ only on other axes (``tp``, ``cp``, ``pp``) get the same index.
         """
         index, count = 0, 1
         names = tuple(self.mesh.mesh_dim_names or ())
@@ -127,13 +128,16 @@ class TransformedStep:
                 index, count = index * size + at, count * size
         return index, count
 
+    batch_shard = data_rank  # the name README's example still uses
+
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's slice (along dim 0) of a global ``batch``, per :meth:`batch_shard`.
+        """This rank's slice (along dim 0) of a global ``batch``: rows ``dp_rank`` of
+        ``dp_size`` equal parts, per :meth:`data_rank`.
 
         Raises:
             IndivisibleError: A leaf's batch size does not divide by the data-parallel ranks.
         """
-        index, count = self.batch_shard()
+        index, count = self.data_rank()
 
         def take(path: str, leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:

@@ -288,7 +288,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):
         params, opt_state = step.place(params, opt_state, model=model)
-        loader = _loader(config, loader.tokens, *step.batch_shard())
+        loader = _loader(config, loader.tokens, *step.data_rank())
     evaluator = None
     if config.eval_every:
         evaluator = Evaluator(
