@@ -183,6 +183,20 @@ def _parser() -> argparse.ArgumentParser:
         help="pipeline microbatches per step with --pp (default: 2 x pp)",
     )
     run.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=defaults.dtype,
+        help="bfloat16: params gathered and computed in bf16, float32 master weights and "
+        "optimizer state (shard_params' param_dtype) (default %(default)s)",
+    )
+    run.add_argument(
+        "--grad-accum",
+        type=int,
+        default=defaults.grad_accum,
+        help="split each step's batch into N microbatches whose grads are summed before one "
+        "update (not with --pp, whose --microbatches do that) (default %(default)s)",
+    )
+    run.add_argument(
         "--dist-timeout",
         type=float,
         default=defaults.dist_timeout,

@@ -40,6 +40,7 @@ from ._train_data import training_tokens
 from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
+from ._train_precision import shard_options
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
 from ._train_watch import Dashboards
@@ -204,8 +205,11 @@ def _init_distributed(config: TrainConfig) -> bool:
     """Join the torchrun job when there is one; whether this call started the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = {name: getattr(config, name) for name in _AXES if getattr(config, name)}
-    if (world == 1 and not layout) or dist.is_initialized():
+    if (world == 1 and not layout and not shard_options(config)) or dist.is_initialized():
         return False
+    if "RANK" not in os.environ and not layout:  # --dtype, --grad-accum: a one-rank group
+        make_mesh(fsdp=1)
+        return True
     if "RANK" not in os.environ:
         flags = ", ".join(f"{k}={v}" for k, v in layout.items())
         raise ValueError(
@@ -237,10 +241,14 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     # Only the axes in use: DTensor's sharding propagation slows down steeply with the
     # number of mesh dims (a foreach op on a 5-D mesh takes minutes to plan).
     axes = {name: size for name, size in {**sizes, "fsdp": fsdp}.items() if size > 1}
+    options = shard_options(config)
+    if options and not {"dp", "fsdp"} & set(axes):
+        axes["fsdp"] = 1  # shard_params' precision and accumulation, over one rank
     mesh = make_mesh(**(axes or {"fsdp": 1}))
     if "dp" in axes or "fsdp" in axes:
         shard_axis = "fsdp" if "fsdp" in axes else None
-        step = shard_params(mesh, shard_axis, replicate_axis="dp" if "dp" in axes else None)(step)
+        replicate_axis = "dp" if "dp" in axes else None
+        step = shard_params(mesh, shard_axis, replicate_axis=replicate_axis, **options)(step)
     if sizes["tp"] > 1:
         step = tensor_parallel(mesh)(step)
     if sizes["cp"] > 1:

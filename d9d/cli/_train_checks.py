@@ -28,6 +28,15 @@ def check_flags(config: TrainConfig) -> None:
     for name in ("dp", "fsdp", "tp", "cp", "pp", "microbatches"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
+    if config.grad_accum < 1:
+        raise ValueError(f"--grad-accum must be >= 1, got {config.grad_accum}")
+    if config.grad_accum > 1 and (config.pp or 1) > 1:
+        raise ValueError(
+            "--grad-accum does not combine with --pp: a pipeline step already accumulates its "
+            "--microbatches; drop --grad-accum and pass --microbatches"
+        )
+    if config.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {config.dtype!r}")
     if config.model not in ("llama", "moe"):
         raise ValueError(f"--model must be llama or moe, got {config.model!r}")
     if config.jit and (config.pp or 1) > 1:
