@@ -6,11 +6,21 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from d9d.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sharding_cache() -> Iterator[None]:
+    """The runs place DTensors on a one-rank world of their own: DTensor's sharding cache,
+    keyed by mesh layout, is cleared after them (see ``d9d.testing.fake_world``)."""
+    yield
+    _clear_sharding_prop_cache()
 
 
 def _run(out: Path, *extra: str) -> list[float]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import d9d
 from d9d.errors import MeshError
@@ -25,6 +26,7 @@ def alone() -> Iterator[None]:
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    _clear_sharding_prop_cache()  # its entries hold this world's mesh (see fake_world)
 
 
 def _grad_step(model: d9d.Model) -> Any:
