@@ -3,6 +3,9 @@
 Variants, each training the same Llama preset with AdamW + global-norm clipping:
   torch       ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``
   d9d eager   ``d9d.value_and_grad`` + ``d9d.optim`` (``_foreach`` updates)
+  d9d eager, no embedding check
+              the same, without the eager check of the token ids against the vocab
+              (``d9d._embedding_ids``: one ``aminmax`` and one read back to the host per step)
   d9d jit     the same step under ``d9d.jit`` (one compiled graph, params donated)
   d9d jit, no index guard
               the same, compiled without ``d9d::check_index`` on the token ids and labels
@@ -22,6 +25,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -29,8 +33,9 @@ import torch
 
 import d9d
 import d9d._jit
+import d9d._model
 from d9d._batch_check import batch_signature
-from d9d._index_checks import check_index
+from d9d._index_checks import check_index, raise_outside
 from d9d.cli._train import make_train_step
 from d9d.models import Llama, LlamaConfig
 
@@ -99,11 +104,24 @@ def _without_index_guard(run: Callable) -> Callable:
     return call
 
 
+def _without_embedding_check(run: Callable) -> Callable:
+    """``run`` with ``Model.apply``'s eager check of the embeddings' ids switched off."""
+
+    def call(batch):
+        with mock.patch.object(d9d._model, "embedding_checks", lambda modules: nullcontext()):
+            return run(batch)
+
+    return call
+
+
 def _check_costs_us(config: LlamaConfig, batch: dict, device: torch.device) -> dict[str, float]:
     """Median microseconds of each check a step runs on every call, on its own."""
     model = d9d.functionalize(Llama(config, device=device))
     checks = {
         "check_index (token ids)": lambda: check_index(batch["tokens"], config.vocab_size, ""),
+        "raise_outside (eager token ids)": lambda: raise_outside(
+            batch["tokens"], config.vocab_size, ""
+        ),
         "Model.check_params": lambda: model.check_params(model.params),
         "batch_signature": lambda: batch_signature(batch),
     }
@@ -152,6 +170,9 @@ def main() -> None:
     builders = {
         "torch": lambda: _torch_loop(config, 1e-3, device),
         "d9d eager": lambda: _d9d_loop(config, 1e-3, device, jit=False),
+        "d9d eager, no embedding check": lambda: _without_embedding_check(
+            _d9d_loop(config, 1e-3, device, jit=False)
+        ),
         "d9d jit": lambda: _d9d_loop(config, 1e-3, device, jit=True),
         "d9d jit, no index guard": lambda: _without_index_guard(
             _d9d_loop(config, 1e-3, device, jit=True)

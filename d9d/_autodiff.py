@@ -19,6 +19,7 @@ from . import tree
 from ._backward_graph import backward_region
 from ._collectives import reduce_to
 from ._context import count_tokens, current
+from ._embedding_ids import named_inputs
 from ._plan import Plan
 from ._runtime import Differentiation, Inputs
 from .errors import IndivisibleError
@@ -70,7 +71,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
             next((r for r in step.runtimes if r.drives_differentiation), None) if step else None
         )
         if driver is None:
-            value, aux, grads, _ = _differentiate(fn, params, args, kwargs, has_aux=has_aux)
+            with named_inputs(fn, args, kwargs):
+                value, aux, grads, _ = _differentiate(fn, params, args, kwargs, has_aux=has_aux)
         else:
             job = Differentiation(
                 fn=fn,
@@ -82,7 +84,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                 split=functools.partial(split_microbatches, args, kwargs),
                 check_value=functools.partial(_check_value, has_aux=has_aux),
             )
-            value, aux, grads = driver.differentiate(job)
+            with named_inputs(fn, args, kwargs):
+                value, aux, grads = driver.differentiate(job)
         plan = step.plan if step is not None else None
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
         grads = tree.unflatten(tree.structure(params), grads)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .errors import IndexRangeError
 
-__all__ = ["check_index", "guard_indices"]
+__all__ = ["check_index", "guard_indices", "raise_outside"]
 
 _STEP_ARGS = ("params", "opt_state", "batch")
 
@@ -31,15 +31,29 @@ def check_index(index: torch.Tensor, size: int, what: str) -> torch.Tensor:
 
     One reduction and one device-to-host read per call.
     """
-    outside = (index < 0) | (index >= size)
-    if outside.any():
-        at = tuple(outside.nonzero()[0].tolist())
-        raise IndexRangeError(
-            f"{what} holds {index[at].item()} at position {at}, outside [0, {size}); check "
-            "the data against the model (token ids from a tokenizer whose vocab is larger than "
-            "the model's vocab_size, or labels that are neither class ids nor the ignore index)"
-        )
+    raise_outside(index, size, what)
     return index.clone()
+
+
+def raise_outside(index: torch.Tensor, size: int, what: str, first_row: int = 0) -> None:
+    """Raise :class:`~d9d.errors.IndexRangeError` unless ``index`` lies in ``[0, size)``; one
+    reduction (``aminmax``) and one device-to-host read (a sync on an accelerator). Positions
+    are named as in a tensor whose rows ``index`` holds from ``first_row`` on."""
+    if not index.numel():
+        return
+    low, high = torch.stack(torch.aminmax(index)).tolist()
+    if low >= 0 and high < size:
+        return
+    outside = (index < 0) | (index >= size)
+    at = tuple(outside.nonzero()[0].tolist())
+    value = index[at].item()
+    if at:
+        at = (at[0] + first_row, *at[1:])
+    raise IndexRangeError(
+        f"{what} holds {value} at position {at}, outside [0, {size}); check "
+        "the data against the model (token ids from a tokenizer whose vocab is larger than "
+        "the model's vocab_size, or labels that are neither class ids nor the ignore index)"
+    )
 
 
 @check_index.register_fake
@@ -71,9 +85,21 @@ _LOOKUPS: dict[tuple[str, object], Callable[[fx.Node], _Lookup | None]] = {
 
 def guard_indices(graph: fx.GraphModule) -> int:
     """Route each integer index of a table lookup in ``graph`` (a Dynamo capture) through
-    ``d9d::check_index``; returns how many lookups were guarded."""
+    ``d9d::check_index``; returns how many lookups were guarded.
+
+    A check the step made itself (``tensor_parallel``'s vocab-parallel embedding checks the
+    global ids before it masks them) gets the names of the step inputs its index comes from,
+    and the lookups after it are not checked again.
+    """
     guarded = 0
     for node in list(graph.graph.nodes):
+        if _is_check(node):
+            index, size, what = node.args
+            inputs = _inputs_of(index)
+            if inputs:
+                node.args = (index, size, f"{' and '.join(inputs)}, {what}")
+                guarded += 1
+            continue
         rule = _LOOKUPS.get((node.op, node.target))
         found = rule(node) if rule is not None else None
         if found is None:
@@ -99,6 +125,13 @@ def guard_indices(graph: fx.GraphModule) -> int:
     return guarded
 
 
+def _is_check(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (
+        torch.ops.d9d.check_index,
+        torch.ops.d9d.check_index.default,
+    )
+
+
 def _value(node: object) -> object:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
@@ -117,13 +150,16 @@ def _plain_integer(value: object) -> bool:
 def _inputs_of(index: fx.Node) -> list[str]:
     """The step inputs ``index`` is computed from, named like ``batch['tokens']``; none when
     any tensor on the way is floating (an index the model computes, like a router's top-k,
-    is in range by construction and is left unguarded: each guard is a device-to-host read)."""
+    is in range by construction and is left unguarded: each guard is a device-to-host read),
+    and none when the index went through a check already."""
     names, seen, stack = set(), set(), [index]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
+        if _is_check(node):
+            return []
         value = _value(node)
         if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
             return []

@@ -66,9 +66,13 @@ class Jitted(OutermostStep):
         functools.update_wrapper(self, step, updated=())
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        self.traces += 1
         guard_indices(graph)
-        return self._compiler(graph, example_inputs)
+        compiled = self._compiler(graph, example_inputs)
+        # Counted once compiled: a compile that raises to restart the trace (inductor's
+        # TensorifyScalarRestartAnalysis, when a Python float input cannot become a tensor)
+        # is one graph traced twice, not two graphs.
+        self.traces += 1
+        return compiled
 
     def __getattr__(self, name: str) -> Any:
         step = self.__dict__.get("step")

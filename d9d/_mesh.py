@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,11 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
     keyword order; axes of size 1 are kept, so transforms can name them; one axis may be
     ``-1``, meaning "all the ranks the others leave".
 
+    In a process that is not part of a job (no process group, no ``torchrun``), a mesh whose
+    axes are all 1 is built over a one-rank process group that ``make_mesh`` starts on an
+    in-process store, as ``jax`` has one device without a launcher: a one-device step runs
+    with the transforms that need no other rank (``remat``, ``shard_params`` over ``fsdp=1``).
+
     Args:
         device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` when CUDA is available.
         **axes: Axis sizes by name, from ``pp, dp, fsdp, cp, tp, ep``.
@@ -31,8 +37,10 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
         The ``DeviceMesh``, with ``mesh_dim_names`` set.
 
     Raises:
-        MeshError: No process group is initialised, an axis name is unknown, a size is not a
-            positive int (or one ``-1``), or the sizes do not multiply to the world size.
+        MeshError: An axis name is unknown, a size is not a positive int (or one ``-1``), the
+            sizes do not multiply to the world size, or they need other ranks and no job
+            started them (launch with ``torchrun``; under it, call
+            ``d9d.init_process_group()`` first).
 
     Example:
         >>> from d9d.testing import fake_world
@@ -40,15 +48,12 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
         ...     make_mesh("cpu", tp=2, fsdp=-1).mesh_dim_names
         ('fsdp', 'tp')
     """
-    if not dist.is_initialized():
-        raise MeshError(
-            "make_mesh needs a process group: launch with torchrun (it sets RANK and "
-            "WORLD_SIZE) and call torch.distributed.init_process_group() first"
-        )
-    world = dist.get_world_size()
     unknown = sorted(set(axes) - set(AXIS_ORDER))
     if unknown:
         raise MeshError(f"unknown mesh axes {unknown}; axes are {AXIS_ORDER}")
+    if not dist.is_initialized():
+        _start_one_rank_group(axes)
+    world = dist.get_world_size()
     if not axes:
         raise MeshError(f"make_mesh needs at least one axis, e.g. make_mesh(fsdp={world})")
     sizes = _resolve_sizes(axes, world)
@@ -56,6 +61,26 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+
+def _start_one_rank_group(axes: dict[str, int]) -> None:
+    """Start the process group of a one-process world, when ``axes`` need no other rank."""
+    ranks = math.prod(size for size in axes.values() if isinstance(size, int) and size > 0)
+    shape = ", ".join(f"{name}={size}" for name, size in axes.items())
+    if "RANK" in os.environ:
+        raise MeshError(
+            f"make_mesh({shape}) runs under torchrun (RANK={os.environ['RANK']}, WORLD_SIZE="
+            f"{os.environ.get('WORLD_SIZE', '?')}) but this process has not joined the job: "
+            "call d9d.init_process_group() before make_mesh"
+        )
+    if ranks > 1:
+        raise MeshError(
+            f"make_mesh({shape}) spans {ranks} ranks but this process was started alone (no "
+            f"process group, no torchrun): launch it with `torchrun --nproc-per-node {ranks} "
+            "script.py` and call d9d.init_process_group() first; one process builds meshes "
+            "whose axes are all 1"
+        )
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _resolve_sizes(axes: dict[str, int], world: int) -> dict[str, int]:

@@ -13,6 +13,7 @@ from torch import nn
 from . import hf
 from ._apply import apply_in_step
 from ._context import current
+from ._embedding_ids import embedding_checks
 from ._structure import Axes, Structure, structure_of
 from .errors import ParamShapeError, ParamTreeMismatchError
 
@@ -72,6 +73,9 @@ class Model:
         Raises:
             ParamTreeMismatchError: ``params`` misses paths of the model or has extra ones.
             ParamShapeError: A param's (global) shape is not the model's.
+            IndexRangeError: An ``nn.Embedding`` gets ids outside ``[0, num_embeddings)``
+                (checked before its lookup; the error names the ``d9d.value_and_grad``
+                input they come from, like ``batch['tokens']``).
 
         Example:
             >>> model = functionalize(torch.nn.Linear(3, 2))
@@ -88,14 +92,16 @@ class Model:
                 {p: plan.entries.get(p, leaf) for p, leaf in params.items()},
                 subset=len(plan.held) < len(plan.entries),
             )
-            return apply_in_step(step, self.structure, params, self.buffers, args, kwargs)
+            with embedding_checks(self.structure.modules):
+                return apply_in_step(step, self.structure, params, self.buffers, args, kwargs)
         structure = self.structure
         saved = []
         for slot in structure.slots:
             source = params if slot.is_param else self.buffers
             saved.append(slot.swap(source[structure.canonical(slot.key)]))
         try:
-            return self.module(*args, **kwargs)
+            with embedding_checks(self.structure.modules):
+                return self.module(*args, **kwargs)
         finally:
             for slot, old in zip(structure.slots, saved, strict=True):
                 slot.swap(old)

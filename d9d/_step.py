@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -20,6 +21,7 @@ from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._collectives import distribute
 from ._comms import CollectiveCounter, CommStats
 from ._context import StepContext, running
+from ._mesh import make_mesh
 from ._place import check_placed, place_state, without
 from ._plan import ParamPlan, Plan
 from ._runtime import Runtime
@@ -68,7 +70,7 @@ class TransformedStep:
     def __init__(self, fn: Callable[..., Any], transforms: tuple[Transform, ...]) -> None:
         self.fn = fn
         self.transforms = order_transforms(transforms)
-        self.mesh = _one_mesh(self.transforms)
+        self._mesh = _one_mesh(self.transforms)
         _check_claims(self.transforms)
         self._plan: Plan | None = None
         self._runtimes: tuple[Runtime, ...] = ()
@@ -83,8 +85,23 @@ class TransformedStep:
         """``fn`` under this step's transforms, plan and runtimes: a second step (an eval step,
         say) over the params this step placed, with no ``place`` of its own."""
         other = TransformedStep(fn, self.transforms)
-        other._plan, other._runtimes = self._plan, self._runtimes
+        other._mesh, other._plan, other._runtimes = self._mesh, self._plan, self._runtimes
         return other
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The transforms' mesh; when none has one (``remat`` alone), a one-rank mesh
+        (``d9d.make_mesh(fsdp=1)``), made on first use."""
+        if self._mesh is None:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                names = ", ".join(str(t) for t in self.transforms)
+                raise PlanError(
+                    f"the step's transforms ({names}) have no mesh, and this process is one "
+                    f"of {dist.get_world_size()} ranks: pass mesh=d9d.make_mesh(...) to one "
+                    "of them"
+                )
+            self._mesh = make_mesh(fsdp=1)
+        return self._mesh
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -96,11 +113,12 @@ class TransformedStep:
         """Mesh axes over which ranks hold different tokens (data axes and the cp axis)."""
         return tuple(a for t in self.transforms for a in t.token_axes())
 
-    def batch_shard(self) -> tuple[int, int]:
-        """``(index, count)`` of this rank's batch among the data-parallel ranks.
+    def data_rank(self) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``: this rank's index among the data-parallel ranks, and their
+        count; what a loader takes to yield this rank's batch (``TokenLoader(dp_rank=...,
+        dp_size=...)``). :meth:`shard_batch` instead cuts that batch from a global one.
 
-        Ranks that differ only on other axes (``tp``, ``cp``, ``pp``) get the same index; feed
-        rank ``index`` of ``count`` (``TokenLoader(dp_rank=index, dp_size=count)``).
+        Ranks that differ only on other axes (``tp``, ``cp``, ``pp``) get the same index.
         """
         index, count = 0, 1
         names = tuple(self.mesh.mesh_dim_names or ())
@@ -110,13 +128,16 @@ class TransformedStep:
                 index, count = index * size + at, count * size
         return index, count
 
+    batch_shard = data_rank  # the name README's example still uses
+
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's slice (along dim 0) of a global ``batch``, per :meth:`batch_shard`.
+        """This rank's slice (along dim 0) of a global ``batch``: rows ``dp_rank`` of
+        ``dp_size`` equal parts, per :meth:`data_rank`.
 
         Raises:
             IndivisibleError: A leaf's batch size does not divide by the data-parallel ranks.
         """
-        index, count = self.batch_shard()
+        index, count = self.data_rank()
 
         def take(path: str, leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:

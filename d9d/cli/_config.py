@@ -39,6 +39,8 @@ class TrainConfig:
     pp: int | None = None  # pipeline stages; None: 1
     schedule: str = "1f1b"  # pipeline schedule, with --pp
     microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
+    dtype: str = "float32"  # "bfloat16": blocks compute in bf16 over float32 master weights
+    grad_accum: int = 1  # gradient-accumulation microbatches per step (not with --pp)
     dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
     tensorboard: bool = True  # event files in out/tensorboard, if tensorboard is installed
     wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline: to out/wandb only)

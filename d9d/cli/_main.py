@@ -17,6 +17,9 @@ from typing import NoReturn
 
 from ..errors import CheckpointSaveError
 from ._config import TrainConfig
+from ._native_warnings import native_warnings_dropped
+from ._plan_checks import AXES, check_layout
+from ._train_checks import check_flags
 
 __all__ = ["BENCH_DTYPES", "BENCH_OPS", "BENCH_SHAPES", "SCHEDULE_NAMES", "main"]
 
@@ -178,6 +181,20 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="pipeline microbatches per step with --pp (default: 2 x pp)",
+    )
+    run.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=defaults.dtype,
+        help="bfloat16: params gathered and computed in bf16, float32 master weights and "
+        "optimizer state (shard_params' param_dtype) (default %(default)s)",
+    )
+    run.add_argument(
+        "--grad-accum",
+        type=int,
+        default=defaults.grad_accum,
+        help="split each step's batch into N microbatches whose grads are summed before one "
+        "update (not with --pp, whose --microbatches do that) (default %(default)s)",
     )
     run.add_argument(
         "--dist-timeout",
@@ -401,12 +418,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             _bench_kernels(args, argv)
             return 0
         if args.command == "plan":
+            axes = {name: options[name] for name in (*AXES, "ep", "world")}
+            check_layout(args.model, args.remat, args.hf_config, **axes)
             from ._plan_command import show_plan
 
-            print(
-                show_plan(**{k: v for k, v in options.items() if k != "rows"}, max_rows=args.rows)
-            )
+            with native_warnings_dropped():
+                table = show_plan(
+                    **{k: v for k, v in options.items() if k != "rows"}, max_rows=args.rows
+                )
+            print(table)
             return 0
+        check_flags(TrainConfig(**options))
         from ._train import train
         from ._train_preempt import PREEMPTED_EXIT_CODE
 

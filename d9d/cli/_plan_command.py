@@ -32,14 +32,12 @@ from ..transforms import shard_params
 from ..transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from ._config import TrainConfig
 from ._plan_activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
+from ._plan_checks import check_layout as _check
 from ._plan_dry_run import DryRun, dry_run, group_labels
 from ._plan_models import build_model
 from ._plan_report import human, render_comms, render_plan
 
 __all__ = ["show_plan"]
-
-_AXES = ("dp", "fsdp", "tp", "cp", "pp")
-_REMAT = ("none", "selective", "full")
 
 
 def show_plan(
@@ -178,41 +176,6 @@ def _activation_note(
     if sizes["dp"] * sizes["fsdp"] > 1:
         held += " and the stages' gathered params"
     return f"  (measured on meta at rank 0's first backward, with {held}: {shape}; docs/plan.md)"
-
-
-def _check(model: str, remat: str, hf_config: Path | None, **axes: Any) -> dict[str, int]:
-    if model not in ("llama", "moe"):
-        raise ValueError(f"--model must be llama or moe, got {model!r}")
-    if remat not in _REMAT:
-        raise ValueError(f"--remat must be one of {', '.join(_REMAT)}, got {remat!r}")
-    for name, value in axes.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
-    if axes["ep"] > 1:
-        raise ValueError(
-            f"--ep {axes['ep']}: expert_parallel is not built yet, so no layout shards experts "
-            "over ranks; plan MoE layouts with --dp/--fsdp/--tp (experts sharded by fsdp)"
-        )
-    others = math.prod(axes[name] for name in _AXES if name != "fsdp")
-    world, fsdp = axes["world"], axes["fsdp"]
-    if fsdp is None:
-        if world is not None and world % others:
-            raise ValueError(
-                f"--world {world} does not split into --dp x --tp x --cp x --pp = {others} "
-                "ranks times an fsdp size; choose axes whose product divides --world"
-            )
-        fsdp = world // others if world is not None else 1
-    if world is not None and others * fsdp != world:
-        product = " x ".join(f"--{n} {axes[n] if n != 'fsdp' else fsdp}" for n in _AXES)
-        raise ValueError(
-            f"{product} is {others * fsdp} ranks, not --world {world}; make their product "
-            "the world size (or leave --fsdp out to take the rest)"
-        )
-    return {
-        name: fsdp if name == "fsdp" else axes[name] for name in ("pp", "dp", "fsdp", "cp", "tp")
-    }
 
 
 def _step(

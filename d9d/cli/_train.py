@@ -4,7 +4,6 @@ tensor, context and pipeline parallel over ``--tp``, ``--cp``, ``--pp``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -36,12 +35,14 @@ from . import _train_resume as resume
 from ._config import TrainConfig
 from ._flops import train_flops_per_token
 from ._train_checkpoints import Checkpointer, check_finite
+from ._train_checks import check_flags as _check
 from ._train_data import training_tokens
 from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
 from ._train_out import check_fresh_out
 from ._train_preempt import Preemption
+from ._train_precision import shard_options
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
 from ._train_report import header_lines, print_header
@@ -138,42 +139,6 @@ def _loader(
     )
 
 
-def _check(config: TrainConfig) -> None:
-    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "profile_steps"):
-        if getattr(config, name) < 1:
-            raise ValueError(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
-            )
-    if not (config.lr > 0 and math.isfinite(config.lr)):
-        raise ValueError(f"--lr must be a positive number, got {config.lr}")
-    if config.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
-    for name in ("dp", "fsdp", "tp", "cp", "pp", "microbatches"):
-        if getattr(config, name) is not None and getattr(config, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
-    if config.model not in ("llama", "moe"):
-        raise ValueError(f"--model must be llama or moe, got {config.model!r}")
-    if config.jit and (config.pp or 1) > 1:
-        raise ValueError(
-            "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"
-        )
-    if config.eval_every < 0 or not 0 < config.eval_fraction < 1:
-        raise ValueError(
-            f"--eval-every must be >= 0 and --eval-fraction in (0, 1), got {config.eval_every} "
-            f"and {config.eval_fraction}"
-        )
-    if config.wandb and importlib.util.find_spec("wandb") is None:
-        raise ValueError("--wandb needs the wandb package: pip install 'd9d[wandb]'")
-    if config.eval_every and (config.pp or 1) > 1:
-        raise ValueError(
-            "--eval-every does not run with --pp yet (eval has no forward-only schedule); drop one"
-        )
-    if config.save_every < 0 or (config.keep is not None and config.keep < 1):
-        raise ValueError(
-            f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
-        )
-
-
 def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -248,8 +213,11 @@ def _init_distributed(config: TrainConfig) -> bool:
     """Join the torchrun job when there is one; whether this call started the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = {name: getattr(config, name) for name in _AXES if getattr(config, name)}
-    if (world == 1 and not layout) or dist.is_initialized():
+    if (world == 1 and not layout and not shard_options(config)) or dist.is_initialized():
         return False
+    if "RANK" not in os.environ and not layout:  # --dtype, --grad-accum: a one-rank group
+        make_mesh(fsdp=1)
+        return True
     if "RANK" not in os.environ:
         flags = ", ".join(f"{k}={v}" for k, v in layout.items())
         raise ValueError(
@@ -281,10 +249,14 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     # Only the axes in use: DTensor's sharding propagation slows down steeply with the
     # number of mesh dims (a foreach op on a 5-D mesh takes minutes to plan).
     axes = {name: size for name, size in {**sizes, "fsdp": fsdp}.items() if size > 1}
+    options = shard_options(config)
+    if options and not {"dp", "fsdp"} & set(axes):
+        axes["fsdp"] = 1  # shard_params' precision and accumulation, over one rank
     mesh = make_mesh(**(axes or {"fsdp": 1}))
     if "dp" in axes or "fsdp" in axes:
         shard_axis = "fsdp" if "fsdp" in axes else None
-        step = shard_params(mesh, shard_axis, replicate_axis="dp" if "dp" in axes else None)(step)
+        replicate_axis = "dp" if "dp" in axes else None
+        step = shard_params(mesh, shard_axis, replicate_axis=replicate_axis, **options)(step)
     if sizes["tp"] > 1:
         step = tensor_parallel(mesh)(step)
     if sizes["cp"] > 1:
@@ -332,7 +304,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):
         params, opt_state = step.place(params, opt_state, model=model)
-        loader = _loader(config, loader.tokens, *step.batch_shard())
+        loader = _loader(config, loader.tokens, *step.data_rank())
     evaluator = None
     if config.eval_every:
         evaluator = Evaluator(

@@ -69,7 +69,7 @@ class Evaluator:
         shard = (0, 1)
         if isinstance(train_step, TransformedStep):
             step = train_step.sharing_plan(step)
-            shard = train_step.batch_shard()
+            shard = train_step.data_rank()
         try:
             self._loader = data.TokenLoader(
                 held_out,

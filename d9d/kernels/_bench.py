@@ -16,13 +16,14 @@ import importlib.metadata
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ._bench_cases import OPS, SHAPES, Case, cases
+from ._triton_env import triton_unavailable
 
 __all__ = ["DTYPES", "format_table", "run"]
 
@@ -107,11 +108,17 @@ def _copy_bandwidth(device: str, nbytes: int, warmup: int, reps: int) -> float:
 
 
 def _measure(
-    case: Case, device: str, warmup: int, reps: int, copy_gbps: float, compile_baseline: bool
+    case: Case,
+    device: str,
+    warmup: int,
+    reps: int,
+    copy_gbps: float,
+    compile_baseline: bool,
+    skip: Collection[str] = (),
 ) -> list[dict]:
     rows = []
     modes = [("fwd", False)] + ([("fwd+bwd", True)] if case.bytes_fwd_bwd is not None else [])
-    impls = dict(case.impls)
+    impls = {name: fn for name, fn in case.impls.items() if name not in skip}
     if compile_baseline:
         impls["compile"] = torch.compile(case.impls["eager"])
     for mode, backward in modes:
@@ -213,7 +220,8 @@ def run(
 
     Returns:
         ``{"benchmark", "device", "torch", "triton", "liger_kernel", "commit", "command",
-        "date", "config", "copy_gbps", "results": [row, ...], "checks": [...]}``; a row has
+        "date", "config", "copy_gbps", "unavailable": {impl: why not measured},
+        "results": [row, ...], "checks": [...]}``; a row has
         ``op, shape, mode, impl`` and ``median_ms, gbps, pct_of_copy`` (and ``tflops``,
         ``peak_memory_bytes``) or ``error``.
 
@@ -229,9 +237,13 @@ def run(
     copy_gbps = _copy_bandwidth(device, 1 << (30 if on_gpu else 20), warmup, reps)
     all_cases = cases(sizes, getattr(torch, dtype), device, liger=on_gpu)
     selected = [case for case in all_cases if not ops or case.op in ops]
+    # Said once in the report, rather than as an error row per op and mode.
+    why_not_triton = triton_unavailable(device)
+    unavailable = {} if why_not_triton is None else {"triton": why_not_triton}
     rows = []
     for case in selected:
-        for row in _measure(case, device, warmup, reps, copy_gbps, compile_baseline and on_gpu):
+        compile_too = compile_baseline and on_gpu
+        for row in _measure(case, device, warmup, reps, copy_gbps, compile_too, unavailable):
             rows.append(row)
             if progress is not None:
                 progress(row)
@@ -252,6 +264,7 @@ def run(
             "sizes": sizes,
         },
         "copy_gbps": _round(copy_gbps),
+        "unavailable": unavailable,
         "results": rows,
         # The targets are for a GPU at Llama sizes: meaningless elsewhere.
         "checks": _checks(rows) if on_gpu and shapes == "llama3-8b" else [],
@@ -284,6 +297,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     text.insert(1, "  ".join("-" * width for width in widths).rstrip())
     text.append(f"device {report['device']}; copy bandwidth {report['copy_gbps']} GB/s")
+    text.extend(f"{impl} not measured: {why}" for impl, why in report["unavailable"].items())
     text.extend(
         ("PASS " if check["ok"] else "FAIL ") + f"{check['check']}: {check['value']}"
         for check in report["checks"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from d9d.cli import main
+from d9d.kernels import _triton_env
 
 OPS = {
     "adamw",
@@ -67,6 +68,24 @@ def test_bench_kernels_writes_a_report_and_prints_a_table(
     ]
     assert len([line for line in printed if line.startswith("rms_norm ")]) == 8
     assert printed[-1] == f"wrote {out}"
+
+
+def test_without_triton_the_table_says_once_what_is_not_measured_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It filled the table with a KernelUnavailableError row per op and mode."""
+    monkeypatch.setattr(_triton_env, "_installed", lambda: False)
+    out = tmp_path / "kernels.json"
+    argv = ["bench", "kernels", "--device", "cpu", "--only", "rms_norm,swiglu", "--warmup", "0"]
+    assert main([*argv, "--reps", "1", "--no-compile", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    why = "triton is not installed (pip install 'd9d[triton]')"
+    assert report["unavailable"] == {"triton": why}
+    assert {row["impl"] for row in report["results"]} == {"eager"}
+    assert all("error" not in row for row in report["results"])
+    printed = capsys.readouterr().out
+    assert "error" not in printed.splitlines()[0].split()
+    assert printed.count("not installed") == 1 and f"triton not measured: {why}" in printed
 
 
 @pytest.mark.parametrize(

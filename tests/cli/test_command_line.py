@@ -38,3 +38,21 @@ def test_the_plan_command_and_the_transforms_load_no_compiler_backend() -> None:
     assert not {"d9d._jit", "torch._inductor.compile_fx"} & loaded
     loaded = _loaded_after("import d9d.transforms\nprint(d9d.transforms.Jitted)")
     assert {"d9d._jit", "torch._inductor.compile_fx"} <= loaded
+
+
+def test_bad_flags_and_paths_are_answered_before_torch_is_imported() -> None:
+    """They came after 4-5 s of imports (torch and the library)."""
+    cases = {
+        "train --steps 0": "--steps must be >= 1, got 0",
+        "train --data /no/such/path": "--data '/no/such/path' does not exist",
+        "train --resume-from /no/such/step_4": "--resume-from '/no/such/step_4' does not exist",
+        "plan --tp 0": "--tp must be an int >= 1, got 0",
+        "plan --hf-config /no/such.json": "--hf-config '/no/such.json' is not a file",
+    }
+    for argv, message in cases.items():
+        code = (
+            "import contextlib, io\nfrom d9d.cli import main\nerr = io.StringIO()\n"
+            f"with contextlib.redirect_stderr(err):\n    assert main({argv.split()!r}) == 2\n"
+            f"assert {message!r} in err.getvalue(), err.getvalue()"
+        )
+        assert "torch" not in _loaded_after(code), argv

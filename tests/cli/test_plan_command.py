@@ -259,6 +259,13 @@ def test_bad_layouts_are_named(argv: list[str], message: str, capsys) -> None:
     assert re.search(message, err), err
 
 
+def test_plan_prints_no_warning_of_torch_internals_before_its_table(capfd) -> None:
+    """c10 printed ``[rank0]:[W...] ProcessGroup.hpp ... No backend of type 0 found`` first."""
+    assert main(["plan", "--preset", "tiny", "--seq", "64", "--fsdp", "2"]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("d9d plan: llama tiny") and "[W" not in err, err
+
+
 @pytest.mark.parametrize("axes", [{"fsdp": 2}, {"fsdp": 2, "tp": 2}], ids=["fsdp=2", "fsdp=2xtp=2"])
 def test_plan_collectives_equal_a_real_step(axes: dict[str, int]) -> None:
     """Without --pp too, the figures equal ``step.comms`` on rank 0 of gloo ranks: the

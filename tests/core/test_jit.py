@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -81,6 +83,23 @@ def test_aot_eager_backend_runs_the_captured_step_on_eager_kernels() -> None:
     assert_trees_all_close(jparams, params, rtol=1e-5, atol=1e-7)
     assert jitted.traces == 1
     assert compile_with(step).traces == 0, "one set of options builds several jitted steps"
+
+
+def test_traces_count_graphs_not_a_compile_restarted_for_a_float_input() -> None:
+    """A float input seen with a second value is traced as a symbolic float, which AOT cannot
+    turn into a tensor here (``math.floor``): the compile restarts with it specialized, the
+    graph of the second value. Two graphs, not three traces."""
+
+    @d9d.jit(donate=(), backend="aot_eager", dynamic=None)
+    def step(params, opt_state, batch):
+        scale = batch["scale"]
+        return params, opt_state, {"y": torch.tensor(scale) * batch["x"] + math.floor(scale)}
+
+    for scale in (3.0, 4.0):
+        assert (
+            step({}, {}, {"x": torch.ones(2), "scale": scale})[2]["y"].tolist() == [2 * scale] * 2
+        )
+    assert step.traces == 2
 
 
 def test_mode_needs_the_inductor_backend() -> None:

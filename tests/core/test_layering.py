@@ -44,6 +44,7 @@ LAYERS = (
             "d9d._comms",
             "d9d._batch_check",
             "d9d._index_checks",
+            "d9d._embedding_ids",
         ),
     ),
     ("kernels", ("d9d.kernels", "d9d.parallel")),

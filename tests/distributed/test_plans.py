@@ -206,7 +206,11 @@ def test_8b_plan_on_64_simulated_ranks_without_allocating() -> None:
 
 
 def test_make_mesh_errors_state_the_numbers() -> None:
-    with pytest.raises(MeshError, match=r"needs a process group"):
+    with pytest.raises(
+        MeshError,
+        match=r"make_mesh\(fsdp=2\) spans 2 ranks but this process was started alone \(no "
+        r"process group, no torchrun\): launch it with `torchrun --nproc-per-node 2 script\.py`",
+    ):
         d9d.make_mesh(fsdp=2)
     with fake_world(8):
         with pytest.raises(MeshError, match=r"has 4 ranks but the world has 8"):
@@ -266,3 +270,15 @@ def test_unplaced_params_are_rejected_before_any_collective() -> None:
             )
 
     run_on_ranks(rank, 2)
+
+
+def test_data_rank_is_the_index_shard_batch_cuts_by() -> None:
+    """``data_rank()`` (a loader's ``dp_rank, dp_size``) and ``shard_batch(global_batch)``
+    name the same rows; tp ranks share them."""
+    with fake_world(8, rank=5):  # dp=1, fsdp=0, tp=1 of (2, 2, 2)
+        mesh = d9d.make_mesh("cpu", dp=2, fsdp=2, tp=2)
+        shard = d9d.shard_params(mesh, "fsdp", replicate_axis="dp")
+        step = d9d.tensor_parallel(mesh)(shard(lambda p, s, b: (p, s, {})))
+        assert step.data_rank() == (2, 4) == step.batch_shard()
+        batch = {"tokens": torch.arange(16).reshape(8, 2)}
+        assert step.shard_batch(batch)["tokens"].tolist() == [[8, 9], [10, 11]]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
+from ... import errors
 from ..._comms import record_p2p
 
 __all__ = ["TracedStage", "span", "stage_spans"]
@@ -60,13 +61,23 @@ def span(kind: str, stage: int, microbatch: int) -> Iterator[None]:
         events.append((kind, stage, microbatch, start, time.perf_counter()))
 
 
+_D9D_ERRORS = tuple(getattr(errors, name) for name in errors.__all__)
+
+
 class TracedStage(pipelining.PipelineStage):
     """A ``PipelineStage`` that reports the bytes it sends and receives to ``step.comms``
     and its compute spans to :func:`stage_spans`."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with span("F", self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            try:
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            except RuntimeError as error:
+                # torch wraps what the forward raised in "[Stage i] failed to run forward";
+                # d9d's own errors (an id past the vocab) reach the caller as they are.
+                if isinstance(error.__cause__, _D9D_ERRORS):
+                    raise error.__cause__ from None
+                raise
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with span("B", self.stage_index, bwd_chunk_id):

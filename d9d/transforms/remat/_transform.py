@@ -72,8 +72,9 @@ def remat(policy: str = "full", *, every: int = 1, mesh: DeviceMesh | None = Non
     Args:
         policy: ``"full"`` or ``"selective"``.
         every: Checkpoint every ``every``-th block (default all).
-        mesh: The mesh, when no other transform of the step gives it (one device: a mesh of
-            size 1 from ``d9d.make_mesh``).
+        mesh: The mesh, when no other transform of the step gives it; default: the other
+            transforms' mesh, or on one device a one-rank mesh (``d9d.make_mesh(fsdp=1)``,
+            which needs no ``torchrun``).
 
     Returns:
         The transform: decorate a step with it.

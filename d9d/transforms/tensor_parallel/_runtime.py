@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
 from ..._context import current
+from ..._embedding_ids import checked_ids
 from ..._plan import Plan
 from ..._runtime import ApplyCall, Interception, Runtime, replace_activation
 from ..._structure import Structure, block_paths
@@ -268,7 +269,9 @@ def _enter_region(state: _Call, path: str, args: Any, kwargs: Any) -> tuple[Any,
 
 def _enter_embedding(state: _Call, path: str, args: Any, kwargs: Any) -> tuple[Any, Any]:
     module = state.modules[path]
-    tokens, first, count = args[0], *state.layout.rows(module.num_embeddings)
+    # Ids past the vocab would match no rank's rows and come out as zero vectors: refused here.
+    tokens = checked_ids(args[0], module.num_embeddings, path)
+    first, count = state.layout.rows(module.num_embeddings)
     outside = (tokens < first) | (tokens >= first + count)
     # The padding row (no gradient) is global: local on the rank holding it, else none.
     state.stash[path] = outside, module.padding_idx

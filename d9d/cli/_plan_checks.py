@@ -1,0 +1,57 @@
+"""The checks of ``d9d plan``'s flags, which need neither ``torch`` nor the library: run
+before the command imports them (seconds), so a bad flag or path is answered at once."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AXES", "REMAT", "check_layout"]
+
+AXES = ("dp", "fsdp", "tp", "cp", "pp")
+REMAT = ("none", "selective", "full")
+
+
+def check_layout(model: str, remat: str, hf_config: Path | None, **axes: Any) -> dict[str, int]:
+    """The axis sizes ``{pp, dp, fsdp, cp, tp}`` of ``d9d plan``'s flags (``fsdp``: the ranks
+    the others leave of ``world``).
+
+    Raises:
+        ValueError: A flag is out of range, or the axes do not make up ``--world``.
+        FileNotFoundError: ``--hf-config`` is not a file.
+    """
+    if hf_config is not None and not Path(hf_config).is_file():
+        raise FileNotFoundError(f"--hf-config {str(hf_config)!r} is not a file; pass a config.json")
+    if model not in ("llama", "moe"):
+        raise ValueError(f"--model must be llama or moe, got {model!r}")
+    if remat not in REMAT:
+        raise ValueError(f"--remat must be one of {', '.join(REMAT)}, got {remat!r}")
+    for name, value in axes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
+    if axes["ep"] > 1:
+        raise ValueError(
+            f"--ep {axes['ep']}: expert_parallel is not built yet, so no layout shards experts "
+            "over ranks; plan MoE layouts with --dp/--fsdp/--tp (experts sharded by fsdp)"
+        )
+    others = math.prod(axes[name] for name in AXES if name != "fsdp")
+    world, fsdp = axes["world"], axes["fsdp"]
+    if fsdp is None:
+        if world is not None and world % others:
+            raise ValueError(
+                f"--world {world} does not split into --dp x --tp x --cp x --pp = {others} "
+                "ranks times an fsdp size; choose axes whose product divides --world"
+            )
+        fsdp = world // others if world is not None else 1
+    if world is not None and others * fsdp != world:
+        product = " x ".join(f"--{n} {axes[n] if n != 'fsdp' else fsdp}" for n in AXES)
+        raise ValueError(
+            f"{product} is {others * fsdp} ranks, not --world {world}; make their product "
+            "the world size (or leave --fsdp out to take the rest)"
+        )
+    return {
+        name: fsdp if name == "fsdp" else axes[name] for name in ("pp", "dp", "fsdp", "cp", "tp")
+    }

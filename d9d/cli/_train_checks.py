@@ -1,0 +1,68 @@
+"""The checks of ``d9d train``'s flags that need neither ``torch`` nor the library: run before
+the command imports them (about 5 s), so a bad flag or path is answered at once."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from ..errors import DataError
+from ._config import TrainConfig
+
+__all__ = ["check_flags"]
+
+
+def check_flags(config: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the flag when an option is out of range or inconsistent
+    with another, or ``DataError`` when ``--data`` or ``--resume-from`` does not exist."""
+    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_batches", "profile_steps"):
+        if getattr(config, name) < 1:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
+            )
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        raise ValueError(f"--lr must be a positive number, got {config.lr}")
+    if config.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
+    for name in ("dp", "fsdp", "tp", "cp", "pp", "microbatches"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
+    if config.grad_accum < 1:
+        raise ValueError(f"--grad-accum must be >= 1, got {config.grad_accum}")
+    if config.grad_accum > 1 and (config.pp or 1) > 1:
+        raise ValueError(
+            "--grad-accum does not combine with --pp: a pipeline step already accumulates its "
+            "--microbatches; drop --grad-accum and pass --microbatches"
+        )
+    if config.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {config.dtype!r}")
+    if config.model not in ("llama", "moe"):
+        raise ValueError(f"--model must be llama or moe, got {config.model!r}")
+    if config.jit and (config.pp or 1) > 1:
+        raise ValueError(
+            "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"
+        )
+    if config.eval_every < 0 or not 0 < config.eval_fraction < 1:
+        raise ValueError(
+            f"--eval-every must be >= 0 and --eval-fraction in (0, 1), got {config.eval_every} "
+            f"and {config.eval_fraction}"
+        )
+    if config.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb needs the wandb package: pip install 'd9d[wandb]'")
+    if config.eval_every and (config.pp or 1) > 1:
+        raise ValueError(
+            "--eval-every does not run with --pp yet (eval has no forward-only schedule); drop one"
+        )
+    if config.save_every < 0 or (config.keep is not None and config.keep < 1):
+        raise ValueError(
+            f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
+        )
+    for flag, path in (("--data", config.data), ("--resume-from", config.resume_from)):
+        if path is not None and not Path(path).exists():
+            what = (
+                "a text file, a folder of text files or a .bin token file"
+                if flag == "--data"
+                else "a checkpoint folder (out/checkpoints/step_N)"
+            )
+            raise DataError(f"{flag} {str(path)!r} does not exist; pass {what}")

@@ -1,0 +1,26 @@
+"""``d9d train --dtype`` and ``--grad-accum``: what they ask of ``shard_params``, which keeps
+float32 master weights while blocks gather and compute in ``param_dtype``, and accumulates the
+grads of ``microbatches`` slices of the batch before reducing them once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._config import TrainConfig
+
+__all__ = ["shard_options"]
+
+_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+def shard_options(config: TrainConfig) -> dict[str, Any]:
+    """``shard_params`` keyword arguments for ``config``'s dtype and accumulation; empty when
+    it asks for neither (float32, one microbatch)."""
+    options: dict[str, Any] = {}
+    if _DTYPES[config.dtype] is not None:
+        options["param_dtype"] = _DTYPES[config.dtype]
+    if config.grad_accum > 1:
+        options["microbatches"] = config.grad_accum
+    return options
