@@ -41,8 +41,8 @@ from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
 from ._train_out import check_fresh_out
-from ._train_preempt import Preemption
 from ._train_precision import shard_options
+from ._train_preempt import Preemption
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
 from ._train_report import header_lines, print_header
