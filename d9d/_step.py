@@ -128,7 +128,7 @@ class TransformedStep:
                 index, count = index * size + at, count * size
         return index, count
 
-    batch_shard = data_rank  # the name README's example still uses
+    batch_shard = data_rank  # the old name, kept for scripts written against it
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's slice (along dim 0) of a global ``batch``: rows ``dp_rank`` of
