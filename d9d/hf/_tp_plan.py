@@ -35,6 +35,8 @@ IMPLEMENTED_STYLES: Mapping[str, str] = {
     "embedding_colwise": "the embedding: vocab-parallel (d9d's one embedding layout, exact too)",
     "replicated_with_grad_allreduce": "replicated, grads summed over tp (per-head norms)",
     "replicate": "replicated",
+    # A norm the plan leaves out, over a projection's whole output (Olmo2's q_norm/k_norm):
+    # replicated where that projection is colwise_gather_output, refused where colwise.
     "moe_tp_experts": "routed experts replicated over tp, as d9d.moe (experts, expert_mlp)",
 }
 """``{style: what d9d does with it}``; a style not here is refused by name under tp."""
@@ -60,11 +62,43 @@ def plan_rules(module: nn.Module) -> dict[str, Axes]:
     rules: dict[str, Axes] = {}
     for path, param in module.named_parameters():
         owner, _, name = path.rpartition(".")
-        style = next((s for pattern, s in plan if pattern.match(owner)), None)
+        style = _style(plan, owner)
         if style is not None:
             axes = _axes(style, owner, name, tuple(param.shape), head_dim)
             rules["^" + re.escape(path) + "$"] = axes
+        elif (axes := _norm_of_projection(module, plan, owner, tuple(param.shape))) is not None:
+            rules["^" + re.escape(path) + "$"] = axes
     return _generalize(rules)
+
+
+def _style(plan: list[tuple[re.Pattern[str], str]], owner: str) -> str | None:
+    return next((style for pattern, style in plan if pattern.match(owner)), None)
+
+
+def _norm_of_projection(
+    module: nn.Module, plan: list[tuple[re.Pattern[str], str]], owner: str, shape: tuple[int, ...]
+) -> Axes | None:
+    """The axes of a norm that the plan leaves out and that acts on the whole output of a
+    sibling projection (Olmo2's q_norm/k_norm over all heads): replicated where the plan
+    keeps that projection's output whole (colwise_gather_output), refused by name where it
+    shards it (the norm's statistics would span ranks); None for any other param."""
+    if len(shape) != 1 or not type(module.get_submodule(owner)).__name__.endswith("Norm"):
+        return None
+    parent = owner.rpartition(".")[0]
+    styles = {
+        _style(plan, f"{parent}.{name}" if parent else name)
+        for name, child in module.get_submodule(parent).named_children()
+        if isinstance(child, nn.Linear) and child.out_features == shape[0]
+    }
+    styles = {s for s in styles if s is not None and not s.startswith("rowwise")}
+    if not styles:
+        return None
+    if styles == {"colwise_gather_output"}:
+        return ("embed",)
+    return (
+        f"norm over the output of a {'/'.join(sorted(styles))} projection, whose heads span "
+        "the tp ranks (not implemented by d9d)",
+    )
 
 
 def _plan(module: nn.Module) -> list[tuple[re.Pattern[str], str]]:
@@ -131,7 +165,7 @@ def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: i
                 else ("experts", "embed")
             )
         case _:
-            return (f"tp plan style {style!r} (not implemented by d9d)", *whole[1:])
+            return (f"tp plan style {style} (not implemented by d9d)", *whole[1:])
 
 
 def _generalize(rules: dict[str, Axes]) -> dict[str, Axes]:
