@@ -10,7 +10,7 @@ float32 rounding that ``transformers`` norms do, as Gemma's in ``test_hf_familie
 sequence parallelism; refused for a module kept whole on tp, it reruns with
 ``sequence_parallel=False`` (``equal (no sp)``).
 
-``python -m sweep --all`` (from ``tests/hf``) runs every cell and prints the table;
+``python sweep.py --all`` (from ``tests/hf``) runs every cell and prints the table;
 ``--write-docs`` writes it into ``docs/huggingface.md`` between its markers.
 ``test_hf_sweep.py`` runs the fixed sample :data:`SAMPLE` in CI.
 """
@@ -50,8 +50,8 @@ _LAYOUTS: dict[str, tuple[dict[str, int], Callable[[Any], list]]] = {
 }
 
 # Sizes every family gets where its config has the field: vocab 97 (an uneven shard over 2
-# ranks), hidden 48, 2 layers, 6 query heads of 8 dims over 2 kv heads, 4 experts of which 2
-# per token, no dropout (its draws would differ between layouts); every config gets eager
+# ranks), hidden 48, 2 layers, 6 query heads of 8 dims over 2 kv heads (latent attention:
+# ranks 16 and 24, 4 + 4 q/k dims, 8 v dims), 4 experts of which 2 per token in one group, no dropout (its draws would differ between layouts); every config gets eager
 # experts (torch's grouped mm takes no float64).
 _SIZES: dict[str, Any] = {
     "vocab_size": 97,
@@ -68,6 +68,14 @@ _SIZES: dict[str, Any] = {
     "num_local_experts": 4,
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "rotary_dim": 4,
     "attention_dropout": 0.0,
     "hidden_dropout": 0.0,
     "embd_pdrop": 0.0,
@@ -123,6 +131,8 @@ def tiny_config(model_type: str) -> Any:
             fields[key] = _SIZES["vocab_size"] - 1
         elif isinstance(value, list):
             fields[key] = [v if v < _SIZES["vocab_size"] else 2 for v in value]
+    if "qk_rope_head_dim" in fields and "head_dim" in fields:  # latent attention ropes these
+        fields["head_dim"] = fields["qk_rope_head_dim"]
     layers = _SIZES["num_hidden_layers"]
     for key, value in vars(defaults).items():
         if key == "layer_types" and isinstance(value, list) and value:
@@ -238,7 +248,7 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-_BEGIN = "<!-- sweep table: begin (python -m sweep --all --write-docs, from tests/hf) -->"
+_BEGIN = "<!-- sweep table: begin (python sweep.py --all --write-docs, from tests/hf) -->"
 _END = "<!-- sweep table: end -->"
 
 
