@@ -9,6 +9,7 @@ what its forward returns, an output object: take ``.logits``. Nothing here impor
 from ._families import FAMILIES as FAMILIES
 from ._families import POSITION_WISE as POSITION_WISE
 from ._families import ROUTERS as ROUTERS
+from ._pp_plan import block_lists_for as block_lists_for
 from ._rules import apply_defaults as apply_defaults
 from ._rules import axes_for as axes_for
 from ._rules import family_of as family_of
@@ -24,6 +25,7 @@ __all__ = [
     "ROUTERS",
     "apply_defaults",
     "axes_for",
+    "block_lists_for",
     "family_of",
     "is_hf_model",
     "plan_rules",

@@ -20,7 +20,7 @@ def _tiny(config_class, **fields):
         num_attention_heads=6, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
         eos_token_id=2,
     )  # fmt: skip
-    return config_class(**sizes, **fields)
+    return config_class(**{**sizes, **fields})
 
 
 def test_every_style_of_the_installed_plans_is_handled_or_named() -> None:
@@ -113,3 +113,17 @@ def test_a_style_d9d_does_not_implement_is_refused_under_tp_only() -> None:
     )
     with pytest.raises(RankFailedError, match=r"up_proj.weight' has logical axis 'tp plan style"):
         run_on_ranks(_place, 2, lambda: d9d.functionalize(transformers.LlamaForCausalLM(config)))
+
+
+def test_blocks_are_the_layers_the_pipeline_plan_names() -> None:
+    """Another ModuleList beside the decoder layers (Phi-4-multimodal's encoders) holds no
+    blocks of the pipeline: only the list base_model_pp_plan names does."""
+    module = transformers.LlamaForCausalLM(_tiny(transformers.LlamaConfig, num_hidden_layers=2))
+    module.model.adapters = torch.nn.ModuleList([torch.nn.Linear(48, 48)])
+    blocks = [b.path for b in d9d.functionalize(module).structure.blocks]
+    assert blocks == ["model.layers.0", "model.layers.1"]
+    assert d9d.hf.block_lists_for(module) == ("model.layers",)
+    module.config.base_model_pp_plan = None  # no plan: the outermost lists, as for any module
+    assert d9d.hf.block_lists_for(module) == ()
+    blocks = [b.path for b in d9d.functionalize(module).structure.blocks]
+    assert blocks == ["model.layers.0", "model.layers.1", "model.adapters.0"]
