@@ -7,6 +7,7 @@ what its forward returns, an output object: take ``.logits``. Nothing here impor
 """
 
 from ._families import FAMILIES as FAMILIES
+from ._families import FILL as FILL
 from ._families import POSITION_WISE as POSITION_WISE
 from ._families import ROUTERS as ROUTERS
 from ._pp_plan import block_lists_for as block_lists_for
@@ -20,6 +21,7 @@ from ._tp_plan import plan_rules as plan_rules
 
 __all__ = [
     "FAMILIES",
+    "FILL",
     "IMPLEMENTED_STYLES",
     "POSITION_WISE",
     "ROUTERS",

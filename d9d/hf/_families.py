@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["FAMILIES", "POSITION_WISE", "ROUTERS"]
+__all__ = ["FAMILIES", "FILL", "POSITION_WISE", "ROUTERS"]
 
 Rules = Mapping[str, tuple[str | None, ...]]
 
@@ -35,9 +35,36 @@ FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2})
 """``{model_type: {path regex: logical axes}}`` of the families whose ``transformers`` config
 has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has none)."""
 
-ROUTERS: Rules = MappingProxyType({r"(^|\.)mlp\.gate\.weight$": ("experts", "embed")})
+ROUTERS: Rules = MappingProxyType(
+    {r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.weight$": ("experts", "embed")}
+)
 """The MoE routers' weights ``[E, H]``, which no ``transformers`` tp plan names (they stay
 replicated there): ``experts`` keeps them whole on tp, like d9d's own router."""
+
+# Many plans name only part of the model (Hunyuan's names its embedding only, Granite-MoE's its
+# experts only): a model that has a plan gets these, by the names of the Llama layout, for the
+# params its plan leaves out. A family whose attention does not follow those names' meaning
+# fails loudly (tensor_parallel's checks, or a shape error in transformers), never silently:
+# the sweep (tests/hf/sweep.py) runs each family against one device.
+FILL: Rules = MappingProxyType(
+    {
+        r"(^|\.)self_attn\.q_proj\.weight$": ("heads", "embed"),
+        r"(^|\.)self_attn\.[kv]_proj\.weight$": ("kv_heads", "embed"),
+        r"(^|\.)self_attn\.q_proj\.bias$": ("heads",),
+        r"(^|\.)self_attn\.[kv]_proj\.bias$": ("kv_heads",),
+        r"(^|\.)self_attn\.o_proj\.weight$": ("embed", "heads"),
+        r"(^|\.)self_attn\.o_proj\.bias$": ("embed",),
+        r"(^|\.)mlp\.(gate|up)_proj\.weight$": ("mlp", "embed"),
+        r"(^|\.)mlp\.(gate|up)_proj\.bias$": ("mlp",),
+        r"(^|\.)mlp\.down_proj\.weight$": ("embed", "mlp"),
+        r"(^|\.)mlp\.down_proj\.bias$": ("embed",),
+        # Per-head norms of q and k (Hunyuan's query_layernorm): each rank normalizes its own
+        # heads, so their grads are summed over tp. Norms over all heads (Olmo2's) are the
+        # plan's, which keeps their projections whole (plan_rules).
+        r"(^|\.)self_attn\.(q|k|query|key)_(norm|layernorm)\.weight$": ("head_dim",),
+    }
+)
+"""Llama-layout rules for what a model's tp plan leaves out (used only where it has a plan)."""
 
 # The sparse MoE blocks route each token on its own (top-k of its own router logits, no
 # capacity, no jitter at the default router_jitter_noise=0.0), so tensor_parallel's sequence

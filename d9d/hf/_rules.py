@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ._families import FAMILIES, POSITION_WISE, ROUTERS
+from ._families import FAMILIES, FILL, POSITION_WISE, ROUTERS
 from ._tp_plan import plan_rules
 
 __all__ = ["apply_defaults", "axes_for", "family_of", "is_hf_model", "position_wise_for"]
@@ -56,7 +56,8 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
 
     The hand-written rules of its family (a key of :data:`d9d.hf.FAMILIES`, where they add
     to the plan), then those of the model's own ``transformers`` tensor-parallel plan
-    (``config.base_model_tp_plan``, see :func:`d9d.hf.plan_rules`), then ``(experts,
+    (``config.base_model_tp_plan``, see :func:`d9d.hf.plan_rules`), then, for a model that
+    has a plan, Llama-layout rules for what it leaves out (:data:`d9d.hf.FILL`), then ``(experts,
     embed)`` for MoE routers (``mlp.gate.weight``), then ``("embed",)`` for the weight and
     bias of every norm (a class named ``*RMSNorm`` or ``*LayerNorm``, or an ``nn.LayerNorm``) over
     the hidden size. Rules ``functionalize`` is given with ``axes=``
@@ -86,7 +87,10 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
         return {}
     paths = [path for path, _ in module.named_parameters()]
     rules = dict(FAMILIES.get(family, {}))
-    rules.update({k: v for k, v in plan_rules(module).items() if k not in rules})
+    planned = plan_rules(module)
+    rules.update({k: v for k, v in planned.items() if k not in rules})
+    if planned:
+        rules.update({k: v for k, v in FILL.items() if k not in rules})
     rules.update({k: v for k, v in ROUTERS.items() if k not in rules})
     rules.update(_norm_rules(module))
     return {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
