@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
@@ -25,20 +26,20 @@ Axes = tuple[str | None, ...]
 _ATTENTION = re.compile(r"(attn|attention)\.")
 _KEY_VALUE = re.compile(r"(^|\.)([kv]_proj|key|value)$")
 
-IMPLEMENTED_STYLES: Mapping[str, str] = {
-    "colwise": "weight [out, in]: out over tp (heads, kv_heads or mlp); bias as out",
-    "rowwise": "weight [out, in]: in over tp; bias replicated (added once, after the sum)",
-    "colwise_gather_output": "the output head: vocab-parallel (d9d's loss reads it sharded); "
-    "elsewhere (Olmo2's q/k/v, whose norms span all heads) whole on tp",
-    "rowwise_split_input": "the projection after a gathered output (Olmo2's o_proj): whole",
-    "embedding_rowwise": "the embedding: vocab-parallel",
-    "embedding_colwise": "the embedding: vocab-parallel (d9d's one embedding layout, exact too)",
-    "replicated_with_grad_allreduce": "replicated, grads summed over tp (per-head norms)",
-    "replicate": "replicated",
-    # A norm the plan leaves out, over a projection's whole output (Olmo2's q_norm/k_norm):
-    # replicated where that projection is colwise_gather_output, refused where colwise.
-    "moe_tp_experts": "routed experts replicated over tp, as d9d.moe (experts, expert_mlp)",
-}
+IMPLEMENTED_STYLES: Mapping[str, str] = MappingProxyType(
+    {
+        "colwise": "weight [out, in]: out over tp (heads, kv_heads or mlp); bias as out",
+        "rowwise": "weight [out, in]: in over tp; bias replicated (added once, after the sum)",
+        "colwise_gather_output": "the output head: vocab-parallel (d9d's loss reads it sharded); "
+        "elsewhere (Olmo2's q/k/v, whose norms span all heads) whole on tp",
+        "rowwise_split_input": "the projection after a gathered output (Olmo2's o_proj): whole",
+        "embedding_rowwise": "the embedding: vocab-parallel",
+        "embedding_colwise": "the embedding: vocab-parallel (d9d's one embedding layout, exact too)",
+        "replicated_with_grad_allreduce": "replicated, grads summed over tp (per-head norms)",
+        "replicate": "replicated",
+        "moe_tp_experts": "routed experts replicated over tp, as d9d.moe (experts, expert_mlp)",
+    }
+)
 """``{style: what d9d does with it}``; a style not here is refused by name under tp."""
 
 
