@@ -84,6 +84,7 @@ _SIZES: dict[str, Any] = {
     "attn_pdrop": 0.0,
     "dropout": 0.0,
 }
+_MAX_PARAMS = 5_000_000
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 SAMPLE: tuple[tuple[str, str, str, str], ...] = (
@@ -159,6 +160,10 @@ def _module(model_type: str) -> torch.nn.Module:
 
     config = tiny_config(model_type)
     model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with torch.device("meta"):  # sub-configs _SIZES does not reach (Phi-4-multimodal's
+        size = sum(p.numel() for p in model_class(config).parameters())  # encoders: 18 GB)
+    if size > _MAX_PARAMS:
+        raise ValueError(f"the tiny config still has {size:,} params (> {_MAX_PARAMS:,})")
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return model_class(config).to(torch.float64)
