@@ -148,8 +148,10 @@ def tiny_config(model_type: str) -> Any:
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # latent attention ropes these
         fields["head_dim"] = fields["qk_rope_head_dim"]
     layers = _SIZES["num_hidden_layers"]
-    for key, value in vars(defaults).items():
-        if key == "layer_types" and isinstance(value, list) and value:
+    for key, value in vars(defaults).items():  # random draws differ between layouts
+        if isinstance(value, float) and re.search(r"dropout|jitter|pdrop", key):
+            fields[key] = 0.0
+        elif key == "layer_types" and isinstance(value, list) and value:
             fields[key] = (value * layers)[:layers]
     return config_class(**fields, experts_implementation="eager")
 
