@@ -182,7 +182,15 @@ def position_wise_paths(module: nn.Module) -> tuple[str, ...]:
 
 
 def block_paths(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of the outermost ``nn.ModuleList``s, with their paths."""
+    """The children of the ``nn.ModuleList``s a Hugging Face model's pipeline plan names
+    (``d9d.hf.block_lists_for``), else of the outermost ``nn.ModuleList``s, with their paths."""
+    planned = hf.block_lists_for(module)
+    if planned:
+        return [
+            (f"{path}.{name}", block)
+            for path in planned
+            for name, block in module.get_submodule(path).named_children()
+        ]
     prefixes: list[tuple[str, nn.Module]] = []
     for path, child in module.named_modules():
         if isinstance(child, nn.ModuleList) and not any(

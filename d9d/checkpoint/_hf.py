@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, ParamTreeMismatchError
 from ..models import LlamaConfig
+from ._hf_fields import FieldRules, check_fields
 from ._safetensors_read import Stored, read_placed
 
 __all__ = [
@@ -60,7 +61,22 @@ _CONFIG_KEYS = (
     ("norm_eps", "rms_norm_eps"),
     ("tie_embeddings", "tie_word_embeddings"),
     ("init_std", "initializer_range"),
+    ("pad_token_id", "pad_token_id"),
 )
+LLAMA_FIELDS = FieldRules(
+    model="the d9d Llama",
+    model_type="llama",
+    read={
+        **{theirs: f"LlamaConfig.{ours}" for ours, theirs in _CONFIG_KEYS},
+        "head_dim": "must equal hidden_size / num_attention_heads (checked)",
+        "rope_parameters": "rope_theta; a rope_type other than 'default' is refused",
+        "rope_theta": "rope_parameters' older spelling",
+        "rope_scaling": "rope_parameters' older spelling; any scaling is refused",
+    },
+    required={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+)
+"""What the d9d Llama does with each field of ``transformers.LlamaConfig``; every other field
+must keep its default (:func:`~d9d.checkpoint._hf_fields.check_fields`)."""
 # Non-weights some older Hugging Face checkpoints hold; recomputed by both models.
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
@@ -162,7 +178,7 @@ def llama_from_hf(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> dic
 
 def _hf_config(config: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
     fields = {theirs: getattr(config, ours) for ours, theirs in _CONFIG_KEYS}
-    return {
+    hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **fields,
@@ -175,6 +191,8 @@ def _hf_config(config: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    check_fields(hf, LLAMA_FIELDS)  # a field transformers adds with another default: refused
+    return hf
 
 
 def export_hf(
@@ -196,6 +214,8 @@ def export_hf(
 
     Raises:
         ParamTreeMismatchError: ``params`` is not the param dict of a Llama of ``config``.
+        ConfigError: The installed ``transformers.LlamaConfig`` has a field whose default
+            the d9d Llama does not implement and the export does not set.
 
     Example:
         >>> import tempfile
@@ -235,18 +255,17 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 
 def llama_config(hf: dict[str, Any]) -> LlamaConfig:
-    """The :class:`~d9d.models.LlamaConfig` of a ``transformers`` ``config.json`` dict."""
-    checks = {
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
-    for key, wanted in checks.items():
-        if hf.get(key, wanted) != wanted:
-            raise ConfigError(
-                f"config.json has {key}={hf[key]!r}; the d9d Llama needs {key}={wanted!r}."
-            )
+    """The :class:`~d9d.models.LlamaConfig` of a ``transformers`` ``config.json`` dict.
+
+    Raises:
+        ConfigError: Another ``model_type``, or a field the d9d Llama does not implement
+            (:data:`LLAMA_FIELDS`), named with its value.
+    """
+    if hf.get("model_type", "llama") != "llama":
+        raise ConfigError(
+            f"config.json has model_type={hf['model_type']!r}; the d9d Llama reads 'llama'."
+        )
+    hf = check_fields(hf, LLAMA_FIELDS)
     fields = {ours: hf[theirs] for ours, theirs in _CONFIG_KEYS if theirs in hf}
     config = LlamaConfig(**fields, rope_theta=_rope_theta(hf))
     if hf.get("head_dim", config.head_dim) != config.head_dim:
@@ -289,7 +308,9 @@ def import_hf(
 
     Raises:
         FileNotFoundError: ``config.json`` or the weights are missing.
-        ConfigError: The config is not a Llama that d9d implements (e.g. RoPE scaling).
+        ConfigError: A config field the d9d Llama does not implement (RoPE scaling,
+            ``attention_bias=True``, a field ``transformers.LlamaConfig`` does not define...),
+            named with its value.
         ParamTreeMismatchError: The weights do not match the config.
         ParamShapeError: With ``target``, a stored tensor's shape does not fit its param.
 

@@ -9,6 +9,7 @@ weight). ``tests/checkpoint/test_hf_moe.py`` proves equal logits both ways.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigError, ParamTreeMismatchError
 from ..models import MoEConfig
 from ..moe import MoEConfig as LayerConfig
+from ._hf_fields import FieldRules, check_fields
 from ._safetensors_read import Stored, read_placed, safetensors_files
 
 __all__ = [
@@ -52,22 +54,73 @@ _SHARED_KEYS = (  # (d9d template, Hugging Face template), {i}: layer
 )
 _EXPERT_NAMES = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
 
+# config.json field -> MoEConfig field (moe.*: the MoE layers' config).
+_CONFIG_KEYS = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "dim"),
+    ("intermediate_size", "ffn_dim"),
+    ("num_hidden_layers", "n_layers"),
+    ("num_attention_heads", "n_heads"),
+    ("num_key_value_heads", "n_kv_heads"),
+    ("head_dim", "head_dim"),
+    ("max_position_embeddings", "max_seq_len"),
+    ("rms_norm_eps", "norm_eps"),
+    ("tie_word_embeddings", "tie_embeddings"),
+    ("initializer_range", "init_std"),
+    ("pad_token_id", "pad_token_id"),
+    ("num_local_experts", "moe.n_experts"),
+    ("num_experts_per_tok", "moe.top_k"),
+    ("moe_intermediate_size", "moe.expert_dim"),
+    ("norm_topk_prob", "moe.norm_topk"),
+    ("router_aux_loss_coef", "moe.aux_loss_coef"),
+)
+QWEN3_MOE_FIELDS = FieldRules(
+    model="d9d's MoE",
+    model_type="qwen3_moe",
+    read={
+        **{theirs: f"MoEConfig.{ours}" for theirs, ours in _CONFIG_KEYS},
+        "num_experts": "num_local_experts' other name",
+        "decoder_sparse_step": "must be 1 (checked)",
+        "mlp_only_layers": "MoEConfig.n_dense_layers: must be the first layers (checked)",
+        "rope_parameters": "rope_theta; a rope_type other than 'default' is refused",
+        "rope_theta": "rope_parameters' older spelling",
+        "rope_scaling": "rope_parameters' older spelling; any scaling is refused",
+        "max_window_layers": "read by transformers only with use_sliding_window=True (refused)",
+        "output_router_logits": "whether transformers returns the router logits and adds "
+        "their aux loss to its loss given labels; d9d's MoE returns its aux loss always",
+    },
+    required={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+)
+"""What d9d's MoE does with each field of ``transformers.Qwen3MoeConfig``; every other field
+must keep its default (:func:`~d9d.checkpoint._hf_fields.check_fields`)."""
+
+# Fields of d9d's configs with no place in a Qwen3-MoE config.json, and the one value
+# Qwen3-MoE computes; other fields are written (_CONFIG_KEYS) or do not change the math.
+_QWEN3_VALUES = {"qk_norm": True, "score_func": "softmax", "routed_scaling_factor": 1.0}
+_UNWRITTEN = {
+    "n_dense_layers": "written as mlp_only_layers",
+    "rope_theta": "written as rope_parameters",
+    "seed": "the init's seed: the weights are written",
+    "moe.dim": "equals dim (MoEConfig checks it)",
+    "moe.bias_update_rate": "a bias-free export is checked on the router biases themselves",
+    "moe.z_loss_coef": "a loss term of training, like the aux loss; the logits do not see it",
+}
+
 
 def _check_qwen3(config: MoEConfig) -> None:
-    moe = config.moe
-    wanted = dict(
-        qk_norm=(config.qk_norm, True),
-        score_func=(moe.score_func, "softmax"),
-        n_shared_experts=(moe.n_shared_experts, 0),
-        n_group=(moe.n_group, 1),
-        routed_scaling_factor=(moe.routed_scaling_factor, 1.0),
-        capacity_factor=(moe.capacity_factor, None),
-    )
-    for name, (got, want) in wanted.items():
-        if got != want:
+    """Every field of ``config`` and ``config.moe`` that a Qwen3-MoE folder does not write is
+    at its default or at ``_QWEN3_VALUES``: a field d9d adds later fails safe."""
+    written = {ours for _, ours in _CONFIG_KEYS} | set(_UNWRITTEN)
+    values = {f.name: (getattr(config, f.name), f.default) for f in dataclasses.fields(config)}
+    for f in dataclasses.fields(config.moe):
+        values[f"moe.{f.name}"] = (getattr(config.moe, f.name), f.default)
+    del values["moe"]
+    for name, (got, default) in values.items():
+        want = _QWEN3_VALUES.get(name.removeprefix("moe."), default)
+        if name not in written and got != want:
             raise ConfigError(
-                f"A Qwen3-MoE checkpoint needs {name}={want!r}, the config has {name}={got!r}; "
-                "only Qwen3-MoE-shaped d9d MoE models convert."
+                f"A Qwen3-MoE checkpoint needs {name.removeprefix('moe.')}={want!r}, the "
+                f"config has {name}={got!r}; only Qwen3-MoE-shaped d9d MoE models convert."
             )
 
 
@@ -164,34 +217,26 @@ def moe_from_hf(state: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[st
 
 
 def _hf_config(config: MoEConfig, dtype: torch.dtype) -> dict[str, Any]:
-    moe = config.moe
-    return {
+    hf = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
+        **{theirs: _get(config, ours) for theirs, ours in _CONFIG_KEYS},
         "head_dim": config.attention_head_dim,
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "initializer_range": config.init_std,
         "hidden_act": "silu",
         "attention_bias": False,
         "rope_theta": config.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "num_experts": moe.n_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.expert_dim,
-        "norm_topk_prob": moe.norm_topk,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(config.n_dense_layers)),
-        "router_aux_loss_coef": moe.aux_loss_coef,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    check_fields(hf, QWEN3_MOE_FIELDS)  # a field transformers adds with another default
+    return hf
+
+
+def _get(config: MoEConfig, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(config.moe if owner else config, name)
 
 
 def export_hf_moe(
@@ -232,42 +277,36 @@ def export_hf_moe(
 
 
 def moe_config(hf: dict[str, Any]) -> MoEConfig:
-    """The d9d :class:`~d9d.models.MoEConfig` of a Qwen3-MoE ``config.json`` dict."""
+    """The d9d :class:`~d9d.models.MoEConfig` of a Qwen3-MoE ``config.json`` dict.
+
+    Raises:
+        ConfigError: Another ``model_type``, or a field d9d's MoE does not implement
+            (:data:`QWEN3_MOE_FIELDS`), named with its value.
+    """
     if hf.get("model_type") != "qwen3_moe":
         raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}, not 'qwen3_moe'.")
-    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers", [])
+    hf = check_fields(hf, QWEN3_MOE_FIELDS)
+    step, only = hf["decoder_sparse_step"], hf["mlp_only_layers"]
     if step != 1 or only != list(range(len(only))):
         raise ConfigError(
             f"config.json has decoder_sparse_step={step}, mlp_only_layers={only}; d9d's MoE "
             "needs the dense layers first: decoder_sparse_step=1, mlp_only_layers=[0..k-1]."
         )
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        raise ConfigError("The checkpoint uses RoPE scaling, which d9d's MoE does not implement.")
-    moe = LayerConfig(
-        dim=hf["hidden_size"],
-        n_experts=hf.get("num_experts", hf.get("num_local_experts")),
-        top_k=hf["num_experts_per_tok"],
-        expert_dim=hf["moe_intermediate_size"],
-        norm_topk=hf.get("norm_topk_prob", False),
-        aux_loss_coef=hf.get("router_aux_loss_coef", 0.0),
-    )
+    rope = hf["rope_parameters"]
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"The checkpoint uses RoPE scaling ({rope}), which d9d's MoE does not implement; "
+            "only rope_type 'default' loads."
+        )
+    fields: dict[str, Any] = {"moe": {"dim": hf["hidden_size"]}}
+    for theirs, ours in _CONFIG_KEYS:
+        owner, _, name = ours.rpartition(".")
+        (fields["moe"] if owner else fields)[name] = hf.get(theirs)
     return MoEConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf["num_key_value_heads"],
-        ffn_dim=hf["intermediate_size"],
-        moe=moe,
+        **fields | {"moe": LayerConfig(**fields["moe"])},
         n_dense_layers=len(only),
-        head_dim=hf.get("head_dim"),
         qk_norm=True,
-        max_seq_len=hf["max_position_embeddings"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
-        norm_eps=hf["rms_norm_eps"],
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        init_std=hf.get("initializer_range", 0.02),
+        rope_theta=float(rope["rope_theta"]),
     )
 
 
@@ -312,7 +351,9 @@ def import_hf_moe(
 
     Raises:
         FileNotFoundError: A weights file is missing.
-        ConfigError: Not a Qwen3-MoE that d9d implements (RoPE scaling, sparse steps).
+        ConfigError: A config field d9d's MoE does not implement (RoPE scaling, sparse steps,
+            ``attention_bias=True``, a sliding window, ``hidden_act`` other than silu, a field
+            ``transformers.Qwen3MoeConfig`` does not define...), named with its value.
         ParamTreeMismatchError: The weights do not match the config.
         ParamShapeError: With ``target``, a stored tensor's shape does not fit its param.
 

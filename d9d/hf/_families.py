@@ -1,4 +1,4 @@
-"""Logical-axis rules of the Hugging Face model families d9d knows, keyed by ``model_type``.
+"""Hand-written logical-axis rules of Hugging Face models, where ``transformers``' plans lack them.
 
 Each table maps path regexes (matched with ``re.search`` against param paths such as
 ``model.layers.0.self_attn.q_proj.weight``) to logical axis names, one per dim. A ``weight`` of
@@ -10,62 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["FAMILIES", "POSITION_WISE"]
+__all__ = ["FAMILIES", "FILL", "POSITION_WISE", "ROUTERS"]
 
 Rules = Mapping[str, tuple[str | None, ...]]
 
-_EMBEDDINGS: Rules = {
-    r"(^|\.)embed_tokens\.weight$": ("vocab", "embed"),
-    r"(^|\.)lm_head\.weight$": ("vocab", "embed"),
-}
-
-_ATTENTION: Rules = {
-    r"(^|\.)q_proj\.weight$": ("heads", "embed"),
-    r"(^|\.)[kv]_proj\.weight$": ("kv_heads", "embed"),
-    r"(^|\.)q_proj\.bias$": ("heads",),
-    r"(^|\.)[kv]_proj\.bias$": ("kv_heads",),
-    r"(^|\.)o_proj\.weight$": ("embed", "heads"),
-    r"(^|\.)o_proj\.bias$": ("embed",),
-    # Qwen3's per-head norms act on head_dim: under tensor_parallel each rank normalizes its
-    # own heads, so their grads are summed over the axis (head_dim marks that).
-    r"(^|\.)[qk]_norm\.weight$": ("head_dim",),
-}
-
-_MLP: Rules = {
-    r"(^|\.)(gate|up)_proj\.weight$": ("mlp", "embed"),
-    r"(^|\.)(gate|up)_proj\.bias$": ("mlp",),
-    r"(^|\.)down_proj\.weight$": ("embed", "mlp"),
-    r"(^|\.)down_proj\.bias$": ("embed",),
-}
-
-_LLAMA_LIKE: Rules = MappingProxyType({**_EMBEDDINGS, **_ATTENTION, **_MLP})
-
-# Routed experts as transformers 5 stores them: one [E, 2 * I, H] gate|up tensor and one
-# [E, H, I] down tensor per layer, and a router weight [E, H]. Replicated over tensor_parallel,
-# like d9d's own MoE (d9d.moe): each rank routes the tokens it holds.
-_ROUTED_EXPERTS: Rules = {
-    r"(^|\.)experts\.gate_up_proj$": ("experts", "expert_mlp", "embed"),
-    r"(^|\.)experts\.down_proj$": ("experts", "embed", "expert_mlp"),
-    r"(^|\.)mlp\.gate\.weight$": ("experts", "embed"),
-}
-
-_MOE: Rules = MappingProxyType({**_ROUTED_EXPERTS, **_LLAMA_LIKE})
-
-# Phi-3 fuses q|k|v into qkv_proj and gate|up into gate_up_proj. A Shard(0) of a fused weight
-# over tp ranks cuts at row ranges, not at the q|k|v (or gate|up) boundaries: rank 0 would get
-# every q row and rank 1 the k and v rows. Phi-3's attention also slices its qkv output at
-# config.num_attention_heads * head_dim, a global count. So the fused weights stay whole on tp,
-# and with them the projections that consume their outputs (o_proj, down_proj): tensor_parallel
-# then runs Phi-3's blocks replicated, which needs sequence_parallel=False.
-_PHI3: Rules = MappingProxyType(
-    {
-        **_EMBEDDINGS,
-        r"(^|\.)qkv_proj\.weight$": ("embed", "embed"),
-        r"(^|\.)o_proj\.weight$": ("embed", "embed"),
-        r"(^|\.)gate_up_proj\.weight$": ("embed", "embed"),
-        r"(^|\.)down_proj\.weight$": ("embed", "embed"),
-    }
-)
+# Every family whose config carries a tensor-parallel plan (base_model_tp_plan) gets its rules
+# from it (_tp_plan.py): Llama, Mistral, Qwen2/3, Gemma 1/2, Phi-3, Qwen3-MoE, Mixtral and the
+# rest of the 116 causal-LM families of transformers 5.24 with a plan. Tables here only add
+# what no plan says.
 
 # GPT-2's Conv1D layers (c_attn fuses q|k|v) are transposed linears that tensor_parallel does
 # not shard: whole on tp, so its blocks run replicated (sequence_parallel=False). The token
@@ -79,21 +31,40 @@ _GPT2: Rules = MappingProxyType(
     }
 )
 
-FAMILIES: Mapping[str, Rules] = MappingProxyType(
+FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2})
+"""``{model_type: {path regex: logical axes}}`` of the families whose ``transformers`` config
+has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has none)."""
+
+ROUTERS: Rules = MappingProxyType(
+    {r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.weight$": ("experts", "embed")}
+)
+"""The MoE routers' weights ``[E, H]``, which no ``transformers`` tp plan names (they stay
+replicated there): ``experts`` keeps them whole on tp, like d9d's own router."""
+
+# Many plans name only part of the model (Hunyuan's names its embedding only, Granite-MoE's its
+# experts only): a model that has a plan gets these, by the names of the Llama layout, for the
+# params its plan leaves out. A family whose attention does not follow those names' meaning
+# fails loudly (tensor_parallel's checks, or a shape error in transformers), never silently:
+# the sweep (tests/hf/sweep.py) runs each family against one device.
+FILL: Rules = MappingProxyType(
     {
-        "llama": _LLAMA_LIKE,
-        "mistral": _LLAMA_LIKE,
-        "qwen2": _LLAMA_LIKE,
-        "qwen3": _LLAMA_LIKE,
-        "gemma": _LLAMA_LIKE,
-        "gemma2": _LLAMA_LIKE,
-        "phi3": _PHI3,
-        "gpt2": _GPT2,
-        "qwen3_moe": _MOE,
-        "mixtral": _MOE,
+        r"(^|\.)self_attn\.q_proj\.weight$": ("heads", "embed"),
+        r"(^|\.)self_attn\.[kv]_proj\.weight$": ("kv_heads", "embed"),
+        r"(^|\.)self_attn\.q_proj\.bias$": ("heads",),
+        r"(^|\.)self_attn\.[kv]_proj\.bias$": ("kv_heads",),
+        r"(^|\.)self_attn\.o_proj\.weight$": ("embed", "heads"),
+        r"(^|\.)self_attn\.o_proj\.bias$": ("embed",),
+        r"(^|\.)mlp\.(gate|up)_proj\.weight$": ("mlp", "embed"),
+        r"(^|\.)mlp\.(gate|up)_proj\.bias$": ("mlp",),
+        r"(^|\.)mlp\.down_proj\.weight$": ("embed", "mlp"),
+        r"(^|\.)mlp\.down_proj\.bias$": ("embed",),
+        # Per-head norms of q and k (Hunyuan's query_layernorm): each rank normalizes its own
+        # heads, so their grads are summed over tp. Norms over all heads (Olmo2's) are the
+        # plan's, which keeps their projections whole (plan_rules).
+        r"(^|\.)self_attn\.(q|k|query|key)_(norm|layernorm)\.weight$": ("head_dim",),
     }
 )
-"""``{model_type: {path regex: logical axes}}`` of every family d9d has rules for."""
+"""Llama-layout rules for what a model's tp plan leaves out (used only where it has a plan)."""
 
 # The sparse MoE blocks route each token on its own (top-k of its own router logits, no
 # capacity, no jitter at the default router_jitter_noise=0.0), so tensor_parallel's sequence

@@ -12,7 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from ._families import FAMILIES, POSITION_WISE
+from ._families import FAMILIES, FILL, POSITION_WISE, ROUTERS
+from ._tp_plan import plan_rules
 
 __all__ = ["apply_defaults", "axes_for", "family_of", "is_hf_model", "position_wise_for"]
 
@@ -53,12 +54,16 @@ def family_of(module: nn.Module) -> str | None:
 def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
     """The logical-axis rules ``d9d.functionalize`` gives a Hugging Face model by itself.
 
-    The rules of its family (a key of :data:`d9d.hf.FAMILIES`), then ``("embed",)`` for the
-    weight and bias of every norm (a class whose name ends in ``RMSNorm``, or an
-    ``nn.LayerNorm``) over the hidden size. Rules ``functionalize`` is given with ``axes=``
+    The hand-written rules of its family (a key of :data:`d9d.hf.FAMILIES`, where they add
+    to the plan), then those of the model's own ``transformers`` tensor-parallel plan
+    (``config.base_model_tp_plan``, see :func:`d9d.hf.plan_rules`), then, for a model that
+    has a plan, Llama-layout rules for what it leaves out (:data:`d9d.hf.FILL`), then ``(experts,
+    embed)`` for MoE routers (``mlp.gate.weight``), then ``("embed",)`` for the weight and
+    bias of every norm (a class named ``*RMSNorm`` or ``*LayerNorm``, or an ``nn.LayerNorm``) over
+    the hidden size. Rules ``functionalize`` is given with ``axes=``
     come first; these fill what they leave. Only rules that match a param of ``module`` are
-    returned. A model of another family gets its norm rules only: give its linears rules
-    with ``d9d.functionalize(model, axes={...})``.
+    returned. A model with no plan and no table gets its norm rules only: give its
+    linears rules with ``d9d.functionalize(model, axes={...})``.
 
     Args:
         module: A ``transformers`` model (or the :class:`d9d.Model` of one).
@@ -73,7 +78,7 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
         ...     vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         ...     num_attention_heads=2, num_key_value_heads=1)
         >>> rules = axes_for(transformers.LlamaForCausalLM(config))
-        >>> rules[r"(^|\\.)q_proj\\.weight$"]
+        >>> rules[r"^model\\.layers\\.\\d+\\.self_attn\\.q_proj\\.weight$"]
         ('heads', 'embed')
     """
     module = getattr(module, "module", module)
@@ -82,6 +87,11 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
         return {}
     paths = [path for path, _ in module.named_parameters()]
     rules = dict(FAMILIES.get(family, {}))
+    planned = plan_rules(module)
+    rules.update({k: v for k, v in planned.items() if k not in rules})
+    if planned:
+        rules.update({k: v for k, v in FILL.items() if k not in rules})
+    rules.update({k: v for k, v in ROUTERS.items() if k not in rules})
     rules.update(_norm_rules(module))
     return {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
 
@@ -127,7 +137,9 @@ def _norm_rules(module: nn.Module) -> dict[str, tuple[str | None, ...]]:
     norms: dict[str, list[str]] = {}
     others: set[str] = set()
     for path, owner in module.named_modules():
-        is_norm = type(owner).__name__.endswith("RMSNorm") or isinstance(owner, nn.LayerNorm)
+        is_norm = type(owner).__name__.endswith(("RMSNorm", "LayerNorm")) or isinstance(
+            owner, nn.LayerNorm
+        )
         for name, param in owner.named_parameters(recurse=False):
             key = f"{path}.{name}" if path else name
             suffix = ".".join(key.split(".")[-2:])

@@ -76,13 +76,17 @@ def test_unsupported_configs_and_mismatched_weights(tmp_path: Path) -> None:
     config = LlamaConfig.tiny()
     folder = checkpoint.export_hf(_params(config), config, tmp_path / "hf")
     raw = json.loads((folder / "config.json").read_text())
-    scaled = {**raw, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 128}  # fmt: skip
+    scaled = {**raw, "rope_parameters": {**llama3, "rope_theta": 5e5}}
     (folder / "config.json").write_text(json.dumps(scaled))
     with pytest.raises(ConfigError, match=r"RoPE scaling .*only rope_type 'default' loads"):
         checkpoint.import_hf(folder)
     (folder / "config.json").write_text(json.dumps({**raw, "hidden_act": "gelu"}))
     with pytest.raises(
-        ConfigError, match=r"hidden_act='gelu'; the d9d Llama needs hidden_act='silu'"
+        ConfigError,
+        match=r"hidden_act='gelu', which the d9d Llama does not implement: it "
+        r"computes hidden_act='silu' only",
     ):
         checkpoint.import_hf(folder)
 

@@ -84,16 +84,17 @@ def test_a_module_outside_transformers_gets_no_rules() -> None:
 
 
 def test_a_family_without_rules_gets_its_norms_and_the_defaults() -> None:
-    """An unknown model type (a subclass defined outside transformers counts as its parent's
-    package): norms of the hidden size get embed; linears keep ("out", "in"), which
-    tensor_parallel refuses by name."""
+    """An unknown model type with no tp plan (a subclass defined outside transformers counts
+    as its parent's package): norms of the hidden size get embed; linears keep ("out", "in"),
+    which tensor_parallel refuses by name."""
     import transformers
 
     class Custom(transformers.LlamaForCausalLM):
-        pass
+        _tp_plan = None
 
     cfg = config("llama")
     cfg.model_type = "custom"
+    cfg.base_model_tp_plan = None
     module = Custom(cfg)
     assert d9d.hf.is_hf_model(module) and d9d.hf.family_of(module) == "custom"
     axes = d9d.functionalize(module).axes
@@ -102,11 +103,11 @@ def test_a_family_without_rules_gets_its_norms_and_the_defaults() -> None:
 
 
 def test_a_rule_of_the_wrong_rank_names_the_family() -> None:
-    """A transformers model whose q_proj is not a linear: the family rule's error says whose
-    rule it is."""
-    module = build("llama")().module
-    module.model.layers[0].self_attn.q_proj = nn.Conv1d(48, 48, 1, bias=False)
-    with pytest.raises(ValueError, match=r"from d9d.hf rules of 'llama'\) name 2 dims"):
+    """A transformers model whose c_attn is not what GPT-2's hand-written rule expects: the
+    rule's error says whose rule it is."""
+    module = build("gpt2")().module
+    module.transformer.h[0].attn.c_attn = nn.Conv1d(48, 144, 1, bias=False)
+    with pytest.raises(ValueError, match=r"from d9d.hf rules of 'gpt2'\) name 2 dims"):
         d9d.functionalize(module)
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 from d9d.errors import ConfigError
 
+from ._pad import check_pad_token_id
+
 __all__ = ["LlamaConfig"]
 
 _POSITIVE_INTS = (
@@ -44,9 +46,12 @@ class LlamaConfig:
             (default 0.02); output projections ``wo``/``w_down`` use
             ``init_std / sqrt(2 * n_layers)``.
         seed: Seed of the deterministic init (default 0).
+        pad_token_id: The padding token, or None (default): its embedding row gets no
+            gradient and starts at zero, as ``nn.Embedding(padding_idx=...)`` (and
+            ``transformers``) does.
 
     Raises:
-        ConfigError: A size is not positive, ``dim`` is not divisible by ``n_heads``,
+        ConfigError: ``pad_token_id`` is not a token id, a size is not positive, ``dim`` is not divisible by ``n_heads``,
             ``n_heads`` by ``n_kv_heads``, or the head dim is odd (RoPE rotates pairs).
 
     Example:
@@ -67,6 +72,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     seed: int = 0
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -99,6 +105,7 @@ class LlamaConfig:
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"LlamaConfig.seed must be an int, got seed={self.seed!r}.")
+        check_pad_token_id(self)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> LlamaConfig:

@@ -116,7 +116,8 @@ class Decoder(nn.Module):
 
     Args:
         config: A config with ``vocab_size``, ``dim``, ``n_layers``, ``norm_eps``,
-            ``tie_embeddings``, ``init_std``, ``seed``, ``max_seq_len`` and ``rope_theta``.
+            ``tie_embeddings``, ``init_std``, ``seed``, ``max_seq_len``, ``rope_theta`` and
+            ``pad_token_id``.
         head_dim: Width of one attention head (RoPE's rotation size).
         make_block: ``(layer index, device) -> block``.
         device: Where params are created; default: the current default device.
@@ -142,7 +143,9 @@ class Decoder(nn.Module):
         # Built on meta, then materialized once: torch's default init would draw from (and
         # advance) the global RNG and cost a second pass over every weight.
         meta = torch.device("meta")
-        self.embed = nn.Embedding(config.vocab_size, config.dim, device=meta)
+        self.embed = nn.Embedding(
+            config.vocab_size, config.dim, padding_idx=config.pad_token_id, device=meta
+        )
         self.layers = nn.ModuleList(make_block(i, meta) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, device=meta)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False, device=meta)
@@ -171,7 +174,7 @@ class Decoder(nn.Module):
         holding only some layers initializes them exactly as the whole model would).
         Embedding and linear weights are ``normal(0, init_std)``; output projections
         (``wo``, ``w_down``) use ``init_std / sqrt(2 * n_layers)`` (GPT-2's residual
-        scaling); norms are ones.
+        scaling); norms are ones; the embedding row of ``config.pad_token_id`` is zeros.
 
         Args:
             seed: Seed of the init; defaults to ``config.seed``.
@@ -199,6 +202,8 @@ class Decoder(nn.Module):
             values = torch.empty(param.shape, dtype=torch.float32)
             values.normal_(0.0, std, generator=generator)
             param.copy_(values)
+        if self.embed.padding_idx is not None:  # as nn.Embedding and transformers start it
+            self.embed.weight[self.embed.padding_idx].zero_()
 
     def embed_and_rope(
         self, tokens: torch.Tensor, positions: torch.Tensor | None

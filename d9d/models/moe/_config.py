@@ -8,6 +8,8 @@ from typing import Any
 from d9d.errors import ConfigError
 from d9d.moe import MoEConfig as LayerConfig
 
+from ..llama._pad import check_pad_token_id
+
 __all__ = ["MoEConfig"]
 
 _POSITIVE_INTS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
@@ -41,6 +43,8 @@ class MoEConfig:
         tie_embeddings: The head reuses the embedding. Default False.
         init_std: Std of the normal init (output projections: ``/ sqrt(2 * n_layers)``).
         seed: Seed of the deterministic init.
+        pad_token_id: The padding token, or None (default): its embedding row gets no
+            gradient and starts at zero (``nn.Embedding(padding_idx=...)``).
 
     Raises:
         ConfigError: A size is not positive, heads do not divide, an odd head dim, or
@@ -68,6 +72,7 @@ class MoEConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     seed: int = 0
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in (*_POSITIVE_INTS, "max_seq_len"):
@@ -96,6 +101,7 @@ class MoEConfig:
                 f"MoEConfig.moe.dim={self.moe.dim} must equal dim={self.dim}: the MoE layers "
                 "read and write the residual stream."
             )
+        check_pad_token_id(self)
 
     @property
     def attention_head_dim(self) -> int:

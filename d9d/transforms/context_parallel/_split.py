@@ -144,6 +144,11 @@ def hf_ring_attention(
             f"{kwargs['softcap']}), which context_parallel's ring attention does not do; build "
             "the model with attn_logit_softcapping=None, or train it without context_parallel"
         )
+    if kwargs.get("s_aux") is not None:  # GPT-OSS's sinks; silently dropped, logits differ
+        raise PlanError(
+            f"{type(module).__name__} adds attention sinks (s_aux) to its softmax, which "
+            "context_parallel's ring attention does not do; train it without context_parallel"
+        )
     causal = bool(getattr(module, "is_causal", True))
     window = kwargs.get("sliding_window")
     out = attend(query, key, value, causal=causal, scale=scaling, window=window)

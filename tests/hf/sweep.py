@@ -1,0 +1,318 @@
+"""The family sweep: every causal-LM family of the installed ``transformers`` whose config has a
+tensor-parallel plan, tiny and in float64, under ``fsdp=2``, ``tp=2``, ``cp=2`` and ``pp=2``
+against one device over 3 AdamW steps with uneven ignored labels (``hf_families.data``).
+
+Each cell ends as one of: ``equal`` (at float64's rel 1e-9), ``equal~`` (at rel 1e-5: the
+float32 rounding that ``transformers`` norms do, as Gemma's in ``test_hf_families.py``),
+``refused`` (a ``PlanError`` naming the reason), ``wrong`` (no error, other numbers: a bug),
+``crash`` (another error: a bug, or a family whose tiny config ``transformers`` cannot run) or
+``unbuilt`` (no tiny config of this family builds; no layout ran). ``tp=2`` first runs with
+sequence parallelism; refused for a module kept whole on tp, it reruns with
+``sequence_parallel=False`` (``equal (no sp)``).
+
+``python sweep.py --all`` (from ``tests/hf``) runs every cell and prints the table;
+``--write-docs`` writes it into ``docs/huggingface.md`` between its markers; ``--merge``
+takes the printed cells of earlier runs (a run cut short, a rerun of some cells) instead.
+``test_hf_sweep.py`` runs the fixed sample :data:`SAMPLE` in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import json
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "distributed")]
+
+from equivalence import reference, run  # noqa: E402
+from hf_families import data  # noqa: E402
+
+import d9d  # noqa: E402
+from d9d.errors import RankFailedError  # noqa: E402
+
+LAYOUT_NAMES = ("fsdp=2", "tp=2", "cp=2", "pp=2")
+_LAYOUTS: dict[str, tuple[dict[str, int], Callable[[Any], list]]] = {
+    "fsdp=2": ({"fsdp": 2}, lambda mesh: [d9d.shard_params(mesh, "fsdp")]),
+    "tp=2": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh)]),
+    "tp=2 no sp": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh, sequence_parallel=False)]),
+    "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh)]),
+    "pp=2": ({"pp": 2}, lambda mesh: [d9d.pipeline(mesh, microbatches=2)]),
+}
+
+# Sizes every family gets where its config has the field: vocab 97 (an uneven shard over 2
+# ranks), hidden 48, 2 layers, 6 query heads of 8 dims over 2 kv heads (latent attention:
+# ranks 16 and 24, 4 + 4 q/k dims, 8 v dims), 4 experts of which 2 per token in one group, no dropout (its draws would differ between layouts); every config gets eager
+# experts (torch's grouped mm takes no float64).
+_SIZES: dict[str, Any] = {
+    "vocab_size": 97,
+    "hidden_size": 48,
+    "intermediate_size": 40,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "rotary_dim": 4,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "embd_pdrop": 0.0,
+    "resid_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "dropout": 0.0,
+}
+_MAX_PARAMS = 5_000_000
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+SAMPLE: tuple[tuple[str, str, str, str], ...] = (
+    # (family, layout, result, a part of the reason): one cell per path of d9d.hf it covers.
+    ("granite", "tp=2", "equal", ""),  # rules from the plan alone
+    ("starcoder2", "tp=2", "equal", ""),  # other names (c_fc, c_proj), biases
+    ("phi", "tp=2", "equal", ""),  # a head with a bias: vocab-parallel too
+    ("hunyuan_v1_dense", "tp=2", "equal", ""),  # FILL: the plan names the embedding only
+    ("olmo2", "tp=2", "equal (no sp)", "no sp: module"),  # norms over all heads, gathered
+    ("granitemoe", "tp=2", "equal (no sp)", "no sp: module"),  # a router named router
+    ("beam", "tp=2", "refused", "tp plan style local_params (not implemented by d9d)"),
+    ("gpt_oss", "cp=2", "refused", "adds attention sinks (s_aux)"),
+    ("gpt_neox", "fsdp=2", "equal", ""),
+    ("gptj", "pp=2", "equal", ""),
+)
+"""The cells CI runs (``test_hf_sweep.py``), as the full sweep of ``transformers`` 5.24 found
+them: fixed, so CI runs the same cells every time; a later session rotates them by hand."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One family under one layout: ``result`` (see the module docstring) and why."""
+
+    family: str
+    layout: str
+    result: str
+    reason: str = ""
+    seconds: float = 0.0
+
+
+def families() -> list[str]:
+    """Every causal-LM ``model_type`` of the installed ``transformers`` with a tp plan."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config_class = transformers.CONFIG_MAPPING[model_type]
+        except (KeyError, ImportError, AttributeError):
+            continue
+        if getattr(config_class, "base_model_tp_plan", None):
+            found.append(model_type)
+    return found
+
+
+def tiny_config(model_type: str) -> Any:
+    """The family's default config with :data:`_SIZES` where it has the field, token ids moved
+    into the vocab, per-layer lists cut to 2 layers."""
+    import transformers
+
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    defaults = config_class()
+    fields = {k: v for k, v in _SIZES.items() if hasattr(defaults, k)}
+    for key in _TOKEN_IDS:
+        value = getattr(defaults, key, None)
+        if isinstance(value, int) and value >= _SIZES["vocab_size"]:
+            fields[key] = _SIZES["vocab_size"] - 1
+        elif isinstance(value, list):
+            fields[key] = [v if v < _SIZES["vocab_size"] else 2 for v in value]
+    if "qk_rope_head_dim" in fields and "head_dim" in fields:  # latent attention ropes these
+        fields["head_dim"] = fields["qk_rope_head_dim"]
+    layers = _SIZES["num_hidden_layers"]
+    for key, value in vars(defaults).items():  # random draws differ between layouts
+        if isinstance(value, float) and re.search(r"dropout|jitter|pdrop", key):
+            fields[key] = 0.0
+        elif key == "layer_types" and isinstance(value, list) and value:
+            fields[key] = (value * layers)[:layers]
+    return config_class(**fields, experts_implementation="eager")
+
+
+@functools.cache
+def _module(model_type: str) -> torch.nn.Module:
+    import transformers
+
+    config = tiny_config(model_type)
+    model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with torch.device("meta"):  # sub-configs _SIZES does not reach (Phi-4-multimodal's
+        size = sum(p.numel() for p in model_class(config).parameters())  # encoders: 18 GB)
+    if size > _MAX_PARAMS:
+        raise ValueError(f"the tiny config still has {size:,} params (> {_MAX_PARAMS:,})")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return model_class(config).to(torch.float64)
+
+
+def build(model_type: str) -> Callable[[], d9d.Model]:
+    """A builder of the family's tiny float64 model, functionalized with d9d.hf's rules."""
+    module = _module(model_type)
+    return lambda: d9d.functionalize(copy.deepcopy(module))
+
+
+@functools.cache
+def _reference(model_type: str):
+    return reference(build(model_type), data())
+
+
+def run_cell(family: str, layout: str) -> Cell:
+    """Run one cell (see the module docstring)."""
+    start = time.perf_counter()
+    try:
+        make = build(family)
+        expected = _reference(family)
+    except Exception as error:
+        return Cell(family, layout, "unbuilt", _first_line(error), time.perf_counter() - start)
+    result, reason = _compare(make, layout, expected)
+    if layout == "tp=2" and result == "refused" and "sequence_parallel=False" in reason:
+        result, again = _compare(make, "tp=2 no sp", expected)
+        reason = again if result not in ("equal", "equal~") else "no sp: " + reason
+        if result in ("equal", "equal~"):
+            result += " (no sp)"
+    return Cell(family, layout, result, reason, time.perf_counter() - start)
+
+
+def _compare(make, layout: str, expected) -> tuple[str, str]:
+    mesh_axes, transforms = _LAYOUTS[layout]
+    method = "fork" if "pp" in mesh_axes else "thread"
+    try:
+        ranks = run(make, transforms, mesh_axes, data(), method=method)
+    except RankFailedError as error:
+        text = str(error)
+        found = re.search(r"PlanError: (.*)", text)
+        if found:
+            return "refused", found.group(1).strip()
+        return "crash", _first_error(text)
+    except Exception as error:
+        return "crash", _first_line(error)
+    ref_losses, ref_params = expected
+    pairs = [
+        pair
+        for losses, params in ranks
+        for pair in [(losses, ref_losses), *((v, ref_params[k]) for k, v in params.items())]
+    ]
+    if all(torch.allclose(got, want, rtol=1e-9, atol=1e-12) for got, want in pairs):
+        return "equal", ""
+    worst = max(
+        float(((got - want).abs() / want.abs().clamp_min(1e-7)).max()) for got, want in pairs
+    )
+    if all(torch.allclose(got, want, rtol=1e-5, atol=1e-7) for got, want in pairs):
+        return "equal~", f"rel {worst:.1e}"
+    return "wrong", f"rel {worst:.1e}"
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+
+
+def _first_error(text: str) -> str:
+    found = re.search(r"rank \d+: (\w+(Error|Exception)[^\n]*)", text)
+    return found.group(1) if found else text.strip().splitlines()[0]
+
+
+def reason_group(reason: str) -> str:
+    """A refusal's reason without its paths and values, to count refusals by reason."""
+    text = re.sub(r" \(rules cover \[[^]]*\]\)", "", reason.split(";")[0])
+    text = re.sub(r"'[\w-]+(\.[\w-]+)+'", "'…'", text)  # module and param paths
+    return re.sub(r"\b\d+(\.\d+)?\b", "N", text)[:160]
+
+
+def table(cells: list[Cell]) -> str:
+    """The Markdown summary: a family count per layout and result, refusals by reason."""
+    by_layout: dict[str, Counter] = defaultdict(Counter)
+    for cell in cells:
+        by_layout[cell.layout][cell.result.split(" ")[0]] += 1
+    results = ("equal", "equal~", "refused", "wrong", "crash", "unbuilt")
+    lines = [
+        "| layout | families | " + " | ".join(results) + " |",
+        "|---" * (len(results) + 2) + "|",
+    ]
+    for layout in LAYOUT_NAMES:
+        if layout in by_layout:
+            counts = by_layout[layout]
+            row = [layout, str(sum(counts.values()))] + [str(counts[r]) for r in results]
+            lines.append("| " + " | ".join(row) + " |")
+    refusals = Counter(
+        (c.layout, reason_group(c.reason)) for c in cells if c.result.startswith("refused")
+    )
+    if refusals:
+        lines += ["", "| layout | refusals | reason |", "|---|---|---|"]
+        for (layout, reason), count in sorted(refusals.items(), key=lambda x: (x[0][0], -x[1])):
+            lines.append(f"| {layout} | {count} | {reason.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+_BEGIN = "<!-- sweep table: begin (python sweep.py --all --write-docs, from tests/hf) -->"
+_END = "<!-- sweep table: end -->"
+
+
+def write_docs(cells: list[Cell], path: Path) -> None:
+    text = path.read_text()
+    start, end = text.index(_BEGIN) + len(_BEGIN), text.index(_END)
+    path.write_text(text[:start] + "\n" + table(cells) + "\n" + text[end:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="every family with a tp plan")
+    parser.add_argument("--families", default="", help="comma-separated model types")
+    parser.add_argument("--layouts", default=",".join(LAYOUT_NAMES))
+    parser.add_argument("--json", type=Path, help="write every cell here")
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--merge",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="outputs of earlier runs (their JSON lines), later ones winning per cell",
+    )
+    args = parser.parse_args(argv)
+    chosen = families() if args.all else [f for f in args.families.split(",") if f]
+    merged: dict[tuple[str, str], Cell] = {}
+    for path in args.merge:
+        for line in path.read_text().splitlines():
+            if line.startswith("{"):
+                cell = Cell(**json.loads(line))
+                merged[cell.family, cell.layout] = cell
+    cells = list(merged.values())
+    for family in chosen:
+        for layout in args.layouts.split(","):
+            cell = run_cell(family, layout)
+            cells.append(cell)
+            print(json.dumps(dataclasses.asdict(cell)), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1))
+    print(table(cells))
+    if args.write_docs:
+        write_docs(cells, Path(__file__).parents[2] / "docs" / "huggingface.md")
+
+
+if __name__ == "__main__":
+    main()
