@@ -22,15 +22,13 @@ CORE = (
     "d9d._runtime",
     "d9d._context",
     "d9d._collectives",
-    "d9d._regather",
-    "d9d._prefetch",
     "d9d._apply",
     "d9d._model",
     "d9d._autodiff",
     "d9d._place",
     "d9d._step",
     "d9d._transform",
-    "d9d._backward_graph",
+    "d9d._backward_region",
     "d9d._jit",
 )
 # A module may import modules of its own layer and of the layers before it, never after.

@@ -16,12 +16,13 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 import d9d
-import d9d._jit
-from d9d._backward_graph import in_backward, rematerialize
+from d9d._backward_region import in_backward
 from d9d._context import running
 from d9d.errors import PlanError, RankFailedError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import KeptBytes, run_on_ranks
+from d9d.transforms.remat import _runtime as remat_runtime
+from d9d.transforms.remat._graph_pass import rematerialize
 
 LAYOUTS: dict[str, tuple[dict[str, int], Callable[[Any], list[Any]]]] = {
     "one device": ({"dp": 1}, lambda mesh: []),
@@ -132,7 +133,7 @@ def recomputed(monkeypatch: pytest.MonkeyPatch) -> list[fx.GraphModule]:
         graphs.append(rematerialize(graph))
         return graphs[-1]
 
-    monkeypatch.setattr(d9d._jit, "rematerialize", recording)
+    monkeypatch.setattr(remat_runtime, "rematerialize", recording)
     return graphs
 
 

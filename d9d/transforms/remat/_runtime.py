@@ -9,8 +9,9 @@ call's environment entered again: the interceptions of the block's modules
 (``tensor_parallel``'s collectives) are in place as in the forward.
 
 Under ``d9d.jit`` Dynamo turns each checkpoint into a tagged region of the one
-forward-loss-backward graph, and AOT autograd duplicates the region's tagged nodes into the
-backward (``torch._functorch.config.remat_using_tags_for_fwd_loss_bwd_graph``). The Python
+forward-loss-backward graph, and this runtime's graph pass (``_graph_pass.rematerialize``,
+torch's ``remat_using_tags_for_fwd_loss_bwd_graph`` over d9d's graph) duplicates the
+region's tagged nodes into the backward. The Python
 work inside a region (the swap of gathered params into the block and back) happens once, at
 trace time, and is not replayed, which Dynamo must be told
 (``skip_fwd_side_effects_in_bwd_under_checkpoint``: :meth:`RematRuntime.jit_config`).
@@ -25,9 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import fx
 from torch.utils.checkpoint import checkpoint
 
 from ..._runtime import ApplyCall, Interception, Runtime
+from ._graph_pass import rematerialize
 from ._policies import compiled_contexts, selective_contexts
 
 __all__ = ["RematRuntime"]
@@ -48,6 +51,9 @@ class RematRuntime(Runtime):
 
     def jit_config(self) -> dict[str, Any]:
         return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+
+    def graph_passes(self) -> tuple[Callable[[fx.GraphModule], fx.GraphModule], ...]:
+        return (rematerialize,)
 
     def one_backward_only(self) -> str | None:
         if self.policy == "selective":

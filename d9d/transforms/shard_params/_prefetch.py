@@ -28,9 +28,10 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor
 
-from ._collectives import IssuedGather, issue_gather
-from ._plan import Plan
-from ._structure import Block
+from ..._collectives import IssuedGather, issue_gather
+from ..._plan import Plan
+from ..._structure import Block
+from ._schedule import schedule_of
 
 __all__ = ["ForwardPrefetch", "prefetches"]
 
@@ -43,7 +44,7 @@ def prefetches(plan: Plan, keys: list[str], params: Mapping[str, Any]) -> bool:
         for k in keys
         if isinstance(params[k], DTensor) and plan.entries[k].compute != plan.entries[k].storage
     ]
-    return bool(gathered) and all(plan.entries[k].prefetch for k in gathered)
+    return bool(gathered) and all(schedule_of(plan.entries[k]).prefetch for k in gathered)
 
 
 class ForwardPrefetch:

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._collectives import IssuedGather, gather_params, issue_gather
-from ._plan import Plan
+from ..._collectives import IssuedGather, gather_params, issue_gather
+from ..._plan import Plan
+from ._schedule import schedule_of
 
 __all__ = ["Regather"]
 
@@ -73,7 +74,7 @@ class Regather:
         kept = {
             k: v
             for k, v in gathered.items()
-            if self.plan.entries[k].regather and isinstance(self.params[k], DTensor)
+            if schedule_of(self.plan.entries[k]).regather and isinstance(self.params[k], DTensor)
         }
         for key, local in kept.items():
             self.gathered[_storage_key(local)] = (key, weakref.ref(local))
@@ -132,7 +133,7 @@ class Regather:
         if at == 0:
             return
         wanted = self._wanted(units[at - 1])
-        if wanted and all(self.plan.entries[k].prefetch for k in wanted):
+        if wanted and all(schedule_of(self.plan.entries[k]).prefetch for k in wanted):
             detached = {k: self.params[k].detach() for k in wanted}
             self.issued = issue_gather(self.plan, wanted, detached)
 
