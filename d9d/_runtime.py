@@ -9,7 +9,11 @@ core calls every runtime, in transform order, at four places and never names a t
 - around ``Model.apply``: :meth:`Runtime.enter_apply` sees the :class:`ApplyCall` before the
   forward (it may change its inputs, stand a module in for another, and intercept modules
   and blocks) and :meth:`Runtime.exit_apply` after it, raised or not;
-- in the model's attention (:attr:`Runtime.attention`).
+- in model code that asks the running step for an op by name (:attr:`Runtime.ops`, e.g.
+  ``"attention"`` over the whole sequence);
+- when the step is placed: what it does to the backward (:meth:`Runtime.traits`) and what
+  it cannot run with (:meth:`Runtime.refusals`), matched by name across runtimes;
+- under ``d9d.jit``: a refusal, config options, graph passes.
 
 An interception runs around one module's forward for one call: ``enter`` may replace its
 inputs, ``around`` runs the forward (``torch.utils.checkpoint`` does), ``exit`` may replace
@@ -20,9 +24,10 @@ the core's own, which swaps a block's gathered params in, is the innermost.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -268,21 +273,24 @@ class Runtime:
     Attributes:
         drives_differentiation: This runtime runs ``d9d.value_and_grad`` itself
             (:meth:`differentiate`); at most one runtime of a step may.
-        attention: Attention over the whole sequence to use instead of the local one
-            (``attend(q, k, v, *, causal, scale)``), or None.
+        ops: ``{name: fn}``: ops model code asks the running step for by name
+            (:func:`d9d._context.step_op`) instead of its own; the first runtime with one wins.
+            ``"attention"``: ``attend(q, k, v, *, causal, scale)`` over the whole sequence.
     """
 
     drives_differentiation: bool = False
-    attention: Callable[..., torch.Tensor] | None = None
+    ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
 
-    def split_backward(self) -> str | None:
-        """How this runtime's differentiation runs a block's backward in more than one
-        autograd pass (input grads, then weight grads), or None: it runs one."""
-        return None
+    def traits(self) -> dict[str, str]:
+        """``{trait: how}``: what this runtime does that another may be unable to run with
+        (``"split backward"``: a block's backward runs in two autograd passes, input grads
+        then weight grads), each with the words that say how."""
+        return {}
 
-    def one_backward_only(self) -> str | None:
-        """Why the blocks this runtime wraps allow a single backward pass, or None."""
-        return None
+    def refusals(self) -> dict[str, str]:
+        """``{trait: why}``: the traits of other runtimes this one cannot run with, each
+        with the words that say why; the step refuses the pair by name when placed."""
+        return {}
 
     def on_batch(self, batch: Any) -> Any:
         """The batch the step body sees (this rank's part of it)."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
+from ..._phase import Phase
 from ..._plan import ParamPlan, Plan
 from ..._transform import Transform
 from ...errors import PlanError
@@ -35,7 +36,7 @@ class Pipeline(Transform):
     """The ``pipeline`` transform; build it with :func:`pipeline`."""
 
     name: ClassVar[str] = "pipeline"
-    after: ClassVar[tuple[str, ...]] = ("context_parallel", "shard_params", "tensor_parallel")
+    phase: ClassVar[Phase] = Phase.STAGES
     mesh: DeviceMesh
     axis: str = "pp"
     stages: tuple[str, ...] | None = None

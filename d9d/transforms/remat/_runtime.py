@@ -55,16 +55,17 @@ class RematRuntime(Runtime):
     def graph_passes(self) -> tuple[Callable[[fx.GraphModule], fx.GraphModule], ...]:
         return (rematerialize,)
 
-    def one_backward_only(self) -> str | None:
+    def refusals(self) -> dict[str, str]:
         if self.policy == "selective":
             # torch's selective checkpoint hands each kept output to one recomputation; a
             # second backward pass over the block recomputes it again and finds it consumed.
-            return (
+            why = (
                 "a block's kept outputs serve one backward pass (torch's selective checkpoint "
                 "consumes them): use remat('full'), which recomputes the block in each pass, "
                 "or a schedule without zero bubble ('1f1b', 'interleaved_1f1b')"
             )
-        return None
+            return {"split backward": why}
+        return {}
 
     def _checkpointed(
         self, call: ApplyCall, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any

@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor
 
 from ..._collectives import IssuedGather, gather_params, issue_gather
 from ..._plan import Plan
-from ._schedule import schedule_of
 
 __all__ = ["Regather"]
 
@@ -46,8 +45,14 @@ class Regather:
     """Saved-tensor hooks (:meth:`pack`, :meth:`unpack`) that drop gathered params and gather
     them again in the backward."""
 
-    def __init__(self, plan: Plan, params: Any) -> None:
+    def __init__(
+        self, plan: Plan, params: Any, again: frozenset[str], early: frozenset[str]
+    ) -> None:
+        """``again``, ``early``: paths of the params whose schedule says ``regather``, and
+        ``prefetch``."""
         self.plan = plan
+        self.again = again
+        self.early = early
         self.params = params
         self.gathered: dict[int, tuple[str, weakref.ref]] = {}
         self.pending: dict[str, int] = {}
@@ -74,7 +79,7 @@ class Regather:
         kept = {
             k: v
             for k, v in gathered.items()
-            if schedule_of(self.plan.entries[k]).regather and isinstance(self.params[k], DTensor)
+            if k in self.again and isinstance(self.params[k], DTensor)
         }
         for key, local in kept.items():
             self.gathered[_storage_key(local)] = (key, weakref.ref(local))
@@ -133,7 +138,7 @@ class Regather:
         if at == 0:
             return
         wanted = self._wanted(units[at - 1])
-        if wanted and all(schedule_of(self.plan.entries[k]).prefetch for k in wanted):
+        if wanted and all(k in self.early for k in wanted):
             detached = {k: self.params[k].detach() for k in wanted}
             self.issued = issue_gather(self.plan, wanted, detached)
 

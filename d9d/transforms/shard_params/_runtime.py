@@ -38,8 +38,11 @@ class ShardParamsRuntime(Runtime):
     def __init__(self, plan: Plan, microbatches: int) -> None:
         self.microbatches = microbatches
         self.drives_differentiation = microbatches > 1
-        entries = (plan.entries[p] for p in plan.held)
-        self.regathers = any(schedule_of(e).regather and e.compute != e.storage for e in entries)
+        schedules = {p: schedule_of(plan.entries[p]) for p in plan.held}
+        # Read once here: the gathers ask per param and per call.
+        self.again = frozenset(p for p, s in schedules.items() if s.regather)
+        self.early = frozenset(p for p, s in schedules.items() if s.prefetch)
+        self.regathers = any(plan.entries[p].compute != plan.entries[p].storage for p in self.again)
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         return accumulate(job, self.microbatches)
@@ -47,7 +50,8 @@ class ShardParamsRuntime(Runtime):
     def enter_apply(self, call: ApplyCall) -> None:
         if torch.compiler.is_compiling():
             return
-        boundary = _Boundary(call, Regather(call.plan, call.params) if self.regathers else None)
+        regather = Regather(call.plan, call.params, self.again, self.early)
+        boundary = _Boundary(call, regather if self.regathers else None, self.early)
         call.state[self] = boundary
         call.gather = boundary.gather
         if boundary.regather is not None:
@@ -63,8 +67,9 @@ class ShardParamsRuntime(Runtime):
 class _Boundary:
     """One call's gathers: each unit's, waiting for one issued ahead, issuing the next."""
 
-    def __init__(self, call: ApplyCall, regather: Regather | None) -> None:
+    def __init__(self, call: ApplyCall, regather: Regather | None, early: frozenset[str]) -> None:
         self.call = call
+        self.early = early
         self.regather = regather
         self.prefetch: ForwardPrefetch | None = None
         self.started = False
@@ -74,7 +79,7 @@ class _Boundary:
         blocks, gathered first, once every runtime has entered the call)."""
         if not self.started:
             self.started = True
-            self.prefetch = _forward_prefetch(self.call)
+            self.prefetch = _forward_prefetch(self.call, self.early)
         prefetch = self.prefetch
         # Taken inline: no frame of this one keeps the issued buffer alive past the gather.
         gathered = gather_params(
@@ -96,7 +101,7 @@ class _Boundary:
             self.regather.close()
 
 
-def _forward_prefetch(call: ApplyCall) -> ForwardPrefetch | None:
+def _forward_prefetch(call: ApplyCall, early: frozenset[str]) -> ForwardPrefetch | None:
     """The call's forward prefetch, if some block's gather may be issued ahead: blocks that
     another runtime's interception runs ``around`` (a checkpoint) may run again, and gather
     for themselves."""
@@ -107,5 +112,5 @@ def _forward_prefetch(call: ApplyCall) -> ForwardPrefetch | None:
         for b in blocks
         if any(i.around is not None for i in call.interceptions.get(b.path, ()))
     }
-    prefetch = ForwardPrefetch(call.plan, call.params, units, rerun)
+    prefetch = ForwardPrefetch(call.plan, call.params, units, rerun, early)
     return prefetch if prefetch.active else None

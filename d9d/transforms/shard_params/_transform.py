@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ..._phase import Phase
 from ..._plan import Cast, ParamPlan, Plan
 from ..._transform import Transform
 from ...errors import PlanError
@@ -33,7 +34,7 @@ class ShardParams(Transform):
     """The ``shard_params`` transform; build it with :func:`shard_params`."""
 
     name: ClassVar[str] = "shard_params"
-    after: ClassVar[tuple[str, ...]] = ("tensor_parallel",)
+    phase: ClassVar[Phase] = Phase.STORAGE
     mesh: DeviceMesh
     axis: str | None = "fsdp"
     replicate_axis: str | None = None
