@@ -50,8 +50,10 @@ class ShardParamsRuntime(Runtime):
     def enter_apply(self, call: ApplyCall) -> None:
         if torch.compiler.is_compiling():
             return
-        regather = Regather(call.plan, call.params, self.again, self.early)
-        boundary = _Boundary(call, regather if self.regathers else None, self.early)
+        regather = (
+            Regather(call.plan, call.params, self.again, self.early) if self.regathers else None
+        )
+        boundary = _Boundary(call, regather, self.early)
         call.state[self] = boundary
         call.gather = boundary.gather
         if boundary.regather is not None:
