@@ -13,7 +13,6 @@ this after ``apply`` returns.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -54,16 +53,25 @@ def apply_in_step(
         saved = [slot.swap(locals_[key]) for slot, key in zip(running, keys, strict=True)]
         saved += [slot.swap(buffers[slot.key]) for slot in structure.buffer_slots]
         try:
-            with call.environment(), contextlib.ExitStack() as contexts:
-                for context in call.contexts:
-                    contexts.enter_context(context)
-                return structure.module(*call.args, **call.kwargs)
+            with call.environment():
+                return _forward_within(call.contexts, structure.module, call.args, call.kwargs)
         finally:
             for slot, old in zip((*running, *structure.buffer_slots), saved, strict=True):
                 slot.swap(old)
     finally:
         for runtime in reversed(entered):
             runtime.exit_apply(call)
+
+
+def _forward_within(
+    contexts: list[Any], module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``module(*args, **kwargs)`` inside ``contexts``, the first outermost (nested ``with``
+    blocks, not an ``ExitStack``, which Dynamo traces poorly)."""
+    if not contexts:
+        return module(*args, **kwargs)
+    with contexts[0]:
+        return _forward_within(contexts[1:], module, args, kwargs)
 
 
 def _gather_now(call: ApplyCall, block: Block | None, keys: list[str]) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def _grouped(
     plan: Plan, paths: list[str], params: Mapping[str, Any]
 ) -> tuple[list[str], dict[tuple, list[str]]]:
     """``(alone, groups)``: the stored DTensors of ``paths`` that cannot share a collective,
-    and ``{(axis, codec, reduce dtype, grad placement): paths}`` of those gathered from
+    and ``{(axis, codec, compute dtype, reduce dtype, grad placement): paths}`` of those gathered from
     ``Shard`` to ``Replicate`` over one mesh axis (a group of one takes a collective alone)."""
     alone: list[str] = []
     groups: dict[tuple, list[str]] = {}
@@ -169,7 +169,7 @@ def _grouped(
             alone.append(path)
             continue
         axis = found[0]
-        key = (axis, e.codec or Cast(e.dtype), e.reduce_dtype or e.dtype, e.grad[axis])
+        key = (axis, e.codec, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
         groups.setdefault(key, []).append(path)
     return alone, groups
 
@@ -216,7 +216,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
             axis = key[0]
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
-            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], key[1])
+            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], key[1], key[2])
             buffers[key] = _c10d.all_gather_into_tensor(
                 flat, plan.mesh.shape[axis], plan.group_names[axis]
             )
@@ -317,14 +317,20 @@ def _layouts(
 
 
 def _flat_shards(
-    stored: list[DTensor], entries: list[ParamPlan], axis: int, ranks: int, codec: Cast
+    stored: list[DTensor],
+    entries: list[ParamPlan],
+    axis: int,
+    ranks: int,
+    codec: Cast | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The all-gather input: each shard encoded by ``codec``, its sharded dim moved first and
-    padded to the largest shard's rows, flattened and concatenated."""
+    """The all-gather input: each shard encoded by ``codec`` (None: as ``dtype``), its sharded
+    dim moved first and padded to the largest shard's rows, flattened and concatenated."""
     pieces = []
     for tensor, entry in zip(stored, entries, strict=True):
         dim = entry.storage[axis].dim
-        rows = codec.encode(tensor.to_local()).movedim(dim, 0)
+        local = tensor.to_local()
+        rows = (local.to(dtype) if codec is None else codec.encode(local)).movedim(dim, 0)
         pieces.append(_padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
     return torch.cat(pieces)
 
@@ -342,7 +348,7 @@ class _GatherMany(torch.autograd.Function):
     ) -> Any:
         ranks = mesh.shape[axis]
         first = entries[0]
-        codec = first.codec or Cast(stored[0].dtype)
+        codec, dtype = first.codec, first.compute_dtype or stored[0].dtype
         layouts = _layouts(list(stored), list(entries), axis, ranks)
         group = groups[axis]
         ctx.mesh, ctx.axis, ctx.groups, ctx.entries, ctx.layouts = (
@@ -357,7 +363,7 @@ class _GatherMany(torch.autograd.Function):
         ctx.reduce_dtype = first.reduce_dtype or stored[0].dtype
         ctx.defer = _deferring()
         if issued is None:
-            flat = _flat_shards(list(stored), list(entries), axis, ranks, codec)
+            flat = _flat_shards(list(stored), list(entries), axis, ranks, codec, dtype)
             issued = _c10d.all_gather_into_tensor(flat, ranks, group)
         gathered = _c10d.wait_tensor(issued).view(ranks, -1)
         outs, offset = [], 0
@@ -370,7 +376,7 @@ class _GatherMany(torch.autograd.Function):
             out = out if out.is_contiguous() else out.contiguous()
             if ranks == 1 or len(entries) == 1:
                 out = out.clone()  # a view of the buffer: the regather hooks key on storages
-            outs.append(codec.decode(out))
+            outs.append(out if codec is None else codec.decode(out))
             offset += size
         return tuple(outs)
 

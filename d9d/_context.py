@@ -118,12 +118,12 @@ def sequence_attention() -> Callable[..., Any] | None:
 
 
 def step_op(name: str) -> Callable[..., Any] | None:
-    """The op ``name`` a runtime of the running step substitutes (``Runtime.ops``), or None."""
+    """The op ``name`` a runtime of the running step substitutes (``Runtime.op``), or None."""
     step = _state.step
     if step is None:
         return None
     for runtime in step.runtimes:
-        op = runtime.ops.get(name)
+        op = runtime.op(name)
         if op is not None:
             return op
     return None

@@ -9,7 +9,7 @@ core calls every runtime, in transform order, at four places and never names a t
 - around ``Model.apply``: :meth:`Runtime.enter_apply` sees the :class:`ApplyCall` before the
   forward (it may change its inputs, stand a module in for another, and intercept modules
   and blocks) and :meth:`Runtime.exit_apply` after it, raised or not;
-- in model code that asks the running step for an op by name (:attr:`Runtime.ops`, e.g.
+- in model code that asks the running step for an op by name (:meth:`Runtime.op`, e.g.
   ``"attention"`` over the whole sequence);
 - when the step is placed: what it does to the backward (:meth:`Runtime.traits`) and what
   it cannot run with (:meth:`Runtime.refusals`), matched by name across runtimes;
@@ -24,10 +24,9 @@ the core's own, which swaps a block's gathered params in, is the innermost.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -273,13 +272,17 @@ class Runtime:
     Attributes:
         drives_differentiation: This runtime runs ``d9d.value_and_grad`` itself
             (:meth:`differentiate`); at most one runtime of a step may.
-        ops: ``{name: fn}``: ops model code asks the running step for by name
-            (:func:`d9d._context.step_op`) instead of its own; the first runtime with one wins.
-            ``"attention"``: ``attend(q, k, v, *, causal, scale)`` over the whole sequence.
     """
 
     drives_differentiation: bool = False
-    ops: Mapping[str, Callable[..., Any]] = MappingProxyType({})
+
+    def op(self, name: str) -> Callable[..., Any] | None:
+        """The op model code asks the running step for by ``name``
+        (:func:`d9d._context.step_op`) to use instead of its own, or None; the first runtime
+        with one wins. ``"attention"``: ``attend(q, k, v, *, causal, scale)`` over the whole
+        sequence."""
+        del name
+        return None
 
     def traits(self) -> dict[str, str]:
         """``{trait: how}``: what this runtime does that another may be unable to run with

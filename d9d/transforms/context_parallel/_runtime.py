@@ -8,6 +8,7 @@ model is switched to the ``"d9d_ring"`` attention implementation for the call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..._runtime import ApplyCall, Runtime
@@ -21,7 +22,9 @@ class ContextParallelRuntime(Runtime):
 
     def __init__(self, split: SequenceSplit) -> None:
         self.split = split
-        self.ops = {"attention": split.attention}
+
+    def op(self, name: str) -> Callable[..., Any] | None:
+        return self.split.attention if name == "attention" else None
 
     def on_batch(self, batch: Any) -> Any:
         return self.split.split_batch(batch)
