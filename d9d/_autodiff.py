@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import tree
-from ._backward_graph import backward_region
+from ._backward_region import backward_region
 from ._collectives import reduce_to
 from ._context import count_tokens, current
 from ._embedding_ids import named_inputs

@@ -29,7 +29,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ._context import current
-from ._plan import ParamPlan, Plan
+from ._plan import Cast, ParamPlan, Plan
 
 __all__ = [
     "IssuedGather",
@@ -65,22 +65,16 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTe
     return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
 
 
-def gather(
-    stored: DTensor,
-    mesh: DeviceMesh,
-    compute: tuple[Placement, ...],
-    grad: tuple[Placement, ...],
-    *,
-    compute_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """``stored`` cast to ``compute_dtype`` and redistributed to ``compute``, as a local tensor.
+def gather(stored: DTensor, mesh: DeviceMesh, entry: ParamPlan) -> torch.Tensor:
+    """``stored`` encoded by ``entry.codec`` and redistributed to ``entry.compute``, as a
+    local tensor.
 
-    In the backward the local grad is taken as a DTensor laid out ``grad`` (``Partial`` on
-    the data-parallel axes), cast to ``reduce_dtype`` and reduced to the stored placement by
-    :func:`reduce_to`; while accumulating microbatches it is returned unreduced.
+    In the backward the local grad is taken as a DTensor laid out ``entry.grad`` (``Partial``
+    on the data-parallel axes), cast to ``entry.reduce_dtype``, scaled by ``entry.grad_scale``
+    and reduced to ``entry.grad_kept`` by :func:`reduce_to`; while accumulating microbatches
+    it is returned unreduced.
     """
-    return _Gather.apply(stored, mesh, compute, grad, compute_dtype, reduce_dtype)
+    return _Gather.apply(stored, mesh, entry)
 
 
 def reduce_to(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
@@ -114,31 +108,29 @@ def local_like(local: torch.Tensor, like: DTensor) -> DTensor:
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any,
-        stored: DTensor,
-        mesh: DeviceMesh,
-        compute: tuple[Placement, ...],
-        grad: tuple[Placement, ...],
-        compute_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None,
-    ) -> torch.Tensor:
-        ctx.mesh, ctx.grad, ctx.storage = mesh, grad, tuple(stored.placements)
+    def forward(ctx: Any, stored: DTensor, mesh: DeviceMesh, entry: ParamPlan) -> torch.Tensor:
+        ctx.mesh, ctx.entry = mesh, entry
         ctx.shape, ctx.stride, ctx.dtype = stored.shape, stored.stride(), stored.dtype
-        ctx.reduce_dtype, ctx.defer = reduce_dtype or stored.dtype, _deferring()
-        if compute_dtype is not None:
-            stored = stored.to(compute_dtype)
-        return stored.redistribute(mesh, compute).to_local()
+        ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, _deferring()
+        if entry.codec is not None:
+            stored = local_like(entry.codec.encode(stored.to_local()), stored)
+        gathered = stored.redistribute(mesh, entry.compute).to_local()
+        return gathered if entry.codec is None else entry.codec.decode(gathered)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, ...]:
-        local = grad.to(ctx.reduce_dtype)
+        entry = ctx.entry
+        local = _scaled(grad.to(ctx.reduce_dtype), entry)
         out = DTensor.from_local(
-            local, ctx.mesh, ctx.grad, run_check=False, shape=ctx.shape, stride=ctx.stride
+            local, ctx.mesh, entry.grad, run_check=False, shape=ctx.shape, stride=ctx.stride
         )
         if not ctx.defer:
-            out = reduce_to(out, ctx.storage).to(ctx.dtype)
-        return out, None, None, None, None, None
+            out = reduce_to(out, entry.grad_kept).to(ctx.dtype)
+        return out, None, None
+
+
+def _scaled(grad: torch.Tensor, entry: ParamPlan) -> torch.Tensor:
+    return grad if entry.grad_scale == 1 else grad * entry.grad_scale
 
 
 @dataclass(frozen=True)
@@ -164,7 +156,7 @@ def _grouped(
     plan: Plan, paths: list[str], params: Mapping[str, Any]
 ) -> tuple[list[str], dict[tuple, list[str]]]:
     """``(alone, groups)``: the stored DTensors of ``paths`` that cannot share a collective,
-    and ``{(axis, compute dtype, reduce dtype, grad placement): paths}`` of those gathered from
+    and ``{(axis, codec, compute dtype, reduce dtype, grad placement): paths}`` of those gathered from
     ``Shard`` to ``Replicate`` over one mesh axis (a group of one takes a collective alone)."""
     alone: list[str] = []
     groups: dict[tuple, list[str]] = {}
@@ -177,7 +169,7 @@ def _grouped(
             alone.append(path)
             continue
         axis = found[0]
-        key = (axis, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
+        key = (axis, e.codec, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
         groups.setdefault(key, []).append(path)
     return alone, groups
 
@@ -204,9 +196,7 @@ def gather_params(
         stored = [params[p] for p in members]
         entries = [plan.entries[p] for p in members]
         buffer = None if issued is None else issued.buffers[key]
-        gathered = gather_many(
-            stored, plan.mesh, entries, key[0], plan.group_names[key[0]], issued=buffer
-        )
+        gathered = gather_many(stored, plan.mesh, entries, key[0], plan.group_names, issued=buffer)
         out.update(zip(members, gathered, strict=True))
     return {p: out[p] for p in paths}
 
@@ -226,7 +216,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
             axis = key[0]
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
-            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], key[1])
+            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], key[1], key[2])
             buffers[key] = _c10d.all_gather_into_tensor(
                 flat, plan.mesh.shape[axis], plan.group_names[axis]
             )
@@ -234,14 +224,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
 
 
 def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
-    return gather(
-        stored,
-        plan.mesh,
-        entry.compute,
-        entry.grad,
-        compute_dtype=entry.compute_dtype,
-        reduce_dtype=entry.reduce_dtype,
-    )
+    return gather(stored, plan.mesh, entry)
 
 
 def _deferring() -> bool:
@@ -278,21 +261,37 @@ def gather_many(
     mesh: DeviceMesh,
     entries: list[ParamPlan],
     axis: int,
-    group: str,
+    groups: tuple[str, ...],
     *,
     issued: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Like :func:`gather` for several params sharded over the same mesh ``axis``, with one
-    all-gather for all of them (and one reduce-scatter of their grads in the backward).
+    all-gather for all of them (and one reduce-scatter of their grads in the backward, then
+    one all-reduce per other axis over which all their grads are ``Partial`` and kept whole:
+    HSDP's replicate axis, as FSDP2 reduces a param group).
 
     Each shard is padded to the largest shard's size along its sharded dim (as DTensor and
     FSDP2 lay uneven shards out), flattened and concatenated; the gathered buffer is cut
-    back into params. Entries must share the compute dtype, reduce dtype and grad placements.
-    ``group`` is the name of the axis's process group (looked up once, outside any graph).
+    back into params. Entries must share the codec, reduce dtype and grad placements.
+    ``groups`` are the names of the mesh axes' process groups (looked up once, outside any
+    graph).
     ``issued``: the all-gather of these shards, already issued (:func:`issue_gather`), to
     wait for instead of gathering.
     """
-    return list(_GatherMany.apply(mesh, axis, group, tuple(entries), issued, *stored))
+    return list(_GatherMany.apply(mesh, axis, groups, tuple(entries), issued, *stored))
+
+
+def _reduced_together(entries: tuple[ParamPlan, ...], axis: int) -> tuple[int, ...]:
+    """The mesh axes other than ``axis`` over which every entry's grad is ``Partial`` (with
+    one reduce op) and kept ``Replicate``: their grads can share one all-reduce per axis."""
+    first = entries[0]
+    return tuple(
+        i
+        for i, p in enumerate(first.grad)
+        if i != axis
+        and isinstance(p, Partial)
+        and all(e.grad[i] == p and isinstance(e.grad_kept[i], Replicate) for e in entries)
+    )
 
 
 def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
@@ -318,14 +317,20 @@ def _layouts(
 
 
 def _flat_shards(
-    stored: list[DTensor], entries: list[ParamPlan], axis: int, ranks: int, dtype: torch.dtype
+    stored: list[DTensor],
+    entries: list[ParamPlan],
+    axis: int,
+    ranks: int,
+    codec: Cast | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The all-gather input: each shard cast to ``dtype``, its sharded dim moved first and
-    padded to the largest shard's rows, flattened and concatenated."""
+    """The all-gather input: each shard encoded by ``codec`` (None: as ``dtype``), its sharded
+    dim moved first and padded to the largest shard's rows, flattened and concatenated."""
     pieces = []
     for tensor, entry in zip(stored, entries, strict=True):
         dim = entry.storage[axis].dim
-        rows = tensor.to_local().to(dtype).movedim(dim, 0)
+        local = tensor.to_local()
+        rows = (local.to(dtype) if codec is None else codec.encode(local)).movedim(dim, 0)
         pieces.append(_padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
     return torch.cat(pieces)
 
@@ -336,27 +341,29 @@ class _GatherMany(torch.autograd.Function):
         ctx: Any,
         mesh: DeviceMesh,
         axis: int,
-        group: str,
+        groups: tuple[str, ...],
         entries: tuple,
         issued: torch.Tensor | None,
         *stored: DTensor,
     ) -> Any:
         ranks = mesh.shape[axis]
         first = entries[0]
-        dtype = first.compute_dtype or stored[0].dtype
+        codec, dtype = first.codec, first.compute_dtype or stored[0].dtype
         layouts = _layouts(list(stored), list(entries), axis, ranks)
-        ctx.mesh, ctx.axis, ctx.group, ctx.entries, ctx.layouts = (
+        group = groups[axis]
+        ctx.mesh, ctx.axis, ctx.groups, ctx.entries, ctx.layouts = (
             mesh,
             axis,
-            group,
+            groups,
             entries,
             layouts,
         )
+        ctx.over = _reduced_together(entries, axis)
         ctx.dtypes = [t.dtype for t in stored]
         ctx.reduce_dtype = first.reduce_dtype or stored[0].dtype
         ctx.defer = _deferring()
         if issued is None:
-            flat = _flat_shards(list(stored), list(entries), axis, ranks, dtype)
+            flat = _flat_shards(list(stored), list(entries), axis, ranks, codec, dtype)
             issued = _c10d.all_gather_into_tensor(flat, ranks, group)
         gathered = _c10d.wait_tensor(issued).view(ranks, -1)
         outs, offset = [], 0
@@ -369,7 +376,7 @@ class _GatherMany(torch.autograd.Function):
             out = out if out.is_contiguous() else out.contiguous()
             if ranks == 1 or len(entries) == 1:
                 out = out.clone()  # a view of the buffer: the regather hooks key on storages
-            outs.append(out)
+            outs.append(out if codec is None else codec.decode(out))
             offset += size
         return tuple(outs)
 
@@ -385,7 +392,7 @@ class _GatherMany(torch.autograd.Function):
                 None,
                 *(
                     DTensor.from_local(
-                        g.to(ctx.reduce_dtype),
+                        _scaled(g.to(ctx.reduce_dtype), e),
                         mesh,
                         e.grad,
                         run_check=False,
@@ -395,15 +402,19 @@ class _GatherMany(torch.autograd.Function):
                     for g, e, layout in zip(grads, entries, ctx.layouts, strict=True)
                 ),
             )
-        ranks, group = mesh.shape[axis], ctx.group
+        ranks, group = mesh.shape[axis], ctx.groups[axis]
         pieces = []
-        for grad, (dim, chunk, _, _, _) in zip(grads, ctx.layouts, strict=True):
-            rows = _padded(grad.to(ctx.reduce_dtype).movedim(dim, 0), ranks * chunk)
+        for grad, entry, (dim, chunk, _, _, _) in zip(grads, entries, ctx.layouts, strict=True):
+            rows = _padded(_scaled(grad.to(ctx.reduce_dtype), entry).movedim(dim, 0), ranks * chunk)
             pieces.append(rows.reshape(ranks, -1))
         flat = torch.cat(pieces, dim=1).reshape(-1)
         reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
         if entries[0].grad[axis].reduce_op == "avg":
             reduced = reduced / ranks
+        for other in ctx.over:  # the sharded axis first: 1/n of the bytes over the others
+            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "sum", ctx.groups[other]))
+            if entries[0].grad[other].reduce_op == "avg":
+                reduced = reduced / mesh.shape[other]
         out, offset = [], 0
         for entry, dtype, (dim, chunk, rest, mine, stride) in zip(
             entries, ctx.dtypes, ctx.layouts, strict=True
@@ -412,7 +423,8 @@ class _GatherMany(torch.autograd.Function):
             local = reduced[offset : offset + size].view(chunk, *rest)[:mine].movedim(0, dim)
             offset += size
             placements = tuple(
-                entry.storage[i] if i == axis else p for i, p in enumerate(entry.grad)
+                entry.storage[i] if i == axis else Replicate() if i in ctx.over else p
+                for i, p in enumerate(entry.grad)
             )
             grad = DTensor.from_local(
                 local.contiguous(),
@@ -422,5 +434,5 @@ class _GatherMany(torch.autograd.Function):
                 shape=torch.Size(entry.shape),
                 stride=stride,
             )
-            out.append(reduce_to(grad, entry.storage).to(dtype))
+            out.append(reduce_to(grad, entry.grad_kept).to(dtype))
         return (None, None, None, None, None, *out)

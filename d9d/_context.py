@@ -28,6 +28,7 @@ __all__ = [
     "record_tokens",
     "running",
     "sequence_attention",
+    "step_op",
 ]
 
 
@@ -109,14 +110,20 @@ def record_tokens(count: torch.Tensor) -> None:
 
 def sequence_attention() -> Callable[..., Any] | None:
     """The attention the running step substitutes for attention over the local sequence
-    (``context_parallel``'s ring attention), or None.
+    (its ``"attention"`` op: ring attention), or None.
 
     Model code asks it: ``attend(q, k, v, causal=..., scale=...)`` over ``[B, H, S, D]``.
     """
+    return step_op("attention")
+
+
+def step_op(name: str) -> Callable[..., Any] | None:
+    """The op ``name`` a runtime of the running step substitutes (``Runtime.op``), or None."""
     step = _state.step
     if step is None:
         return None
     for runtime in step.runtimes:
-        if runtime.attention is not None:
-            return runtime.attention
+        op = runtime.op(name)
+        if op is not None:
+            return op
     return None

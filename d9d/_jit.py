@@ -16,8 +16,7 @@ import torch._functorch.config
 import torch._inductor.compile_fx
 
 from . import tree
-from ._backward_graph import rematerialize
-from ._context import running
+from ._context import current, running
 from ._index_checks import guard_indices
 from ._step import OutermostStep, TransformedStep
 from .errors import DonatedTreeError, PlanError, RecompileError
@@ -56,8 +55,10 @@ class Jitted(OutermostStep):
             )
         inductor_options = torch._inductor.list_mode_options(mode, dynamic) if mode else {}
         self._compiler = _compiler(backend, inductor_options)
-        # d9d runs torch's rematerialization pass itself with these two backends.
-        self._remat_config = {
+        # With these two backends d9d runs the runtimes' graph passes, one of which
+        # rematerializes tagged regions in place of torch's own pass (which refuses d9d's
+        # graphs: d9d/transforms/remat/_graph_pass.py).
+        self._functorch_config = {
             "remat_using_tags_for_fwd_loss_bwd_graph": backend not in ("inductor", "aot_eager")
         }
         self._compiled = torch.compile(
@@ -107,7 +108,7 @@ class Jitted(OutermostStep):
         try:
             with (
                 _shared_patch(torch._dynamo.config, config),
-                _shared_patch(torch._functorch.config, self._remat_config),
+                _shared_patch(torch._functorch.config, self._functorch_config),
                 self._stance(),
                 running(context),
             ):
@@ -260,26 +261,33 @@ def _release(config: Any, names: list[str]) -> None:
 
 
 def _compiler(backend: str, inductor_options: dict[str, Any]) -> Callable[..., Any]:
-    """The backend that compiles a step's graph. With inductor and aot_eager, torch's
-    rematerialization of checkpointed blocks runs as :func:`rematerialize` (``remat``)."""
+    """The backend that compiles a step's graph. With inductor and aot_eager, the running
+    step's runtimes' graph passes run over the joint graph first (:func:`_with_graph_passes`)."""
     if backend == "inductor":
-        inner = _rematerializing(torch._inductor.compile_fx.compile_fx_inner)
+        inner = _with_graph_passes(torch._inductor.compile_fx.compile_fx_inner)
         return functools.partial(
             torch._inductor.compile_fx.compile_fx,
             inner_compile=inner,
             config_patches={**inductor_options, **_INDUCTOR_PATCHES},
         )
     if backend == "aot_eager":
-        nop = _rematerializing(torch._dynamo.backends.debugging.boxed_nop)
+        nop = _with_graph_passes(torch._dynamo.backends.debugging.boxed_nop)
         return functools.partial(torch._dynamo.backends.debugging.aot_eager, fw_compiler=nop)
     return torch._dynamo.lookup_backend(backend)
 
 
-def _rematerializing(compile_graph: Callable[..., Any]) -> Callable[..., Any]:
-    def compile_after_remat(graph: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        return compile_graph(rematerialize(graph), *args, **kwargs)
+def _with_graph_passes(compile_graph: Callable[..., Any]) -> Callable[..., Any]:
+    """``compile_graph`` after the graph passes of the step running on this thread (the
+    compile runs inside the call), in runtime order."""
 
-    return compile_after_remat
+    def compile_after_passes(graph: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        step = current()
+        for runtime in step.runtimes if step is not None else ():
+            for graph_pass in runtime.graph_passes():
+                graph = graph_pass(graph)
+        return compile_graph(graph, *args, **kwargs)
+
+    return compile_after_passes
 
 
 def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:

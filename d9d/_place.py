@@ -30,7 +30,13 @@ def without(state: Any, paths: set[str]) -> Any:
 
 def place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
     """``opt_state`` with each leaf shaped like a param whose path ends with that param's
-    path laid out like it; other tensors (step counts) moved to the mesh's device."""
+    path laid out as the param's plan keeps its state; other tensors (step counts) moved to
+    the mesh's device.
+
+    Raises:
+        PlanError: A param's plan keeps its state on another device than the mesh's (not
+            built yet).
+    """
     by_length = sorted(plan.entries, key=len, reverse=True)
 
     def place(path: str, leaf: Any) -> Any:
@@ -39,7 +45,14 @@ def place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
         for param in by_length:
             entry = plan.entries[param]
             if (path == param or path.endswith("." + param)) and tuple(leaf.shape) == entry.shape:
-                return distribute(leaf, mesh, entry.storage)
+                if entry.state_device not in (None, mesh.device_type):
+                    raise PlanError(
+                        f"the plan keeps the optimizer state of {param!r} on "
+                        f"{entry.state_device!r}, but the mesh is on {mesh.device_type!r}: "
+                        "optimizer state on another device is not built yet; keep it on the "
+                        "mesh's device (state_device=None)"
+                    )
+                return distribute(leaf, mesh, entry.state_kept)
         return leaf.to(mesh.device_type) if leaf.device.type != "meta" else leaf
 
     return tree.map_with_path(place, opt_state)

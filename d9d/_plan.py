@@ -1,13 +1,15 @@
 """Plans: per param, how it is stored, computed and reduced, and why; pure data.
 
-A transform's rule rewrites a :class:`ParamPlan`; the step gathers, reduces and checks from
-the plan (``_collectives``, ``_regather``, ``_place``); ``_plan_render`` prints it.
+A transform's rule rewrites a :class:`ParamPlan`; the step gathers, reduces, places and
+checks from the plan (``_collectives``, ``_place``), counts its memory from it (``_step``);
+``_plan_render`` prints it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,32 +19,65 @@ from ._plan_render import render_explanation, render_table
 from ._structure import Axes
 from .errors import PlanError
 
-__all__ = ["ParamPlan", "Plan"]
+__all__ = ["Cast", "ParamPlan", "Plan"]
+
+_A = TypeVar("_A")
+
+
+@dataclass(frozen=True)
+class Cast:
+    """The gather codec that casts a stored shard to ``dtype`` before it is all-gathered
+    (mixed precision: fp32 stored, bf16 gathered and computed with).
+
+    A gather codec says how a stored shard becomes what is all-gathered (``encode``), and
+    how the gathered buffer becomes the tensor blocks compute with (``decode``); params
+    with equal codecs share one all-gather. ``wire_dtype`` is the dtype on the wire.
+    """
+
+    dtype: torch.dtype
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype all-gathered."""
+        return self.dtype
+
+    def encode(self, shard: torch.Tensor) -> torch.Tensor:
+        """What is all-gathered for ``shard``."""
+        return shard.to(self.dtype)
+
+    def decode(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The tensor to compute with, from the gathered buffer."""
+        return gathered
 
 
 @dataclass(frozen=True)
 class ParamPlan:
-    """The layout of one param on the mesh.
+    """The layout of one param on the mesh: how it is stored, used, how its grad comes back
+    and is kept, how its optimizer state is kept, and the transforms' own notes on it.
 
     Attributes:
         path: The param's path.
         shape: Its global shape.
         dtype: Its dtype.
         axes: Its logical axis names (``None`` when unknown).
-        storage: Placement per mesh axis of the param, its grad and its optimizer state.
+        storage: Placement per mesh axis of the param as stored.
         compute: Placement per mesh axis while a block uses it.
         grad: Placement per mesh axis of the grad where it is computed (``Partial`` on the
             data-parallel axes: each rank holds the grad of its own batch).
         reasons: One line per transform that set a placement, for ``Plan.explain``.
-        compute_dtype: The dtype blocks compute with (None: the param's own).
+        codec: How a stored shard becomes what is gathered and computed with (:class:`Cast`),
+            or None: as stored.
         reduce_dtype: The dtype its grad is reduced in (None: the param's own).
-        stages: The pipeline stages holding it (empty without ``pipeline``).
-        stage_ranks: How many ranks of the plan's ``stage_group`` hold it (2 for a param
-            tied between the first and the last stage on two ranks), 1 without stages.
-        regather: Its gathered copy is dropped after the forward and gathered again for the
-            backward (``shard_params(reshard_after_forward=True)``), when it is gathered.
-        prefetch: Its all-gather may be issued while the block before it computes (in the
-            backward: the block after it), ``shard_params(prefetch=True)``.
+        grad_storage: Placement per mesh axis its grad is reduced to and kept in (None: as
+            the param is stored).
+        state: Placement per mesh axis of its optimizer state (None: as the param is stored).
+        state_device: The device type its optimizer state is kept on (None: the mesh's).
+        grad_scale: The factor its grad is multiplied by when it comes back (1: none).
+        stage_copies: How many ranks of the plan's ``stage_group`` hold it (2 for a param
+            tied between the first and the last stage on two ranks), 1 without one.
+        annotations: Transforms' own per-param data, one object per kind (its type): the
+            core carries them and reads none (:meth:`annotation`, :meth:`annotate`); one
+            with a ``column`` name and a ``cell()`` is a column of the plan's table.
     """
 
     path: str
@@ -53,12 +88,38 @@ class ParamPlan:
     compute: tuple[Placement, ...]
     grad: tuple[Placement, ...]
     reasons: tuple[str, ...] = ()
-    compute_dtype: torch.dtype | None = None
+    codec: Cast | None = None
     reduce_dtype: torch.dtype | None = None
-    stages: tuple[int, ...] = ()
-    stage_ranks: int = 1
-    regather: bool = False
-    prefetch: bool = False
+    grad_storage: tuple[Placement, ...] | None = None
+    state: tuple[Placement, ...] | None = None
+    state_device: str | None = None
+    grad_scale: float = 1.0
+    stage_copies: int = 1
+    annotations: tuple[Any, ...] = ()
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype blocks compute with (None: the param's own)."""
+        return None if self.codec is None else self.codec.wire_dtype
+
+    @property
+    def grad_kept(self) -> tuple[Placement, ...]:
+        """Placements of the reduced grad."""
+        return self.storage if self.grad_storage is None else self.grad_storage
+
+    @property
+    def state_kept(self) -> tuple[Placement, ...]:
+        """Placements of the optimizer state's leaves shaped like the param."""
+        return self.storage if self.state is None else self.state
+
+    def annotation(self, kind: type[_A]) -> _A | None:
+        """The annotation of type ``kind``, or None."""
+        return next((a for a in self.annotations if isinstance(a, kind)), None)
+
+    def annotate(self, value: Any) -> ParamPlan:
+        """A copy with ``value`` as its annotation of ``type(value)`` (replacing one)."""
+        kept = tuple(a for a in self.annotations if type(a) is not type(value))
+        return replace(self, annotations=(*kept, value))
 
     def with_axis(
         self, index: int, *, storage: Placement, compute: Placement, grad: Placement, reason: str
@@ -120,7 +181,6 @@ class Plan:
         stage_group: The process group over which ranks hold different params whole (the
             pipeline axis), over which norms of the whole model are summed; None.
         notes: Lines the plan's title adds (e.g. which stage of how many).
-        regathers: Some held param is gathered for compute and says ``regather``.
     """
 
     mesh: DeviceMesh
@@ -131,16 +191,12 @@ class Plan:
     notes: tuple[str, ...] = ()
     names: tuple[str, ...] = field(init=False, repr=False)
     group_names: tuple[str, ...] = field(init=False, repr=False)
-    regathers: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.held is None:
             self.held = tuple(self.entries)
         self.names = tuple(self.mesh.mesh_dim_names or ())
         self.group_names = tuple(self.mesh.get_group(i).group_name for i in range(self.mesh.ndim))
-        self.regathers = any(
-            e.regather and e.compute != e.storage for e in (self.entries[p] for p in self.held)
-        )
 
     def __getitem__(self, path: str) -> ParamPlan:
         try:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-from rich.console import Console
-from rich.table import Table
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-if TYPE_CHECKING:
-    from ._plan import Plan
-
-__all__ = ["render_explanation", "render_table", "short_placements"]
+__all__ = [
+    "annotation_cell",
+    "annotation_columns",
+    "render_explanation",
+    "render_table",
+    "short_placements",
+]
 
 
 def short_placements(placements: tuple[Placement, ...], names: tuple[str, ...]) -> str:
@@ -30,16 +31,19 @@ def short_placements(placements: tuple[Placement, ...], names: tuple[str, ...]) 
     return " ".join(parts) or "R"
 
 
-def render_table(plan: Plan, *, max_rows: int | None = None) -> str:
-    """The text table of :meth:`d9d.transforms.Plan.table`."""
+def render_table(plan: Any, *, max_rows: int | None = None) -> str:
+    """The text table of :meth:`d9d.transforms.Plan.table` (``plan``: a ``Plan``; this module
+    prints plans and imports none)."""
+    from rich.console import Console  # rich only when a plan is printed
+    from rich.table import Table
+
     names = plan.names
     mesh = " x ".join(f"{n}={s}" for n, s in zip(names, plan.mesh.shape, strict=True))
     title = ", ".join((f"d9d plan on mesh {mesh} ({plan.mesh.device_type})", *plan.notes))
-    staged = any(e.stages for e in plan.entries.values())
+    kinds = annotation_columns(plan.entries.values())
     table = Table(title=title, title_justify="left")
-    columns = ["path", "shape", "dtype", "storage", "compute", "bytes/rank"]
-    if staged:
-        columns.insert(1, "stage")
+    columns = ["path", *(k.column for k in kinds), "shape", "dtype", "storage", "compute"]
+    columns.append("bytes/rank")
     for column in columns:
         table.add_column(column, justify="right" if column == "bytes/rank" else "left")
     entries = list(plan.entries.values())
@@ -51,20 +55,19 @@ def render_table(plan: Plan, *, max_rows: int | None = None) -> str:
             continue
         row = [
             e.path,
+            *(annotation_cell(e, kind) for kind in kinds),
             str(list(e.shape)),
             str(e.dtype).removeprefix("torch."),
             short_placements(e.storage, names),
             short_placements(e.compute, names),
             f"{e.bytes_per_rank(plan.mesh):,}",
         ]
-        if staged:
-            row.insert(1, ",".join(str(s) for s in e.stages))
         table.add_row(*row)
     table.add_section()
     held = len(plan.held)
     count = (
         f"{held} of {len(plan.entries)} params held here"
-        if held < len(plan.entries) or staged
+        if held < len(plan.entries) or plan.stage_group is not None
         else f"{len(plan.entries)} params"
     )
     table.add_row(count, *[""] * (len(columns) - 2), f"{plan.bytes_per_rank():,}")
@@ -78,7 +81,24 @@ def render_table(plan: Plan, *, max_rows: int | None = None) -> str:
     return console.export_text()
 
 
-def render_explanation(plan: Plan, path: str) -> str:
+def annotation_columns(entries: Any) -> list[type]:
+    """The kinds of annotation among ``entries`` (plans of params) that are table columns
+    (a ``column`` name and a ``cell()``), in order of first appearance."""
+    kinds: dict[type, None] = {}
+    for entry in entries:
+        for annotation in entry.annotations:
+            if hasattr(type(annotation), "column"):
+                kinds.setdefault(type(annotation), None)
+    return list(kinds)
+
+
+def annotation_cell(entry: Any, kind: type) -> str:
+    """``entry``'s cell in the column of annotation ``kind`` (empty without one)."""
+    annotation = entry.annotation(kind)
+    return "" if annotation is None else annotation.cell()
+
+
+def render_explanation(plan: Any, path: str) -> str:
     """The text of :meth:`d9d.transforms.Plan.explain`."""
     e = plan[path]
     names = plan.names

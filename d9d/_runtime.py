@@ -9,7 +9,11 @@ core calls every runtime, in transform order, at four places and never names a t
 - around ``Model.apply``: :meth:`Runtime.enter_apply` sees the :class:`ApplyCall` before the
   forward (it may change its inputs, stand a module in for another, and intercept modules
   and blocks) and :meth:`Runtime.exit_apply` after it, raised or not;
-- in the model's attention (:attr:`Runtime.attention`).
+- in model code that asks the running step for an op by name (:meth:`Runtime.op`, e.g.
+  ``"attention"`` over the whole sequence);
+- when the step is placed: what it does to the backward (:meth:`Runtime.traits`) and what
+  it cannot run with (:meth:`Runtime.refusals`), matched by name across runtimes;
+- under ``d9d.jit``: a refusal, config options, graph passes.
 
 An interception runs around one module's forward for one call: ``enter`` may replace its
 inputs, ``around`` runs the forward (``torch.utils.checkpoint`` does), ``exit`` may replace
@@ -20,16 +24,16 @@ the core's own, which swaps a block's gathered params in, is the innermost.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from ._plan import Plan
-from ._structure import Structure
+from ._structure import Block, Slot, Structure
 from .errors import PlanError
 
 __all__ = ["ApplyCall", "Differentiation", "Interception", "Runtime", "replace_activation"]
@@ -93,6 +97,13 @@ class ApplyCall:
         overrides: ``(object, attribute, value)`` set for this call (e.g. a config's
             attention implementation).
         state: Per-runtime state of this call, keyed by runtime.
+        gather: ``gather(block, paths) -> {path: tensor}``: the compute tensors of a
+            block's params when it starts (``block`` None: the params outside blocks, when
+            the forward starts). The core's gathers them there and then; a runtime may
+            put its own in (one that issues gathers ahead, say).
+        contexts: Context managers entered around the forward, inside the environment.
+        innermost: ``{block path: Interception}``: the core's own, which swaps the block's
+            gathered params in, inside every runtime's.
     """
 
     structure: Structure
@@ -104,6 +115,21 @@ class ApplyCall:
     interceptions: dict[str, list[Interception]] = field(default_factory=dict)
     overrides: list[tuple[Any, str, Any]] = field(default_factory=list)
     state: dict[Any, Any] = field(default_factory=dict)
+    gather: Callable[[Block | None, list[str]], dict[str, Any]] | None = None
+    contexts: list[AbstractContextManager[Any]] = field(default_factory=list)
+    innermost: dict[str, Interception] = field(default_factory=dict)
+
+    def blocks(self) -> list[Block]:
+        """The model's blocks this call runs (not stood in), in order."""
+        return [b for b in self.structure.blocks if not self.stood_in(b.path)]
+
+    def param_keys(self, slots: Iterable[Slot]) -> list[str]:
+        """The param paths ``slots`` hold, each tied alias once."""
+        return list(dict.fromkeys(self.structure.canonical(s.key) for s in slots))
+
+    def within(self, context: AbstractContextManager[Any]) -> None:
+        """Enter ``context`` around this call's forward."""
+        self.contexts.append(context)
 
     def intercept(self, path: str, interception: Interception) -> None:
         """Run ``interception`` around the module at ``path`` for this call."""
@@ -131,11 +157,13 @@ class ApplyCall:
         swaps: list[tuple[nn.Module, str, nn.Module]] = []
         for path, module in self.stand_ins.items():
             swaps.append((*_home(modules, path), module))
-        for path, interceptions in self.interceptions.items():
+        for path in dict.fromkeys((*self.interceptions, *self.innermost)):
             if path in self.stand_ins or not self.stood_in(path):
                 parent, name = _home(modules, path)
                 inner = self.stand_ins.get(path) or parent._modules[name]
-                swaps.append((parent, name, _Intercepted(inner, tuple(interceptions))))
+                interceptions = self.interceptions.get(path, [])
+                own = (self.innermost[path],) if path in self.innermost else ()
+                swaps.append((parent, name, _Intercepted(inner, (*interceptions, *own))))
         saved_modules = [parent._modules[name] for parent, name, _ in swaps]
         saved_attrs = [getattr(owner, name) for owner, name, _ in self.overrides]
         try:
@@ -244,21 +272,28 @@ class Runtime:
     Attributes:
         drives_differentiation: This runtime runs ``d9d.value_and_grad`` itself
             (:meth:`differentiate`); at most one runtime of a step may.
-        attention: Attention over the whole sequence to use instead of the local one
-            (``attend(q, k, v, *, causal, scale)``), or None.
     """
 
     drives_differentiation: bool = False
-    attention: Callable[..., torch.Tensor] | None = None
 
-    def split_backward(self) -> str | None:
-        """How this runtime's differentiation runs a block's backward in more than one
-        autograd pass (input grads, then weight grads), or None: it runs one."""
+    def op(self, name: str) -> Callable[..., Any] | None:
+        """The op model code asks the running step for by ``name``
+        (:func:`d9d._context.step_op`) to use instead of its own, or None; the first runtime
+        with one wins. ``"attention"``: ``attend(q, k, v, *, causal, scale)`` over the whole
+        sequence."""
+        del name
         return None
 
-    def one_backward_only(self) -> str | None:
-        """Why the blocks this runtime wraps allow a single backward pass, or None."""
-        return None
+    def traits(self) -> dict[str, str]:
+        """``{trait: how}``: what this runtime does that another may be unable to run with
+        (``"split backward"``: a block's backward runs in two autograd passes, input grads
+        then weight grads), each with the words that say how."""
+        return {}
+
+    def refusals(self) -> dict[str, str]:
+        """``{trait: why}``: the traits of other runtimes this one cannot run with, each
+        with the words that say why; the step refuses the pair by name when placed."""
+        return {}
 
     def on_batch(self, batch: Any) -> Any:
         """The batch the step body sees (this rank's part of it)."""
@@ -282,6 +317,11 @@ class Runtime:
         """Dynamo config options (``torch._dynamo.config``) this runtime needs set while
         ``d9d.jit`` traces its step."""
         return {}
+
+    def graph_passes(self) -> tuple[Callable[[fx.GraphModule], fx.GraphModule], ...]:
+        """Passes ``d9d.jit`` runs, in order, over the joint forward-backward graph it
+        compiles with the inductor or aot_eager backend (runtimes in transform order)."""
+        return ()
 
     def group_labels(self) -> dict[str, str]:
         """``{process group name: axis label}`` for groups that are not mesh axes, so that

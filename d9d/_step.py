@@ -7,9 +7,10 @@ transforms' runtimes, which the batch, ``d9d.value_and_grad`` and ``Model.apply`
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from ._collectives import distribute
 from ._comms import CollectiveCounter, CommStats
 from ._context import StepContext, running
 from ._mesh import make_mesh
+from ._phase import Phase
 from ._place import check_placed, place_state, without
 from ._plan import ParamPlan, Plan
 from ._runtime import Runtime
@@ -30,7 +32,6 @@ from .errors import IndivisibleError, PlanError
 
 if TYPE_CHECKING:
     from ._model import Model
-    from ._transform import Transform
 
 __all__ = ["Memory", "OutermostStep", "TransformedStep", "order_transforms"]
 
@@ -55,6 +56,22 @@ class Memory:
         )
 
 
+class StepTransform(Protocol):
+    """What a step asks of a transform (``d9d/_transform.py`` defines the base class that
+    every transform derives from; this module, which it imports, only names the methods)."""
+
+    name: ClassVar[str]
+    phase: ClassVar[Phase]
+    mesh: DeviceMesh
+
+    def claimed_axes(self) -> tuple[str, ...]: ...
+    def data_axes(self) -> tuple[str, ...]: ...
+    def token_axes(self) -> tuple[str, ...]: ...
+    def rewrite(self, entry: ParamPlan) -> ParamPlan: ...
+    def lay_out(self, plan: Plan, model: Model | None) -> Plan: ...
+    def runtime(self, plan: Plan, model: Model | None) -> Runtime | None: ...
+
+
 class OutermostStep:
     """Base of the step wrappers that must wrap every transform (``d9d.jit``): a transform
     refuses to apply to one, since it would rewrite a step already compiled for one layout."""
@@ -67,7 +84,7 @@ class TransformedStep:
     ``comms(...)`` and ``memory(...)`` inspect one step.
     """
 
-    def __init__(self, fn: Callable[..., Any], transforms: tuple[Transform, ...]) -> None:
+    def __init__(self, fn: Callable[..., Any], transforms: tuple[StepTransform, ...]) -> None:
         self.fn = fn
         self.transforms = order_transforms(transforms)
         self._mesh = _one_mesh(self.transforms)
@@ -77,7 +94,7 @@ class TransformedStep:
         self._checked_batch: BatchSignature | None = None
         functools.update_wrapper(self, fn, updated=())
 
-    def with_transform(self, transform: Transform) -> TransformedStep:
+    def with_transform(self, transform: StepTransform) -> TransformedStep:
         """This step with one more transform."""
         return TransformedStep(self.fn, (*self.transforms, transform))
 
@@ -245,11 +262,12 @@ class TransformedStep:
                 f"{drivers[0]} and {drivers[1]} both run d9d.value_and_grad over microbatches "
                 "of their own; keep the microbatches of one of them"
             )
-        split = [(t, how) for t, r in runtimes if (how := r.split_backward())]
-        single = [(t, why) for t, r in runtimes if (why := r.one_backward_only())]
-        if split and single:
-            (splitter, how), (holder, why) = split[0], single[0]
-            raise PlanError(f"{splitter} {how}, but under {holder} {why}")
+        traits = {name: (t, how) for t, r in runtimes for name, how in r.traits().items()}
+        for holder, runtime in runtimes:
+            for name, why in runtime.refusals().items():
+                if name in traits:
+                    doer, how = traits[name]
+                    raise PlanError(f"{doer} {how}, but under {holder} {why}")
         return tuple(r for _, r in runtimes)
 
     @property
@@ -314,10 +332,20 @@ class TransformedStep:
         return counter.stats
 
     def memory(self, params: Any, opt_state: Any) -> Memory:
-        """Bytes this rank holds: params, grads (laid out like params) and optimizer state."""
+        """Bytes this rank holds: params, grads (laid out as each param's plan keeps its
+        grad) and optimizer state."""
+        plan = self.plan
         param_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(params))
+        grad_bytes = 0
+        for path, leaf in params.items():
+            entry = plan.entries[path]
+            if entry.grad_kept == entry.storage:
+                grad_bytes += _local_bytes(leaf)
+            else:
+                local = entry.local_shape(plan.mesh, entry.grad_kept)
+                grad_bytes += math.prod(local) * entry.dtype.itemsize
         state_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(opt_state))
-        return Memory(params=param_bytes, grads=param_bytes, opt_state=state_bytes)
+        return Memory(params=param_bytes, grads=grad_bytes, opt_state=state_bytes)
 
 
 def _local_bytes(leaf: Any) -> int:
@@ -326,25 +354,12 @@ def _local_bytes(leaf: Any) -> int:
     return leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else 0
 
 
-def order_transforms(transforms: tuple[Transform, ...]) -> tuple[Transform, ...]:
-    """``transforms`` in the order they apply: each after the ones its ``after`` names,
-    unrelated ones by name (see ``d9d/_transform.py``)."""
-    pending = sorted(transforms, key=lambda t: t.name)
-    names = {t.name for t in pending}
-    done: list[Transform] = []
-    while pending:
-        placed = {t.name for t in done}
-        ready = next(
-            (t for t in pending if all(a in placed or a not in names for a in t.after)), None
-        )
-        if ready is None:
-            raise PlanError(f"transforms {[t.name for t in pending]} wait on each other")
-        pending.remove(ready)
-        done.append(ready)
-    return tuple(done)
+def order_transforms(transforms: tuple[StepTransform, ...]) -> tuple[StepTransform, ...]:
+    """``transforms`` in the order they apply: by phase, then by name (``d9d/_phase.py``)."""
+    return tuple(sorted(transforms, key=lambda t: (int(t.phase), t.name)))
 
 
-def _one_mesh(transforms: tuple[Transform, ...]) -> DeviceMesh | None:
+def _one_mesh(transforms: tuple[StepTransform, ...]) -> DeviceMesh | None:
     """The mesh of the transforms that have one (``remat`` may have none), or None."""
     meshes = {id(t.mesh): t.mesh for t in transforms if t.mesh is not None}
     if len(meshes) > 1:
@@ -355,8 +370,8 @@ def _one_mesh(transforms: tuple[Transform, ...]) -> DeviceMesh | None:
     return next(iter(meshes.values()), None)
 
 
-def _check_claims(transforms: tuple[Transform, ...]) -> None:
-    owner: dict[str, Transform] = {}
+def _check_claims(transforms: tuple[StepTransform, ...]) -> None:
+    owner: dict[str, StepTransform] = {}
     for t in transforms:
         for axis in t.claimed_axes():
             if axis in owner:
@@ -367,7 +382,7 @@ def _check_claims(transforms: tuple[Transform, ...]) -> None:
             owner[axis] = t
 
 
-def _check_all_axes_used(transforms: tuple[Transform, ...], mesh: DeviceMesh) -> None:
+def _check_all_axes_used(transforms: tuple[StepTransform, ...], mesh: DeviceMesh) -> None:
     owner = {axis for t in transforms for axis in t.claimed_axes()}
     for name, size in zip(mesh.mesh_dim_names or (), mesh.shape, strict=True):
         if size > 1 and name not in owner:

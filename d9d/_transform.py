@@ -1,16 +1,8 @@
 """The transform protocol: a frozen object that claims mesh axes, rewrites each param's plan,
 may lay the whole plan out anew, and may contribute a runtime to the step's execution.
 
-Transforms apply in dependency order: each names, in ``after``, the transforms whose rewrite
-it reads or whose runtime it must run inside of; transforms unrelated by ``after`` apply in
-the order of their names. Decorator order never matters. The order today:
-
-- ``context_parallel``, ``tensor_parallel``: set their own axis only;
-- ``shard_params`` after ``tensor_parallel``: it shards the dim ``tensor_parallel`` leaves
-  free;
-- ``pipeline`` after those three: it lays their placements out on the mesh of one stage,
-  and its stage input replaces what their block interceptions prepared;
-- ``remat`` after all: it recomputes a block as the others run it.
+Transforms apply phase by phase (:class:`~d9d._phase.Phase`, where the order is documented);
+decorator order never matters.
 """
 
 from __future__ import annotations
@@ -21,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._phase import Phase
 from ._plan import ParamPlan, Plan
 from ._runtime import Runtime
 from ._step import OutermostStep, TransformedStep
@@ -38,12 +31,13 @@ class Transform(abc.ABC):
     Subclasses are frozen dataclasses with a ``mesh`` field.
 
     Attributes:
-        name: The transform's name (``"shard_params"``), used by ``after``.
-        after: Names of the transforms this one applies after, when present.
+        name: The transform's name (``"shard_params"``), in messages; transforms of one
+            phase apply in the order of their names.
+        phase: When it applies (:class:`~d9d._phase.Phase`).
     """
 
     name: ClassVar[str]
-    after: ClassVar[tuple[str, ...]] = ()
+    phase: ClassVar[Phase]
     mesh: DeviceMesh
 
     @abc.abstractmethod

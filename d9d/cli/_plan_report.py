@@ -7,7 +7,7 @@ from rich.table import Table
 
 from .._comms import CommStats
 from .._plan import Plan
-from .._plan_render import short_placements
+from .._plan_render import annotation_cell, annotation_columns, short_placements
 
 __all__ = ["human", "render_comms", "render_plan"]
 
@@ -31,9 +31,9 @@ def _text(table: Table) -> str:
 def render_plan(plan: Plan, title: str, *, max_rows: int | None) -> str:
     """The table of every param (the middle elided past ``max_rows``) with its bytes per rank."""
     names = plan.names
-    staged = any(e.stages for e in plan.entries.values())
+    kinds = annotation_columns(plan.entries.values())
     table = Table(title=title, title_justify="left")
-    columns = ["path", *(["stage"] if staged else []), "shape", "dtype", "storage", "compute"]
+    columns = ["path", *(k.column for k in kinds), "shape", "dtype", "storage", "compute"]
     for column in (*columns, "per rank"):
         table.add_column(column, justify="right" if column == "per rank" else "left")
     entries: list = list(plan.entries.values())
@@ -43,10 +43,9 @@ def render_plan(plan: Plan, title: str, *, max_rows: int | None) -> str:
         if e is None:
             table.add_row("...", *[""] * len(columns))
             continue
-        stage = [",".join(str(s) for s in e.stages)] if staged else []
         table.add_row(
             e.path,
-            *stage,
+            *(annotation_cell(e, kind) for kind in kinds),
             str(list(e.shape)),
             str(e.dtype).removeprefix("torch."),
             short_placements(e.storage, names),
@@ -55,7 +54,11 @@ def render_plan(plan: Plan, title: str, *, max_rows: int | None) -> str:
         )
     table.add_section()
     held = len(plan.held)
-    count = f"{held} of {len(plan.entries)} params held by rank 0" if staged else f"{held} params"
+    count = (
+        f"{held} of {len(plan.entries)} params held by rank 0"
+        if plan.stage_group is not None
+        else f"{held} params"
+    )
     table.add_row(count, *[""] * (len(columns) - 1), human(plan.bytes_per_rank()))
     table.caption = (
         f"unsharded model {human(plan.total_bytes())}; padding from uneven shards "

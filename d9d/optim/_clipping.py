@@ -80,7 +80,7 @@ def _over_stages(
     two ranks (a tied param) counts once."""
     pairs = tree.flatten_with_paths(updates)[0]
     entries = plan.entries
-    shared = [leaf for path, leaf in pairs if path in entries and entries[path].stage_ranks > 1]
+    shared = [leaf for path, leaf in pairs if path in entries and entries[path].stage_copies > 1]
     if shared:
         square = square - _squared_norm(shared, dtype).to(square.device) / 2
     return torch.ops._c10d_functional.wait_tensor(

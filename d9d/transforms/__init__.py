@@ -3,7 +3,7 @@
 Each transform is a package holding its rule (how it rewrites a param's plan) and its runtime
 (what it does while the step runs): ``shard_params``, ``tensor_parallel``,
 ``context_parallel``, ``pipeline``, ``remat``. Here too are the protocol they implement
-(:class:`Transform`, :class:`Runtime`) and the types a transformed step hands back: its
+(:class:`Transform`, its :class:`Phase`, :class:`Runtime`) and the types a transformed step hands back: its
 :class:`Plan` of :class:`ParamPlan` entries, :class:`Memory`, :class:`CommStats`, and the
 :class:`Jitted` step of ``d9d.jit``.
 """
@@ -11,6 +11,8 @@ Each transform is a package holding its rule (how it rewrites a param's plan) an
 from typing import TYPE_CHECKING, Any
 
 from .._comms import CommStats as CommStats
+from .._phase import Phase as Phase
+from .._plan import Cast as Cast
 from .._plan import ParamPlan as ParamPlan
 from .._plan import Plan as Plan
 from .._runtime import ApplyCall as ApplyCall
@@ -49,6 +51,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DEFAULT_RULES",
     "ApplyCall",
+    "Cast",
     "CommStats",
     "ContextParallel",
     "Differentiation",
@@ -56,6 +59,7 @@ __all__ = [
     "Jitted",
     "Memory",
     "ParamPlan",
+    "Phase",
     "Pipeline",
     "Plan",
     "Remat",

@@ -214,6 +214,9 @@ def test_8b_on_1024_simulated_ranks_builds() -> None:
     text = show_plan("8b", dp=8, fsdp=16, tp=8, seq=8192, max_rows=4)
     assert "on 1024 simulated ranks: dp=8 x fsdp=16 x tp=8" in text
     assert "all_gather     │ tp" in text and "GiB" in text
+    # HSDP's grads are all-reduced over dp once per unit (was once per param: 291 + 3):
+    # 32 blocks and the params outside them, then the grad norm, the loss and its tokens.
+    assert "all_reduce     │ dp   │    36 │" in text
 
 
 def test_hugging_face_config(tmp_path: Path) -> None:

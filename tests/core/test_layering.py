@@ -22,15 +22,14 @@ CORE = (
     "d9d._runtime",
     "d9d._context",
     "d9d._collectives",
-    "d9d._regather",
-    "d9d._prefetch",
     "d9d._apply",
     "d9d._model",
     "d9d._autodiff",
     "d9d._place",
     "d9d._step",
     "d9d._transform",
-    "d9d._backward_graph",
+    "d9d._backward_region",
+    "d9d._phase",
     "d9d._jit",
 )
 # A module may import modules of its own layer and of the layers before it, never after.
@@ -158,3 +157,48 @@ def test_core_never_names_a_transform() -> None:
     graph = _graph()
     for module in CORE:
         assert not any(t.startswith("d9d.transforms") for t in graph[module]), module
+
+
+TRANSFORM_NAMES = (
+    "shard_params",
+    "tensor_parallel",
+    "context_parallel",
+    "pipeline",
+    "remat",
+    "expert_parallel",
+    "fp8",
+)
+
+
+def _code_names(tree: ast.Module) -> set[str]:
+    """Every name the code binds, reads or imports: variables, attributes, functions,
+    classes, arguments, keywords and module paths (not docstrings, comments or messages)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        match node:
+            case ast.Name(id=name) | ast.Attribute(attr=name) | ast.arg(arg=name):
+                names.add(name)
+            case ast.FunctionDef(name=name) | ast.ClassDef(name=name):
+                names.add(name)
+            case ast.keyword(arg=str() as name):
+                names.add(name)
+            case ast.alias(name=name, asname=asname):
+                names.update(n for n in (name, asname) if n)
+            case ast.ImportFrom(module=str() as name):
+                names.add(name)
+    return names
+
+
+def test_core_code_holds_no_transform_name() -> None:
+    """No core module's code names a transform (its messages may, as advice to the user):
+    what serves one transform lives in that transform's package."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    found = []
+    for module in CORE:
+        names = _code_names(ast.parse(files[module].read_text()))
+        found += [
+            f"{module}: {name}"
+            for name in sorted(names)
+            if any(t in name.lower() for t in TRANSFORM_NAMES)
+        ]
+    assert not found, "\n".join(found)

@@ -14,12 +14,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import d9d
 import d9d._apply
 import d9d._collectives
-import d9d._prefetch
-import d9d._regather
 from d9d.cli._train import make_train_step
 from d9d.errors import IndivisibleError, MeshError, PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
+from d9d.transforms.shard_params import _prefetch as shard_prefetch
+from d9d.transforms.shard_params import _regather as shard_regather
+from d9d.transforms.shard_params import _runtime as shard_runtime
 
 pytestmark = pytest.mark.distributed
 
@@ -74,14 +75,15 @@ def test_fsdp_step_moves_the_analytic_bytes(n: int, reshard: bool) -> None:
         }
 
 
-def test_hsdp_adds_one_all_reduce_of_the_grad_shards_over_dp() -> None:
+def test_hsdp_adds_one_all_reduce_of_the_grad_shards_over_dp_per_unit() -> None:
     params = _tiny().params
     model_bytes = sum(p.numel() * p.element_size() for p in params.values())
     for stats in _comms({"dp": 2, "fsdp": 2}, {"replicate_axis": "dp"}):
         assert stats.count[("reduce_scatter", "fsdp")] == 1 + 2  # one per unit
         assert stats.bytes[("reduce_scatter", "fsdp")] == model_bytes
-        # One all-reduce per grad shard (half the model), the mean loss and the token count.
-        assert stats.count[("all_reduce", "dp")] == len(params) + 2
+        # One all-reduce of a unit's grad shards (half the model in all) per unit, as
+        # FSDP2 reduces a param group, the mean loss and the token count.
+        assert stats.count[("all_reduce", "dp")] == 1 + 2 + 2
         assert stats.bytes[("all_reduce", "dp")] == model_bytes // 2 + 4 + 8
 
 
@@ -165,9 +167,10 @@ def _peak_gathered_bytes(reshard: bool, prefetch: bool = False) -> tuple[int, in
 
     with (
         mock.patch.object(d9d._apply, "gather_params", tracked),
-        mock.patch.object(d9d._regather, "gather_params", tracked),
-        mock.patch.object(d9d._prefetch, "issue_gather", tracked_issue),
-        mock.patch.object(d9d._regather, "issue_gather", tracked_issue),
+        mock.patch.object(shard_runtime, "gather_params", tracked),
+        mock.patch.object(shard_regather, "gather_params", tracked),
+        mock.patch.object(shard_prefetch, "issue_gather", tracked_issue),
+        mock.patch.object(shard_regather, "issue_gather", tracked_issue),
     ):
         return run_on_ranks(rank, 2)[0]
 

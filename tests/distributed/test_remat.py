@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo.backends.debugging
 from torch import fx
 from torch.distributed.tensor import DTensor
 
 import d9d
-import d9d._jit
-from d9d._backward_graph import in_backward, rematerialize
+from d9d._backward_region import in_backward
 from d9d._context import running
 from d9d.errors import PlanError, RankFailedError
 from d9d.models import Llama, LlamaConfig
@@ -125,14 +125,16 @@ def test_remat_every_other_block() -> None:
 
 @pytest.fixture
 def recomputed(monkeypatch: pytest.MonkeyPatch) -> list[fx.GraphModule]:
-    """The graphs ``d9d.jit`` compiles, after its rematerialization pass."""
+    """The graphs ``d9d.jit`` compiles with ``aot_eager``, after the runtimes' graph passes
+    (``remat``'s rematerialization, when the step has ``remat``)."""
     graphs: list[fx.GraphModule] = []
+    compile_graph = torch._dynamo.backends.debugging.boxed_nop
 
-    def recording(graph: fx.GraphModule) -> fx.GraphModule:
-        graphs.append(rematerialize(graph))
-        return graphs[-1]
+    def recording(graph: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        graphs.append(graph)
+        return compile_graph(graph, *args, **kwargs)
 
-    monkeypatch.setattr(d9d._jit, "rematerialize", recording)
+    monkeypatch.setattr(torch._dynamo.backends.debugging, "boxed_nop", recording)
     return graphs
 
 

@@ -1,12 +1,14 @@
 """Context parallelism at run time: the batch cut along the sequence before the step body
 runs, the global positions of the rank's tokens passed to the model, and ring attention.
 
-The d9d Llama's attention asks :func:`d9d._context.sequence_attention` for it; a Hugging Face
+The d9d Llama's attention asks the running step for its ``"attention"`` op
+(:func:`d9d._context.sequence_attention`); a Hugging Face
 model is switched to the ``"d9d_ring"`` attention implementation for the call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..._runtime import ApplyCall, Runtime
@@ -20,7 +22,9 @@ class ContextParallelRuntime(Runtime):
 
     def __init__(self, split: SequenceSplit) -> None:
         self.split = split
-        self.attention = split.attention
+
+    def op(self, name: str) -> Callable[..., Any] | None:
+        return self.split.attention if name == "attention" else None
 
     def on_batch(self, batch: Any) -> Any:
         return self.split.split_batch(batch)

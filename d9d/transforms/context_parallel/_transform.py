@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
+from ..._phase import Phase
 from ..._plan import ParamPlan, Plan
 from ..._transform import Transform
 from ...parallel._zigzag import check_load_balance
@@ -31,6 +32,7 @@ class ContextParallel(Transform):
     """The ``context_parallel`` transform; build it with :func:`context_parallel`."""
 
     name: ClassVar[str] = "context_parallel"
+    phase: ClassVar[Phase] = Phase.COMPUTE_LAYOUT
     mesh: DeviceMesh
     axis: str = "cp"
     load_balance: str | None = "zigzag"

@@ -30,10 +30,11 @@ class PipelineRuntime(Runtime):
     def enter_apply(self, call: ApplyCall) -> None:
         enter_stage(self.layout, call)
 
-    def split_backward(self) -> str | None:
+    def traits(self) -> dict[str, str]:
         if SCHEDULES[self.layout.schedule].zero_bubble:
-            return "takes each stage's input grads and its weight grads in two backward passes"
-        return None
+            how = "takes each stage's input grads and its weight grads in two backward passes"
+            return {"split backward": how}
+        return {}
 
     def jit_refusal(self) -> str:
         return (

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
+from ..._phase import Phase
 from ..._plan import ParamPlan, Plan
 from ..._transform import Transform
 from ...errors import PlanError
@@ -35,7 +36,7 @@ class Pipeline(Transform):
     """The ``pipeline`` transform; build it with :func:`pipeline`."""
 
     name: ClassVar[str] = "pipeline"
-    after: ClassVar[tuple[str, ...]] = ("context_parallel", "shard_params", "tensor_parallel")
+    phase: ClassVar[Phase] = Phase.STAGES
     mesh: DeviceMesh
     axis: str = "pp"
     stages: tuple[str, ...] | None = None
@@ -173,14 +174,32 @@ def _onto_stage(entry: ParamPlan, index: int, layout: PipelineLayout) -> ParamPl
         storage=drop(entry.storage),
         compute=drop(entry.compute),
         grad=drop(entry.grad),
-        stages=stages,
-        stage_ranks=layout.ranks_holding(entry.path),
+        stage_copies=layout.ranks_holding(entry.path),
         reasons=(
             *entry.reasons,
             f"pipeline: held by stage {where} of {layout.split.count}"
             + (", grads summed over them (tied)" if len(stages) > 1 else ""),
         ),
-    )
+    ).annotate(Stages(stages))
+
+
+@dataclass(frozen=True)
+class Stages:
+    """A param's annotation under ``pipeline``: the stages that hold it (the plan's
+    ``stage`` column)."""
+
+    column: ClassVar[str] = "stage"
+    indices: tuple[int, ...]
+
+    def cell(self) -> str:
+        """The table's cell: the stages, comma-separated."""
+        return ",".join(str(s) for s in self.indices)
+
+
+def stages_of(entry: ParamPlan) -> tuple[int, ...]:
+    """The stages holding ``entry``'s param (empty without ``pipeline``)."""
+    found = entry.annotation(Stages)
+    return () if found is None else found.indices
 
 
 def _stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:

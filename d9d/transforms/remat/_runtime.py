@@ -9,8 +9,9 @@ call's environment entered again: the interceptions of the block's modules
 (``tensor_parallel``'s collectives) are in place as in the forward.
 
 Under ``d9d.jit`` Dynamo turns each checkpoint into a tagged region of the one
-forward-loss-backward graph, and AOT autograd duplicates the region's tagged nodes into the
-backward (``torch._functorch.config.remat_using_tags_for_fwd_loss_bwd_graph``). The Python
+forward-loss-backward graph, and this runtime's graph pass (``_graph_pass.rematerialize``,
+torch's ``remat_using_tags_for_fwd_loss_bwd_graph`` over d9d's graph) duplicates the
+region's tagged nodes into the backward. The Python
 work inside a region (the swap of gathered params into the block and back) happens once, at
 trace time, and is not replayed, which Dynamo must be told
 (``skip_fwd_side_effects_in_bwd_under_checkpoint``: :meth:`RematRuntime.jit_config`).
@@ -25,9 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import fx
 from torch.utils.checkpoint import checkpoint
 
 from ..._runtime import ApplyCall, Interception, Runtime
+from ._graph_pass import rematerialize
 from ._policies import compiled_contexts, selective_contexts
 
 __all__ = ["RematRuntime"]
@@ -49,16 +52,20 @@ class RematRuntime(Runtime):
     def jit_config(self) -> dict[str, Any]:
         return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
 
-    def one_backward_only(self) -> str | None:
+    def graph_passes(self) -> tuple[Callable[[fx.GraphModule], fx.GraphModule], ...]:
+        return (rematerialize,)
+
+    def refusals(self) -> dict[str, str]:
         if self.policy == "selective":
             # torch's selective checkpoint hands each kept output to one recomputation; a
             # second backward pass over the block recomputes it again and finds it consumed.
-            return (
+            why = (
                 "a block's kept outputs serve one backward pass (torch's selective checkpoint "
                 "consumes them): use remat('full'), which recomputes the block in each pass, "
                 "or a schedule without zero bubble ('1f1b', 'interleaved_1f1b')"
             )
-        return None
+            return {"split backward": why}
+        return {}
 
     def _checkpointed(
         self, call: ApplyCall, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..._phase import Phase
 from ..._plan import ParamPlan, Plan
 from ..._transform import Transform
 from ...errors import PlanError
@@ -24,12 +25,7 @@ class Remat(Transform):
     """The ``remat`` transform; build it with :func:`remat`."""
 
     name: ClassVar[str] = "remat"
-    after: ClassVar[tuple[str, ...]] = (
-        "context_parallel",
-        "pipeline",
-        "shard_params",
-        "tensor_parallel",
-    )
+    phase: ClassVar[Phase] = Phase.RECOMPUTATION
     mesh: DeviceMesh | None = None
     policy: str = "full"
     every: int = 1

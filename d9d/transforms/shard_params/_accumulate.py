@@ -15,41 +15,32 @@ import torch
 
 from ..._autodiff import stack_aux
 from ..._context import current
-from ..._runtime import Differentiation, Runtime
+from ..._runtime import Differentiation
 
-__all__ = ["Accumulation"]
+__all__ = ["accumulate"]
 
 
-class Accumulation(Runtime):
-    """The runtime of ``shard_params(microbatches=k)``, ``k > 1``."""
-
-    drives_differentiation = True
-
-    def __init__(self, microbatches: int) -> None:
-        self.microbatches = microbatches
-
-    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
-        step = current()
-        assert step is not None
-        values, weights, auxes, total = [], [], [], None
-        previous, step.defer_reduction = step.defer_reduction, True
-        try:
-            for args, kwargs in job.split(self.microbatches):
-                value, aux, grads, weight = job.run(args, kwargs, True)
-                values.append(value if weight is None else value * weight)
-                weights.append(weight)
-                auxes.append(aux)
-                total = (
-                    grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-                )
-        finally:
-            step.defer_reduction = previous
-        if any(w is None for w in weights) and any(w is not None for w in weights):
-            raise TypeError(
-                "the loss counted its tokens (d9d.losses.token_mean) in some microbatches and "
-                "not in others; compute it the same way in every microbatch"
-            )
-        count = self.microbatches if weights[0] is None else torch.stack(weights).sum().clamp(min=1)
-        grads = [g / count for g in total]
-        aux = stack_aux(auxes, weights) if job.has_aux else None
-        return torch.stack(values).sum() / count, aux, grads
+def accumulate(job: Differentiation, microbatches: int) -> tuple[torch.Tensor, Any, list[Any]]:
+    """``(value, aux, grads)`` of ``job`` over ``microbatches`` equal slices of its batch."""
+    step = current()
+    assert step is not None
+    values, weights, auxes, total = [], [], [], None
+    previous, step.defer_reduction = step.defer_reduction, True
+    try:
+        for args, kwargs in job.split(microbatches):
+            value, aux, grads, weight = job.run(args, kwargs, True)
+            values.append(value if weight is None else value * weight)
+            weights.append(weight)
+            auxes.append(aux)
+            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+    finally:
+        step.defer_reduction = previous
+    if any(w is None for w in weights) and any(w is not None for w in weights):
+        raise TypeError(
+            "the loss counted its tokens (d9d.losses.token_mean) in some microbatches and "
+            "not in others; compute it the same way in every microbatch"
+        )
+    count = microbatches if weights[0] is None else torch.stack(weights).sum().clamp(min=1)
+    grads = [g / count for g in total]
+    aux = stack_aux(auxes, weights) if job.has_aux else None
+    return torch.stack(values).sum() / count, aux, grads

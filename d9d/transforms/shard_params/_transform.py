@@ -16,10 +16,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..._plan import ParamPlan, Plan
+from ..._phase import Phase
+from ..._plan import Cast, ParamPlan, Plan
 from ..._transform import Transform
 from ...errors import PlanError
-from ._accumulate import Accumulation
+from ._runtime import ShardParamsRuntime
+from ._schedule import Schedule
 
 if TYPE_CHECKING:
     from ..._model import Model
@@ -32,7 +34,7 @@ class ShardParams(Transform):
     """The ``shard_params`` transform; build it with :func:`shard_params`."""
 
     name: ClassVar[str] = "shard_params"
-    after: ClassVar[tuple[str, ...]] = ("tensor_parallel",)
+    phase: ClassVar[Phase] = Phase.STORAGE
     mesh: DeviceMesh
     axis: str | None = "fsdp"
     replicate_axis: str | None = None
@@ -74,13 +76,14 @@ class ShardParams(Transform):
     def data_axes(self) -> tuple[str, ...]:
         return self.claimed_axes()
 
-    def runtime(self, plan: Plan, model: Model | None) -> Accumulation | None:
-        del plan, model
-        return Accumulation(self.microbatches) if self.microbatches > 1 else None
+    def runtime(self, plan: Plan, model: Model | None) -> ShardParamsRuntime:
+        del model
+        return ShardParamsRuntime(plan, self.microbatches)
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         if entry.dtype.is_floating_point:
-            entry = replace(entry, compute_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+            codec = None if self.param_dtype is None else Cast(self.param_dtype)
+            entry = replace(entry, codec=codec, reduce_dtype=self.reduce_dtype)
         average = Partial("avg")
         if self.replicate_axis is not None:
             entry = entry.with_axis(
@@ -121,7 +124,7 @@ class ShardParams(Transform):
                 f"block runs{early}{kept}, grads reduce-scattered (mean)"
             ),
         )
-        return replace(entry, regather=self.reshard_after_forward, prefetch=self.prefetch)
+        return entry.annotate(Schedule(regather=self.reshard_after_forward, prefetch=self.prefetch))
 
 
 def _free_dim(entry: ParamPlan) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ..._phase import Phase
 from ..._plan import ParamPlan, Plan
 from ..._transform import Transform
 from ...errors import IndivisibleError, PlanError
@@ -50,6 +51,7 @@ class TensorParallel(Transform):
     """The ``tensor_parallel`` transform; build it with :func:`tensor_parallel`."""
 
     name: ClassVar[str] = "tensor_parallel"
+    phase: ClassVar[Phase] = Phase.COMPUTE_LAYOUT
     mesh: DeviceMesh
     axis: str = "tp"
     sequence_parallel: bool = True

@@ -28,22 +28,25 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor
 
-from ._collectives import IssuedGather, issue_gather
-from ._plan import Plan
-from ._structure import Block
+from ..._collectives import IssuedGather, issue_gather
+from ..._plan import Plan
+from ..._structure import Block
 
 __all__ = ["ForwardPrefetch", "prefetches"]
 
 
-def prefetches(plan: Plan, keys: list[str], params: Mapping[str, Any]) -> bool:
+def prefetches(
+    plan: Plan, keys: list[str], params: Mapping[str, Any], early: frozenset[str]
+) -> bool:
     """Whether the gather of ``keys`` may be issued ahead: every param among them that is
-    gathered (a stored DTensor) says ``prefetch``, and there is one."""
+    gathered (a stored DTensor) is in ``early`` (its schedule says ``prefetch``), and there
+    is one."""
     gathered = [
         k
         for k in keys
         if isinstance(params[k], DTensor) and plan.entries[k].compute != plan.entries[k].storage
     ]
-    return bool(gathered) and all(plan.entries[k].prefetch for k in gathered)
+    return bool(gathered) and all(k in early for k in gathered)
 
 
 class ForwardPrefetch:
@@ -55,14 +58,16 @@ class ForwardPrefetch:
         params: Mapping[str, Any],
         units: list[tuple[Block, list[str]]],
         rerun: set[str],
+        early: frozenset[str],
     ) -> None:
         """``units``: the blocks this call gathers, in the order they run, with the (unique)
         param paths each gathers; ``rerun``: paths of those whose forward may run again (a
-        runtime's interception runs ``around`` it: a checkpoint)."""
+        runtime's interception runs ``around`` it: a checkpoint); ``early``: paths of the
+        params whose schedule says ``prefetch``."""
         self.plan = plan
         self.params = params
         self.units = [
-            (b, None if b.path in rerun or not prefetches(plan, keys, params) else keys)
+            (b, None if b.path in rerun or not prefetches(plan, keys, params, early) else keys)
             for b, keys in units
         ]
         self.rerun = rerun

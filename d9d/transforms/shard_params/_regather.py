@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._collectives import IssuedGather, gather_params, issue_gather
-from ._plan import Plan
+from ..._collectives import IssuedGather, gather_params, issue_gather
+from ..._plan import Plan
 
 __all__ = ["Regather"]
 
@@ -45,8 +45,14 @@ class Regather:
     """Saved-tensor hooks (:meth:`pack`, :meth:`unpack`) that drop gathered params and gather
     them again in the backward."""
 
-    def __init__(self, plan: Plan, params: Any) -> None:
+    def __init__(
+        self, plan: Plan, params: Any, again: frozenset[str], early: frozenset[str]
+    ) -> None:
+        """``again``, ``early``: paths of the params whose schedule says ``regather``, and
+        ``prefetch``."""
         self.plan = plan
+        self.again = again
+        self.early = early
         self.params = params
         self.gathered: dict[int, tuple[str, weakref.ref]] = {}
         self.pending: dict[str, int] = {}
@@ -73,7 +79,7 @@ class Regather:
         kept = {
             k: v
             for k, v in gathered.items()
-            if self.plan.entries[k].regather and isinstance(self.params[k], DTensor)
+            if k in self.again and isinstance(self.params[k], DTensor)
         }
         for key, local in kept.items():
             self.gathered[_storage_key(local)] = (key, weakref.ref(local))
@@ -132,7 +138,7 @@ class Regather:
         if at == 0:
             return
         wanted = self._wanted(units[at - 1])
-        if wanted and all(self.plan.entries[k].prefetch for k in wanted):
+        if wanted and all(k in self.early for k in wanted):
             detached = {k: self.params[k].detach() for k in wanted}
             self.issued = issue_gather(self.plan, wanted, detached)
 

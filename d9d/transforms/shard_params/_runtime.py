@@ -1,0 +1,118 @@
+"""``shard_params`` at run time: when each block's params are gathered, and microbatches.
+
+Inside one ``Model.apply`` the core gathers the params outside blocks when the forward
+starts and a block's params when the block starts, through the call's ``gather``. This
+runtime takes that ``gather`` over (eager only: under ``torch.compile`` the compiler
+schedules the collectives and decides what to save):
+
+- with params whose :class:`~._schedule.Schedule` says ``prefetch``, each block's
+  all-gather is issued while the block before it computes (:mod:`._prefetch`);
+- with params whose schedule says ``regather``, saved-tensor hooks drop the gathered copies
+  autograd saves and gather them again in the backward, issuing the gather of the block
+  before early (:mod:`._regather`).
+
+With ``microbatches > 1`` it drives ``d9d.value_and_grad`` (:mod:`._accumulate`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._collectives import gather_params
+from ..._plan import Plan
+from ..._runtime import ApplyCall, Differentiation, Runtime
+from ..._structure import Block
+from ._accumulate import accumulate
+from ._prefetch import ForwardPrefetch
+from ._regather import Regather
+from ._schedule import schedule_of
+
+__all__ = ["ShardParamsRuntime"]
+
+
+class ShardParamsRuntime(Runtime):
+    """The runtime of ``shard_params`` on ``plan``."""
+
+    def __init__(self, plan: Plan, microbatches: int) -> None:
+        self.microbatches = microbatches
+        self.drives_differentiation = microbatches > 1
+        schedules = {p: schedule_of(plan.entries[p]) for p in plan.held}
+        # Read once here: the gathers ask per param and per call.
+        self.again = frozenset(p for p, s in schedules.items() if s.regather)
+        self.early = frozenset(p for p, s in schedules.items() if s.prefetch)
+        self.regathers = any(plan.entries[p].compute != plan.entries[p].storage for p in self.again)
+
+    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
+        return accumulate(job, self.microbatches)
+
+    def enter_apply(self, call: ApplyCall) -> None:
+        if torch.compiler.is_compiling():
+            return
+        regather = (
+            Regather(call.plan, call.params, self.again, self.early) if self.regathers else None
+        )
+        boundary = _Boundary(call, regather, self.early)
+        call.state[self] = boundary
+        call.gather = boundary.gather
+        if boundary.regather is not None:
+            hooks = torch.autograd.graph.saved_tensors_hooks
+            call.within(hooks(boundary.regather.pack, boundary.regather.unpack))
+
+    def exit_apply(self, call: ApplyCall) -> None:
+        boundary = call.state.pop(self, None)
+        if boundary is not None:
+            boundary.close()
+
+
+class _Boundary:
+    """One call's gathers: each unit's, waiting for one issued ahead, issuing the next."""
+
+    def __init__(self, call: ApplyCall, regather: Regather | None, early: frozenset[str]) -> None:
+        self.call = call
+        self.early = early
+        self.regather = regather
+        self.prefetch: ForwardPrefetch | None = None
+        self.started = False
+
+    def gather(self, unit: Block | None, keys: list[str]) -> dict[str, Any]:
+        """The compute tensors of ``keys``, the params of ``unit`` (None: those outside
+        blocks, gathered first, once every runtime has entered the call)."""
+        if not self.started:
+            self.started = True
+            self.prefetch = _forward_prefetch(self.call, self.early)
+        prefetch = self.prefetch
+        # Taken inline: no frame of this one keeps the issued buffer alive past the gather.
+        gathered = gather_params(
+            self.call.plan,
+            keys,
+            self.call.params,
+            None if prefetch is None or unit is None else prefetch.take(unit),
+        )
+        if self.regather is not None:
+            self.regather.track(gathered)
+        if prefetch is not None:
+            prefetch.issue_after(unit)
+        return gathered
+
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+        if self.regather is not None:
+            self.regather.close()
+
+
+def _forward_prefetch(call: ApplyCall, early: frozenset[str]) -> ForwardPrefetch | None:
+    """The call's forward prefetch, if some block's gather may be issued ahead: blocks that
+    another runtime's interception runs ``around`` (a checkpoint) may run again, and gather
+    for themselves."""
+    blocks = call.blocks()
+    units = [(b, call.param_keys(b.slots)) for b in blocks]
+    rerun = {
+        b.path
+        for b in blocks
+        if any(i.around is not None for i in call.interceptions.get(b.path, ()))
+    }
+    prefetch = ForwardPrefetch(call.plan, call.params, units, rerun, early)
+    return prefetch if prefetch.active else None
