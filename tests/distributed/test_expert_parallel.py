@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import d9d
-from d9d.models import MoE, MoEConfig
+from d9d.errors import RankFailedError
+from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.models.moe import make_train_step
 from d9d.testing import assert_trees_all_close, run_on_ranks
 
@@ -33,10 +34,10 @@ def _config(experts: int = 8, skewed: bool = False) -> MoEConfig:
 def _model(experts: int = 8, skewed: bool = False) -> d9d.Model:
     model = MoE(_config(experts)).to(torch.float64)
     if skewed:
-        # The router prefers experts 0 and 1 for every token: the others get no token on any
-        # rank in the first step, and few after.
+        # A selection bias that picks experts 0 and 1 for every token in all 5 steps (the
+        # bias moves 1e-3 a step): the other experts get no token on any rank.
         with torch.no_grad():
-            model.layers[1].mlp.router.weight[:2] += 5.0
+            model.layers[1].mlp.router.expert_bias[:2] = 10.0
     return d9d.functionalize(model)
 
 
@@ -115,3 +116,96 @@ def test_expert_parallel_step_equals_one_device(name: str) -> None:
         assert_trees_all_close(params, want_params, **PARAM_TOL)
         dim = _config(experts).moe.dim
         assert tuple(local) == (experts // mesh_axes["ep"], dim // mesh_axes.get("fsdp", 1), 40)
+
+
+def _shards(batch: dict[str, torch.Tensor], ranks: int) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.chunk(ranks)[r] for k, v in batch.items()} for r in range(ranks)]
+
+
+def test_skewed_routing_leaves_experts_empty() -> None:
+    """The skewed model routes no token of any rank to experts 2 to 7."""
+    model = _model(8, skewed=True)
+    for shard in _shards(_batches()[0], 4):
+        load = model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
+        assert load[2:].sum() == 0 and load[:2].sum() == shard["tokens"].numel() * 2
+
+
+def _inspect_rank(ranks: int):
+    mesh = d9d.make_mesh("cpu", ep=ranks)
+    model, opt = _model(8), _optimizer()
+    step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(_batches()[0])
+    comms = step.comms(params, state, batch)
+    return str(step.plan), step.plan.explain(EXPERTS), step.memory(params, state), comms
+
+
+@pytest.mark.distributed
+def test_plan_memory_and_all_to_all_bytes() -> None:
+    """ep=2, batch 8 x 16 (4 rows per rank), top-2 of 8 experts, dim 64, float64. Per step and
+    rank, on 'ep': the counts (8 int32), the rank's 4 * 16 * 2 routed rows out and the rows
+    its experts got back (dispatch and combine, forward), the same two buffers of grads in the
+    backward. The received rows follow from the step's routing (each rank's loads)."""
+    ranks, experts = 2, 8
+    model = _model(experts)
+    loads = [
+        model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
+        for shard in _shards(_batches()[0], ranks)
+    ]
+    config = _config(experts).moe
+    row = config.dim * 8
+    expert_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." in k)
+    dense_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." not in k)
+    state = _optimizer().init(model.params)
+    scalars = sum(v.numel() * v.element_size() for v in d9d.tree.leaves(state)) - 2 * (
+        expert_bytes + dense_bytes
+    )
+    for rank, (table, why, memory, comms) in enumerate(run_on_ranks(_inspect_rank, 2, ranks)):
+        assert f"{EXPERTS}" in table and "ep:S(0)" in table
+        assert "4 of 8 experts per rank of 'ep'" in why and "grads scaled by 1/2" in why
+        mine = slice(rank * 4, rank * 4 + 4)
+        sent, received = 4 * 16 * config.top_k, int(sum(load[mine].sum() for load in loads))
+        assert comms.count[("all_to_all", "ep")] == 5
+        assert comms.bytes[("all_to_all", "ep")] == experts * 4 + 2 * (sent + received) * row
+        assert memory.params == dense_bytes + expert_bytes // ranks
+        assert memory.opt_state == 2 * memory.params + scalars  # AdamW's two moments
+
+
+def _refused_rank(kind: str) -> None:
+    mesh = d9d.make_mesh("cpu", ep=2) if kind != "axis" else d9d.make_mesh("cpu", fsdp=2)
+    if kind == "axis":
+        d9d.expert_parallel(mesh, axis="ep")
+    model = (
+        d9d.functionalize(Llama(LlamaConfig.tiny()))
+        if kind == "dense"
+        else _model(experts=5 if kind == "indivisible" else 8)
+    )
+    step = d9d.expert_parallel(mesh)(lambda p, s, b: (p, s, {}))
+    if kind == "jit":
+        params, state = step.place(model.params, (), model=model)
+        d9d.jit(step)(params, state, torch.zeros(1))
+    if kind == "no model":
+        step.place(model.params, (), axes=model.axes)
+    step.place(model.params, (), model=model)
+
+
+REFUSALS = {
+    "axis": r"PlanError: ExpertParallel\(axis='ep'\) names an axis the mesh does not have: mesh "
+    r"axes are \('fsdp',\)",
+    "dense": r"PlanError: expert_parallel\(axis='ep'\): the model has no routed experts .* "
+    r"d9d\.shard_params\(mesh, replicate_axis='ep'\)",
+    "indivisible": r"PlanError: expert_parallel\(axis='ep'\): 'layers\.1\.mlp\.experts\.w_(gate|up|"
+    r"down)' holds 5 experts, which do not split over the 2 ranks of 'ep'; use an expert count "
+    r"divisible by 2",
+    "no model": r"PlanError: expert_parallel\(axis='ep'\) intercepts the model's experts modules "
+    r"and needs the model",
+    "jit": r"PlanError: expert_parallel reads each step's all-to-all split sizes .* run the step "
+    r"eagerly",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_refusals_name_the_param_or_axis_and_the_fix(kind: str) -> None:
+    with pytest.raises(RankFailedError, match=REFUSALS[kind]):
+        run_on_ranks(_refused_rank, 2, kind, timeout=120)
