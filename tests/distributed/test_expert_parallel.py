@@ -1,6 +1,7 @@
 """``expert_parallel`` against one device: the MoE decoder's training step (float64, 5 AdamW
 steps with clipping, aux loss, z-loss and the bias on, unevenly ignored labels) under
-``ep=2``, ``ep=4`` and ``ep=2 x fsdp=2``, routing that leaves experts empty; the plan, the
+``ep=2``, ``ep=4``, ``ep=2 x fsdp=2``, ``ep=2 x tp=2`` and ``ep=2 x cp=2``, routing that leaves
+experts empty; the plan, the
 per-rank bytes, the all-to-all bytes of one step, and the refusals."""
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def _transforms(mesh, mesh_axes: dict[str, int]) -> list:
     transforms = [d9d.expert_parallel(mesh, axis="ep")]
     if "fsdp" in mesh_axes:
         transforms.append(d9d.shard_params(mesh, axis="fsdp"))
+    if "tp" in mesh_axes:
+        transforms.append(d9d.tensor_parallel(mesh, axis="tp"))
+    if "cp" in mesh_axes:
+        transforms.append(d9d.context_parallel(mesh, axis="cp"))
     return transforms
 
 
@@ -99,6 +104,8 @@ LAYOUTS = {
     "ep=2, 6 experts": ({"ep": 2}, 6, False),
     "ep=2 x fsdp=2": ({"ep": 2, "fsdp": 2}, 8, False),
     "ep=4, skewed routing": ({"ep": 4}, 8, True),
+    "ep=2 x tp=2": ({"ep": 2, "tp": 2}, 8, False),
+    "ep=2 x cp=2": ({"ep": 2, "cp": 2}, 8, False),
 }
 
 
