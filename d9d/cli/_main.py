@@ -170,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cp", type=int, default=None, help="under torchrun: context-parallel ranks")
     run.add_argument("--pp", type=int, default=None, help="under torchrun: pipeline stages")
     run.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="under torchrun, with --model moe: expert-parallel ranks (routed experts sharded)",
+    )
+    run.add_argument(
         "--schedule",
         choices=SCHEDULE_NAMES,
         default="1f1b",
