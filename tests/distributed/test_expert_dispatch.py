@@ -54,7 +54,7 @@ def _rank(ranks: int, experts: int) -> tuple[list[torch.Tensor], list[torch.Tens
     mine = weights[rank * local : (rank + 1) * local].clone().requires_grad_()
     got_rows = rows.clone().requires_grad_()
     with CollectiveCounter(mesh) as counter:
-        route = route_rows(sizes, ranks, mesh.get_group("ep").group_name)
+        route = route_rows(sizes, ranks, mesh.get_group("ep").group_name, rows.shape[0])
         received = dispatch(got_rows, route)
         got = combine(_experts(received, route.local_sizes, mine), route)
         got.backward(out_grad)

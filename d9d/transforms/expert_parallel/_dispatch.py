@@ -8,6 +8,10 @@ exchanges the per-expert counts (one all-to-all of ``E`` int32) and reads the sp
 the host; :func:`dispatch` sends the rows (rows arrive grouped by source rank, then by local
 expert) and regroups them by local expert; :func:`combine` undoes both. Each all-to-all's
 backward is the reverse all-to-all of the grads, so grads are exact.
+
+Meta tensors (``d9d plan``'s dry run on simulated ranks) hold no routing: there the route is
+the uniform one, each rank sending every rank an equal share of its rows (the first ranks one
+more when they do not split evenly), which is the assumption ``d9d plan`` states.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ class Route:
     local_sizes: Tensor
 
 
-def route_rows(group_sizes: Tensor, ranks: int, group_name: str) -> Route:
-    """The route of rows grouped by expert (``group_sizes [E]``) over ``ranks`` ep ranks.
+def route_rows(group_sizes: Tensor, ranks: int, group_name: str, rows: int) -> Route:
+    """The route of ``rows`` rows grouped by expert (``group_sizes [E]``) over ``ranks`` ep
+    ranks.
 
     One all-to-all of the per-expert counts; the split sizes are then read on the host
     (one device-to-host copy: uneven all-to-alls take their sizes as Python ints).
@@ -56,11 +61,20 @@ def route_rows(group_sizes: Tensor, ranks: int, group_name: str) -> Route:
         local = counts.numel() // ranks
         split = [local] * ranks
         received = _c10d.wait_tensor(_c10d.all_to_all_single(counts, split, split, group_name))
+        if counts.is_meta:
+            return _uniform(rows, ranks, local, group_name, counts)
         theirs = received.view(ranks, local).to(torch.int64)  # [source rank, local expert]
         sizes = torch.stack([counts.view(ranks, local).sum(1).to(torch.int64), theirs.sum(1)])
         send, recv = sizes.tolist()
         order = _by_local_expert(theirs, sum(recv))
         return Route(group_name, send, recv, order, theirs.sum(0).to(torch.int32))
+
+
+def _uniform(rows: int, ranks: int, local: int, group_name: str, counts: Tensor) -> Route:
+    """The route of uniform routing, on meta tensors (no values to read)."""
+    send = [rows // ranks + (i < rows % ranks) for i in range(ranks)]
+    order = torch.arange(rows, device=counts.device)
+    return Route(group_name, send, list(send), order, counts.new_empty(local))
 
 
 def _by_local_expert(counts: Tensor, total: int) -> Tensor:

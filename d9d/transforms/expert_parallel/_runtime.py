@@ -46,5 +46,5 @@ class ExpertParallelRuntime(Runtime):
                 f"{sorted(kwargs)}"
             )
         rows, group_sizes = args
-        route = route_rows(group_sizes, self.ranks, self.group_name)
+        route = route_rows(group_sizes, self.ranks, self.group_name, rows.shape[0])
         return combine(forward(dispatch(rows, route), route.local_sizes), route)
