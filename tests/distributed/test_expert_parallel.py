@@ -227,3 +227,65 @@ REFUSALS = {
 def test_refusals_name_the_param_or_axis_and_the_fix(kind: str) -> None:
     with pytest.raises(RankFailedError, match=REFUSALS[kind]):
         run_on_ranks(_refused_rank, 2, kind, timeout=120)
+
+
+def _accumulated_reference(microbatches: int, data_ranks: int):
+    """One device, microbatch accumulation written out (as ``tests/models/moe/
+    test_moe_distributed.py``): microbatch ``m`` is the ``m``-th slice of every data rank's
+    shard; each weighs by its share of the valid labels; its aux loss is its own tokens'."""
+    model, opt = _model(8), _optimizer()
+    rate = model.module.config.moe.bias_update_rate
+
+    def loss_fn(params, batch):
+        out = model.apply(params, batch["tokens"])
+        ce = d9d.losses.cross_entropy(out.logits, batch["labels"])
+        return ce + out.aux_loss, (ce, out.aux_loss, out.expert_load)
+
+    params = {k: v.clone() for k, v in model.params.items()}
+    state, metrics = opt.init(params), []
+    for batch in _batches():
+        parts = [
+            {
+                k: torch.cat([s.chunk(microbatches)[i] for s in v.chunk(data_ranks)])
+                for k, v in batch.items()
+            }
+            for i in range(microbatches)
+        ]
+        counts = torch.stack([(part["labels"] != -100).sum() for part in parts]).double()
+        grads, ce, aux, loads = None, 0.0, 0.0, {}
+        for part, share in zip(parts, counts / counts.sum(), strict=True):
+            (_, (ce_m, aux_m, loads_m)), g = d9d.value_and_grad(loss_fn, has_aux=True)(params, part)
+            g = {k: share * v for k, v in g.items()}
+            grads = g if grads is None else {k: grads[k] + g[k] for k in g}
+            ce, aux = ce + share * ce_m, aux + share * aux_m
+            loads = {k: loads.get(k, 0.0) + v for k, v in loads_m.items()}
+        balance = d9d.moe.load_balance(torch.stack(list(loads.values())))
+        metrics.append(torch.stack([ce, aux, balance.double()]))
+        biases = d9d.moe.update_router_bias(params, loads, rate)
+        updates, state = opt.update(grads, state, params)
+        params = d9d.optim.apply_updates(params, updates)
+        params |= {k: v for k, v in biases.items() if k.endswith("expert_bias")}
+    return torch.stack(metrics), params
+
+
+def _microbatched_rank():
+    mesh = d9d.make_mesh("cpu", fsdp=2, ep=2)
+    model, opt = _model(8), _optimizer()
+    step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
+    step = d9d.shard_params(mesh, axis="fsdp", microbatches=2)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    metrics = []
+    for batch in _batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+
+
+@pytest.mark.distributed
+def test_microbatched_expert_parallel_equals_one_device_accumulating() -> None:
+    """``ep=2 x fsdp=2`` with 2 microbatches: the expert grads, left unreduced and scaled per
+    microbatch, add up to the accumulation written out on one device."""
+    want_metrics, want_params = _accumulated_reference(2, 4)
+    for metrics, params in run_on_ranks(_microbatched_rank, 4, timeout=300):
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, want_params, **PARAM_TOL)
