@@ -8,11 +8,12 @@ block whose params the core has already swapped in: the module computes with thi
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ..._runtime import ApplyCall, Interception, Runtime
-from ...errors import PlanError
+from ...moe import Experts
 from ._dispatch import combine, dispatch, route_rows
 
 __all__ = ["ExpertParallelRuntime"]
@@ -39,12 +40,11 @@ class ExpertParallelRuntime(Runtime):
         )
 
     def _experts(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
-        if kwargs or len(args) != 2:
-            raise PlanError(
-                "expert_parallel intercepts an experts module called as experts(rows, "
-                f"group_sizes); it was called with {len(args)} positional and keywords "
-                f"{sorted(kwargs)}"
-            )
-        rows, group_sizes = args
+        # Experts.forward(x, group_sizes), its inputs passed by position or by name.
+        inputs = _SIGNATURE.bind(None, *args, **kwargs).arguments
+        rows, group_sizes = inputs["x"], inputs["group_sizes"]
         route = route_rows(group_sizes, self.ranks, self.group_name, rows.shape[0])
         return combine(forward(dispatch(rows, route), route.local_sizes), route)
+
+
+_SIGNATURE = inspect.signature(Experts.forward)
