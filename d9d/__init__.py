@@ -33,7 +33,6 @@ _TRANSFORMS = tuple(
 )
 # Names of DESIGN.md's contract that are not built yet: refused by name, with their issue.
 _NOT_BUILT = {
-    "expert_parallel": "issue 27 (experts sharded over a mesh axis, DeepEP-style dispatch)",
     "fp8": "issue 28 (tensorwise, rowwise and blockwise fp8 training as a transform)",
 }
 
@@ -46,6 +45,7 @@ __all__ = [  # kept literal for type checkers; tests/core/test_public_names.py h
     "context_parallel",
     "data",
     "errors",
+    "expert_parallel",
     "functionalize",
     "grad",
     "hf",
@@ -109,4 +109,11 @@ if TYPE_CHECKING:
     from ._model import Model, functionalize
     from ._process_group import init_process_group
     from ._structure import Axes
-    from .transforms import context_parallel, pipeline, remat, shard_params, tensor_parallel
+    from .transforms import (
+        context_parallel,
+        expert_parallel,
+        pipeline,
+        remat,
+        shard_params,
+        tensor_parallel,
+    )

@@ -37,6 +37,7 @@ class TrainConfig:
     tp: int | None = None  # tensor-parallel ranks (Megatron TP, sequence parallel); None: 1
     cp: int | None = None  # context-parallel ranks (ring attention); None: 1
     pp: int | None = None  # pipeline stages; None: 1
+    ep: int | None = None  # expert-parallel ranks (routed experts sharded; --model moe); None: 1
     schedule: str = "1f1b"  # pipeline schedule, with --pp
     microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
     dtype: str = "float32"  # "bfloat16": blocks compute in bf16 over float32 master weights

@@ -170,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cp", type=int, default=None, help="under torchrun: context-parallel ranks")
     run.add_argument("--pp", type=int, default=None, help="under torchrun: pipeline stages")
     run.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="under torchrun, with --model moe: expert-parallel ranks (routed experts sharded)",
+    )
+    run.add_argument(
         "--schedule",
         choices=SCHEDULE_NAMES,
         default="1f1b",
@@ -293,7 +299,10 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     show.add_argument("--cp", type=int, default=1, help="context-parallel ranks (default 1)")
     show.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     show.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel ranks: not built yet, only 1"
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks, --model moe (default 1); all-to-alls for uniform routing",
     )
     show.add_argument(
         "--world", type=int, default=None, help="ranks in all (default: the axes' product)"

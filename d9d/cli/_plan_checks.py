@@ -9,12 +9,12 @@ from typing import Any
 
 __all__ = ["AXES", "REMAT", "check_layout"]
 
-AXES = ("dp", "fsdp", "tp", "cp", "pp")
+AXES = ("dp", "fsdp", "ep", "tp", "cp", "pp")
 REMAT = ("none", "selective", "full")
 
 
 def check_layout(model: str, remat: str, hf_config: Path | None, **axes: Any) -> dict[str, int]:
-    """The axis sizes ``{pp, dp, fsdp, cp, tp}`` of ``d9d plan``'s flags (``fsdp``: the ranks
+    """The axis sizes ``{pp, dp, fsdp, ep, cp, tp}`` of ``d9d plan``'s flags (``fsdp``: the ranks
     the others leave of ``world``).
 
     Raises:
@@ -32,17 +32,17 @@ def check_layout(model: str, remat: str, hf_config: Path | None, **axes: Any) ->
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
-    if axes["ep"] > 1:
+    if axes["ep"] > 1 and (model != "moe" or hf_config is not None):
         raise ValueError(
-            f"--ep {axes['ep']}: expert_parallel is not built yet, so no layout shards experts "
-            "over ranks; plan MoE layouts with --dp/--fsdp/--tp (experts sharded by fsdp)"
+            f"--ep {axes['ep']} shards the routed experts of d9d's MoE model: pass --model moe "
+            "(a Hugging Face config's MoE blocks are not expert-parallel yet)"
         )
     others = math.prod(axes[name] for name in AXES if name != "fsdp")
     world, fsdp = axes["world"], axes["fsdp"]
     if fsdp is None:
         if world is not None and world % others:
             raise ValueError(
-                f"--world {world} does not split into --dp x --tp x --cp x --pp = {others} "
+                f"--world {world} does not split into --dp x --ep x --tp x --cp x --pp = {others} "
                 "ranks times an fsdp size; choose axes whose product divides --world"
             )
         fsdp = world // others if world is not None else 1
@@ -53,5 +53,6 @@ def check_layout(model: str, remat: str, hf_config: Path | None, **axes: Any) ->
             "the world size (or leave --fsdp out to take the rest)"
         )
     return {
-        name: fsdp if name == "fsdp" else axes[name] for name in ("pp", "dp", "fsdp", "cp", "tp")
+        name: fsdp if name == "fsdp" else axes[name]
+        for name in ("pp", "dp", "fsdp", "ep", "cp", "tp")
     }

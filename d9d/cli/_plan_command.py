@@ -67,7 +67,8 @@ def show_plan(
         hf_config: A Hugging Face ``config.json`` to plan instead of a preset.
         dp, fsdp, tp, cp, pp: Mesh axis sizes, as ``d9d train`` takes them; ``fsdp`` None:
             the ranks the others leave of ``world`` (1 without ``world``).
-        ep: Expert-parallel ranks: only 1 (``expert_parallel`` is not built yet).
+        ep: Expert-parallel ranks (``model="moe"`` only); the all-to-all bytes of dispatch
+            and combine are those of uniform routing (simulated ranks hold no routing).
         world: Ranks in all; None: the product of the axes.
         batch: Sequences per rank per microbatch.
         seq: Tokens per sequence (None: the model's max_seq_len, at most 4096).
@@ -83,7 +84,7 @@ def show_plan(
 
     Raises:
         ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
-            not multiply to ``world``, ``ep > 1``, an unknown ``model``, ``preset`` or
+            not multiply to ``world``, ``ep > 1`` without ``model="moe"``, an unknown ``model``, ``preset`` or
             ``remat``, a dim that does not split, or a schedule that cannot run
             ``microbatches``.
 
@@ -122,6 +123,11 @@ def show_plan(
             comms = render_comms(measured.comms)
         else:
             comms = f"collectives: not counted on simulated ranks: {measured.error}"
+        if sizes["ep"] > 1 and measured.comms is not None:
+            comms += (
+                "\nall_to_all on ep: dispatch and combine for uniform routing (each rank sends "
+                "every ep rank an equal share of its routed rows), forward and backward"
+            )
         plan = step.plan
         axes = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
         title = f"d9d plan: {described} on {ranks} simulated ranks: {axes}"

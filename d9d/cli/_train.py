@@ -29,7 +29,13 @@ from .._step import TransformedStep
 from ..errors import DataError
 from ..models import Llama, LlamaConfig, MoE, MoEConfig
 from ..models.moe import make_train_step as make_moe_train_step
-from ..transforms import context_parallel, pipeline, shard_params, tensor_parallel
+from ..transforms import (
+    context_parallel,
+    expert_parallel,
+    pipeline,
+    shard_params,
+    tensor_parallel,
+)
 from ..transforms.pipeline import SCHEDULES
 from . import _train_resume as resume
 from ._config import TrainConfig
@@ -221,14 +227,14 @@ def _init_distributed(config: TrainConfig) -> bool:
     if "RANK" not in os.environ:
         flags = ", ".join(f"{k}={v}" for k, v in layout.items())
         raise ValueError(
-            f"--dp/--fsdp/--tp/--cp/--pp need several ranks: launch with `torchrun "
+            f"--dp/--fsdp/--ep/--tp/--cp/--pp need several ranks: launch with `torchrun "
             f"--nproc-per-node N -m d9d train ...` (got {flags} in one process)"
         )
     init_process_group(timeout=timedelta(seconds=config.dist_timeout))
     return True
 
 
-_AXES = ("pp", "dp", "fsdp", "cp", "tp")
+_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
 
 
 def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
@@ -261,6 +267,8 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
         step = tensor_parallel(mesh)(step)
     if sizes["cp"] > 1:
         step = context_parallel(mesh)(step)
+    if sizes["ep"] > 1:
+        step = expert_parallel(mesh)(step)
     if sizes["pp"] > 1:
         step = pipeline(
             mesh,

@@ -25,7 +25,7 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError(f"--lr must be a positive number, got {config.lr}")
     if config.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
-    for name in ("dp", "fsdp", "tp", "cp", "pp", "microbatches"):
+    for name in ("dp", "fsdp", "ep", "tp", "cp", "pp", "microbatches"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
     if config.grad_accum < 1:
@@ -39,6 +39,16 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError(f"--dtype must be float32 or bfloat16, got {config.dtype!r}")
     if config.model not in ("llama", "moe"):
         raise ValueError(f"--model must be llama or moe, got {config.model!r}")
+    if (config.ep or 1) > 1 and config.model != "moe":
+        raise ValueError(
+            f"--ep {config.ep} shards routed experts, and --model {config.model} has none: "
+            "pass --model moe, or use --dp/--fsdp for data parallelism"
+        )
+    if config.jit and (config.ep or 1) > 1:
+        raise ValueError(
+            "--jit does not compile an expert-parallel step yet (its all-to-all split sizes are "
+            "read on the host each step); drop --jit or --ep"
+        )
     if config.jit and (config.pp or 1) > 1:
         raise ValueError(
             "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"

@@ -2,7 +2,7 @@
 
 Each transform is a package holding its rule (how it rewrites a param's plan) and its runtime
 (what it does while the step runs): ``shard_params``, ``tensor_parallel``,
-``context_parallel``, ``pipeline``, ``remat``. Here too are the protocol they implement
+``context_parallel``, ``expert_parallel``, ``pipeline``, ``remat``. Here too are the protocol they implement
 (:class:`Transform`, its :class:`Phase`, :class:`Runtime`) and the types a transformed step hands back: its
 :class:`Plan` of :class:`ParamPlan` entries, :class:`Memory`, :class:`CommStats`, and the
 :class:`Jitted` step of ``d9d.jit``.
@@ -24,6 +24,8 @@ from .._step import TransformedStep as TransformedStep
 from .._transform import Transform as Transform
 from .context_parallel import ContextParallel as ContextParallel
 from .context_parallel import context_parallel as context_parallel
+from .expert_parallel import ExpertParallel as ExpertParallel
+from .expert_parallel import expert_parallel as expert_parallel
 from .pipeline import Pipeline as Pipeline
 from .pipeline import pipeline as pipeline
 from .remat import Remat as Remat
@@ -55,6 +57,7 @@ __all__ = [
     "CommStats",
     "ContextParallel",
     "Differentiation",
+    "ExpertParallel",
     "Interception",
     "Jitted",
     "Memory",
@@ -69,6 +72,7 @@ __all__ = [
     "Transform",
     "TransformedStep",
     "context_parallel",
+    "expert_parallel",
     "pipeline",
     "remat",
     "shard_params",

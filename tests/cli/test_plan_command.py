@@ -51,6 +51,19 @@ def test_plan_of_every_axis_shows_memory_activations_and_collectives() -> None:
     assert "reduce_scatter │ tp" in text
 
 
+def test_expert_parallel_plan_counts_uniform_dispatch_and_combine() -> None:
+    """moe tiny on ep=2, 1 x 64 tokens top-2 of 6 experts, width 64, float32: the counts
+    (6 int32) and, forward and backward, the rank's 128 routed rows out and 128 back
+    (uniform routing): 24 + 4 x 128 x 64 x 4 B = 131,096 B = 128.02 KiB."""
+    text = show_plan("tiny", model="moe", ep=2, seq=64, max_rows=None)
+    assert text.splitlines()[0].endswith("on 2 simulated ranks: ep=2")
+    assert (
+        "│ layers.1.mlp.experts.w_gate       │ [6, 64, 40] │ float32 │ ep:S(0) │ ep:S(0) │" in text
+    )
+    assert "│ all_to_all │ ep   │     5 │ 128.02 KiB │" in text
+    assert "dispatch and combine for uniform routing" in text
+
+
 def test_pipeline_plan_names_rank_0s_stage_and_counts_its_sends() -> None:
     """pp=2 x fsdp=2, 4 microbatches of 1 x 64 tokens of width 256 (float32): rank 0 runs
     stage 0, sends 4 activations of 64 KiB forward and receives their 4 grads back."""
@@ -245,7 +258,7 @@ def test_hugging_face_config(tmp_path: Path) -> None:
         (["--world", "8", "--fsdp", "3"], r"is 3 ranks, not --world 8"),
         (["--world", "6", "--tp", "4"], r"--world 6 does not split into .* = 4 ranks"),
         (["--preset", "9b"], r"name='9b'; valid presets are"),
-        (["--ep", "2"], r"--ep 2: expert_parallel is not built yet"),
+        (["--ep", "2"], r"--ep 2 shards the routed experts of d9d's MoE model: pass --model moe"),
         (["--dp", "0"], r"--dp must be an int >= 1, got 0"),
         (["--pp", "2", "--microbatches", "0"], r"--microbatches must be an int >= 1, got 0"),
         (

@@ -1,4 +1,4 @@
-"""``d9d train`` with ``--tp``, ``--cp``, ``--pp`` (and ``--dp``/``--fsdp``) on forked gloo
+"""``d9d train`` with ``--tp``, ``--cp``, ``--pp``, ``--ep`` (and ``--dp``/``--fsdp``) on forked gloo
 ranks gives the losses of the one-process run."""
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def _one_process(model: str) -> list[float]:
         {"pp": 2, "schedule": "gpipe", "microbatches": 2, "fsdp": 2},
         {"dp": 2, "tp": 2},
         {"model": "moe", "tp": 2},  # sequence parallel: each rank routes half of each sequence
+        {"model": "moe", "ep": 2},  # 3 of the 6 experts per rank
     ],
     ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()),
 )
@@ -54,7 +55,7 @@ def test_layout_trains_like_one_process(
     layout: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     expected = _one_process(layout.get("model", "llama"))
-    world = math.prod(v for k, v in layout.items() if k in ("dp", "fsdp", "tp", "cp", "pp"))
+    world = math.prod(v for k, v in layout.items() if k in ("dp", "fsdp", "ep", "tp", "cp", "pp"))
     out = tmp_path_factory.mktemp("ranks")
     for losses in run_on_ranks(_losses, world, out, method="fork", timeout=300, **layout):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
@@ -72,7 +73,7 @@ def test_moe_runs_tensor_parallel_with_sequence_parallelism() -> None:
 def test_layout_must_fill_the_job(tmp_path: Path) -> None:
     with pytest.raises(
         RankFailedError,
-        match=r"--pp 1 x --dp 1 x --cp 1 x --tp 3 x --fsdp 1 "
+        match=r"--pp 1 x --dp 1 x --ep 1 x --cp 1 x --tp 3 x --fsdp 1 "
         r"is 3 ranks but torchrun started 2",
     ):
         run_on_ranks(_losses, 2, tmp_path, tp=3)
@@ -81,6 +82,15 @@ def test_layout_must_fill_the_job(tmp_path: Path) -> None:
 def test_jit_and_pipeline_are_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--jit does not compile a pipeline step"):
         _losses(tmp_path, pp=2, jit=True)
+
+
+def test_ep_without_moe_and_ep_with_jit_are_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match="--ep 2 shards routed experts, and --model llama has none"
+    ):
+        _losses(tmp_path, ep=2)
+    with pytest.raises(ValueError, match="--jit does not compile an expert-parallel step yet"):
+        _losses(tmp_path, model="moe", ep=2, jit=True)
 
 
 class _Crash(Exception):

@@ -76,6 +76,6 @@ def test_two_ranks_train_like_one_and_resume_on_one(
 
 def test_mesh_must_match_the_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*_ARGS, "--fsdp", "2", "--out", str(tmp_path)]) == 2
-    assert "--dp/--fsdp/--tp/--cp/--pp need several ranks: launch with `torchrun" in (
+    assert "--dp/--fsdp/--ep/--tp/--cp/--pp need several ranks: launch with `torchrun" in (
         capsys.readouterr().err
     )

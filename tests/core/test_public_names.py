@@ -19,6 +19,7 @@ CONTRACT = (
     "shard_params",
     "tensor_parallel",
     "context_parallel",
+    "expert_parallel",
     "pipeline",
     "remat",
     "moe",
@@ -38,7 +39,7 @@ CONTRACT = (
     "kernels.moe_unpermute",
     "models.MoE",
 )
-NOT_BUILT = ("expert_parallel", "fp8")  # issues 27 and 28
+NOT_BUILT = ("fp8",)  # issue 28
 
 
 def _resolve(dotted: str) -> object:

@@ -1,0 +1,180 @@
+"""``expert_parallel``: routed experts sharded over a mesh axis; that axis a data axis for the
+rest of the model.
+
+A stacked expert weight (logical axes ``("experts", ...)`` with an ``expert_mlp`` dim: the
+``w_gate``/``w_up``/``w_down`` of a ``d9d.moe`` layer) is stored, computed with and updated
+``Shard(0)`` over the axis: each rank holds ``E / ep`` experts and their optimizer state.
+Every other param is replicated over the axis and its grad averaged over it, as over a
+data-parallel axis, since the axis' ranks pass different batches.
+
+The owner's grad of an expert is the sum, over the ep ranks, of the grads of their losses
+(the rows of every ep rank pass through it), while the step's loss is the mean of the ranks'
+losses: the plan's ``grad_scale`` of ``1 / ep`` makes it one device's, with no reduction over
+the axis (``docs/moe.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ..._phase import Phase
+from ..._plan import ParamPlan, Plan
+from ..._transform import Transform
+from ...errors import PlanError
+from ...moe import Experts
+from ._runtime import ExpertParallelRuntime
+
+if TYPE_CHECKING:
+    from ..._model import Model
+
+__all__ = ["ExpertParallel", "expert_parallel", "is_expert_weight"]
+
+
+def is_expert_weight(entry: ParamPlan) -> bool:
+    """Whether ``entry`` is a stacked routed-expert weight: logical axes starting with
+    ``experts`` and naming an ``expert_mlp`` dim (a router's are ``("experts", "embed")``)."""
+    axes = entry.axes
+    return axes is not None and len(axes) > 1 and axes[0] == "experts" and "expert_mlp" in axes
+
+
+@dataclass(frozen=True)
+class ExpertParallel(Transform):
+    """The ``expert_parallel`` transform; build it with :func:`expert_parallel`."""
+
+    name: ClassVar[str] = "expert_parallel"
+    phase: ClassVar[Phase] = Phase.COMPUTE_LAYOUT
+    mesh: DeviceMesh
+    axis: str = "ep"
+
+    def __post_init__(self) -> None:
+        self._axis_index(self.axis, "axis")
+
+    def __str__(self) -> str:
+        return f"expert_parallel(axis={self.axis!r})"
+
+    def claimed_axes(self) -> tuple[str, ...]:
+        return (self.axis,)
+
+    def data_axes(self) -> tuple[str, ...]:
+        return (self.axis,)
+
+    @property
+    def size(self) -> int:
+        """Ranks on the axis."""
+        return self.mesh.shape[self._axis_index(self.axis, "axis")]
+
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        index = self._axis_index(self.axis, "axis")
+        if not is_expert_weight(entry):
+            return entry.with_axis(
+                index,
+                storage=Replicate(),
+                compute=Replicate(),
+                grad=Partial("avg"),
+                reason=(
+                    f"{self}: replicated over {self.axis!r}, whose ranks pass different "
+                    "batches; grads all-reduced (mean)"
+                ),
+            )
+        experts, size = entry.shape[0], self.size
+        if experts % size:
+            raise PlanError(
+                f"{self}: {entry.path!r} holds {experts} experts, which do not split over the "
+                f"{size} ranks of {self.axis!r}; use an expert count divisible by {size}, or an "
+                f"{self.axis!r} axis of a size that divides {experts}"
+            )
+        entry = entry.with_axis(
+            index,
+            storage=Shard(0),
+            compute=Shard(0),
+            grad=Shard(0),
+            reason=(
+                f"{self}: {experts // size} of {experts} experts per rank of {self.axis!r}; "
+                f"tokens dispatched to them and combined back (all-to-all), grads scaled by "
+                f"1/{size} (their rows come from every rank of {self.axis!r}), not reduced"
+            ),
+        )
+        return replace(entry, grad_scale=entry.grad_scale / size)
+
+    def lay_out(self, plan: Plan, model: Model | None) -> Plan:
+        _expert_modules(self, plan, model)
+        return plan
+
+    def runtime(self, plan: Plan, model: Model | None) -> ExpertParallelRuntime:
+        group = self.mesh.get_group(self.axis).group_name
+        return ExpertParallelRuntime(_expert_modules(self, plan, model), self.size, group)
+
+
+def _expert_modules(transform: ExpertParallel, plan: Plan, model: Model | None) -> tuple[str, ...]:
+    """The paths of the experts modules owning the plan's expert weights, checked."""
+    owners = {
+        e.path.rpartition(".")[0]: e.path for e in plan.entries.values() if is_expert_weight(e)
+    }
+    if not owners:
+        raise PlanError(
+            f"{transform}: the model has no routed experts (no param whose logical axes start "
+            "with 'experts' and name 'expert_mlp', as d9d.moe's experts do); use a model with "
+            f"d9d.moe layers, or treat {transform.axis!r} as a data axis: "
+            f"d9d.shard_params(mesh, replicate_axis={transform.axis!r})"
+        )
+    if model is None:
+        raise PlanError(
+            f"{transform} intercepts the model's experts modules and needs the model: call "
+            "step.place(params, opt_state, model=model)"
+        )
+    for path, param in owners.items():
+        module = model.structure.modules.get(path)
+        if not isinstance(module, Experts):
+            raise PlanError(
+                f"{transform}: {param!r} belongs to module {path!r} ({type(module).__name__}), "
+                "not a d9d.moe Experts module called as experts(rows grouped by expert, "
+                "group_sizes), which is what expert_parallel intercepts; build the model from "
+                "d9d.moe layers (d9d.checkpoint.import_hf_moe converts a Qwen3-MoE checkpoint)"
+            )
+    return tuple(owners)
+
+
+def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
+    """Shard the routed experts over a mesh axis; the axis is a data axis for the rest.
+
+    Each rank of ``axis`` stores, computes with and updates ``E / ep`` experts of every
+    ``d9d.moe`` layer (stacked expert weights ``Shard(0)`` over ``axis``, their optimizer state
+    too) and passes its own batch (:meth:`~d9d.transforms.TransformedStep.data_rank` counts
+    ``axis``). In each MoE layer the experts module's call, rows grouped by expert with their
+    group sizes, becomes: an all-to-all of the per-expert counts, an uneven all-to-all of the
+    rows to the ranks owning their experts (dispatch), the local experts' grouped GEMMs, and
+    the reverse all-to-all of their outputs (combine); the backward runs the reverse
+    all-to-alls. Dense params are replicated over ``axis`` and their grads averaged over it;
+    the loss is the token mean over every rank's batch. The experts' grads are one device's
+    (``docs/moe.md``). Composes with ``shard_params`` on another axis: dense params FSDP over
+    it, expert weights sharded over it on their next dim (expert FSDP).
+
+    Args:
+        mesh: The mesh, from :func:`d9d.make_mesh`.
+        axis: The mesh axis to shard experts over. Default ``"ep"``.
+
+    Returns:
+        The transform: decorate a step with it.
+
+    Raises:
+        PlanError: ``axis`` is not on the mesh; when placed, the model has no ``d9d.moe``
+            experts, an expert count does not divide by the axis' size, or no model is given.
+
+    Example:
+        >>> import d9d, torch
+        >>> from d9d.models import MoE, MoEConfig
+        >>> from d9d.testing import run_on_ranks
+        >>> def rank_fn():
+        ...     mesh = d9d.make_mesh("cpu", ep=2)
+        ...     model = d9d.functionalize(MoE(MoEConfig.tiny()))
+        ...     step = expert_parallel(mesh)(lambda p, s, b: (p, s, {}))
+        ...     params, _ = step.place(model.params, (), model=model)
+        ...     return params["layers.1.mlp.experts.w_gate"].to_local().shape
+        >>> run_on_ranks(rank_fn, 2)
+        [torch.Size([3, 64, 40]), torch.Size([3, 64, 40])]
+    """
+    return ExpertParallel(mesh, axis)

@@ -1,0 +1,291 @@
+"""``expert_parallel`` against one device: the MoE decoder's training step (float64, 5 AdamW
+steps with clipping, aux loss, z-loss and the bias on, unevenly ignored labels) under
+``ep=2``, ``ep=4``, ``ep=2 x fsdp=2``, ``ep=2 x tp=2`` and ``ep=2 x cp=2``, routing that
+leaves experts empty; the plan, the per-rank bytes, the all-to-all bytes of one step, and the
+refusals."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import d9d
+from d9d.errors import RankFailedError
+from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
+from d9d.models.moe import make_train_step
+from d9d.testing import assert_trees_all_close, run_on_ranks
+
+STEPS = 5
+TOL = {"rtol": 1e-9, "atol": 1e-12}
+PARAM_TOL = {"rtol": 1e-9, "atol": 1e-11}  # as tests/models/moe/test_moe_distributed.py, why there
+METRICS = ("loss", "aux_loss", "load_balance")
+EXPERTS = "layers.1.mlp.experts.w_gate"
+
+
+def _config(experts: int = 8, skewed: bool = False) -> MoEConfig:
+    config = MoEConfig.tiny()
+    moe = replace(config.moe, n_experts=experts)
+    return replace(config, moe=moe)
+
+
+def _model(experts: int = 8, skewed: bool = False) -> d9d.Model:
+    model = MoE(_config(experts)).to(torch.float64)
+    if skewed:
+        # A selection bias that picks experts 0 and 1 for every token in all 5 steps (the
+        # bias moves 1e-3 a step): the other experts get no token on any rank.
+        with torch.no_grad():
+            model.layers[1].mlp.router.expert_bias[:2] = 10.0
+    return d9d.functionalize(model)
+
+
+def _optimizer() -> d9d.optim.GradientTransformation:
+    schedule = d9d.optim.warmup_cosine(1e-2, 1, 10, init_value=1e-3)
+    return d9d.optim.chain(d9d.optim.clip_by_global_norm(0.5), d9d.optim.adamw(schedule))
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    """Rows ignore 0 to 16 of their 16 labels, differently each step."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(STEPS):
+        tokens = torch.randint(0, 256, (8, 17), generator=g)
+        labels = tokens[:, 1:].clone()
+        for row in range(labels.shape[0]):
+            labels[row, : (5 * row + 3 * i) % 17] = -100
+        out.append({"tokens": tokens[:, :-1], "labels": labels})
+    return out
+
+
+@functools.cache
+def _reference(experts: int, skewed: bool):
+    model, opt = _model(experts, skewed), _optimizer()
+    step = make_train_step(model, opt)
+    params = {k: v.clone() for k, v in model.params.items()}
+    state, metrics = opt.init(params), []
+    for batch in _batches():
+        params, state, m = step(params, state, batch)
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return torch.stack(metrics), params
+
+
+def _transforms(mesh, mesh_axes: dict[str, int]) -> list:
+    transforms = [d9d.expert_parallel(mesh, axis="ep")]
+    if "fsdp" in mesh_axes:
+        transforms.append(d9d.shard_params(mesh, axis="fsdp"))
+    if "tp" in mesh_axes:
+        transforms.append(d9d.tensor_parallel(mesh, axis="tp"))
+    if "cp" in mesh_axes:
+        transforms.append(d9d.context_parallel(mesh, axis="cp"))
+    if "pp" in mesh_axes:
+        transforms.append(d9d.pipeline(mesh, "pp", schedule="gpipe", microbatches=1))
+    if "remat" in mesh_axes:
+        transforms.append(d9d.remat("full", mesh=mesh))
+    return transforms
+
+
+def _rank(mesh_axes: dict[str, int], experts: int, skewed: bool):
+    mesh = d9d.make_mesh("cpu", **{k: v for k, v in mesh_axes.items() if k != "remat"})
+    model, opt = _model(experts, skewed), _optimizer()
+    step = make_train_step(model, opt)
+    for transform in _transforms(mesh, mesh_axes):
+        step = transform(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    local = params[EXPERTS].to_local().shape if EXPERTS in params else None
+    metrics = []
+    for batch in _batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}, local
+
+
+LAYOUTS = {
+    "ep=2": ({"ep": 2}, 8, False),
+    "ep=4": ({"ep": 4}, 8, False),
+    "ep=2, 6 experts": ({"ep": 2}, 6, False),
+    "ep=2 x fsdp=2": ({"ep": 2, "fsdp": 2}, 8, False),
+    "ep=4, skewed routing": ({"ep": 4}, 8, True),
+    "ep=2 x tp=2": ({"ep": 2, "tp": 2}, 8, False),
+    "ep=2 x cp=2": ({"ep": 2, "cp": 2}, 8, False),
+    "ep=2, remat full": ({"ep": 2, "remat": 1}, 8, False),
+    # Stage 0 holds the dense block 0, stage 1 the MoE block 1 (whose experts are on ep).
+    "pp=2 x ep=2 gpipe, 1 microbatch": ({"pp": 2, "ep": 2}, 8, False),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_step_equals_one_device(name: str) -> None:
+    """Metrics and every param (the experts, the router and its bias included) equal one
+    device's fed the whole batch; each rank stores E / ep experts (/ fsdp of their width)."""
+    mesh_axes, experts, skewed = LAYOUTS[name]
+    want_metrics, want_params = _reference(experts, skewed)
+    world = math.prod(mesh_axes.values())
+    method = "fork" if "pp" in mesh_axes else "thread"  # threads have no point-to-point ops
+    ranks = run_on_ranks(_rank, world, mesh_axes, experts, skewed, method=method, timeout=300)
+    dim = _config(experts).moe.dim
+    for metrics, params, local in ranks:
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, {k: want_params[k] for k in params}, **PARAM_TOL)
+        if local is not None:
+            assert tuple(local) == (experts // mesh_axes["ep"], dim // mesh_axes.get("fsdp", 1), 40)
+    assert set().union(*(params for _, params, _ in ranks)) == set(want_params)
+    assert any(local is not None for _, _, local in ranks)
+
+
+def _shards(batch: dict[str, torch.Tensor], ranks: int) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.chunk(ranks)[r] for k, v in batch.items()} for r in range(ranks)]
+
+
+def test_skewed_routing_leaves_experts_empty() -> None:
+    """The skewed model routes no token of any rank to experts 2 to 7."""
+    model = _model(8, skewed=True)
+    for shard in _shards(_batches()[0], 4):
+        load = model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
+        assert load[2:].sum() == 0 and load[:2].sum() == shard["tokens"].numel() * 2
+
+
+def _inspect_rank(ranks: int):
+    mesh = d9d.make_mesh("cpu", ep=ranks)
+    model, opt = _model(8), _optimizer()
+    step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(_batches()[0])
+    comms = step.comms(params, state, batch)
+    return str(step.plan), step.plan.explain(EXPERTS), step.memory(params, state), comms
+
+
+@pytest.mark.distributed
+def test_plan_memory_and_all_to_all_bytes() -> None:
+    """ep=2, batch 8 x 16 (4 rows per rank), top-2 of 8 experts, dim 64, float64. Per step and
+    rank, on 'ep': the counts (8 int32), the rank's 4 * 16 * 2 routed rows out and the rows
+    its experts got back (dispatch and combine, forward), the same two buffers of grads in the
+    backward. The received rows follow from the step's routing (each rank's loads)."""
+    ranks, experts = 2, 8
+    model = _model(experts)
+    loads = [
+        model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
+        for shard in _shards(_batches()[0], ranks)
+    ]
+    config = _config(experts).moe
+    row = config.dim * 8
+    expert_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." in k)
+    dense_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." not in k)
+    state = _optimizer().init(model.params)
+    scalars = sum(v.numel() * v.element_size() for v in d9d.tree.leaves(state)) - 2 * (
+        expert_bytes + dense_bytes
+    )
+    for rank, (table, why, memory, comms) in enumerate(run_on_ranks(_inspect_rank, 2, ranks)):
+        assert f"{EXPERTS}" in table and "ep:S(0)" in table
+        assert "4 of 8 experts per rank of 'ep'" in why and "grads scaled by 1/2" in why
+        mine = slice(rank * 4, rank * 4 + 4)
+        sent, received = 4 * 16 * config.top_k, int(sum(load[mine].sum() for load in loads))
+        assert comms.count[("all_to_all", "ep")] == 5
+        assert comms.bytes[("all_to_all", "ep")] == experts * 4 + 2 * (sent + received) * row
+        assert memory.params == dense_bytes + expert_bytes // ranks
+        assert memory.opt_state == 2 * memory.params + scalars  # AdamW's two moments
+
+
+def _refused_rank(kind: str) -> None:
+    mesh = d9d.make_mesh("cpu", ep=2) if kind != "axis" else d9d.make_mesh("cpu", fsdp=2)
+    if kind == "axis":
+        d9d.expert_parallel(mesh, axis="ep")
+    model = (
+        d9d.functionalize(Llama(LlamaConfig.tiny()))
+        if kind == "dense"
+        else _model(experts=5 if kind == "indivisible" else 8)
+    )
+    step = d9d.expert_parallel(mesh)(lambda p, s, b: (p, s, {}))
+    if kind == "jit":
+        params, state = step.place(model.params, (), model=model)
+        d9d.jit(step)(params, state, torch.zeros(1))
+    if kind == "no model":
+        step.place(model.params, (), axes=model.axes)
+    step.place(model.params, (), model=model)
+
+
+REFUSALS = {
+    "axis": r"PlanError: ExpertParallel\(axis='ep'\) names an axis the mesh does not have: mesh "
+    r"axes are \('fsdp',\)",
+    "dense": r"PlanError: expert_parallel\(axis='ep'\): the model has no routed experts .* "
+    r"d9d\.shard_params\(mesh, replicate_axis='ep'\)",
+    "indivisible": r"PlanError: expert_parallel\(axis='ep'\): 'layers\.1\.mlp\.experts\.w_(gate|up|"
+    r"down)' holds 5 experts, which do not split over the 2 ranks of 'ep'; use an expert count "
+    r"divisible by 2",
+    "no model": r"PlanError: expert_parallel\(axis='ep'\) intercepts the model's experts modules "
+    r"and needs the model",
+    "jit": r"PlanError: expert_parallel reads each step's all-to-all split sizes .* run the step "
+    r"eagerly",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_refusals_name_the_param_or_axis_and_the_fix(kind: str) -> None:
+    with pytest.raises(RankFailedError, match=REFUSALS[kind]):
+        run_on_ranks(_refused_rank, 2, kind, timeout=120)
+
+
+def _accumulated_reference(microbatches: int, data_ranks: int):
+    """One device, microbatch accumulation written out (as ``tests/models/moe/
+    test_moe_distributed.py``): microbatch ``m`` is the ``m``-th slice of every data rank's
+    shard; each weighs by its share of the valid labels; its aux loss is its own tokens'."""
+    model, opt = _model(8), _optimizer()
+    rate = model.module.config.moe.bias_update_rate
+
+    def loss_fn(params, batch):
+        out = model.apply(params, batch["tokens"])
+        ce = d9d.losses.cross_entropy(out.logits, batch["labels"])
+        return ce + out.aux_loss, (ce, out.aux_loss, out.expert_load)
+
+    params = {k: v.clone() for k, v in model.params.items()}
+    state, metrics = opt.init(params), []
+    for batch in _batches():
+        parts = [
+            {
+                k: torch.cat([s.chunk(microbatches)[i] for s in v.chunk(data_ranks)])
+                for k, v in batch.items()
+            }
+            for i in range(microbatches)
+        ]
+        counts = torch.stack([(part["labels"] != -100).sum() for part in parts]).double()
+        grads, ce, aux, loads = None, 0.0, 0.0, {}
+        for part, share in zip(parts, counts / counts.sum(), strict=True):
+            (_, (ce_m, aux_m, loads_m)), g = d9d.value_and_grad(loss_fn, has_aux=True)(params, part)
+            g = {k: share * v for k, v in g.items()}
+            grads = g if grads is None else {k: grads[k] + g[k] for k in g}
+            ce, aux = ce + share * ce_m, aux + share * aux_m
+            loads = {k: loads.get(k, 0.0) + v for k, v in loads_m.items()}
+        balance = d9d.moe.load_balance(torch.stack(list(loads.values())))
+        metrics.append(torch.stack([ce, aux, balance.double()]))
+        biases = d9d.moe.update_router_bias(params, loads, rate)
+        updates, state = opt.update(grads, state, params)
+        params = d9d.optim.apply_updates(params, updates)
+        params |= {k: v for k, v in biases.items() if k.endswith("expert_bias")}
+    return torch.stack(metrics), params
+
+
+def _microbatched_rank():
+    mesh = d9d.make_mesh("cpu", fsdp=2, ep=2)
+    model, opt = _model(8), _optimizer()
+    step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
+    step = d9d.shard_params(mesh, axis="fsdp", microbatches=2)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    metrics = []
+    for batch in _batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+
+
+@pytest.mark.distributed
+def test_microbatched_expert_parallel_equals_one_device_accumulating() -> None:
+    """``ep=2 x fsdp=2`` with 2 microbatches: the expert grads, left unreduced and scaled per
+    microbatch, add up to the accumulation written out on one device."""
+    want_metrics, want_params = _accumulated_reference(2, 4)
+    for metrics, params in run_on_ranks(_microbatched_rank, 4, timeout=300):
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, want_params, **PARAM_TOL)
