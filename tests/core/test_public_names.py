@@ -36,6 +36,8 @@ CONTRACT = (
     "kernels.grouped_gemm",
     "kernels.moe_permute",
     "kernels.moe_unpermute",
+    "kernels.fp8_quantize",
+    "kernels.fp8_gemm",
     "models.MoE",
 )
 NOT_BUILT = ("expert_parallel", "fp8")  # issues 27 and 28
