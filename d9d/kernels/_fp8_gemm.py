@@ -20,7 +20,7 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _A_BLOCK, _B_BLOCK = (1, 128), (128, 128)
 
 
-def _groups(recipe: str, rows: int, k: int, cols: int) -> tuple[tuple, tuple]:
+def operand_groups(recipe: str, rows: int, k: int, cols: int) -> tuple[tuple, tuple]:
     """The element groups of ``a [rows, k]``'s and ``b [k, cols]``'s scales."""
     match recipe:
         case "tensorwise":
@@ -35,7 +35,7 @@ def reference(
     a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, recipe: str, out_dtype: torch.dtype
 ) -> Tensor:
     """``(a * a_scale) @ (b * b_scale)``, each dequantized to float32 first."""
-    a_group, b_group = _groups(recipe, a.shape[0], a.shape[1], b.shape[1])
+    a_group, b_group = operand_groups(recipe, a.shape[0], a.shape[1], b.shape[1])
     return (dequantize(a, a_scale, a_group) @ dequantize(b, b_scale, b_group)).to(out_dtype)
 
 
@@ -49,7 +49,7 @@ def grouped_reference(
     out_dtype: torch.dtype,
 ) -> Tensor:
     """``grouped_gemm``'s reference on the operands dequantized to float32."""
-    a_group, b_group = _groups(recipe, a.shape[0], a.shape[1], b.shape[2])
+    a_group, b_group = operand_groups(recipe, a.shape[0], a.shape[1], b.shape[2])
     a_wide, b_wide = dequantize(a, a_scale, a_group), dequantize(b, b_scale, b_group)
     return _grouped_gemm.reference(a_wide, b_wide, group_sizes).to(out_dtype)
 

@@ -43,6 +43,9 @@ def test_cpu_smoke_writes_a_report(bench, tmp_path):
     assert ops == {
         "adamw",
         "cross_entropy",
+        "fp8_gemm",
+        "fp8_grouped_gemm",
+        "fp8_quantize",
         "fused_add_rms_norm",
         "fused_linear_cross_entropy",
         "grouped_gemm",
@@ -60,6 +63,12 @@ def test_cpu_smoke_writes_a_report(bench, tmp_path):
     }
     assert all(row["gbps"] > 0 and row["median_ms"] > 0 for row in rows)
     assert all("tflops" in row for row in rows if row["op"] == "fused_linear_cross_entropy")
+    assert {row["impl"] for row in rows if row["op"] == "fp8_gemm"} == {
+        "triton",
+        "eager",
+        "bf16",
+        "torch",
+    }
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
