@@ -87,16 +87,18 @@ def _expand(scale: torch.Tensor, group: tuple[int, int], shape) -> torch.Tensor:
     return full.repeat_interleave(group[1], 1)[:, : shape[1]]
 
 
-def test_special_values():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_special_values(backend, device):
     """Ties and subnormals round to nearest-even, overflow saturates, zeros stay zeros."""
     # amax 448: the scale is exactly 1, so data is x rounded onto the e4m3 grid.
     x = torch.tensor(
         [
             [448.0, 2.0**-10, 3 * 2.0**-10, 2.0**-11, -(2.0**-10), 1.0625, 1.1875, -0.0],
             [0.0] * 8,
-        ]
+        ],
+        device=device,
     )
-    data, scale = K.fp8_quantize(x, "rowwise")
+    data, scale = K.fp8_quantize(x, "rowwise", backend=backend)
     assert scale[0, 0] == 1.0 and scale[1, 0] == pytest.approx(1e-12 / 448)
     expected = [448.0, 0.0, 2.0**-8, 0.0, -0.0, 1.0, 1.25, -0.0]
     assert data[0].float().tolist() == expected
@@ -104,7 +106,8 @@ def test_special_values():
     assert data[1].float().abs().sum() == 0
     # amax / (amax / 448) rounds above 448 in float32 for this amax: still exactly fp8_max.
     for dtype in (E4M3, E5M2):
-        top, _ = K.fp8_quantize(torch.tensor([[3.6986541748046875, -1e-30]]), "rowwise", dtype)
+        x = torch.tensor([[3.6986541748046875, -1e-30]], device=device)
+        top, _ = K.fp8_quantize(x, "rowwise", dtype, backend=backend)
         assert top.float().tolist() == [[torch.finfo(dtype).max, -0.0]]
 
 
