@@ -13,6 +13,7 @@ from ._fp8_recipes import (
     BLOCKS,
     FP8_DTYPES,
     RECIPES,
+    expand_scale,
     fp8_max,
     fp8_triton_unavailable,
     group_shape,
@@ -40,8 +41,7 @@ def reference(
     padded = F.pad(wide, (0, n_cols * group_cols - cols, 0, n_rows * group_rows - rows))
     groups = padded.reshape(*batch, n_rows, group_rows, n_cols, group_cols)
     scale = groups.abs().amax(dim=(-3, -1)).clamp(min=AMAX_EPS) / limit
-    full = scale.repeat_interleave(group_rows, -2)[..., :rows, :]
-    full = full.repeat_interleave(group_cols, -1)[..., :cols]
+    full = expand_scale(scale, (group_rows, group_cols), rows, cols)
     return (wide / full).clamp(-limit, limit).to(dtype), scale
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "FP8_DTYPES",
     "RECIPES",
     "dequantize",
+    "expand_scale",
     "fp8_max",
     "fp8_triton_unavailable",
     "group_shape",
@@ -70,12 +71,15 @@ def scale_shape(
             return (*batch, -(-rows // block[0]), -(-cols // block[1]))
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
-    """``data * scale`` in float32, each scale repeated over its ``group`` (ragged edges cut)."""
-    rows, cols = data.shape[-2:]
+def expand_scale(scale: torch.Tensor, group: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """``[..., rows, cols]``: each scale repeated over its ``group`` (ragged edges cut)."""
     full = scale.repeat_interleave(group[0], dim=-2)[..., :rows, :]
-    full = full.repeat_interleave(group[1], dim=-1)[..., :cols]
-    return data.float() * full
+    return full.repeat_interleave(group[1], dim=-1)[..., :cols]
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
+    """``data * scale`` in float32, each scale repeated over its ``group``."""
+    return data.float() * expand_scale(scale, group, *data.shape[-2:])
 
 
 def fp8_triton_unavailable(device_type: str | None) -> str | None:
