@@ -9,7 +9,14 @@ from torch import Tensor
 
 from ..errors import KernelInputError
 from . import _grouped_gemm
-from ._fp8_recipes import FP8_DTYPES, RECIPES, dequantize, fp8_triton_unavailable, scale_shape
+from ._fp8_recipes import (
+    FP8_DTYPES,
+    RECIPES,
+    dequantize,
+    fp8_triton_unavailable,
+    group_shape,
+    scale_shape,
+)
 from ._registry import define_op, register_backend, resolve
 from ._triton_env import triton_auto
 
@@ -22,13 +29,7 @@ _A_BLOCK, _B_BLOCK = (1, 128), (128, 128)
 
 def operand_groups(recipe: str, rows: int, k: int, cols: int) -> tuple[tuple, tuple]:
     """The element groups of ``a [rows, k]``'s and ``b [k, cols]``'s scales."""
-    match recipe:
-        case "tensorwise":
-            return (max(rows, 1), max(k, 1)), (max(k, 1), max(cols, 1))
-        case "rowwise":
-            return (1, max(k, 1)), (max(k, 1), 1)
-        case _:
-            return _A_BLOCK, _B_BLOCK
+    return group_shape(rows, k, recipe, -1, _A_BLOCK), group_shape(k, cols, recipe, -2, _B_BLOCK)
 
 
 def reference(
