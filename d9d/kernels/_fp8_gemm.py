@@ -91,6 +91,7 @@ def _scaled_mm(
 ) -> Tensor:
     # _scaled_mm wants a row-major and b column-major; a tensorwise scale may be [1, 1].
     b = b if b.stride(0) == 1 and b.stride(1) == b.shape[0] else b.t().contiguous().t()
+    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
     return torch._scaled_mm(a.contiguous(), b, a_scale, b_scale, out_dtype=out_dtype)
 
 
@@ -115,10 +116,18 @@ def _torch(
             "fp8_gemm: torch._scaled_mm does not multiply two float8_e5m2 operands: make "
             "a_data or b_data float8_e4m3fn, or use backend='triton'"
         )
-    if recipe == "rowwise" and out_dtype != torch.bfloat16 and a.device.type == "cuda":
+    # CUDA's rowwise kernel (aten/src/ATen/native/cuda/RowwiseScaledMM.cu) takes an e5m2 a,
+    # not an e5m2 b, and writes bfloat16 only.
+    if recipe == "rowwise" and a.device.type == "cuda" and out_dtype != torch.bfloat16:
         raise KernelInputError(
             f"fp8_gemm: rowwise torch._scaled_mm on CUDA writes bfloat16 only, got "
             f"{out_dtype=}; use out_dtype=torch.bfloat16 or backend='triton'"
+        )
+    if recipe == "rowwise" and a.device.type == "cuda" and b.dtype != torch.float8_e4m3fn:
+        raise KernelInputError(
+            f"fp8_gemm: rowwise torch._scaled_mm on CUDA takes a float8_e4m3fn b_data, got "
+            f"b_data.dtype={b.dtype}; swap the operands (out.T = b.T @ a.T) or use "
+            f"backend='triton'"
         )
     return _scaled_mm(a, a_scale, b, b_scale, out_dtype)
 
@@ -196,7 +205,8 @@ def fp8_gemm(
     Raises:
         KernelInputError: data not fp8, scales not float32 or of the wrong shape, an unknown
             recipe, mismatched shapes or devices; for ``torch``, K or N not multiples of 16,
-            two e5m2 operands, or rowwise on CUDA with an ``out_dtype`` other than bfloat16.
+            two e5m2 operands, or rowwise on CUDA with an e5m2 ``b_data`` or an
+            ``out_dtype`` other than bfloat16.
         UnknownKernelError: unknown backend name.
         KernelUnavailableError: the forced backend cannot run here (``torch`` with blockwise).
 

@@ -198,3 +198,12 @@ def test_custom_op_registrations(device):
     (a, a_scale, b, b_scale), _ = _operands(8, 32, 16, "rowwise", device)
     args = (a, a_scale, b, b_scale, torch.bfloat16)
     torch.library.opcheck(_fp8_gemm._scaled_mm, args, test_utils=CHECKS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's rowwise _scaled_mm limits")
+def test_cuda_rowwise_scaled_mm_refusals():
+    (a, a_scale, b, b_scale), _ = _operands(16, 32, 16, "rowwise", "cuda")
+    with pytest.raises(KernelInputError, match=r"writes bfloat16 only, got out_dtype="):
+        K.fp8_gemm(a, a_scale, b, b_scale, "rowwise", torch.float32, backend="torch")
+    with pytest.raises(KernelInputError, match=r"takes a float8_e4m3fn b_data"):
+        K.fp8_gemm(a, a_scale, b.to(E5M2), b_scale, "rowwise", backend="torch")
