@@ -8,8 +8,9 @@ An op (``"rms_norm"``) has a pure-PyTorch ``reference`` backend and any number o
    async tasks do not see each other's blocks);
 3. the ``D9D_KERNELS`` environment variable, e.g. ``D9D_KERNELS="rms_norm=triton,swiglu=auto"``;
 4. automatic: the first backend, in registration order, that runs on the tensors' device and
-   dtype and whose ``auto`` rule accepts the device (Triton is picked automatically on CUDA
-   only: on CPU it runs under ``TRITON_INTERPRET=1``, a test tool, and must be forced).
+   dtype, implements the call's mode (an fp8 op's recipe), and whose ``auto`` rule accepts the
+   device (Triton is picked automatically on CUDA only: on CPU it runs under
+   ``TRITON_INTERPRET=1``, a test tool, and must be forced).
 
 A backend forced by 1 to 3 that cannot run here raises :class:`KernelUnavailableError` saying
 why; it never falls back silently. ``"auto"`` in 1 to 3 means step 4. Under ``torch.compile``
