@@ -120,7 +120,7 @@ def _measure(
     rows = []
     modes = [("fwd", False)] + ([("fwd+bwd", True)] if case.bytes_fwd_bwd is not None else [])
     impls = {name: fn for name, fn in case.impls.items() if name not in skip}
-    if compile_baseline:
+    if compile_baseline and case.compile_eager:
         impls["compile"] = torch.compile(case.impls["eager"])
     for mode, backward in modes:
         for name, fn in impls.items():

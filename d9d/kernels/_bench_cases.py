@@ -90,6 +90,9 @@ class Case:
     # an implementation cannot be captured: a failed capture leaves CUDA's random-number
     # state unusable for the rest of the process (seen with Liger's cross-entropy).
     graph: bool = True
+    # Also time torch.compile of "eager" (GPU runs), unless "eager" is no competitor worth a
+    # compile: the fp8 GEMMs' dequantize-then-matmul, whose rival is the bfloat16 matmul.
+    compile_eager: bool = True
 
 
 class _Maker:

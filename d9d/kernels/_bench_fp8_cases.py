@@ -118,6 +118,7 @@ def fp8_cases(sizes: dict, dtype: torch.dtype, device: str) -> list[Case]:
                 gemm_bytes,
                 None,
                 flops_fwd=2 * rows * k * n,
+                compile_eager=False,
             ),
         ]
         if recipe == "tensorwise":  # MoE recipes are rowwise (torchao) and blockwise (DeepSeek)
@@ -132,6 +133,7 @@ def fp8_cases(sizes: dict, dtype: torch.dtype, device: str) -> list[Case]:
                 None,
                 flops_fwd=2 * moe_rows * hidden * moe_n,
                 graph=False,  # the eager loop syncs the host, which a capture cannot
+                compile_eager=False,
             ),
         ]
     return cases
