@@ -36,10 +36,8 @@ def _blocks_loop(a_data, a_scale, b_data, b_scale, recipe):
         t = k0 // 128
         a_part, b_part = a_data[:, k0 : k0 + 128].double(), b_data[k0 : k0 + 128].double()
         match recipe:
-            case "tensorwise":
+            case "tensorwise" | "rowwise":  # [1, 1] * [1, 1], or [m, 1] * [1, n]
                 scales = a_scale.double() * b_scale.double()
-            case "rowwise":
-                scales = a_scale.double() * b_scale.double()  # [m, 1] * [1, n]
             case _:
                 b_cols = b_scale[t].double().repeat_interleave(128)[:n]
                 scales = a_scale[:, t : t + 1].double() * b_cols[None, :]

@@ -36,7 +36,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _loop(x: torch.Tensor, group: tuple[int, int], dtype: torch.dtype):
-    """One group at a time, in float64: amax, scale, divide, clamp, round (torch's cast)."""
+    """One group at a time: amax (in float64), scale, divide, clamp, torch's cast."""
     rows, cols = x.shape
     limit = torch.finfo(dtype).max
     data = torch.empty(rows, cols, dtype=dtype)
