@@ -7,6 +7,9 @@ installed, or forced per call (``backend=``), per block (:func:`use`) or by the
 from . import _block_attention  # noqa: F401 - registers the block_attention op
 from ._adamw import adamw as adamw
 from ._cross_entropy import cross_entropy as cross_entropy
+from ._fp8_gemm import fp8_gemm as fp8_gemm
+from ._fp8_gemm import fp8_grouped_gemm as fp8_grouped_gemm
+from ._fp8_quantize import fp8_quantize as fp8_quantize
 from ._fused_linear_cross_entropy import fused_linear_cross_entropy as fused_linear_cross_entropy
 from ._grouped_gemm import grouped_gemm as grouped_gemm
 from ._moe_permute import moe_permute as moe_permute
@@ -23,6 +26,9 @@ __all__ = [
     "adamw",
     "available",
     "cross_entropy",
+    "fp8_gemm",
+    "fp8_grouped_gemm",
+    "fp8_quantize",
     "fused_add_rms_norm",
     "fused_linear_cross_entropy",
     "grouped_gemm",

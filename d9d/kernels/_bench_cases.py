@@ -31,6 +31,8 @@ __all__ = ["OPS", "SHAPES", "Case", "cases"]
 # one batch of 8192 tokens. "tiny" only exercises the code path (CPU, Triton interpreter).
 # The MoE ops run at the "moe" models' shapes with the same tokens: OLMoE-1B-7B (64 experts,
 # top-8, hidden 2048, expert MLP 1024) and Qwen3-30B-A3B (128 experts, top-8, 2048, 768).
+# The fp8 ops (_bench_fp8_cases.py) run at "fp8" (K and N multiples of 16 in "tiny" too, as
+# torch._scaled_mm needs) and at the first MoE model's gate+up GEMM.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
         "tokens": 8192,
@@ -42,6 +44,7 @@ SHAPES: dict[str, dict[str, Any]] = {
             "olmoe-1b-7b": {"experts": 64, "top_k": 8, "hidden": 2048, "expert_mlp": 1024},
             "qwen3-30b-a3b": {"experts": 128, "top_k": 8, "hidden": 2048, "expert_mlp": 768},
         },
+        "fp8": {"m": 8192, "k": 4096, "n": 4096},
     },
     "tiny": {
         "tokens": 24,
@@ -50,6 +53,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab": 300,
         "heads": (4, 2, 16),
         "moe": {"tiny-moe": {"experts": 5, "top_k": 2, "hidden": 40, "expert_mlp": 24}},
+        "fp8": {"m": 24, "k": 48, "n": 32},
     },
 }
 OPS = (
@@ -63,6 +67,9 @@ OPS = (
     "grouped_gemm",
     "moe_permute",
     "moe_unpermute",
+    "fp8_quantize",
+    "fp8_gemm",
+    "fp8_grouped_gemm",
 )
 
 
@@ -83,6 +90,9 @@ class Case:
     # an implementation cannot be captured: a failed capture leaves CUDA's random-number
     # state unusable for the rest of the process (seen with Liger's cross-entropy).
     graph: bool = True
+    # Also time torch.compile of "eager" (GPU runs), unless "eager" is no competitor worth a
+    # compile: the fp8 GEMMs' dequantize-then-matmul, whose rival is the bfloat16 matmul.
+    compile_eager: bool = True
 
 
 class _Maker:

@@ -8,8 +8,9 @@ An op (``"rms_norm"``) has a pure-PyTorch ``reference`` backend and any number o
    async tasks do not see each other's blocks);
 3. the ``D9D_KERNELS`` environment variable, e.g. ``D9D_KERNELS="rms_norm=triton,swiglu=auto"``;
 4. automatic: the first backend, in registration order, that runs on the tensors' device and
-   dtype and whose ``auto`` rule accepts the device (Triton is picked automatically on CUDA
-   only: on CPU it runs under ``TRITON_INTERPRET=1``, a test tool, and must be forced).
+   dtype, implements the call's mode (an fp8 op's recipe), and whose ``auto`` rule accepts the
+   device (Triton is picked automatically on CUDA only: on CPU it runs under
+   ``TRITON_INTERPRET=1``, a test tool, and must be forced).
 
 A backend forced by 1 to 3 that cannot run here raises :class:`KernelUnavailableError` saying
 why; it never falls back silently. ``"auto"`` in 1 to 3 means step 4. Under ``torch.compile``
@@ -22,7 +23,7 @@ import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,8 @@ class Backend:
     dtypes: frozenset[torch.dtype]  # dtypes of the op's main tensor it accepts
     unavailable: Callable[[str | None], str | None]  # device type (None: any) -> why not, or None
     auto: Callable[[str], bool]  # device type -> may automatic selection pick it there
+    # The op's modes it implements (fp8 recipes), None: all. A call names its mode, a string.
+    variants: frozenset[str] | None = None
 
 
 @dataclass
@@ -69,10 +72,13 @@ def _auto_anywhere(device_type: str) -> bool:
     return True
 
 
-def define_op(name: str, reference: Callable[..., Any]) -> None:
-    """Declares op ``name`` with its pure-PyTorch ``reference`` backend (library-internal)."""
+def define_op(
+    name: str, reference: Callable[..., Any], *, dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
+) -> None:
+    """Declares op ``name`` with its pure-PyTorch ``reference`` backend (library-internal);
+    ``dtypes``: those of the op's main tensor the reference accepts."""
     _OPS[name] = _Op(name)
-    register_backend(name, "reference", reference, dtypes=FLOAT_DTYPES, last=True)
+    register_backend(name, "reference", reference, dtypes=dtypes, last=True)
 
 
 def register_backend(
@@ -83,6 +89,7 @@ def register_backend(
     dtypes: frozenset[torch.dtype] | set[torch.dtype],
     unavailable: Callable[[str | None], str | None] = _runs_anywhere,
     auto: Callable[[str], bool] = _auto_anywhere,
+    variants: Collection[str] | None = None,
     last: bool = False,
 ) -> None:
     """Adds backend ``name`` to ``op``, tried before the ones already there unless ``last``.
@@ -99,6 +106,8 @@ def register_backend(
         unavailable: ``device_type -> reason or None``: why it cannot run on that device type
             here (``None`` as device type: on any device of this machine). Default: never.
         auto: ``device_type -> bool``: whether automatic selection may pick it there.
+        variants: the modes of an op that has them (the fp8 ops' recipes) it implements;
+            None: all. Automatic selection skips a backend without the call's mode.
         last: add it after the existing backends instead of before.
 
     Raises:
@@ -115,7 +124,8 @@ def register_backend(
         raise UnknownKernelError(f"cannot register a backend for {op=}: ops are {sorted(_OPS)}")
     if name == AUTO:
         raise UnknownKernelError(f"backend {name=} is reserved for automatic selection")
-    backend = Backend(name, impl, frozenset(dtypes), unavailable, auto)
+    modes = None if variants is None else frozenset(variants)
+    backend = Backend(name, impl, frozenset(dtypes), unavailable, auto, modes)
     old = {k: v for k, v in _OPS[op].backends.items() if k != name}
     _OPS[op].backends = {**old, name: backend} if last else {name: backend, **old}
     _parse_env.cache_clear()
@@ -177,15 +187,21 @@ def use(**choices: str) -> Iterator[None]:
         _OVERRIDES.reset(token)
 
 
-def _why_not(backend: Backend, op: str, device_type: str, dtype: torch.dtype) -> str | None:
+def _why_not(
+    backend: Backend, device_type: str, dtype: torch.dtype, variant: str | None
+) -> str | None:
     if dtype not in backend.dtypes:
         allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in backend.dtypes))
         return f"it supports dtypes {allowed}, got {dtype}"
+    if variant is not None and backend.variants is not None and variant not in backend.variants:
+        return f"it implements {sorted(backend.variants)}, not {variant!r}"
     return backend.unavailable(device_type)
 
 
 @torch.compiler.assume_constant_result
-def _resolve(op: str, device_type: str, dtype: torch.dtype, requested: str | None) -> tuple:
+def _resolve(
+    op: str, device_type: str, dtype: torch.dtype, requested: str | None, variant: str | None
+) -> tuple:
     """``(backend, "", "")`` or ``("", error kind, message)``; constant under torch.compile."""
     try:
         env = _parse_env(os.environ.get(ENV_VAR, ""))
@@ -209,7 +225,7 @@ def _resolve(op: str, device_type: str, dtype: torch.dtype, requested: str | Non
                 _UNKNOWN,
                 (f"{source}: op {op!r} has no backend {name!r}; backends are {[*known, AUTO]}"),
             )
-        reason = _why_not(known[name], op, device_type, dtype)
+        reason = _why_not(known[name], device_type, dtype, variant)
         if reason is not None:
             return (
                 "",
@@ -217,28 +233,32 @@ def _resolve(op: str, device_type: str, dtype: torch.dtype, requested: str | Non
                 (
                     f"{source}: backend {name!r} of op {op!r} cannot run on {device_type} tensors "
                     f"of dtype {dtype} here: {reason}. Use backend='auto' or one of "
-                    f"{[n for n, b in known.items() if _why_not(b, op, device_type, dtype) is None]}"
+                    f"{[n for n, b in known.items() if _why_not(b, device_type, dtype, variant) is None]}"
                 ),
             )
         return name, "", ""
     for name, backend in known.items():
-        if backend.auto(device_type) and _why_not(backend, op, device_type, dtype) is None:
+        if backend.auto(device_type) and _why_not(backend, device_type, dtype, variant) is None:
             return name, "", ""
     return (
         "",
         _UNAVAILABLE,
-        f"no backend of op {op!r} runs on {device_type} tensors of dtype {dtype}",
+        f"no backend of op {op!r} runs on {device_type} tensors of dtype {dtype}"
+        + ("" if variant is None else f" for {variant!r}"),
     )
 
 
-def resolve(op: str, tensor: torch.Tensor, requested: str | None) -> Callable[..., Any]:
-    """The implementation of ``op`` that runs on ``tensor``'s device and dtype (see module doc).
+def resolve(
+    op: str, tensor: torch.Tensor, requested: str | None, variant: str | None = None
+) -> Callable[..., Any]:
+    """The implementation of ``op`` that runs on ``tensor``'s device and dtype (see module doc),
+    and implements the call's mode ``variant`` (an fp8 recipe) if the op has modes.
 
     Raises:
         UnknownKernelError: a backend or op name is not registered.
         KernelUnavailableError: the forced backend cannot run here.
     """
-    name, kind, message = _resolve(op, tensor.device.type, tensor.dtype, requested)
+    name, kind, message = _resolve(op, tensor.device.type, tensor.dtype, requested, variant)
     if kind == _UNKNOWN:
         raise UnknownKernelError(message)
     if kind == _UNAVAILABLE:

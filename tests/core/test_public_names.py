@@ -37,6 +37,8 @@ CONTRACT = (
     "kernels.grouped_gemm",
     "kernels.moe_permute",
     "kernels.moe_unpermute",
+    "kernels.fp8_quantize",
+    "kernels.fp8_gemm",
     "models.MoE",
 )
 NOT_BUILT = ("fp8",)  # issue 28

@@ -43,6 +43,9 @@ def test_cpu_smoke_writes_a_report(bench, tmp_path):
     assert ops == {
         "adamw",
         "cross_entropy",
+        "fp8_gemm",
+        "fp8_grouped_gemm",
+        "fp8_quantize",
         "fused_add_rms_norm",
         "fused_linear_cross_entropy",
         "grouped_gemm",
@@ -60,9 +63,30 @@ def test_cpu_smoke_writes_a_report(bench, tmp_path):
     }
     assert all(row["gbps"] > 0 and row["median_ms"] > 0 for row in rows)
     assert all("tflops" in row for row in rows if row["op"] == "fused_linear_cross_entropy")
+    assert {row["impl"] for row in rows if row["op"] == "fp8_gemm"} == {
+        "triton",
+        "eager",
+        "bf16",
+        "torch",
+    }
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_without_cuda_it_says_so(bench, capsys):
     assert bench.main([]) == 2
     assert "needs a CUDA device and found none; run with --cpu-smoke" in capsys.readouterr().err
+
+
+def test_fp8_gemm_rows_skip_the_compile_baseline():
+    """Compiling the dequantize-then-matmul reference would cost the GPU stage's budget for
+    a row no one compares with: the fp8 GEMMs' rival is the bfloat16 matmul."""
+    from d9d.kernels import _bench
+    from d9d.kernels._bench_cases import SHAPES
+    from d9d.kernels._bench_fp8_cases import fp8_cases
+
+    cases = fp8_cases(SHAPES["tiny"], torch.bfloat16, "cpu")
+    gemm = next(case for case in cases if case.op == "fp8_gemm" and "rowwise" in case.shape)
+    rows = _bench._measure(gemm, "cpu", 0, 1, 1.0, compile_baseline=True, skip=("triton",))
+    assert {row["impl"] for row in rows} == {"torch", "eager", "bf16"}
+    assert [row for row in rows if "error" in row] == []
+    assert {case.op for case in cases if case.compile_eager} == {"fp8_quantize"}

@@ -84,3 +84,33 @@ def test_adamw_compiles_without_graph_breaks(backend, device):
     assert dict(counters["graph_break"]) == {}
     for compiled, eager in zip(compiled_state, eager_state, strict=True):
         torch.testing.assert_close(compiled, eager)
+
+
+def _fp8_matmuls(x, w, experts, group_sizes, recipe, backend):
+    """fp8 quantize, then a dense and a grouped fp8 GEMM, every recipe's layouts."""
+    x_data, x_scale = K.fp8_quantize(x, recipe, backend=backend)
+    w_data, w_scale = K.fp8_quantize(w, recipe, dim=-2, block=(128, 128), backend=backend)
+    e_data, e_scale = K.fp8_quantize(experts, recipe, dim=-2, block=(128, 128), backend=backend)
+    gemm = "reference" if backend == "reference" else "triton"
+    dense = K.fp8_gemm(x_data, x_scale, w_data, w_scale, recipe, torch.float32, backend=gemm)
+    grouped = K.fp8_grouped_gemm(
+        x_data, x_scale, e_data, e_scale, group_sizes, recipe, torch.float32, backend=gemm
+    )
+    return dense, grouped
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_ops_compile_without_graph_breaks(recipe, backend, device):
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    x, w = torch.randn(9, 130, device=device), torch.randn(130, 24, device=device)
+    experts = torch.randn(2, 130, 24, device=device)
+    group_sizes = torch.tensor([4, 5], device=device)
+    args = (x, w, experts, group_sizes, recipe, backend)
+    compiled = torch.compile(_fp8_matmuls, backend="aot_eager", fullgraph=True)(*args)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    for got, want in zip(compiled, _fp8_matmuls(*args), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -77,6 +77,9 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
         "adamw",
         "block_attention",
         "cross_entropy",
+        "fp8_gemm",
+        "fp8_grouped_gemm",
+        "fp8_quantize",
         "fused_add_rms_norm",
         "fused_linear_cross_entropy",
         "grouped_gemm",
@@ -88,6 +91,7 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
     ]
     assert list(table["fused_linear_cross_entropy"]) == ["triton", "chunked", "reference"]
     assert list(table["grouped_gemm"]) == ["torch", "triton", "reference"]
+    assert list(table["fp8_gemm"]) == ["torch", "triton", "reference"]
     assert all(backends["reference"] is None for backends in table.values())
     monkeypatch.setattr(_triton_env, "_installed", lambda: False)
     assert (
