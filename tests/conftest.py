@@ -1,15 +1,29 @@
-"""Shared test settings: deterministic CPU runs and a per-session inductor cache."""
+"""Shared test settings: deterministic CPU runs, a per-session inductor cache, and the longest
+tests first."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Seconds each slow test took in a CI run (``python .ci/durations.py JUNIT_XML`` writes it)."""
+
 
 def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first, by :data:`DURATIONS`; the others keep their order after them.
+    xdist hands out one test at a time (``--maxschedchunk=1`` in ``pyproject.toml``), so the
+    workers end together instead of one running a tail of slow tests alone."""
+    seconds = json.loads(DURATIONS.read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,7 +21,6 @@ from rich.console import Console
 
 from .. import checkpoint, data, losses, optim
 from .._autodiff import value_and_grad
-from .._jit import jit
 from .._mesh import make_mesh
 from .._model import Model, functionalize
 from .._process_group import init_process_group
@@ -329,6 +328,8 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
         rows = header_lines(config, model_config, model, step, loader.tokens.size, held, device)
         print_header(console or Console(), rows)
     if config.jit:
+        from .._jit import jit  # inductor's import costs each eager rank about 2 s
+
         step = jit(step)
 
     def restore_one(path: Path, restore_rng: bool) -> checkpoint.TrainState:

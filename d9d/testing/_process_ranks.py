@@ -56,6 +56,10 @@ def _rank_main(
         store = dist.FileStore(store_path, world_size)
         # No group timeout: the parent's deadline decides, and kills ranks stuck past it.
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        # Gloo's init returns on a rank once its own side of every connection is up: a rank
+        # whose fn is quick could destroy the group and exit while another still connects
+        # ("Connection closed by peer" there, seen under load). Every rank is connected past it.
+        dist.barrier()
         try:
             value = fn(*args, **kwargs)
         except BaseException:
