@@ -57,12 +57,12 @@ def test_a_layer_holding_a_causal_conv1d_is_refused_by_path_and_class() -> None:
 
 
 def test_a_layer_type_other_than_attention_is_refused() -> None:
-    """MiniMax's lightning attention (a linear attention with no convolution) is named by
-    its config's layer_types only."""
+    """MiniMax's lightning attention (a linear attention with no convolution; its second
+    layer in the tiny config) is named by its config's layer_types only."""
     with pytest.raises(
         RankFailedError,
-        match=r"PlanError: model\.layers\.0 \(MiniMaxDecoderLayer\) is a 'linear_attention' "
-        r"layer \(config\.layer_types\[0\]\)",
+        match=r"PlanError: model\.layers\.1 \(MiniMaxDecoderLayer\) is a 'linear_attention' "
+        r"layer \(config\.layer_types\[1\]\)",
     ):
         run_on_ranks(_cp_forward, 2, _build("minimax"))
 
