@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._runtime import ApplyCall, Runtime
+from ..._structure import Structure
 from ._hf_refusals import check_hf_layers, check_hf_spans
 from ._split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
 
@@ -24,7 +25,7 @@ class ContextParallelRuntime(Runtime):
 
     def __init__(self, split: SequenceSplit) -> None:
         self.split = split
-        self._passed: list[Any] = []  # the model structures whose layers passed the check
+        self._passed: list[Structure] = []  # the models whose layers passed check_layers
 
     def op(self, name: str) -> Callable[..., Any] | None:
         return self.split.attention if name == "attention" else None
@@ -40,9 +41,16 @@ class ContextParallelRuntime(Runtime):
         config = hf_config(structure.module)
         if config is None:
             return
-        if not any(s is structure for s in self._passed):
-            check_hf_layers(structure, config)
-            self._passed.append(structure)
+        self.check_layers(structure)
         positions = call.kwargs[structure.positions_keyword]
         check_hf_spans(config, positions.shape[-1] * self.split.size)
         call.override(config, "_attn_implementation", HF_ATTENTION)
+
+    def check_layers(self, structure: Structure) -> None:
+        """Refuse a Hugging Face model whose layers ring attention cannot split; once per
+        model (``place`` checks it when given the model, before any compile)."""
+        config = hf_config(structure.module)
+        if config is None or any(s is structure for s in self._passed):
+            return
+        check_hf_layers(structure, config)
+        self._passed.append(structure)
