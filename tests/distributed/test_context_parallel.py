@@ -130,6 +130,19 @@ def test_jit_captures_the_wider_layouts_as_one_graph(layout: str) -> None:
     _check("d9d", layout, torch.float64, jit="aot_eager", n_layers=1)
 
 
+@pytest.mark.compile
+def test_hf_jit_captures_one_graph() -> None:
+    """A Hugging Face model's "d9d_ring" attention is registered, and its layers checked,
+    when the step is placed, before the compile: registering it inside the first traced call
+    compiled a second graph."""
+    build, data = hf_llama(torch.float64, 1), batches(97, steps=2)
+    mesh_axes, transforms = LAYOUTS["cp=2"]
+    expected = reference(build, data)
+    assert_equivalent(
+        build, transforms, mesh_axes, data, expected, dtype=torch.float64, jit="aot_eager"
+    )
+
+
 def test_ring_exchanges_and_grad_reduction_are_the_analytic_bytes() -> None:
     """Per attention layer: cp - 1 K/V exchanges forward; backward cp - 1 exchanges of
     K, V, dK, dV and one of dK, dV. Grads are all-reduced over cp once each, and the loss,

@@ -97,6 +97,7 @@ SAMPLE: tuple[tuple[str, str, str, str], ...] = (
     ("granitemoe", "tp=2", "equal (no sp)", "no sp: module"),  # a router named router
     ("beam", "tp=2", "refused", "tp plan style local_params (not implemented by d9d)"),
     ("gpt_oss", "cp=2", "refused", "adds attention sinks (s_aux)"),
+    ("cwm", "cp=2", "equal", ""),  # full and sliding layers: nothing cp refuses
     ("gpt_neox", "fsdp=2", "equal", ""),
     ("gptj", "pp=2", "equal", ""),
 )

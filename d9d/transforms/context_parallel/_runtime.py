@@ -3,7 +3,8 @@ runs, the global positions of the rank's tokens passed to the model, and ring at
 
 The d9d Llama's attention asks the running step for its ``"attention"`` op
 (:func:`d9d._context.sequence_attention`); a Hugging Face
-model is switched to the ``"d9d_ring"`` attention implementation for the call.
+model is switched to the ``"d9d_ring"`` attention implementation for the call, once
+``_hf_refusals.py`` finds nothing in it that mixes positions outside that attention.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._runtime import ApplyCall, Runtime
+from ..._structure import Structure
+from ._hf_refusals import check_hf_layers, check_hf_spans
 from ._split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
 
 __all__ = ["ContextParallelRuntime"]
@@ -22,6 +25,7 @@ class ContextParallelRuntime(Runtime):
 
     def __init__(self, split: SequenceSplit) -> None:
         self.split = split
+        self._passed: list[Structure] = []  # the models whose layers passed check_layers
 
     def op(self, name: str) -> Callable[..., Any] | None:
         return self.split.attention if name == "attention" else None
@@ -35,5 +39,18 @@ class ContextParallelRuntime(Runtime):
             self.split, structure.positions_keyword, call.args, call.kwargs
         )
         config = hf_config(structure.module)
-        if config is not None:
-            call.override(config, "_attn_implementation", HF_ATTENTION)
+        if config is None:
+            return
+        self.check_layers(structure)
+        positions = call.kwargs[structure.positions_keyword]
+        check_hf_spans(config, positions.shape[-1] * self.split.size)
+        call.override(config, "_attn_implementation", HF_ATTENTION)
+
+    def check_layers(self, structure: Structure) -> None:
+        """Refuse a Hugging Face model whose layers ring attention cannot split; once per
+        model (``place`` checks it when given the model, before any compile)."""
+        config = hf_config(structure.module)
+        if config is None or any(s is structure for s in self._passed):
+            return
+        check_hf_layers(structure, config)
+        self._passed.append(structure)

@@ -15,6 +15,7 @@ from ...errors import PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, shard_sequence
 from ...parallel._ring_attention import ring_attention_on
+from ._hf_refusals import check_attention_call
 
 __all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "with_positions"]
 
@@ -138,18 +139,9 @@ def hf_ring_attention(
         )
     if dropout:
         raise PlanError(f"context_parallel attention has no dropout; got dropout={dropout}")
-    if kwargs.get("softcap") is not None:
-        raise PlanError(
-            f"{type(module).__name__} soft-caps its attention scores (softcap="
-            f"{kwargs['softcap']}), which context_parallel's ring attention does not do; build "
-            "the model with attn_logit_softcapping=None, or train it without context_parallel"
-        )
-    if kwargs.get("s_aux") is not None:  # GPT-OSS's sinks; silently dropped, logits differ
-        raise PlanError(
-            f"{type(module).__name__} adds attention sinks (s_aux) to its softmax, which "
-            "context_parallel's ring attention does not do; train it without context_parallel"
-        )
-    causal = bool(getattr(module, "is_causal", True))
+    check_attention_call(module, attention_mask, kwargs)
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = kwargs.get("sliding_window")
     out = attend(query, key, value, causal=causal, scale=scaling, window=window)
     return out.transpose(1, 2).contiguous(), None

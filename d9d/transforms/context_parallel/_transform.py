@@ -51,7 +51,7 @@ class ContextParallel(Transform):
         return (self.axis,)
 
     def runtime(self, plan: Plan, model: Model | None) -> ContextParallelRuntime:
-        del plan, model
+        del plan
         split = SequenceSplit(
             group_name=self.mesh.get_group(self.axis).group_name,
             axis=self.axis,
@@ -59,7 +59,10 @@ class ContextParallel(Transform):
             size=self.mesh.shape[self._axis_index(self.axis, "axis")],
             load_balance=self.load_balance,
         )
-        return ContextParallelRuntime(split)
+        runtime = ContextParallelRuntime(split)
+        if model is not None:
+            runtime.check_layers(model.structure)
+        return runtime
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         return entry.with_axis(
@@ -98,7 +101,9 @@ def context_parallel(
         The transform: decorate a step with it.
 
     Raises:
-        PlanError: ``axis`` is not on the mesh.
+        PlanError: ``axis`` is not on the mesh; a Hugging Face model whose layers mix
+            positions outside attention, or whose attention ring attention does not implement
+            (``docs/context_parallel.md``), at ``place(..., model=model)`` or its first step.
         ValueError: ``load_balance`` is neither ``"zigzag"`` nor None.
 
     Example:

@@ -1,0 +1,159 @@
+"""What ``context_parallel`` refuses in a Hugging Face model.
+
+Splitting the sequence over ranks is exact only when every op that mixes positions is an
+attention that d9d runs as ring attention, with a mask and features ring attention has. A
+model is refused by name, before its forward, when its blocks hold a module that mixes
+positions by itself (a convolution over the sequence: Mamba, gated delta nets, short
+convolutions; a recurrent cell; pooling) or its config says a layer is anything but
+attention or per-token work (``layer_types``: ``linear_attention``, ``hybrid``, ``conv``,
+...), or a window or chunk shorter than the sequence; and one call of attention is refused
+when the module passes a mask of its own or an argument ring attention does not implement.
+Anything unknown is refused: a new kind of layer or argument fails safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._structure import Structure
+from ...errors import PlanError
+
+__all__ = ["check_attention_call", "check_hf_layers", "check_hf_spans"]
+
+# Leaf modules whose output at one position depends on other positions.
+POSITION_MIXING: tuple[type[nn.Module], ...] = (
+    nn.modules.conv._ConvNd,  # Mamba's, gated delta nets' and LFM's causal conv1d
+    nn.RNNBase,
+    nn.RNNCellBase,
+    nn.MultiheadAttention,  # its own attention, not the attention interface
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+)
+
+# config.layer_types values ring attention runs exactly -> the config field bounding the keys
+# a query sees (checked against the sequence per call), or None.
+ATTENTION_LAYERS: dict[str, str | None] = {
+    "full_attention": None,
+    "sliding_attention": "sliding_window",
+    "chunked_attention": "attention_chunk_size",  # Llama 4: attention within chunks
+}
+PER_TOKEN_LAYERS = frozenset({"mlp", "moe"})  # Nemotron-H's layers without attention
+
+# Arguments transformers passes attention that change nothing in its math.
+INERT_ARGUMENTS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "past_key_values",
+        "past_key_value",
+        "cache",
+        "layer_idx",
+    }
+)
+# Arguments the ring attention call itself takes (sliding_window is checked there).
+HANDLED_ARGUMENTS = frozenset({"sliding_window", "is_causal"})
+
+_DROP_CP = "train this model without context_parallel"
+
+
+def check_hf_layers(structure: Structure, config: Any) -> None:
+    """Refuse a model whose blocks mix positions outside attention (module or layer type)."""
+    blocks = structure.blocks or ()
+    roots = [(b.path, b.module) for b in blocks] or [("", structure.module)]
+    for root, block in roots:
+        for name, leaf in block.named_modules():
+            if isinstance(leaf, POSITION_MIXING):
+                path = f"{root}.{name}" if root and name else root or name
+                owner_path, owner = _owner(structure, root, path)
+                raise PlanError(
+                    f"{owner_path} ({type(owner).__name__}) mixes positions outside attention: "
+                    f"it holds {path} ({type(leaf).__name__}), which context_parallel cannot "
+                    "split over the sequence (only attention runs over the whole sequence, as "
+                    f"ring attention); {_DROP_CP}"
+                )
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(layer_types, (list, tuple)):
+        return
+    for index, kind in enumerate(layer_types):
+        if kind in ATTENTION_LAYERS or kind in PER_TOKEN_LAYERS:
+            continue
+        where = (
+            f"{blocks[index].path} ({type(blocks[index].module).__name__}) is"
+            if index < len(blocks)
+            else f"layer {index} is"
+        )
+        raise PlanError(
+            f"{where} a {kind!r} layer (config.layer_types[{index}]), which mixes positions "
+            "outside attention or in a way ring attention does not implement; "
+            f"context_parallel can split only {sorted(ATTENTION_LAYERS)} and per-token "
+            f"{sorted(PER_TOKEN_LAYERS)} layers; {_DROP_CP}"
+        )
+
+
+def check_hf_spans(config: Any, seq_len: int) -> None:
+    """Refuse a sliding window or attention chunk shorter than the whole sequence
+    (``seq_len``): transformers builds both as masks, which ring attention does not apply."""
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(layer_types, (list, tuple)):
+        return
+    for kind in dict.fromkeys(layer_types):
+        field = ATTENTION_LAYERS.get(kind)
+        span = getattr(config, field, None) if field else None
+        if isinstance(span, int) and span < seq_len:
+            raise PlanError(
+                f"the model has {kind!r} layers over {span} positions (config.{field}={span}), "
+                f"shorter than the sequence ({seq_len}), which context_parallel's ring "
+                "attention does not support; train on sequences no longer than that, or "
+                "without context_parallel"
+            )
+
+
+def check_attention_call(
+    module: nn.Module, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
+) -> None:
+    """Refuse one call of attention whose mask or arguments ring attention does not apply."""
+    name = type(module).__name__
+    if attention_mask is not None:  # "d9d_ring" has no mask function: the module built it
+        raise PlanError(
+            f"{name} passes attention a mask of its own (shape {tuple(attention_mask.shape)}: "
+            "a dynamic or learned mask, or padding), which context_parallel's ring attention "
+            f"does not apply (it applies causality over global positions only); {_DROP_CP}"
+        )
+    if kwargs.get("softcap") is not None:
+        raise PlanError(
+            f"{name} soft-caps its attention scores (softcap={kwargs['softcap']}), which "
+            "context_parallel's ring attention does not do; build the model with "
+            "attn_logit_softcapping=None, or train it without context_parallel"
+        )
+    if kwargs.get("s_aux") is not None:  # GPT-OSS's sinks; silently dropped, logits differ
+        raise PlanError(
+            f"{name} adds attention sinks (s_aux) to its softmax, which context_parallel's "
+            "ring attention does not do; train it without context_parallel"
+        )
+    unknown = sorted(
+        key
+        for key, value in kwargs.items()
+        if value is not None and key not in INERT_ARGUMENTS | HANDLED_ARGUMENTS
+    )
+    if unknown:
+        raise PlanError(
+            f"{name} passes attention {unknown}, which context_parallel's ring attention "
+            f"does not implement (it takes only {sorted(HANDLED_ARGUMENTS)} besides "
+            f"q, k, v, scaling and dropout=0); {_DROP_CP}"
+        )
+
+
+def _owner(structure: Structure, root: str, path: str) -> tuple[str, nn.Module]:
+    """The child of the block ``root`` that holds ``path`` (the block, for its own child)."""
+    parts = (path[len(root) + 1 :] if root else path).split(".")
+    owner = f"{root}.{parts[0]}" if root and len(parts) > 1 else root or path
+    return owner, structure.module.get_submodule(owner)

@@ -1,0 +1,97 @@
+"""``context_parallel`` refuses by name what ring attention cannot split in a Hugging Face
+model (``d9d/transforms/context_parallel/_hf_refusals.py``): layers that mix positions outside
+attention (a module, or a layer type), a mask the attention module builds itself, a chunk
+shorter than the sequence, an attention argument it does not implement. Each found by the
+family sweep as a ``wrong`` cell (other numbers, no error) before; the tiny configs are the
+sweep's. A plain family still equals one device: ``SAMPLE`` in ``sweep.py`` (Cwm, whose layers
+are full and sliding attention)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hf_families import data
+from sweep import tiny_config
+
+import d9d
+from d9d.errors import PlanError, RankFailedError
+from d9d.testing import run_on_ranks
+from d9d.transforms.context_parallel._hf_refusals import check_attention_call
+
+pytestmark = pytest.mark.distributed
+
+
+def _build(model_type: str, **overrides: Any) -> Callable[[], d9d.Model]:
+    import transformers
+
+    config = tiny_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).double()
+    return lambda: d9d.functionalize(copy.deepcopy(module))
+
+
+def _cp_forward(make: Callable[[], d9d.Model]) -> None:
+    model = make()
+    step = d9d.context_parallel(d9d.make_mesh("cpu", cp=2))(
+        lambda p, s, b: (p, s, {"logits": model.apply(p, b["tokens"]).logits})
+    )
+    params, state = step.place(model.params, (), model=model)
+    step(params, state, data(1)[0])
+
+
+def test_a_layer_holding_a_causal_conv1d_is_refused_by_path_and_class() -> None:
+    """Jamba's Mamba mixer: a causal conv1d and a selective scan over the sequence."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: model\.layers\.0\.mamba \(JambaMambaMixer\) mixes positions outside "
+        r"attention: it holds model\.layers\.0\.mamba\.conv1d \(Conv1d\)",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("jamba"))
+
+
+def test_a_layer_type_other_than_attention_is_refused() -> None:
+    """MiniMax's lightning attention (a linear attention with no convolution; its second
+    layer in the tiny config) is named by its config's layer_types only."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: model\.layers\.1 \(MiniMaxDecoderLayer\) is a 'linear_attention' "
+        r"layer \(config\.layer_types\[1\]\)",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("minimax"))
+
+
+def test_an_attention_mask_the_module_builds_is_refused() -> None:
+    """Doge's dynamic mask, computed from the values of every key."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: DogeAttention passes attention a mask of its own \(shape ",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("doge"))
+
+
+def test_an_attention_chunk_shorter_than_the_sequence_is_refused() -> None:
+    """Llama 4's chunked attention, chunks of 4 over sequences of 8 (its default, 8192, spans
+    the sequence and changes nothing)."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: the model has 'chunked_attention' layers over 4 positions "
+        r"\(config\.attention_chunk_size=4\), shorter than the sequence \(8\)",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("llama4_text", attention_chunk_size=4))
+
+
+def test_an_attention_argument_ring_attention_does_not_implement_is_refused() -> None:
+    """Inkling's relative position bias, say; inert arguments pass."""
+    module = torch.nn.Identity()
+    check_attention_call(module, None, {"position_ids": torch.arange(4), "use_cache": False})
+    with pytest.raises(
+        PlanError, match=r"Identity passes attention \['position_bias'\], which context_parallel"
+    ):
+        check_attention_call(module, None, {"position_bias": torch.zeros(4), "use_cache": False})
