@@ -63,8 +63,8 @@ class _Skip(_StandIn):
 
 
 def _visit(run: StageRun, block: Block) -> None:
-    """Check that the forward reaches the blocks once each, in order (every stage checks it,
-    so that every rank raises)."""
+    """Check that the forward reaches the blocks once each, in order (each stage checks the
+    blocks it runs and those it skips)."""
     if run.done:
         return
     if block.index <= run.visited:
