@@ -1,7 +1,7 @@
 """``pipeline`` over models whose forward does more than run its blocks in order: it reads
 attributes of blocks and embeddings (equal to one device), runs blocks again, calls a module
-outside the blocks between them, or holds params beside its blocks (each refused by name). Found by the family sweep (``tests/hf/sweep.py``): NemotronH, Dory, Llama-4,
-HRM."""
+outside the blocks between them, or holds params beside its blocks (each refused by name).
+Found by the family sweep (``tests/hf/sweep.py``): NemotronH, Dory, Llama-4, HRM."""
 
 from __future__ import annotations
 
