@@ -104,6 +104,9 @@ SAMPLE: tuple[tuple[str, str, str, str], ...] = (
     ("gpt_oss", "cp=2", "refused", "adds attention sinks (s_aux)"),
     ("gpt_neox", "fsdp=2", "equal", ""),
     ("gptj", "pp=2", "equal", ""),
+    ("apertus", "fsdp=2", "equal", ""),  # params of one row (xIELU's [1] scalars)
+    ("llama4_text", "pp=2", "equal", ""),  # stand-ins read as their modules (weight.device)
+    ("dory", "pp=2", "refused", "again after block"),  # looped blocks
 )
 """The cells CI runs (``test_hf_sweep.py``), as the full sweep of ``transformers`` 5.24 found
 them: fixed, so CI runs the same cells every time; a later session rotates them by hand."""
