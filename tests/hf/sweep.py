@@ -299,6 +299,7 @@ def _first_error(text: str) -> str:
 def reason_group(reason: str) -> str:
     """A refusal's reason without its paths and values, to count refusals by reason."""
     text = re.sub(r" \(rules cover \[[^]]*\]\)", "", reason.split(";")[0])
+    text = re.sub(r" \(shape \([^)]*\)\)", "", text)
     text = re.sub(r"'[\w-]+(\.[\w-]+)+'", "'…'", text)  # module and param paths
     return re.sub(r"\b\d+(\.\d+)?\b", "N", text)[:160]
 
