@@ -371,11 +371,18 @@ class _GatherMany(torch.autograd.Function):
             size = chunk * math.prod(rest)
             part = gathered[:, offset : offset + size].reshape(ranks * chunk, *rest)
             out = part[: entry.shape[dim]].movedim(0, dim)
+            # `part` is a view of the buffer (no copy) with one rank, one param or one row
+            # per rank; an output still viewing it then gets its own storage: the regather
+            # hooks key saved tensors on their storage and offset, and regather a subset of
+            # the params into another buffer (a param of one row, as Qwen2-MoE's
+            # shared_expert_gate [1, H], read another's elements).
+            viewed = ranks == 1 or len(entries) == 1 or chunk == 1
             # Not a no-op .contiguous(): torch 2.11's Dynamo gives the traced backward zero
             # grads for an output that a no-op .contiguous() (or .to) returned.
-            out = out if out.is_contiguous() else out.contiguous()
-            if ranks == 1 or len(entries) == 1:
-                out = out.clone()  # a view of the buffer: the regather hooks key on storages
+            if not out.is_contiguous():
+                out = out.contiguous()
+            elif viewed:
+                out = out.clone()
             outs.append(out if codec is None else codec.decode(out))
             offset += size
         return tuple(outs)

@@ -190,3 +190,53 @@ def test_jit_grads_of_coalesced_gathers_equal_eager():
         for path, (expected, got) in grads.items():
             assert expected.abs().max() > 0, path
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=path)
+
+
+class _GatedBlock(torch.nn.Module):
+    """A block with params of one row: a gate ``[1, H]`` (Qwen2-MoE's shared_expert_gate) and
+    a scale ``[1]`` (Apertus's xIELU alpha), gathered in one buffer with the others."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.gate = torch.nn.Linear(width, 1, bias=False)
+        self.alpha = torch.nn.Parameter(torch.tensor([0.7]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sigmoid(self.gate(x)) * torch.nn.functional.softplus(self.alpha) * self.up(
+            x
+        )
+
+
+class _GatedModel(torch.nn.Module):
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList([_GatedBlock(width) for _ in range(2)])
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_params_of_one_row_equal_one_device() -> None:
+    """Params with fewer rows than ranks gather to a view of the coalesced buffer; the
+    regather in the backward must read them, not another param's elements (Qwen2-MoE and
+    Apertus were silently wrong under fsdp=2, the whole model's grads off by ~3%)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = _GatedModel().to(torch.float64)
+
+    def build() -> d9d.Model:
+        import copy
+
+        return d9d.functionalize(copy.deepcopy(module))
+
+    data = batches(11, global_batch=4, seq_len=8, steps=2)
+    mesh_axes, transforms = LAYOUTS["fsdp=2"]
+    assert_equivalent(
+        build, transforms, mesh_axes, data, reference(build, data), dtype=torch.float64
+    )

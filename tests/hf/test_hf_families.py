@@ -169,3 +169,59 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_under_cp() -> Non
         r"than the sequence \(8\)",
     ):
         run_on_ranks(_cp_forward, 2, build("mistral", sliding_window=4))
+
+
+def _sweep_builder(family: str, axes: dict | None = None) -> Callable[[], d9d.Model]:
+    import copy
+
+    from sweep import _module
+
+    module = _module(family)  # the sweep's tiny float64 config
+    return lambda: d9d.functionalize(copy.deepcopy(module), axes=axes)
+
+
+@pytest.mark.parametrize(
+    ("family", "axes", "layout", "match"),
+    [
+        # StableLM: no tp plan, so its linears keep nn.Linear's default axes. Sharding its
+        # heads crashes in its attention (it reshapes with the global head count); kept
+        # whole, as the message says, its attention runs replicated (no sp) beside its
+        # sharded MLP.
+        (
+            "stablelm",
+            {
+                r"self_attn\.[qkvo]_proj\.weight$": ("embed", "embed"),
+                r"mlp\.(gate|up)_proj\.weight$": ("mlp", "embed"),
+                r"mlp\.down_proj\.weight$": ("embed", "mlp"),
+                r"lm_head\.weight$": ("vocab", "embed"),
+            },
+            "tp=2 no sp",
+            r"'model\.layers\.0\.self_attn\.q_proj\.weight' \(shape \(48, 48\)\) has "
+            r"nn\.Linear's default axes \('out', 'in'\).*axes=\{r'\\\.q_proj\\\.weight\$'",
+        ),
+        # Apertus: the xIELU activation's scalars [1], which no rule names; kept whole as
+        # the message says, they scale each rank's mlp shard: grads summed over tp, exact.
+        (
+            "apertus",
+            {r"\.act_fn\.alpha_[pn]$": ("embed",)},
+            "tp=2",
+            r"'model\.layers\.0\.mlp\.act_fn\.alpha_p' \(shape \(1,\)\) has no logical axis "
+            r"names.*axes=\{r'\\\.act_fn\\\.alpha_p\$': \('embed',\)\}",
+        ),
+    ],
+)
+def test_params_no_rule_names_are_refused_with_rules_that_equal_one_device(
+    family: str, axes: dict, layout: str, match: str
+) -> None:
+    """The PlanError for a param that no rule names says which rule keeps it whole (before:
+    ``rules={None: None}``); given that rule, the family equals one device."""
+    mesh_axes, transforms = LAYOUTS["tp=2"]
+    with pytest.raises(RankFailedError, match="PlanError: param " + match):
+        assert_equivalent(
+            _sweep_builder(family), transforms, mesh_axes, data(1), ((), {}), dtype=torch.float64
+        )
+    make = _sweep_builder(family, axes)
+    mesh_axes, transforms = LAYOUTS[layout]
+    assert_equivalent(
+        make, transforms, mesh_axes, data(2), reference(make, data(2)), dtype=torch.float64
+    )

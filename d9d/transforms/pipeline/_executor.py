@@ -130,6 +130,8 @@ class StageRun:
     entered: bool = False
     applied: bool = False
     carried: bool = False  # the block running takes a carried state (a tuple) first
+    visited: int = -1  # the last block the forward reached (run or skipped)
+    done: bool = False  # the forward is over (a block recomputed later is not checked)
 
 
 class StageDone(Exception):
@@ -209,6 +211,7 @@ class _Runner:
         except StageDone:
             return run.output
         finally:
+            run.done = True
             self.layout.run = previous
         if not run.applied or not run.last:
             raise PlanError(

@@ -26,26 +26,76 @@ from torch import nn
 from ... import tree
 from ..._plan import Plan
 from ..._runtime import ApplyCall, Interception, replace_activation
+from ..._structure import Block
 from ...errors import PlanError
 from ._executor import PipelineLayout, StageDone, StageRun
 
 __all__ = ["enter_stage"]
 
 
-class _Skip(nn.Module):
+class _StandIn(nn.Module):
+    """A stand-in that model code may read attributes of as of the module it stands in for
+    (NemotronH reads each block's ``block_type``, Llama-4 its embedding's
+    ``weight.device``): an attribute the stand-in lacks is the original's. The original is
+    not registered as a child: the stand-in holds no params of its own."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["original"] = original
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["original"], name)
+
+
+class _Skip(_StandIn):
     """A block of another stage: returns its activation input unchanged."""
 
+    def __init__(self, original: nn.Module, run: StageRun, block: Block) -> None:
+        super().__init__(original)
+        self.run, self.block = run, block
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _visit(self.run, self.block)
         return args[0] if args else kwargs["hidden_states"]
 
 
-class _BeforeBlocks(nn.Module):
+def _visit(run: StageRun, block: Block) -> None:
+    """Check that the forward reaches the blocks once each, in order (each stage checks the
+    blocks it runs and those it skips)."""
+    if run.done:
+        return
+    if block.index <= run.visited:
+        raise PlanError(
+            f"the model runs block {block.path!r} again after block {run.visited} in one "
+            "forward (a recurrent or looped model, as Dory's or HRM's): pipeline cuts the "
+            "forward between blocks run once each, in order; use another layout for it"
+        )
+    run.visited = block.index
+
+
+def _check_outside(run: StageRun, path: str, before: bool, count: int) -> None:
+    """Check that a module outside the blocks runs on its side of them: a module the stage
+    runs for real may not run between two blocks (its output would skip the stage's
+    boundary: Dory's norm between its looped blocks)."""
+    if run.done:
+        return
+    if (run.visited >= 0) if before else (run.visited < count - 1):
+        raise PlanError(
+            f"module {path!r} runs between the model's blocks (after block {run.visited}), "
+            f"but pipeline runs it {'before' if before else 'after'} them, on the "
+            f"{'first' if before else 'last'} stage only; a model that calls modules outside "
+            "its blocks between them cannot be cut into stages: use another layout for it"
+        )
+
+
+class _BeforeBlocks(_StandIn):
     """A module of the first stage, on a later stage: zeros shaped like its output."""
 
     def __init__(self, original: nn.Module, path: str, run: StageRun, dtypes: dict) -> None:
-        super().__init__()
-        # Not registered as a child: the stand-in must hold no params of its own.
-        self.__dict__["original"] = original
+        super().__init__(original)
         self.path, self.run, self.dtypes = path, run, dtypes
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -55,7 +105,7 @@ class _BeforeBlocks(nn.Module):
                 "runs it on the first stage only, but it was called after a block; register "
                 "it after the blocks"
             )
-        original = self.original
+        original = self.__dict__["original"]
         saved = dict(original._parameters)
         device = next(
             (x.device for x in tree.leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None
@@ -84,11 +134,11 @@ def _to_meta(x: Any) -> Any:
     return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
 
 
-class _AfterBlocks(nn.Module):
+class _AfterBlocks(_StandIn):
     """A module of the last stage, on an earlier stage: must not run."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__()
+    def __init__(self, original: nn.Module, path: str) -> None:
+        super().__init__(original)
         self.path = path
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -118,9 +168,9 @@ def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
     split, structure = layout.split, call.structure
     for block in structure.blocks:
         if not run.start <= block.index < run.stop:
-            call.stand_in(block.path, _Skip())
+            call.stand_in(block.path, _Skip(structure.modules[block.path], run, block))
             continue
-        enter = functools.partial(_enter_block, run, block.index)
+        enter = functools.partial(_enter_block, run, block)
         exit_ = functools.partial(_exit_block, run) if block.index == run.stop - 1 else None
         call.intercept(block.path, Interception(enter=enter, exit=exit_))
     modules = structure.modules
@@ -130,10 +180,20 @@ def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
             call.stand_in(path, _BeforeBlocks(modules[path], path, run, dtypes))
     if not run.last:
         for path in split.after:
-            call.stand_in(path, _AfterBlocks(path))
+            call.stand_in(path, _AfterBlocks(modules[path], path))
+    count = len(structure.blocks)
+    for path, before, own in (
+        *((p, True, run.first) for p in split.before),
+        *((p, False, run.last) for p in split.after),
+    ):
+        if own:
+            check = functools.partial(_check_outside, run, path, before, count)
+            call.intercept(path, Interception(enter=lambda args, kwargs, c=check: c()))
 
 
-def _enter_block(run: StageRun, index: int, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+def _enter_block(run: StageRun, block: Block, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    _visit(run, block)
+    index = block.index
     run.entered = True
     run.carried = bool(args) and isinstance(args[0], tuple)
     if index != run.start or run.input is None:

@@ -125,6 +125,16 @@ def _root_sides(structure: Structure) -> tuple[tuple[str, ...], tuple[str, ...]]
     first_block = order.index(structure.blocks[0].path)
     before, after = [], []
     for owner in structure.root_owners:
+        if any(b.path.startswith(owner + "." if owner else "") for b in structure.blocks):
+            # Its params are read by the code around the blocks (HRM's z_L_init), which no
+            # one stage runs alone.
+            raise PlanError(
+                f"pipeline cannot place params {list(structure.root_owners[owner])} of module "
+                f"{owner or type(structure.module).__name__!r}, which holds the blocks itself: "
+                "they are neither before nor after the blocks, so no one stage owns them; "
+                "move them into a child module registered before or after the blocks, or use "
+                "another layout than pipeline"
+            )
         (before if order.index(owner) < first_block else after).append(owner)
     return tuple(before), tuple(after)
 

@@ -11,6 +11,7 @@ grads are summed over the axis. Activations move between those layouts at module
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -43,6 +44,8 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 """Logical axis -> mesh axis (``"tp"`` stands for the transform's axis; None: replicated)."""
 
 _HEAD_AXES = ("heads", "kv_heads")
+# What a param gets when no rule names its dims: nothing (None), or nn.Linear's defaults.
+_UNNAMED = (None, "out", "in")
 _PER_HEAD_AXES = ("head_dim",)
 
 
@@ -81,8 +84,10 @@ class TensorParallel(Transform):
             runtime.roles(model.structure)
         return runtime
 
-    def _target(self, name: str | None, path: str) -> str | None:
-        rules = {**DEFAULT_RULES, **self.rules}
+    def _target(self, name: str | None, entry: ParamPlan) -> str | None:
+        rules, path = {**DEFAULT_RULES, **self.rules}, entry.path
+        if name not in rules and name in _UNNAMED:
+            raise PlanError(_unnamed_message(entry, name))
         if name not in rules:
             raise PlanError(
                 f"param {path!r} has logical axis {name!r}, which tensor_parallel has no rule "
@@ -101,9 +106,7 @@ class TensorParallel(Transform):
                 "step.place(..., axes=model.axes)"
             )
         index = self._axis_index(self.axis, "axis")
-        dims = [
-            d for d, name in enumerate(entry.axes) if self._target(name, entry.path) == self.axis
-        ]
+        dims = [d for d, name in enumerate(entry.axes) if self._target(name, entry) == self.axis]
         if len(dims) > 1:
             raise PlanError(
                 f"param {entry.path!r} has logical axes {entry.axes}, of which {len(dims)} map "
@@ -146,6 +149,23 @@ class TensorParallel(Transform):
             grad=Shard(dim),
             reason=f"{self}: dim {dim} ({name}) sharded over {self.axis!r}, {kind}{uneven}",
         )
+
+
+def _unnamed_message(entry: ParamPlan, name: str | None) -> str:
+    """Why a param no rule named cannot be placed, and the rules that would place it."""
+    suffix = re.escape(".".join(entry.path.split(".")[-2:]))
+    whole = ("embed",) * len(entry.shape)
+    what = "no logical axis names" if name is None else f"nn.Linear's default axes {entry.axes}"
+    return (
+        f"param {entry.path!r} (shape {tuple(entry.shape)}) has {what}: no rule of d9d.hf "
+        "(the model's tp plan or d9d's tables) nor of axes= names it, so tensor_parallel "
+        "cannot tell whether to shard it. To keep it whole on every tp rank (a norm or scale "
+        "over the hidden size, or a projection run replicated), pass "
+        f"d9d.functionalize(module, axes={{r'\\.{suffix}$': {whole}}}) (tensor_parallel "
+        "refuses that by name where it would be inexact); to shard it, name the split dim "
+        "'heads', 'kv_heads' or 'mlp' (dim 0 of a column-parallel weight, dim 1 of a "
+        "row-parallel one) and the other 'embed'"
+    )
 
 
 def tensor_parallel(

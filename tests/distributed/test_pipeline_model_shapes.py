@@ -1,0 +1,114 @@
+"""``pipeline`` over models whose forward does more than run its blocks in order: it reads
+attributes of blocks and embeddings (equal to one device), runs blocks again, calls a module
+outside the blocks between them, or holds params beside its blocks (each refused by name).
+Found by the family sweep (``tests/hf/sweep.py``): NemotronH, Dory, Llama-4, HRM."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from equivalence import assert_equivalent, batches, reference
+from torch import nn
+
+import d9d
+from d9d.errors import RankFailedError
+from d9d.testing import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+VOCAB, WIDTH = 11, 8
+
+
+class _Block(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind  # read by the model, as NemotronH reads block_type
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * torch.tanh(self.proj(x))
+
+
+class _Model(nn.Module):
+    """Four blocks; ``shape`` picks what the forward does besides running them in order."""
+
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList([_Block(k) for k in ("a", "b", "a", "b")])
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        if shape == "param beside blocks":
+            self.start = nn.Parameter(torch.zeros(WIDTH))  # as HRM's z_L_init
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        device = self.embed.weight.device  # as Llama-4 reads embed_tokens.weight.device
+        x = self.embed(tokens.to(device))
+        scales = {"a": 1.0, "b": 0.5}
+        if self.shape == "param beside blocks":
+            x = x + self.start
+        for i, layer in enumerate(self.layers):
+            x = layer(x, scales[layer.kind])
+            if self.shape == "norm between blocks" and i == 1:
+                x = self.norm(x)  # as Dory's norm between its sections
+        if self.shape == "looped":
+            for layer in self.layers[1:3]:  # as Dory's recurrent section
+                x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _builder(shape: str):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = _Model(shape).to(torch.float64)
+    return lambda: d9d.functionalize(copy.deepcopy(module))
+
+
+def test_attributes_of_blocks_and_embedding_read_on_every_stage_equal_one_device() -> None:
+    """A stand-in answers attribute reads as its module (a block's ``kind``, the embedding's
+    ``weight``): before, every stage but the first crashed with an AttributeError."""
+    build, data = _builder("plain"), batches(VOCAB, global_batch=4, seq_len=8, steps=2)
+    assert_equivalent(
+        build,
+        lambda mesh: [d9d.pipeline(mesh, microbatches=2)],
+        {"pp": 2},
+        data,
+        reference(build, data),
+        dtype=torch.float64,
+        method="fork",
+    )
+
+
+def _train_rank(build) -> None:
+    mesh = d9d.make_mesh("cpu", pp=2)
+    model = build()
+
+    def loss_fn(params, batch):
+        return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+    @d9d.pipeline(mesh, stages=["layers.1"], microbatches=2)  # the norm runs on the last stage
+    def step(params, opt_state, batch):
+        loss, _ = d9d.value_and_grad(loss_fn)(params, batch)
+        return params, opt_state, {"loss": loss}
+
+    params, state = step.place(model.params, (), model=model)
+    step(params, state, batches(VOCAB, global_batch=4, seq_len=8, steps=1)[0])
+
+
+@pytest.mark.parametrize(
+    ("shape", "match"),
+    [
+        ("looped", r"runs block 'layers\.1' again after block 3 in one forward"),
+        ("norm between blocks", r"module 'norm' runs between the model's blocks"),
+        ("param beside blocks", r"cannot place params \['start'\] of module '_Model', which holds"),
+    ],
+)
+def test_forwards_that_cannot_be_cut_are_refused_by_name(shape: str, match: str) -> None:
+    """Before, the looped model and the norm between blocks trained silently wrong (the
+    second stage recomputed the skipped part from zeros) and the param beside the blocks
+    crashed inside the model."""
+    with pytest.raises(RankFailedError, match=r"PlanError: .*" + match):
+        run_on_ranks(_train_rank, 2, _builder(shape), method="fork")
