@@ -114,6 +114,34 @@ def test_params_and_optimizer_state_per_rank_are_one_nth(n: int) -> None:
         assert memory.opt_state == 2 * total // n + counters
 
 
+@pytest.mark.parametrize(
+    ("mu_dtype", "nu_dtype", "state_bytes_per_element"),
+    [(torch.bfloat16, torch.bfloat16, 2 + 2), (torch.bfloat16, None, 2 + 4)],
+)
+def test_optimizer_state_bytes_follow_the_moments_dtypes(
+    mu_dtype, nu_dtype, state_bytes_per_element
+):
+    """bfloat16 moments on fsdp=2: 2 bytes per element each, exactly, in ``step.memory``."""
+
+    def rank() -> d9d.transforms.Memory:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model = _tiny()
+        opt = d9d.optim.chain(
+            d9d.optim.clip_by_global_norm(1.0),
+            d9d.optim.adamw(1e-3, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        )
+        step = d9d.shard_params(mesh)(make_train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        assert state[1][0].mu["norm.weight"].dtype == mu_dtype
+        return step.memory(params, state)
+
+    elements = sum(p.numel() for p in _tiny().params.values())
+    counters = 8 + 8 + 4  # adam's count, the learning-rate count and the learning rate
+    for memory in run_on_ranks(rank, 2):
+        assert memory.params == memory.grads == 4 * elements // 2
+        assert memory.opt_state == state_bytes_per_element * elements // 2 + counters
+
+
 def test_uneven_dims_are_padded_and_reported() -> None:
     def rank() -> tuple[int, int, tuple]:
         mesh = d9d.make_mesh("cpu", fsdp=4)
