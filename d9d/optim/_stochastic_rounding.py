@@ -5,8 +5,9 @@ A bfloat16 param keeps 8 significant bits, so an update below half an ulp of the
 every step. Stochastic rounding rounds ``p.float() + update`` up with the probability of its
 distance from the lower neighbour, so the rounded param is the float32 one in expectation.
 
-The random bits are a hash of ``(seed, step, the element's index in the global param)``
-(counter-based, as Philox or JAX's ``threefry`` are), not draws from a generator's stream:
+The random bits are a hash of ``(seed, step, the param's path, the element's index in the
+global param)`` (counter-based, as Philox or JAX's ``threefry`` are), not draws from a
+generator's stream:
 a shard of a param draws the bits the whole param draws at the same elements, so a sharded
 step rounds bitwise as one device does, and a resumed run as the uninterrupted one.
 """
@@ -53,8 +54,8 @@ def stochastic_round(inner: GradientTransformation, *, seed: int = 0) -> Gradien
     unchanged. Pair it with ``adamw(..., mu_dtype=torch.float32)`` or bfloat16 moments:
     the moments of bfloat16 params are otherwise bfloat16 math too.
 
-    The random bits hash ``seed``, the step count and each element's index in the global
-    param, so a param sharded over a mesh (a DTensor with ``Shard``/``Replicate``
+    The random bits hash ``seed``, the step count, the param's path (so params of one shape
+    do not round alike) and each element's index in the global param, so a param sharded over a mesh (a DTensor with ``Shard``/``Replicate``
     placements) rounds bitwise as the whole param on one device, and replicas agree.
 
     Args:
@@ -113,10 +114,10 @@ def stochastic_round(inner: GradientTransformation, *, seed: int = 0) -> Gradien
         check_same_layout(params, updates, what="updates")
         count = state.count + 1
         key = _mix(_mix(count & _LOW_32) ^ seed)
-        param_leaves, spec = tree.flatten(params)
+        named, spec = tree.flatten_with_paths(params)
         rounded = [
-            _rounded_update(p, u, key) if p.dtype == torch.bfloat16 else u
-            for p, u in zip(param_leaves, tree.leaves(updates), strict=True)
+            _rounded_update(p, u, _mix(key ^ _path_salt(path))) if p.dtype == torch.bfloat16 else u
+            for (path, p), u in zip(named, tree.leaves(updates), strict=True)
         ]
         return tree.unflatten(spec, rounded), StochasticRoundState(count, inner_state)
 
@@ -195,6 +196,15 @@ def _global_index(
         index = index + (along * stride).view(shape)
         stride *= global_shape[dim]
     return index.expand(local_shape)
+
+
+def _path_salt(path: str) -> int:
+    """32-bit FNV-1a of ``path``: plain Python, so Dynamo folds it into a constant (it cannot
+    trace ``zlib.crc32``), and the same in every process (``hash(str)`` is salted per process)."""
+    salt = 0x811C9DC5
+    for char in path:
+        salt = ((salt ^ ord(char)) * 0x01000193) & _LOW_32
+    return salt
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -190,3 +190,37 @@ def _sharded_and_whole() -> list[str]:
 @pytest.mark.distributed
 def test_sharded_params_round_bitwise_as_one_device() -> None:
     assert run_on_ranks(_sharded_and_whole, 4) == [[], [], [], []]
+
+
+@pytest.mark.compile  # backend "eager": Dynamo tracing and guards only
+def test_compiled_low_precision_step_traces_once_and_equals_eager() -> None:
+    """bfloat16 moments and stochastic rounding under ``torch.compile(fullgraph=True)``: one
+    graph over three steps (the step count is a tensor in the hash key), bitwise as eager."""
+    opt = optim.stochastic_round(optim.adamw(1e-2, mu_dtype=torch.bfloat16), seed=7)
+
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optim.apply_updates(params, updates), state
+
+    graphs = []
+
+    def counting_backend(graph_module: torch.fx.GraphModule, example_inputs: list):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    generator = torch.Generator().manual_seed(8)
+    params = {p: x.to(torch.bfloat16) for p, x in _tree(generator).items()}
+    eager, eager_state = params, opt.init(params)
+    state = opt.init(params)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=counting_backend, fullgraph=True)
+    try:
+        for _ in range(3):
+            grads = {p: g.to(torch.bfloat16) for p, g in _tree(generator).items()}
+            params, state = compiled(params, state, grads)
+            eager, eager_state = step(eager, eager_state, grads)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"traced {len(graphs)} graphs in 3 steps; the step recompiled"
+    torch.testing.assert_close(params, eager, atol=0, rtol=0)
+    torch.testing.assert_close(state, eager_state, atol=0, rtol=0)
