@@ -12,9 +12,11 @@ initial weights and batches; they differ only in what holds the weights between 
   bfloat16, stochastic rounding  the same, rounded by ``d9d.optim.stochastic_round``
 
 Both bfloat16 variants keep float32 moments, so only the rounding of the weights differs.
-The figure is the mean training loss of the last 20 steps.
+The figure is the mean training loss of the last 20 steps; stochastic rounding runs once per
+seed of its random bits (``--seeds``), since one seed's final loss is one draw.
 
-    python benchmarks/low_precision.py --steps 200 --out benchmarks/results/low-precision-cpu.json
+    python benchmarks/low_precision.py --steps 200 --seeds 3 \
+        --out benchmarks/results/low-precision-cpu.json
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ VARIANTS = (
 )
 
 
-def _optimizer(variant: str, steps: int, lr: float) -> optim.GradientTransformation:
+def _optimizer(variant: str, steps: int, lr: float, seed: int) -> optim.GradientTransformation:
     moments = torch.bfloat16 if variant == "float32 master, bf16 moments" else torch.float32
     adamw = optim.adamw(
         optim.warmup_cosine(lr, min(20, steps - 1), max(steps, 2), end_value=lr / 10),
@@ -52,20 +54,27 @@ def _optimizer(variant: str, steps: int, lr: float) -> optim.GradientTransformat
         nu_dtype=moments,
     )
     if variant == "bfloat16, stochastic rounding":
-        adamw = optim.stochastic_round(adamw, seed=0)
+        adamw = optim.stochastic_round(adamw, seed=seed)
     return optim.chain(optim.clip_by_global_norm(1.0), adamw)
 
 
 def train(
-    variant: str, *, steps: int, batch_size: int = 16, seq_len: int = 128, lr: float = 3e-3
+    variant: str,
+    *,
+    steps: int,
+    batch_size: int = 16,
+    seq_len: int = 128,
+    lr: float = 3e-3,
+    seed: int = 0,
 ) -> list[float]:
-    """The per-step training losses of ``variant`` (one of ``VARIANTS``)."""
+    """The per-step training losses of ``variant`` (one of ``VARIANTS``); ``seed`` keys the
+    stochastic rounding (the weights and batches are the same for every seed)."""
     torch.manual_seed(0)
     model = d9d.functionalize(Llama(LlamaConfig.tiny()))
     params = model.params
     if variant.startswith("bfloat16"):
         params = {path: p.to(torch.bfloat16) for path, p in params.items()}
-    opt = _optimizer(variant, steps, lr)
+    opt = _optimizer(variant, steps, lr, seed)
     state = opt.init(params)
     loader = data.TokenLoader(
         data.stdlib_corpus(), global_batch_size=batch_size, seq_len=seq_len, seed=0
@@ -102,21 +111,27 @@ def main() -> None:
         help="torch threads (default 1: on a shared 2-core "
         "machine one thread ran a tiny step 0.08 s, two threads 0.5-1.2 s)",
     )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="stochastic-rounding seeds to run (default 3)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for variant in VARIANTS:
+    runs = [(variant, 0) for variant in VARIANTS]
+    runs += [(VARIANTS[-1], seed) for seed in range(1, args.seeds)]
+    for variant, seed in runs:
         start = time.perf_counter()
-        curve = train(variant, steps=args.steps)
+        curve = train(variant, steps=args.steps, seed=seed)
         rows.append(
             {
                 "variant": variant,
+                "seed": seed,
                 "final_loss": round(final_loss(curve), 4),
                 "seconds": round(time.perf_counter() - start, 1),
                 "losses": [round(x, 4) for x in curve],
             }
         )
-        print(f"{variant}: final loss {rows[-1]['final_loss']} ({rows[-1]['seconds']} s)")
+        print(f"{variant} ({seed=}): final loss {rows[-1]['final_loss']} ({rows[-1]['seconds']} s)")
     master = rows[0]["final_loss"]
     for row in rows:
         row["vs_float32_master"] = round(row["final_loss"] / master - 1, 4)
@@ -125,7 +140,7 @@ def main() -> None:
     ).stdout.strip()
     report = {
         "command": f"python benchmarks/low_precision.py --steps {args.steps} "
-        f"--threads {args.threads}",
+        f"--threads {args.threads} --seeds {args.seeds}",
         "device": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "commit": commit,
