@@ -136,6 +136,27 @@ def test_wrapper_is_unbiased_over_steps_and_elements(fraction: float) -> None:
     assert bool((nearest["w"] == 1.0).all())  # to nearest (a tie to even at 0.5): lost
 
 
+def test_applied_update_lands_on_the_stochastically_rounded_sum() -> None:
+    """``apply_updates(p, update)`` is exactly ``stochastic_round_to_bfloat16(p + u)`` with
+    the wrapper's bits, for params over exponents -30..30 and updates from 1e-3 to 1e3 of them."""
+    from d9d.optim._stochastic_rounding import _global_index, _mix, _path_salt
+
+    generator = torch.Generator().manual_seed(6)
+    n = 100_000
+    exponents = torch.randint(-30, 30, (n,), generator=generator).float()
+    params = {"w": (torch.randn(n, generator=generator) * torch.pow(2.0, exponents)).bfloat16()}
+    opt = optim.stochastic_round(optim.scale(1.0), seed=9)
+    index = _global_index((n,), (0,), (n,), torch.device("cpu"))
+    key = _mix(_mix(_mix(torch.tensor(1)) ^ 9) ^ _path_salt("w"))
+    bits = _mix(_mix(index ^ key) ^ (index >> 32)) & 0xFFFF
+    for scale in (1e-3, 1.0, 1e3):
+        u = torch.randn(n, generator=generator) * params["w"].float().abs() * scale
+        updates, _ = opt.update({"w": u}, opt.init(params), params)
+        new = optim.apply_updates(params, updates)["w"]
+        want = optim.stochastic_round_to_bfloat16(params["w"].float() + u, bits)
+        assert torch.equal(new, want), scale
+
+
 def test_wrapper_passes_float32_params_and_refuses_float16() -> None:
     params = {"w": torch.ones(3), "b": torch.ones(2, dtype=torch.bfloat16)}
     opt = optim.stochastic_round(optim.sgd(0.5))
