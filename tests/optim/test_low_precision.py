@@ -245,3 +245,43 @@ def test_compiled_low_precision_step_traces_once_and_equals_eager() -> None:
     assert len(graphs) == 1, f"traced {len(graphs)} graphs in 3 steps; the step recompiled"
     torch.testing.assert_close(params, eager, atol=0, rtol=0)
     torch.testing.assert_close(state, eager_state, atol=0, rtol=0)
+
+
+def _tiny_bf16_run(fsdp: int | None) -> tuple[list[float], dict[str, str]]:
+    """3 steps of the tiny Llama with bf16 params and stochastic rounding, under
+    ``shard_params`` on ``fsdp`` ranks (None: one device, untransformed)."""
+    import d9d
+    from d9d.cli._train import make_train_step
+    from d9d.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = d9d.functionalize(Llama(LlamaConfig.tiny()))
+    params = {path: p.to(torch.bfloat16) for path, p in model.params.items()}
+    opt = optim.stochastic_round(optim.adamw(1e-2, mu_dtype=torch.float32), seed=1)
+    step = make_train_step(model, opt)
+    state = opt.init(params)
+    if fsdp is not None:
+        step = d9d.shard_params(d9d.make_mesh("cpu", fsdp=fsdp))(step)
+        params, state = step.place(params, state)
+    tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
+    rank = torch.distributed.get_rank() if fsdp is not None else 0
+    share = slice(None) if fsdp is None else slice(2 * rank, 2 * rank + 2)
+    batch = {"tokens": tokens[share, :-1], "labels": tokens[share, 1:]}
+    losses = []
+    for _ in range(3):
+        params, state, metrics = step(params, state, batch)
+        losses.append(float(metrics["loss"]))
+    kinds = {path: f"{type(p).__name__} {p.dtype}" for path, p in params.items() if "norm" in path}
+    return losses, kinds
+
+
+@pytest.mark.distributed
+def test_bf16_params_with_stochastic_rounding_under_shard_params() -> None:
+    """The wrapper in a sharded step: params stay bf16 DTensors, and the losses follow one
+    device's within 2e-3 (measured 7e-4 at step 3; not bitwise: bf16 grads are summed over
+    2 ranks)."""
+    whole, _ = _tiny_bf16_run(None)
+    for losses, kinds in run_on_ranks(_tiny_bf16_run, 2, 2):
+        assert set(kinds.values()) == {"DTensor torch.bfloat16"}
+        assert all(math.isclose(a, b, rel_tol=2e-3) for a, b in zip(losses, whole, strict=True))
+        assert losses[-1] < losses[0]
