@@ -52,11 +52,14 @@ def stochastic_round(inner: GradientTransformation, *, seed: int = 0) -> Gradien
     magnitude, where ``fl32(new - p)`` is inexact and the result is off by at most
     ``2**-24 |p|``. Params of other dtypes (float32 masters, float64) get ``inner``'s update
     unchanged. Pair it with ``adamw(..., mu_dtype=torch.float32)`` or bfloat16 moments:
-    the moments of bfloat16 params are otherwise bfloat16 math too.
+    the moments of bfloat16 params are otherwise bfloat16 math too. It must see the final
+    update: make it the last transformation of a ``chain`` (wrap the whole optimizer, or
+    ``chain(clip_by_global_norm(1.0), stochastic_round(adamw(...)))``).
 
     The random bits hash ``seed``, the step count, the param's path (so params of one shape
-    do not round alike) and each element's index in the global param, so a param sharded over a mesh (a DTensor with ``Shard``/``Replicate``
-    placements) rounds bitwise as the whole param on one device, and replicas agree.
+    do not round alike) and each element's index in the global param, so a param sharded
+    over a mesh (a DTensor with ``Shard``/``Replicate`` placements) rounds bitwise as the
+    whole param on one device, and replicas agree.
 
     Args:
         inner: the transformation whose updates are applied (e.g. ``adamw(...)``).
