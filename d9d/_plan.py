@@ -181,6 +181,9 @@ class Plan:
         stage_group: The process group over which ranks hold different params whole (the
             pipeline axis), over which norms of the whole model are summed; None.
         notes: Lines the plan's title adds (e.g. which stage of how many).
+        state_bytes: Bytes of optimizer state this rank holds, per dtype name
+            (``{"bfloat16": ..., "int64": ...}``), from the tree ``step.place`` laid out;
+            empty before.
     """
 
     mesh: DeviceMesh
@@ -189,6 +192,7 @@ class Plan:
     token_groups: tuple[tuple[str, int], ...] = ()
     stage_group: str | None = None
     notes: tuple[str, ...] = ()
+    state_bytes: dict[str, int] = field(default_factory=dict)
     names: tuple[str, ...] = field(init=False, repr=False)
     group_names: tuple[str, ...] = field(init=False, repr=False)
 

@@ -75,6 +75,11 @@ def render_table(plan: Any, *, max_rows: int | None = None) -> str:
         f"unsharded model {plan.total_bytes():,} B; padding from uneven shards "
         f"{plan.padding_bytes():,} B over all ranks"
     )
+    if plan.state_bytes:
+        by_dtype = ", ".join(f"{dtype} {n:,} B" for dtype, n in plan.state_bytes.items())
+        table.caption += (
+            f"\noptimizer state {sum(plan.state_bytes.values()):,} B on this rank: {by_dtype}"
+        )
     table.caption_justify = "left"
     console = Console(width=140, record=True, file=_Null())
     console.print(table)

@@ -251,7 +251,9 @@ class TransformedStep:
         placed = {p: distribute(params[p], plan.mesh, plan.entries[p].storage) for p in plan.held}
         if len(plan.held) < len(plan.entries):
             opt_state = without(opt_state, set(plan.entries) - set(plan.held))
-        return placed, place_state(opt_state, plan, plan.mesh)
+        placed_state = place_state(opt_state, plan, plan.mesh)
+        plan.state_bytes = _bytes_by_dtype(placed_state)
+        return placed, placed_state
 
     def _build_runtimes(self, plan: Plan, model: Model | None) -> tuple[Runtime, ...]:
         built = [(t, t.runtime(plan, model)) for t in self.transforms]
@@ -346,6 +348,16 @@ class TransformedStep:
                 grad_bytes += math.prod(local) * entry.dtype.itemsize
         state_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(opt_state))
         return Memory(params=param_bytes, grads=grad_bytes, opt_state=state_bytes)
+
+
+def _bytes_by_dtype(state: Any) -> dict[str, int]:
+    """This rank's bytes of the tensors of ``state`` per dtype name, largest first."""
+    totals: dict[str, int] = {}
+    for leaf in tree.leaves(state):
+        if isinstance(leaf, torch.Tensor):
+            name = str(leaf.dtype).removeprefix("torch.")
+            totals[name] = totals.get(name, 0) + _local_bytes(leaf)
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def _local_bytes(leaf: Any) -> int:

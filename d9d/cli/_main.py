@@ -196,6 +196,13 @@ def _parser() -> argparse.ArgumentParser:
         "optimizer state (shard_params' param_dtype) (default %(default)s)",
     )
     run.add_argument(
+        "--opt-state-dtype",
+        choices=("float32", "bfloat16"),
+        default=defaults.opt_state_dtype,
+        help="bfloat16: AdamW's two moments stored in bf16 (half the optimizer state), "
+        "updated in float32 (adamw's mu_dtype, nu_dtype) (default %(default)s)",
+    )
+    run.add_argument(
         "--grad-accum",
         type=int,
         default=defaults.grad_accum,
@@ -332,6 +339,12 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="pipeline microbatches per step with --pp (default: 2 x pp)",
+    )
+    show.add_argument(
+        "--opt-state-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="AdamW's moments' dtype, as d9d train takes it (default %(default)s)",
     )
     show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
     show.add_argument(

@@ -57,6 +57,7 @@ def show_plan(
     remat: str = "none",
     schedule: str = "1f1b",
     microbatches: int | None = None,
+    opt_state_dtype: str = "float32",
     max_rows: int | None = 24,
 ) -> str:
     """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
@@ -75,6 +76,8 @@ def show_plan(
         remat: ``"none"``, ``"selective"`` or ``"full"``: ``d9d.remat`` on every block.
         schedule: Pipeline schedule with ``pp`` (``d9d train --schedule``).
         microbatches: Pipeline microbatches per step with ``pp`` (default ``2 * pp``).
+        opt_state_dtype: AdamW's moments' dtype, ``"float32"`` or ``"bfloat16"`` (``d9d
+            train --opt-state-dtype``).
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
@@ -109,7 +112,9 @@ def show_plan(
                 getattr(functional.module, "config", None), "max_position_embeddings", None
             )
             seq = min(4096, longest or 4096)
-        step, opt = _step(functional, sizes, model, hf_config, remat, schedule, chunks)
+        step, opt = _step(
+            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype
+        )
         params, state = step.place(functional.params, opt.init(functional.params), model=functional)
         memory = step.memory(params, state)
         tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
@@ -148,7 +153,8 @@ def show_plan(
     lines = [
         title,
         render_plan(plan, title="", max_rows=max_rows),
-        "memory on rank 0 (AdamW, float32):",
+        "memory on rank 0 (AdamW, float32"
+        + ("):" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments):"),
         f"  params       {human(memory.params):>12}",
         f"  grads        {human(memory.grads):>12}",
         f"  optimizer    {human(memory.opt_state):>12}",
@@ -192,6 +198,7 @@ def _step(
     remat: str,
     schedule: str,
     microbatches: int,
+    opt_state_dtype: str = "float32",
     *,
     split: tuple[str, ...] | None = None,
 ) -> tuple[Any, Any]:
@@ -199,7 +206,13 @@ def _step(
     begin pipeline stages 1, 2, ... (None: ``pipeline`` balances them, as ``d9d train``)."""
     from ._train import _optimizer, _parallel, make_train_step
 
-    config = TrainConfig(model=family, schedule=schedule, microbatches=microbatches, **sizes)
+    config = TrainConfig(
+        model=family,
+        schedule=schedule,
+        microbatches=microbatches,
+        opt_state_dtype=opt_state_dtype,
+        **sizes,
+    )
     opt = _optimizer(config)
     if hf_config is not None:
         fn = _logits_step(model, opt)

@@ -46,7 +46,7 @@ from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
 from ._train_out import check_fresh_out
-from ._train_precision import shard_options
+from ._train_precision import opt_state_dtype, shard_options
 from ._train_preempt import Preemption
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
@@ -103,9 +103,17 @@ def _optimizer(config: TrainConfig) -> optim.GradientTransformation:
         max(config.steps, 2),
         end_value=config.lr / 10,
     )
+    moments = opt_state_dtype(config)
     return optim.chain(
         optim.clip_by_global_norm(config.clip),
-        optim.adamw(schedule, b2=0.95, weight_decay=config.weight_decay, mask=_decays),
+        optim.adamw(
+            schedule,
+            b2=0.95,
+            weight_decay=config.weight_decay,
+            mask=_decays,
+            mu_dtype=moments,
+            nu_dtype=moments,
+        ),
     )
 
 

@@ -1,6 +1,7 @@
 """``d9d train --dtype`` and ``--grad-accum``: what they ask of ``shard_params``, which keeps
 float32 master weights while blocks gather and compute in ``param_dtype``, and accumulates the
-grads of ``microbatches`` slices of the batch before reducing them once."""
+grads of ``microbatches`` slices of the batch before reducing them once; ``--opt-state-dtype``:
+the dtype AdamW stores its moments in."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from ._config import TrainConfig
 
-__all__ = ["shard_options"]
+__all__ = ["opt_state_dtype", "shard_options"]
 
 _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -24,3 +25,9 @@ def shard_options(config: TrainConfig) -> dict[str, Any]:
     if config.grad_accum > 1:
         options["microbatches"] = config.grad_accum
     return options
+
+
+def opt_state_dtype(config: TrainConfig) -> torch.dtype | None:
+    """``adamw``'s ``mu_dtype`` and ``nu_dtype`` for ``config``: None (the params' float32)
+    unless ``--opt-state-dtype bfloat16``."""
+    return _DTYPES[config.opt_state_dtype]

@@ -28,6 +28,9 @@ from ._schedules import constant as constant
 from ._schedules import cosine_decay as cosine_decay
 from ._schedules import linear_warmup as linear_warmup
 from ._schedules import warmup_cosine as warmup_cosine
+from ._stochastic_rounding import StochasticRoundState as StochasticRoundState
+from ._stochastic_rounding import stochastic_round as stochastic_round
+from ._stochastic_rounding import stochastic_round_to_bfloat16 as stochastic_round_to_bfloat16
 from ._transform import GradientTransformation as GradientTransformation
 from ._transform import apply_updates as apply_updates
 from ._transform import chain as chain
@@ -43,6 +46,7 @@ __all__ = [
     "ScaleByLionState",
     "ScaleState",
     "Schedule",
+    "StochasticRoundState",
     "TraceState",
     "adam",
     "adamw",
@@ -62,6 +66,8 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_lion",
     "sgd",
+    "stochastic_round",
+    "stochastic_round_to_bfloat16",
     "trace",
     "warmup_cosine",
 ]

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from d9d import tree
-from d9d.optim._checks import check_non_negative, check_unit_interval
+from d9d.optim._checks import check_non_negative, check_state_dtype, check_unit_interval
 from d9d.optim._transform import GradientTransformation, by_kind, foreach_lerp, zero_count
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
@@ -18,9 +18,10 @@ class ScaleByAdamState(NamedTuple):
 
     # 0-d int64 tensor: the number of updates done so far.
     count: torch.Tensor
-    # First moment (EMA of the updates), laid out like the params; each leaf has its param's dtype.
+    # First moment (EMA of the updates), laid out like the params; each leaf in ``mu_dtype``
+    # (default: its param's dtype).
     mu: Any
-    # Second moment (EMA of the squared updates), laid out like the params.
+    # Second moment (EMA of the squared updates), laid out like the params, in ``nu_dtype``.
     nu: Any
 
 
@@ -31,6 +32,8 @@ def scale_by_adam(
     eps_root: float = 0.0,
     *,
     nesterov: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moments: ``m_hat / (sqrt(v_hat + eps_root) + eps)``.
 
@@ -40,19 +43,31 @@ def scale_by_adam(
     The bias corrections are computed in float64 from the 0-d ``count`` tensor, so nothing
     reads the step in Python. Chain with ``scale_by_learning_rate`` to get an optimizer.
 
+    By default the moments take each param's dtype and the math runs in the grads' dtype.
+    With ``mu_dtype`` or ``nu_dtype`` (e.g. ``torch.bfloat16``: 4 bytes of state per
+    element instead of 8) the moments are stored in those dtypes, but read into float32 (or
+    the grads' dtype, if wider), updated and divided there, and only the new moments are
+    rounded back to their storage dtypes; the updates come out in that float32 dtype.
+
     Args:
         b1: decay rate of the first moment, in [0, 1) (default 0.9).
         b2: decay rate of the second moment, in [0, 1) (default 0.999).
         eps: added to the denominator outside the square root (default 1e-8).
         eps_root: added to ``v_hat`` inside the square root (default 0.0).
         nesterov: use the Nesterov form of the first moment (default False).
+        mu_dtype: the first moment's storage dtype, a floating dtype of 2 bytes or more
+            (default None: each param's dtype).
+        nu_dtype: the second moment's storage dtype, likewise (default None).
 
     Returns:
         A ``GradientTransformation`` with state ``ScaleByAdamState(count, mu, nu)``; ``mu``
-        and ``nu`` are laid out like the params and keep each param's dtype.
+        and ``nu`` are laid out like the params, in ``mu_dtype``/``nu_dtype`` or each
+        param's dtype.
 
     Raises:
-        ValueError: ``b1`` or ``b2`` outside [0, 1), or ``eps``/``eps_root`` negative.
+        ValueError: ``b1`` or ``b2`` outside [0, 1), or ``eps``/``eps_root`` negative, or a
+            state dtype that is not a floating dtype of 2 bytes or more (8-bit moments need
+            per-block scales, which are not built).
 
     Example:
         >>> import torch
@@ -60,17 +75,23 @@ def scale_by_adam(
         >>> params = {"w": torch.zeros(2)}
         >>> adam.update({"w": torch.tensor([2.0, -3.0])}, adam.init(params))[0]["w"]
         tensor([ 1.0000, -1.0000])
+        >>> state = scale_by_adam(mu_dtype=torch.bfloat16).init(params)
+        >>> state.mu["w"].dtype, state.nu["w"].dtype
+        (torch.bfloat16, torch.float32)
     """
     check_unit_interval("b1", b1)
     check_unit_interval("b2", b2)
     check_non_negative("eps", eps)
     check_non_negative("eps_root", eps_root)
+    check_state_dtype("mu_dtype", mu_dtype)
+    check_state_dtype("nu_dtype", nu_dtype)
+    upcast = mu_dtype is not None or nu_dtype is not None
 
     def init(params: Any) -> ScaleByAdamState:
         return ScaleByAdamState(
             count=zero_count(params),
-            mu=tree.map(torch.zeros_like, params),
-            nu=tree.map(torch.zeros_like, params),
+            mu=tree.map(lambda p: torch.zeros_like(p, dtype=mu_dtype), params),
+            nu=tree.map(lambda p: torch.zeros_like(p, dtype=nu_dtype), params),
         )
 
     def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, Any]:
@@ -81,7 +102,12 @@ def scale_by_adam(
         bias_correction2 = 1.0 - torch.pow(b2, t)
         leaves, spec = tree.flatten(updates)
 
-        def moments(grads: list, mu: list, nu: list) -> tuple[Any, ...]:
+        def moments(grads: list, stored_mu: list, stored_nu: list) -> tuple[Any, ...]:
+            mu, nu = stored_mu, stored_nu
+            if upcast:
+                grads = [g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads]
+                mu = [m.to(g.dtype) for m, g in zip(mu, grads, strict=True)]
+                nu = [v.to(g.dtype) for v, g in zip(nu, grads, strict=True)]
             mu = foreach_lerp(mu, grads, 1.0 - b1)
             nu = torch._foreach_mul(nu, b2)
             torch._foreach_addcmul_(nu, grads, grads, 1.0 - b2)
@@ -96,6 +122,9 @@ def scale_by_adam(
             else:
                 numer = torch._foreach_div(mu, bias_correction1)
             torch._foreach_div_(numer, denom)
+            if upcast:
+                mu = [m.to(s.dtype) for m, s in zip(mu, stored_mu, strict=True)]
+                nu = [v.to(s.dtype) for v, s in zip(nu, stored_nu, strict=True)]
             return numer, mu, nu
 
         new_updates, mu, nu = by_kind(

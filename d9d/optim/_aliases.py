@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from d9d.optim._adam import scale_by_adam
 from d9d.optim._checks import check_non_negative
 from d9d.optim._lion import scale_by_lion
@@ -24,6 +26,8 @@ def adamw(
     eps_root: float = 0.0,
     nesterov: bool = False,
     mask: Mask | None = None,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AdamW (Loshchilov & Hutter), matching ``torch.optim.AdamW``.
 
@@ -34,6 +38,8 @@ def adamw(
     Args:
         learning_rate: a float or a schedule of the step.
         b1, b2, eps, eps_root, nesterov: as ``scale_by_adam``.
+        mu_dtype, nu_dtype: the moments' storage dtypes, as ``scale_by_adam`` (default None:
+            each param's dtype); ``torch.bfloat16`` halves the state, the math stays float32.
         weight_decay: decoupled decay coefficient (default 1e-2, torch's default).
         mask: which params are decayed, as ``masked`` takes it; ``None`` decays all.
             ``r"^(?!.*(bias|norm))"`` skips biases and norms.
@@ -49,9 +55,14 @@ def adamw(
         >>> opt = adamw(1e-3, weight_decay=0.1, mask=r"weight$")
         >>> params = {"fc.bias": torch.zeros(2), "fc.weight": torch.ones(2, 2)}
         >>> updates, state = opt.update(params, opt.init(params), params)
+        >>> adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16).init(params)[0].nu
+        {'fc.bias': tensor([0., 0.], dtype=torch.bfloat16), 'fc.weight': tensor([[0., 0.],
+                [0., 0.]], dtype=torch.bfloat16)}
     """
     return chain(
-        scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+        scale_by_adam(
+            b1, b2, eps, eps_root, nesterov=nesterov, mu_dtype=mu_dtype, nu_dtype=nu_dtype
+        ),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
@@ -65,6 +76,8 @@ def adam(
     *,
     eps_root: float = 0.0,
     nesterov: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adam (Kingma & Ba), matching ``torch.optim.Adam`` without weight decay.
 
@@ -73,7 +86,7 @@ def adam(
 
     Args:
         learning_rate: a float or a schedule of the step.
-        b1, b2, eps, eps_root, nesterov: as ``scale_by_adam``.
+        b1, b2, eps, eps_root, nesterov, mu_dtype, nu_dtype: as ``scale_by_adam``.
 
     Returns:
         A ``GradientTransformation`` whose state is a 2-tuple of the primitives' states.
@@ -89,7 +102,9 @@ def adam(
         tensor([-0.1000,  0.1000])
     """
     return chain(
-        scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov),
+        scale_by_adam(
+            b1, b2, eps, eps_root, nesterov=nesterov, mu_dtype=mu_dtype, nu_dtype=nu_dtype
+        ),
         scale_by_learning_rate(learning_rate),
     )
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_non_negative", "check_positive", "check_unit_interval"]
+import torch
+
+__all__ = ["check_non_negative", "check_positive", "check_state_dtype", "check_unit_interval"]
 
 
 def _is_real(value: object) -> bool:
@@ -27,3 +29,17 @@ def check_positive(name: str, value: object) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite real number > 0."""
     if not (_is_real(value) and value > 0.0):  # type: ignore[operator]
         raise ValueError(f"{name} must be a finite real number > 0, got {name}={value!r}")
+
+
+def check_state_dtype(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is None or a floating dtype of 2 bytes or more."""
+    if value is None or (
+        isinstance(value, torch.dtype) and value.is_floating_point and value.itemsize >= 2
+    ):
+        return
+    raise ValueError(
+        f"{name} is the dtype an optimizer state is stored in and must be None (the param's "
+        f"dtype) or a floating dtype of 2 bytes or more (torch.bfloat16, torch.float16, "
+        f"torch.float32, torch.float64), got {name}={value!r}; 8-bit state needs per-block "
+        "scales, which d9d.optim does not build yet"
+    )

@@ -93,7 +93,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def apply_updates(params: Any, updates: Any) -> Any:
     """Return ``params + updates`` as a new tree; each result keeps its param's dtype.
 
-    Runs one ``torch._foreach_add`` over the plain tensors and one over the DTensors.
+    Runs one ``torch._foreach_add`` over the plain tensors and one over the DTensors. Each
+    sum is computed in the wider of the param's and the update's dtype and rounded to the
+    param's dtype once: a bfloat16 param plus a float32 update is ``(p.float() + u)`` rounded
+    to nearest, not the update rounded to bfloat16 first (``stochastic_round`` relies on it).
 
     Args:
         params: the params pytree.
@@ -112,13 +115,15 @@ def apply_updates(params: Any, updates: Any) -> Any:
     """
     check_same_layout(params, updates, what="updates")
     param_leaves, spec = tree.flatten(params)
-    update_leaves = [
-        u if u.dtype == p.dtype else u.to(p.dtype)
-        for p, u in zip(param_leaves, tree.leaves(updates), strict=True)
-    ]
-    (new_leaves,) = by_kind(
-        lambda ps, us: (torch._foreach_add(ps, us),), param_leaves, update_leaves, outputs=1
+    (sums,) = by_kind(
+        lambda ps, us: (torch._foreach_add(ps, us),),
+        param_leaves,
+        tree.leaves(updates),
+        outputs=1,
     )
+    new_leaves = [
+        s if s.dtype == p.dtype else s.to(p.dtype) for p, s in zip(param_leaves, sums, strict=True)
+    ]
     return tree.unflatten(spec, new_leaves)
 
 

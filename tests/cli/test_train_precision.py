@@ -49,6 +49,7 @@ def test_grad_accum_and_bf16_equal_the_runs_they_stand_for(tmp_path: Path) -> No
         (["--grad-accum", "0"], r"--grad-accum must be >= 1, got 0"),
         (["--grad-accum", "2", "--pp", "2"], r"--grad-accum does not combine with --pp"),
         (["--dtype", "float16"], r"invalid choice: 'float16'"),
+        (["--opt-state-dtype", "int8"], r"--opt-state-dtype: invalid choice: 'int8'"),
     ],
 )
 def test_bad_precision_flags_are_one_line_errors(
@@ -61,3 +62,38 @@ def test_bad_precision_flags_are_one_line_errors(
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_opt_state_dtype_stores_bfloat16_moments(tmp_path: Path) -> None:
+    """``--opt-state-dtype bfloat16``: the checkpoint's moments are bf16, params float32
+    (tests/optim/test_low_precision.py compares the updates with float32 AdamW's)."""
+    losses = _run(tmp_path / "low", "--opt-state-dtype", "bfloat16", "--save-every", "3")
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    leaves = json.loads((tmp_path / "low/checkpoints/step_3/metadata.json").read_text())["leaves"]
+    moments = {leaf["dtype"] for path, leaf in leaves.items() if re.search(r"\.(mu|nu)\.", path)}
+    params = {leaf["dtype"] for path, leaf in leaves.items() if path.startswith("params.")}
+    assert moments == {"bfloat16"} and params == {"float32"}
+
+
+def test_plan_shows_the_optimizer_state_of_bfloat16_moments() -> None:
+    """``d9d plan --opt-state-dtype bfloat16``: the optimizer line is 4 bytes a param over
+    fsdp=2 (plus adam's and the schedule's counters: 8 + 8 + 4 bytes), not 8."""
+    from d9d.cli._plan_command import show_plan
+    from d9d.cli._plan_report import human
+    from d9d.models import LlamaConfig
+
+    def memory_lines(opt_state_dtype: str) -> tuple[str, str]:
+        report = show_plan("tiny", fsdp=2, seq=64, max_rows=2, opt_state_dtype=opt_state_dtype)
+        lines = report.splitlines()
+        head = next(line for line in lines if line.startswith("memory on rank 0"))
+        return head, next(line for line in lines if line.startswith("  optimizer")).split()[-2:]
+
+    n = LlamaConfig.tiny().num_params
+    assert memory_lines("float32") == (
+        "memory on rank 0 (AdamW, float32):",
+        human(8 * n // 2 + 20).split(),
+    )
+    assert memory_lines("bfloat16") == (
+        "memory on rank 0 (AdamW, float32, bfloat16 moments):",
+        human(4 * n // 2 + 20).split(),
+    )

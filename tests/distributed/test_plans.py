@@ -114,6 +114,44 @@ def test_params_and_optimizer_state_per_rank_are_one_nth(n: int) -> None:
         assert memory.opt_state == 2 * total // n + counters
 
 
+@pytest.mark.parametrize(
+    ("mu_dtype", "nu_dtype", "state_bytes_per_element"),
+    [(torch.bfloat16, torch.bfloat16, 2 + 2), (torch.bfloat16, None, 2 + 4)],
+)
+def test_optimizer_state_bytes_follow_the_moments_dtypes(
+    mu_dtype, nu_dtype, state_bytes_per_element
+):
+    """bfloat16 moments on fsdp=2: 2 bytes per element each, exactly, in ``step.memory`` and
+    in the plan's per-dtype state bytes (its table's caption)."""
+
+    def rank() -> tuple[d9d.transforms.Memory, dict[str, int], str]:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model = _tiny()
+        opt = d9d.optim.chain(
+            d9d.optim.clip_by_global_norm(1.0),
+            d9d.optim.adamw(1e-3, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        )
+        step = d9d.shard_params(mesh)(make_train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        assert state[1][0].mu["norm.weight"].dtype == mu_dtype
+        return step.memory(params, state), step.plan.state_bytes, str(step.plan)
+
+    half = sum(p.numel() for p in _tiny().params.values()) // 2
+    counters = 8 + 8 + 4  # adam's count, the learning-rate count and the learning rate
+    if nu_dtype is None:
+        by_dtype = {"float32": 4 * half + 4, "bfloat16": 2 * half, "int64": 16}
+    else:
+        by_dtype = {"bfloat16": 4 * half, "int64": 16, "float32": 4}
+    for memory, state_bytes, table in run_on_ranks(rank, 2):
+        assert memory.params == memory.grads == 4 * half
+        assert memory.opt_state == state_bytes_per_element * half + counters
+        assert state_bytes == by_dtype
+        total = sum(by_dtype.values())
+        listed = ", ".join(f"{k} {v:,} B" for k, v in by_dtype.items())
+        # The caption wraps at the table's width.
+        assert f"optimizer state {total:,} B on this rank: {listed}" in " ".join(table.split())
+
+
 def test_uneven_dims_are_padded_and_reported() -> None:
     def rank() -> tuple[int, int, tuple]:
         mesh = d9d.make_mesh("cpu", fsdp=4)
