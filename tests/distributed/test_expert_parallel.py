@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from moe_steps import METRICS, PARAM_TOL, TOL, accumulated_reference, batches, optimizer, reference
 
 import d9d
 from d9d.errors import RankFailedError
@@ -19,14 +20,10 @@ from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.models.moe import make_train_step
 from d9d.testing import assert_trees_all_close, run_on_ranks
 
-STEPS = 5
-TOL = {"rtol": 1e-9, "atol": 1e-12}
-PARAM_TOL = {"rtol": 1e-9, "atol": 1e-11}  # as tests/models/moe/test_moe_distributed.py, why there
-METRICS = ("loss", "aux_loss", "load_balance")
 EXPERTS = "layers.1.mlp.experts.w_gate"
 
 
-def _config(experts: int = 8, skewed: bool = False) -> MoEConfig:
+def _config(experts: int = 8) -> MoEConfig:
     config = MoEConfig.tiny()
     moe = replace(config.moe, n_experts=experts)
     return replace(config, moe=moe)
@@ -42,34 +39,9 @@ def _model(experts: int = 8, skewed: bool = False) -> d9d.Model:
     return d9d.functionalize(model)
 
 
-def _optimizer() -> d9d.optim.GradientTransformation:
-    schedule = d9d.optim.warmup_cosine(1e-2, 1, 10, init_value=1e-3)
-    return d9d.optim.chain(d9d.optim.clip_by_global_norm(0.5), d9d.optim.adamw(schedule))
-
-
-def _batches() -> list[dict[str, torch.Tensor]]:
-    """Rows ignore 0 to 16 of their 16 labels, differently each step."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(STEPS):
-        tokens = torch.randint(0, 256, (8, 17), generator=g)
-        labels = tokens[:, 1:].clone()
-        for row in range(labels.shape[0]):
-            labels[row, : (5 * row + 3 * i) % 17] = -100
-        out.append({"tokens": tokens[:, :-1], "labels": labels})
-    return out
-
-
 @functools.cache
 def _reference(experts: int, skewed: bool):
-    model, opt = _model(experts, skewed), _optimizer()
-    step = make_train_step(model, opt)
-    params = {k: v.clone() for k, v in model.params.items()}
-    state, metrics = opt.init(params), []
-    for batch in _batches():
-        params, state, m = step(params, state, batch)
-        metrics.append(torch.stack([m[k] for k in METRICS]))
-    return torch.stack(metrics), params
+    return reference(lambda: _model(experts, skewed))
 
 
 def _transforms(mesh, mesh_axes: dict[str, int]) -> list:
@@ -89,14 +61,14 @@ def _transforms(mesh, mesh_axes: dict[str, int]) -> list:
 
 def _rank(mesh_axes: dict[str, int], experts: int, skewed: bool):
     mesh = d9d.make_mesh("cpu", **{k: v for k, v in mesh_axes.items() if k != "remat"})
-    model, opt = _model(experts, skewed), _optimizer()
+    model, opt = _model(experts, skewed), optimizer()
     step = make_train_step(model, opt)
     for transform in _transforms(mesh, mesh_axes):
         step = transform(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     local = params[EXPERTS].to_local().shape if EXPERTS in params else None
     metrics = []
-    for batch in _batches():
+    for batch in batches():
         params, state, m = step(params, state, step.shard_batch(batch))
         metrics.append(torch.stack([m[k] for k in METRICS]))
     return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}, local
@@ -143,17 +115,17 @@ def _shards(batch: dict[str, torch.Tensor], ranks: int) -> list[dict[str, torch.
 def test_skewed_routing_leaves_experts_empty() -> None:
     """The skewed model routes no token of any rank to experts 2 to 7."""
     model = _model(8, skewed=True)
-    for shard in _shards(_batches()[0], 4):
+    for shard in _shards(batches()[0], 4):
         load = model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
         assert load[2:].sum() == 0 and load[:2].sum() == shard["tokens"].numel() * 2
 
 
 def _inspect_rank(ranks: int):
     mesh = d9d.make_mesh("cpu", ep=ranks)
-    model, opt = _model(8), _optimizer()
+    model, opt = _model(8), optimizer()
     step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    batch = step.shard_batch(_batches()[0])
+    batch = step.shard_batch(batches()[0])
     comms = step.comms(params, state, batch)
     return str(step.plan), step.plan.explain(EXPERTS), step.memory(params, state), comms
 
@@ -168,13 +140,13 @@ def test_plan_memory_and_all_to_all_bytes() -> None:
     model = _model(experts)
     loads = [
         model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
-        for shard in _shards(_batches()[0], ranks)
+        for shard in _shards(batches()[0], ranks)
     ]
     config = _config(experts).moe
     row = config.dim * 8
     expert_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." in k)
     dense_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." not in k)
-    state = _optimizer().init(model.params)
+    state = optimizer().init(model.params)
     scalars = sum(v.numel() * v.element_size() for v in d9d.tree.leaves(state)) - 2 * (
         expert_bytes + dense_bytes
     )
@@ -229,53 +201,14 @@ def test_refusals_name_the_param_or_axis_and_the_fix(kind: str) -> None:
         run_on_ranks(_refused_rank, 2, kind, timeout=120)
 
 
-def _accumulated_reference(microbatches: int, data_ranks: int):
-    """One device, microbatch accumulation written out (as ``tests/models/moe/
-    test_moe_distributed.py``): microbatch ``m`` is the ``m``-th slice of every data rank's
-    shard; each weighs by its share of the valid labels; its aux loss is its own tokens'."""
-    model, opt = _model(8), _optimizer()
-    rate = model.module.config.moe.bias_update_rate
-
-    def loss_fn(params, batch):
-        out = model.apply(params, batch["tokens"])
-        ce = d9d.losses.cross_entropy(out.logits, batch["labels"])
-        return ce + out.aux_loss, (ce, out.aux_loss, out.expert_load)
-
-    params = {k: v.clone() for k, v in model.params.items()}
-    state, metrics = opt.init(params), []
-    for batch in _batches():
-        parts = [
-            {
-                k: torch.cat([s.chunk(microbatches)[i] for s in v.chunk(data_ranks)])
-                for k, v in batch.items()
-            }
-            for i in range(microbatches)
-        ]
-        counts = torch.stack([(part["labels"] != -100).sum() for part in parts]).double()
-        grads, ce, aux, loads = None, 0.0, 0.0, {}
-        for part, share in zip(parts, counts / counts.sum(), strict=True):
-            (_, (ce_m, aux_m, loads_m)), g = d9d.value_and_grad(loss_fn, has_aux=True)(params, part)
-            g = {k: share * v for k, v in g.items()}
-            grads = g if grads is None else {k: grads[k] + g[k] for k in g}
-            ce, aux = ce + share * ce_m, aux + share * aux_m
-            loads = {k: loads.get(k, 0.0) + v for k, v in loads_m.items()}
-        balance = d9d.moe.load_balance(torch.stack(list(loads.values())))
-        metrics.append(torch.stack([ce, aux, balance.double()]))
-        biases = d9d.moe.update_router_bias(params, loads, rate)
-        updates, state = opt.update(grads, state, params)
-        params = d9d.optim.apply_updates(params, updates)
-        params |= {k: v for k, v in biases.items() if k.endswith("expert_bias")}
-    return torch.stack(metrics), params
-
-
 def _microbatched_rank():
     mesh = d9d.make_mesh("cpu", fsdp=2, ep=2)
-    model, opt = _model(8), _optimizer()
+    model, opt = _model(8), optimizer()
     step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
     step = d9d.shard_params(mesh, axis="fsdp", microbatches=2)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     metrics = []
-    for batch in _batches():
+    for batch in batches():
         params, state, m = step(params, state, step.shard_batch(batch))
         metrics.append(torch.stack([m[k] for k in METRICS]))
     return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
@@ -285,7 +218,7 @@ def _microbatched_rank():
 def test_microbatched_expert_parallel_equals_one_device_accumulating() -> None:
     """``ep=2 x fsdp=2`` with 2 microbatches: the expert grads, left unreduced and scaled per
     microbatch, add up to the accumulation written out on one device."""
-    want_metrics, want_params = _accumulated_reference(2, 4)
+    want_metrics, want_params = accumulated_reference(lambda: _model(8), 2, 4)
     for metrics, params in run_on_ranks(_microbatched_rank, 4, timeout=300):
         torch.testing.assert_close(metrics, want_metrics, **TOL)
         assert_trees_all_close(params, want_params, **PARAM_TOL)

@@ -11,99 +11,35 @@ from dataclasses import replace
 
 import pytest
 import torch
+from moe_steps import (
+    METRICS,
+    PARAM_TOL,
+    TOL,
+    accumulated_reference,
+    batches,
+    optimizer,
+    reference,
+)
 
 import d9d
 from d9d.errors import RankFailedError
 from d9d.models import MoE, MoEConfig
 from d9d.models.moe import make_train_step
-from d9d.moe import load_balance, update_router_bias
 from d9d.testing import assert_trees_all_close, run_on_ranks
-
-STEPS = 5
-TOL = {"rtol": 1e-9, "atol": 1e-12}
-# A param whose first nonzero grad is near AdamW's eps (1e-8) moves by lr * g / (|g| + eps),
-# whose slope in g there is lr / (4 eps) = 2.5e5: one embedding element (a token seen once,
-# grad 4e-8) turns the grads' 1e-17 rounding into up to 6.8e-13 here (cp=2), and 1.8e-12
-# under pp=2 with the preset's dense first block. So params get atol 1e-11, 1e-9 of an
-# update (lr 1e-2); every other param agrees within 3e-14.
-PARAM_TOL = {"rtol": 1e-9, "atol": 1e-11}
-METRICS = ("loss", "aux_loss", "load_balance")
 
 
 def _model(axes: dict | None = None, **overrides: object) -> d9d.Model:
     return d9d.functionalize(MoE(MoEConfig.tiny(**overrides)).to(torch.float64), axes=axes)
 
 
-def _optimizer() -> d9d.optim.GradientTransformation:
-    schedule = d9d.optim.warmup_cosine(1e-2, 1, 10, init_value=1e-3)
-    return d9d.optim.chain(d9d.optim.clip_by_global_norm(0.5), d9d.optim.adamw(schedule))
-
-
-def _batches() -> list[dict[str, torch.Tensor]]:
-    """Rows ignore 0 to 16 of their 16 labels, differently each step: a mean of per-rank or
-    per-microbatch means would differ from the global token mean."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(STEPS):
-        tokens = torch.randint(0, 256, (8, 17), generator=g)
-        labels = tokens[:, 1:].clone()
-        for row in range(labels.shape[0]):
-            labels[row, : (5 * row + 3 * i) % 17] = -100
-        out.append({"tokens": tokens[:, :-1], "labels": labels})
-    return out
-
-
 @functools.cache
 def _reference(**overrides: int):
-    model, opt = _model(**overrides), _optimizer()
-    step = make_train_step(model, opt)
-    params = {k: v.clone() for k, v in model.params.items()}
-    state, metrics = opt.init(params), []
-    for batch in _batches():
-        params, state, m = step(params, state, batch)
-        metrics.append(torch.stack([m[k] for k in METRICS]))
-    return torch.stack(metrics), params
+    return reference(lambda: _model(**overrides))
 
 
 @functools.cache
 def _accumulated_reference(microbatches: int, data_ranks: int = 1, **overrides: int):
-    """One device, the step's microbatch accumulation written out (``docs/losses.md``): each
-    microbatch's loss is its cross entropy plus the aux loss of its own tokens and weighs by
-    its share of the valid labels; the loads of the microbatches add up. Microbatch ``m`` is
-    the ``m``-th slice of every data-parallel rank's shard of the batch."""
-    model, opt = _model(**overrides), _optimizer()
-    rate = model.module.config.moe.bias_update_rate
-
-    def loss_fn(params, batch):
-        out = model.apply(params, batch["tokens"])
-        ce = d9d.losses.cross_entropy(out.logits, batch["labels"])
-        return ce + out.aux_loss, (ce, out.aux_loss, out.expert_load)
-
-    params = {k: v.clone() for k, v in model.params.items()}
-    state, metrics = opt.init(params), []
-    for batch in _batches():
-        parts = [
-            {
-                k: torch.cat([shard.chunk(microbatches)[i] for shard in v.chunk(data_ranks)])
-                for k, v in batch.items()
-            }
-            for i in range(microbatches)
-        ]
-        counts = torch.stack([(part["labels"] != -100).sum() for part in parts]).double()
-        grads, ce, aux, loads = None, 0.0, 0.0, {}
-        for part, share in zip(parts, counts / counts.sum(), strict=True):
-            (_, (ce_m, aux_m, loads_m)), g = d9d.value_and_grad(loss_fn, has_aux=True)(params, part)
-            g = {k: share * v for k, v in g.items()}
-            grads = g if grads is None else {k: grads[k] + g[k] for k in g}
-            ce, aux = ce + share * ce_m, aux + share * aux_m
-            loads = {k: loads.get(k, 0.0) + v for k, v in loads_m.items()}
-        balance = load_balance(torch.stack(list(loads.values())))
-        metrics.append(torch.stack([ce, aux, balance.double()]))
-        biases = update_router_bias(params, loads, rate)
-        updates, state = opt.update(grads, state, params)
-        params = d9d.optim.apply_updates(params, updates)
-        params |= {k: v for k, v in biases.items() if k.endswith("expert_bias")}
-    return torch.stack(metrics), params
+    return accumulated_reference(lambda: _model(**overrides), microbatches, data_ranks)
 
 
 def _pipeline(**options):
@@ -189,13 +125,13 @@ MICROBATCHED = {
 
 def _rank(mesh_axes: dict[str, int], transforms, overrides: dict[str, int]):
     mesh = d9d.make_mesh("cpu", **mesh_axes)
-    model, opt = _model(**overrides), _optimizer()
+    model, opt = _model(**overrides), optimizer()
     step = make_train_step(model, opt)
     for transform in transforms(mesh):
         step = transform(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     metrics = []
-    for batch in _batches():
+    for batch in batches():
         params, state, m = step(params, state, step.shard_batch(batch))
         metrics.append(torch.stack([m[k] for k in METRICS]))
     return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
@@ -249,10 +185,10 @@ def test_microbatched_step_equals_one_device_accumulating(name: str) -> None:
 
 def _traffic_rank() -> tuple[dict, dict]:
     mesh = d9d.make_mesh("cpu", pp=2)
-    model, opt = _model(**ALL_MOE), _optimizer()
+    model, opt = _model(**ALL_MOE), optimizer()
     step = d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=2)(make_train_step(model, opt))
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    comms = step.comms(params, state, _batches()[0])
+    comms = step.comms(params, state, batches()[0])
     return dict(comms.count), dict(comms.bytes)
 
 
@@ -270,7 +206,7 @@ def test_stages_pass_the_state_of_the_blocks() -> None:
 
 def _place_rank(sequence_parallel: bool, axes: dict | None = None, **overrides: object) -> None:
     mesh = d9d.make_mesh("cpu", tp=2)
-    model, opt = _model(axes, **overrides), _optimizer()
+    model, opt = _model(axes, **overrides), optimizer()
     tp = d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=sequence_parallel)
     step = tp(make_train_step(model, opt))
     step.place(model.params, opt.init(model.params), model=model)
@@ -320,11 +256,11 @@ def test_shared_experts_sharded_beside_a_capped_layer_are_refused(sequence_paral
 
 def _comms_rank(sequence_parallel: bool):
     mesh = d9d.make_mesh("cpu", tp=2)
-    model, opt = _model(), _optimizer()
+    model, opt = _model(), optimizer()
     tp = d9d.tensor_parallel(mesh, axis="tp", sequence_parallel=sequence_parallel)
     step = tp(make_train_step(model, opt))
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    return step.comms(params, state, _batches()[0])
+    return step.comms(params, state, batches()[0])
 
 
 @pytest.mark.distributed
@@ -365,11 +301,11 @@ def test_sequence_parallel_moves_the_analytic_bytes() -> None:
 def test_jit_one_graph_for_steps_whose_routing_differs() -> None:
     small = {"n_layers": 1, "n_dense_layers": 0}  # one MoE block: a third of the compile time
     want_metrics, want_params = _reference(**small)
-    model, opt = _model(**small), _optimizer()
+    model, opt = _model(**small), optimizer()
     step = d9d.jit(make_train_step(model, opt), backend="aot_eager", fail_on_recompile=True)
     params = {k: v.clone() for k, v in model.params.items()}
     state, metrics, loads = opt.init(params), [], []
-    for batch in _batches():
+    for batch in batches():
         loads.append(model.apply(params, batch["tokens"]).expert_load["layers.0.mlp"])
         params, state, m = step(params, state, batch)
         metrics.append(torch.stack([m[k] for k in METRICS]))
