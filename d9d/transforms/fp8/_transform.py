@@ -3,7 +3,6 @@ params, their grads and the optimizer state keep their dtype (only compute chang
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
