@@ -8,8 +8,9 @@ of the default exclusions holds:
   and carry the whole vocabulary (torchao and torchtitan keep it in high precision too);
 - a router, a linear named ``router`` or ``gate`` (a Hugging Face MoE's router: its logits
   decide where tokens go, and a few ULPs move them; Llama's ``gate_proj`` is not one);
-- a linear whose ``in_features`` or ``out_features`` is not a multiple of 16
-  (``torch._scaled_mm`` takes its K and N in multiples of 16).
+- a linear whose ``in_features`` or ``out_features``, as each rank computes it (its
+  ``tensor_parallel`` shard), is not a multiple of 16 (``torch._scaled_mm`` takes its K and N
+  in multiples of 16).
 
 The embedding is an ``nn.Embedding``, no linear: it is never intercepted. ``d9d.moe``'s
 routed experts (stacked ``[E, K, N]`` weights and grouped GEMMs) stay in high precision:
@@ -24,6 +25,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from ..._plan import Plan
 from ..._structure import Structure
 from ...errors import PlanError
 
@@ -67,11 +69,12 @@ def compiled_pattern(name: str, pattern: str | None) -> re.Pattern[str] | None:
 
 def choose(
     structure: Structure,
+    plan: Plan,
     recipe: str,
     include: re.Pattern[str] | None,
     exclude: re.Pattern[str] | None,
 ) -> tuple[Choice, ...]:
-    """The choice for every linear of ``structure``, in module order.
+    """The choice for every linear of ``structure`` under ``plan``, in module order.
 
     Raises:
         PlanError: ``include`` or ``exclude`` matches no linear's path.
@@ -82,7 +85,10 @@ def choose(
         if not isinstance(module, nn.Linear):
             continue
         weight = structure.canonical(f"{path}.weight")
-        why = _why_not(path, module, blocks, include, exclude)
+        entry = plan.entries[weight]
+        out_features, in_features = entry.local_shape(plan.mesh, entry.compute)
+        dims = {"in_features": in_features, "out_features": out_features}
+        why = _why_not(path, dims, blocks, include, exclude)
         choices.append(Choice(path, weight, None if why else recipe, why))
     for name, pattern in (("include", include), ("exclude", exclude)):
         if pattern is not None and not any(pattern.search(c.path) for c in choices):
@@ -96,7 +102,7 @@ def choose(
 
 def _why_not(
     path: str,
-    module: nn.Linear,
+    dims: dict[str, int],
     blocks: tuple[str, ...],
     include: re.Pattern[str] | None,
     exclude: re.Pattern[str] | None,
@@ -110,8 +116,10 @@ def _why_not(
         return "the output head (a linear outside the blocks)"
     if path.rpartition(".")[2] in _ROUTER_NAMES:
         return "a router (its logits choose the experts)"
-    dims = {"in_features": module.in_features, "out_features": module.out_features}
     odd = {name: size for name, size in dims.items() if size % MULTIPLE}
     if odd:
-        return f"dims not multiples of {MULTIPLE} ({odd}), which torch._scaled_mm refuses"
+        return (
+            f"dims as computed on a rank not multiples of {MULTIPLE} ({odd}), which "
+            "torch._scaled_mm refuses"
+        )
     return ""

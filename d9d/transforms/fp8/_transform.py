@@ -55,8 +55,8 @@ class Fp8(Transform):
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         return entry
 
-    def choices(self, model: Model | None) -> tuple[Choice, ...]:
-        """The fate of each of ``model``'s linears under this transform."""
+    def choices(self, plan: Plan, model: Model | None) -> tuple[Choice, ...]:
+        """The fate of each of ``model``'s linears under this transform and ``plan``."""
         if model is None:
             raise PlanError(
                 f"{self} intercepts the model's linears and needs the model: call "
@@ -64,14 +64,12 @@ class Fp8(Transform):
             )
         include = compiled_pattern("include", self.include)
         exclude = compiled_pattern("exclude", self.exclude)
-        return choose(model.structure, self.recipe, include, exclude)
+        return choose(model.structure, plan, self.recipe, include, exclude)
 
     def lay_out(self, plan: Plan, model: Model | None) -> Plan:
         entries = dict(plan.entries)
-        for choice in self.choices(model):
-            entry = entries.get(choice.weight)
-            if entry is None:  # another stage's (pipeline)
-                continue
+        for choice in self.choices(plan, model):
+            entry = entries[choice.weight]
             if choice.recipe is None:
                 reason = f"fp8: {choice.path} stays in high precision: {choice.why}"
             else:
@@ -90,8 +88,7 @@ class Fp8(Transform):
         return replace(plan, entries=entries)
 
     def runtime(self, plan: Plan, model: Model | None) -> Fp8Runtime:
-        del plan
-        paths = tuple(c.path for c in self.choices(model) if c.recipe is not None)
+        paths = tuple(c.path for c in self.choices(plan, model) if c.recipe is not None)
         return Fp8Runtime(paths, self.recipe)
 
 
