@@ -3,7 +3,9 @@ refusals, a Hugging Face model, ``d9d.jit``, and a short training run near float
 
 from __future__ import annotations
 
+import doctest
 import functools
+import importlib
 
 import pytest
 import torch
@@ -186,3 +188,9 @@ def test_short_training_run_stays_near_float32(recipe):
     assert want[-1] < 0.9 * want[0]  # it learns
     torch.testing.assert_close(got, want, rtol=0.02, atol=0)
     assert not torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["_transform", "_linear"])
+def test_docstring_examples_run(name):
+    module = importlib.import_module(f"d9d.transforms.fp8.{name}")
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0
