@@ -194,3 +194,23 @@ def test_short_training_run_stays_near_float32(recipe):
 def test_docstring_examples_run(name):
     module = importlib.import_module(f"d9d.transforms.fp8.{name}")
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
+
+
+def test_remat_recomputes_the_fp8_linears_bitwise():
+    model = _llama(n_layers=2)
+
+    def grads(transforms):
+        def loss_fn(params, batch):
+            logits = model.apply(params, batch["tokens"])
+            return d9d.losses.cross_entropy(logits, batch["labels"])
+
+        step = lambda p, s, b: (d9d.grad(loss_fn)(p, b), s, {})  # noqa: E731
+        for transform in transforms:
+            step = transform(step)
+        params, _ = step.place(model.params, (), model=model)
+        return {k: v.full_tensor() for k, v in step(params, (), _batch())[0].items()}
+
+    want = grads([d9d.fp8(recipe="blockwise")])
+    got = grads([d9d.remat("full"), d9d.fp8(recipe="blockwise")])
+    for path, grad in want.items():
+        assert torch.equal(got[path], grad), path
