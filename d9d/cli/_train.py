@@ -219,8 +219,8 @@ def _init_distributed(config: TrainConfig) -> bool:
     """Join the torchrun job when there is one; whether this call started the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = {name: getattr(config, name) for name in _AXES if getattr(config, name)}
-    one_rank = not shard_options(config) and config.fp8 is None
-    if (world == 1 and not layout and one_rank) or dist.is_initialized():
+    needs_mesh = bool(shard_options(config)) or config.fp8 is not None
+    if (world == 1 and not layout and not needs_mesh) or dist.is_initialized():
         return False
     if "RANK" not in os.environ and not layout:  # --dtype, --grad-accum, --fp8: a one-rank group
         make_mesh(fsdp=1)
