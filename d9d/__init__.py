@@ -32,9 +32,7 @@ _TRANSFORMS = tuple(
     m.name for m in pkgutil.iter_modules([os.path.join(__path__[0], "transforms")]) if m.ispkg
 )
 # Names of DESIGN.md's contract that are not built yet: refused by name, with their issue.
-_NOT_BUILT = {
-    "fp8": "issue 28 (tensorwise, rowwise and blockwise fp8 training as a transform)",
-}
+_NOT_BUILT: dict[str, str] = {}
 
 __all__ = [  # kept literal for type checkers; tests/core/test_public_names.py holds it to the above
     "AXIS_ORDER",
@@ -46,6 +44,7 @@ __all__ = [  # kept literal for type checkers; tests/core/test_public_names.py h
     "data",
     "errors",
     "expert_parallel",
+    "fp8",
     "functionalize",
     "grad",
     "hf",
@@ -112,6 +111,7 @@ if TYPE_CHECKING:
     from .transforms import (
         context_parallel,
         expert_parallel,
+        fp8,
         pipeline,
         remat,
         shard_params,

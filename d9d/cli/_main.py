@@ -21,9 +21,10 @@ from ._native_warnings import native_warnings_dropped
 from ._plan_checks import AXES, check_layout
 from ._train_checks import check_flags
 
-__all__ = ["BENCH_DTYPES", "BENCH_OPS", "BENCH_SHAPES", "SCHEDULE_NAMES", "main"]
+__all__ = ["BENCH_DTYPES", "BENCH_OPS", "BENCH_SHAPES", "FP8_RECIPES", "SCHEDULE_NAMES", "main"]
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
 """``d9d.transforms.pipeline.SCHEDULES``' names."""
 BENCH_SHAPES = ("llama3-8b", "tiny")
 """``d9d.kernels._bench_cases.SHAPES``' names."""
@@ -38,6 +39,9 @@ BENCH_OPS = (
     "grouped_gemm",
     "moe_permute",
     "moe_unpermute",
+    "fp8_quantize",
+    "fp8_gemm",
+    "fp8_grouped_gemm",
 )
 """``d9d.kernels._bench_cases.OPS``."""
 BENCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -201,6 +205,14 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.opt_state_dtype,
         help="bfloat16: AdamW's two moments stored in bf16 (half the optimizer state), "
         "updated in float32 (adamw's mu_dtype, nu_dtype) (default %(default)s)",
+    )
+    run.add_argument(
+        "--fp8",
+        choices=FP8_RECIPES,
+        default=None,
+        metavar="RECIPE",
+        help="compute the blocks' linears in fp8 (d9d.fp8): tensorwise, rowwise or blockwise; "
+        "params and optimizer state keep their dtype (default: off)",
     )
     run.add_argument(
         "--grad-accum",

@@ -31,6 +31,7 @@ from ..models.moe import make_train_step as make_moe_train_step
 from ..transforms import (
     context_parallel,
     expert_parallel,
+    fp8,
     pipeline,
     shard_params,
     tensor_parallel,
@@ -226,9 +227,10 @@ def _init_distributed(config: TrainConfig) -> bool:
     """Join the torchrun job when there is one; whether this call started the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = {name: getattr(config, name) for name in _AXES if getattr(config, name)}
-    if (world == 1 and not layout and not shard_options(config)) or dist.is_initialized():
+    needs_mesh = bool(shard_options(config)) or config.fp8 is not None
+    if (world == 1 and not layout and not needs_mesh) or dist.is_initialized():
         return False
-    if "RANK" not in os.environ and not layout:  # --dtype, --grad-accum: a one-rank group
+    if "RANK" not in os.environ and not layout:  # --dtype, --grad-accum, --fp8: a one-rank group
         make_mesh(fsdp=1)
         return True
     if "RANK" not in os.environ:
@@ -276,6 +278,8 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
         step = context_parallel(mesh)(step)
     if sizes["ep"] > 1:
         step = expert_parallel(mesh)(step)
+    if config.fp8 is not None:
+        step = fp8(mesh, config.fp8)(step)
     if sizes["pp"] > 1:
         step = pipeline(
             mesh,

@@ -7,6 +7,7 @@ import sys
 
 from d9d.cli import _main
 from d9d.kernels import _bench, _bench_cases
+from d9d.transforms.fp8._linear import GRAD_DTYPES
 from d9d.transforms.pipeline import SCHEDULES
 
 
@@ -27,6 +28,7 @@ def test_help_and_import_load_neither_torch_nor_the_testing_helpers() -> None:
 
 def test_the_parser_offers_the_library_choices() -> None:
     assert sorted(_main.SCHEDULE_NAMES) == sorted(SCHEDULES)
+    assert tuple(_main.FP8_RECIPES) == tuple(GRAD_DTYPES)
     assert tuple(_main.BENCH_SHAPES) == tuple(_bench_cases.SHAPES)
     assert tuple(_main.BENCH_OPS) == tuple(_bench_cases.OPS)
     assert tuple(_main.BENCH_DTYPES) == tuple(_bench.DTYPES)

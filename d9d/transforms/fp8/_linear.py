@@ -1,0 +1,99 @@
+"""A linear layer's three matmuls in fp8: the autograd function ``fp8``'s interception calls.
+
+For ``y = x @ w.T`` (``x [M, K]``, ``w [N, K]``, leading dims of ``x`` flattened into ``M``):
+
+- output ``y = x @ w.T``: ``x`` and ``w`` quantized along ``K`` (e4m3);
+- input grad ``dx = dy @ w``: ``dy`` quantized along ``N`` (the grad format), ``w`` along ``N``;
+- weight grad ``dw = dy.T @ x``: ``dy.T`` and ``x`` quantized along ``M`` (the tokens).
+
+Each operand is quantized afresh from its high-precision value as its matmul needs (dynamic
+scaling: the amax of this call's tensor, no history), through the registry's
+``fp8_quantize`` and ``fp8_gemm``. Recipes, per operand:
+
+=========== ====================== ====================== ================================
+recipe      activations, weights   grads (``dy``)         scale groups
+=========== ====================== ====================== ================================
+tensorwise  e4m3                   e5m2                   the whole matrix
+rowwise     e4m3                   e5m2                   a row of ``a``, a column of ``b``
+blockwise   e4m3                   e4m3 (DeepSeek-V3)     ``a`` 1x128 tiles along the
+                                                          contraction, ``b`` 128x128 blocks
+=========== ====================== ====================== ================================
+
+The weight grad's ``b`` operand (``x``) is in 128x128 blocks under blockwise, as the GEMM
+takes ``b``; DeepSeek-V3 tiles it 1x128 along the tokens. The forward saves ``x`` and ``w`` in
+their own dtype (not fp8). The bias is added in high precision; the output has ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...kernels import fp8_gemm, fp8_quantize
+
+__all__ = ["GRAD_DTYPES", "fp8_linear"]
+
+E4M3 = torch.float8_e4m3fn
+GRAD_DTYPES = {"tensorwise": torch.float8_e5m2, "rowwise": torch.float8_e5m2, "blockwise": E4M3}
+# torch._scaled_mm takes K and N in multiples of 16: the weight grad's K is the token count,
+# padded with zero rows to one (zeros change no amax, and add nothing to the product).
+_MULTIPLE = 16
+
+
+def _as_a(x: Tensor, recipe: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``x [rows, k]`` quantized as a GEMM's ``a``: along ``k``."""
+    return fp8_quantize(x, recipe, dtype)
+
+
+def _as_b(x: Tensor, recipe: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``x [k, cols]`` quantized as a GEMM's ``b``: along ``k`` (128x128 blocks blockwise)."""
+    return fp8_quantize(x, recipe, dtype, dim=-2, block=(128, 128))
+
+
+def _matmul(
+    a: Tensor, b: Tensor, recipe: str, a_dtype: torch.dtype, out_dtype: torch.dtype
+) -> Tensor:
+    """``a [M, K] @ b [K, N]`` with both operands quantized along ``K`` (``a`` in ``a_dtype``,
+    ``b`` in e4m3), in ``out_dtype``."""
+    return fp8_gemm(*_as_a(a, recipe, a_dtype), *_as_b(b, recipe, E4M3), recipe, out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``x [M, K] @ w.T`` with its three matmuls in fp8; no bias."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, recipe: str) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        return _matmul(x, weight.t(), recipe, E4M3, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        recipe, grad_dtype = ctx.recipe, GRAD_DTYPES[ctx.recipe]
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _matmul(grad, weight, recipe, grad_dtype, x.dtype)
+        if ctx.needs_input_grad[1]:
+            pad = -x.shape[0] % _MULTIPLE
+            grad_t, x_padded = F.pad(grad.t(), (0, pad)), F.pad(x, (0, 0, 0, pad))
+            grad_w = _matmul(grad_t, x_padded, recipe, grad_dtype, weight.dtype)
+        return grad_x, grad_w, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+    """``F.linear(x, weight, bias)`` with the output, input grad and weight grad computed in
+    fp8 under ``recipe`` (module doc); the bias added in ``x``'s dtype.
+
+    Example:
+        >>> x, w = torch.randn(4, 32), torch.randn(16, 32)
+        >>> fp8_linear(x, w, None, "rowwise").shape
+        torch.Size([4, 16])
+    """
+    *lead, k = x.shape
+    out = _Fp8Linear.apply(x.reshape(-1, k), weight, recipe)
+    out = out.reshape(*lead, weight.shape[0])
+    return out if bias is None else out + bias.to(out.dtype)

@@ -1,0 +1,48 @@
+"""``fp8`` at run time: each chosen linear's call becomes :func:`fp8_linear` on the tensors
+its module holds for this call.
+
+The interception sits around the ``nn.Linear`` itself, inside every interception of the
+layout transforms (``fp8`` applies in the ``COMPUTE_FORM`` phase, after them): under
+``tensor_parallel`` the linear computes on its weight shard and input as that transform
+prepared them, and a row-parallel bias that transform set aside for after its reduction is
+not the module's during the call. The weight and bias are read off the module when it is
+called: the tensors the core swapped into its slots for this call (gathered under
+``shard_params``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..._runtime import ApplyCall, Interception, Runtime
+from ._linear import fp8_linear
+
+__all__ = ["Fp8Runtime"]
+
+
+class Fp8Runtime(Runtime):
+    """The runtime of ``fp8``: intercepts the linears at ``paths``, computing in ``recipe``."""
+
+    def __init__(self, paths: tuple[str, ...], recipe: str) -> None:
+        self.paths = paths
+        self.recipe = recipe
+
+    def enter_apply(self, call: ApplyCall) -> None:
+        modules = call.structure.modules
+        for path in self.paths:
+            if not call.stood_in(path):
+                around = functools.partial(_linear, modules[path], self.recipe)
+                call.intercept(path, Interception(around=around))
+
+
+def _linear(
+    module: nn.Linear, recipe: str, forward: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    # nn.Linear.forward(input): by position or by name.
+    del forward
+    (x,) = (*args, *kwargs.values())
+    return fp8_linear(x, module.weight, module.bias, recipe)

@@ -1,0 +1,125 @@
+"""Which of a model's linears compute in fp8, and why the others do not.
+
+A linear (an ``nn.Linear`` submodule, d9d's or a Hugging Face model's) computes in fp8 when
+its path matches ``include`` (default: every linear), does not match ``exclude``, and none
+of the default exclusions holds:
+
+- the output head, a linear outside the model's blocks (in a model with blocks): the logits feed the loss directly
+  and carry the whole vocabulary (torchao and torchtitan keep it in high precision too);
+- a router, a linear named ``router`` or ``gate`` (a Hugging Face MoE's router: its logits
+  decide where tokens go, and a few ULPs move them; Llama's ``gate_proj`` is not one);
+- a linear whose ``in_features`` or ``out_features``, as each rank computes it (its
+  ``tensor_parallel`` shard), is not a multiple of 16 (``torch._scaled_mm`` takes its K and N
+  in multiples of 16).
+
+The embedding is an ``nn.Embedding``, no linear: it is never intercepted. ``d9d.moe``'s
+routed experts (stacked ``[E, K, N]`` weights and grouped GEMMs) stay in high precision:
+fp8 of their grouped GEMMs is not built, and the plan says so per expert weight.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import nn
+
+from ..._plan import Plan
+from ..._structure import Structure
+from ...errors import PlanError
+
+__all__ = ["Choice", "choose", "compiled_pattern"]
+
+MULTIPLE = 16
+_ROUTER_NAMES = ("router", "gate")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One linear's fate under ``fp8``.
+
+    Attributes:
+        path: The linear's module path.
+        weight: Its weight's param path (the canonical one, when tied).
+        recipe: The recipe it computes its matmuls in, or None: high precision.
+        why: Why not, when ``recipe`` is None.
+    """
+
+    column: ClassVar[str] = "fp8"  # the plan table's column this annotation fills
+    path: str
+    weight: str
+    recipe: str | None
+    why: str = ""
+
+    def cell(self) -> str:
+        """Its cell in the plan's table: the recipe, or ``-``."""
+        return self.recipe or "-"
+
+
+def compiled_pattern(name: str, pattern: str | None) -> re.Pattern[str] | None:
+    """``pattern`` compiled, or a ``PlanError`` naming the option and the regex error."""
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise PlanError(f"fp8({name}={pattern!r}) is not a regular expression: {error}") from None
+
+
+def choose(
+    structure: Structure,
+    plan: Plan,
+    recipe: str,
+    include: re.Pattern[str] | None,
+    exclude: re.Pattern[str] | None,
+) -> tuple[Choice, ...]:
+    """The choice for every linear of ``structure`` under ``plan``, in module order.
+
+    Raises:
+        PlanError: ``include`` or ``exclude`` matches no linear's path.
+    """
+    blocks = tuple(b.path + "." for b in structure.blocks)
+    choices = []
+    for path, module in structure.modules.items():
+        if not isinstance(module, nn.Linear):
+            continue
+        weight = structure.canonical(f"{path}.weight")
+        entry = plan.entries[weight]
+        out_features, in_features = entry.local_shape(plan.mesh, entry.compute)
+        dims = {"in_features": in_features, "out_features": out_features}
+        why = _why_not(path, dims, blocks, include, exclude)
+        choices.append(Choice(path, weight, None if why else recipe, why))
+    for name, pattern in (("include", include), ("exclude", exclude)):
+        if pattern is not None and not any(pattern.search(c.path) for c in choices):
+            linears = [c.path for c in choices]
+            raise PlanError(
+                f"fp8({name}={pattern.pattern!r}) matches no linear of the model; its linears "
+                f"are {linears[:6]}{' ...' if len(linears) > 6 else ''}: fix the pattern"
+            )
+    return tuple(choices)
+
+
+def _why_not(
+    path: str,
+    dims: dict[str, int],
+    blocks: tuple[str, ...],
+    include: re.Pattern[str] | None,
+    exclude: re.Pattern[str] | None,
+) -> str:
+    """Why the linear at ``path`` stays in high precision ('' when it computes in fp8)."""
+    if include is not None and not include.search(path):
+        return f"not matched by include={include.pattern!r}"
+    if exclude is not None and exclude.search(path):
+        return f"excluded by exclude={exclude.pattern!r}"
+    if blocks and not path.startswith(blocks):
+        return "the output head (a linear outside the blocks)"
+    if path.rpartition(".")[2] in _ROUTER_NAMES:
+        return "a router (its logits choose the experts)"
+    odd = {name: size for name, size in dims.items() if size % MULTIPLE}
+    if odd:
+        return (
+            f"dims as computed on a rank not multiples of {MULTIPLE} ({odd}), which "
+            "torch._scaled_mm refuses"
+        )
+    return ""
