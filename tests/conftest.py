@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 DURATIONS = Path(__file__).with_name("durations.json")
 """Seconds each slow test took in a CI run (``python .ci/durations.py JUNIT_XML`` writes it)."""
@@ -24,6 +27,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workers end together instead of one running a tail of slow tests alone."""
     seconds = json.loads(DURATIONS.read_text())
     items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """Each test starts without a default process group: a one-device step without a mesh
+    starts an implicit one-rank group that lives for the process (``docs/sharding.md``, "The mesh"), and
+    a ``run_on_ranks`` or ``fake_world`` test after it on the same xdist worker refused to
+    start (every later such test on that worker failed)."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        _clear_sharding_prop_cache()  # its entries hold that world's meshes
 
 
 @pytest.fixture(scope="session", autouse=True)

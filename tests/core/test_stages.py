@@ -72,16 +72,18 @@ def test_split_errors_name_the_problem(count, paths, match) -> None:
 def test_a_carried_state_enters_the_stage_leaf_by_leaf() -> None:
     """A block taking a tuple (a carried state) gets the previous stage's tensors rebuilt into
     its structure; a count that does not match the state is named."""
+    from d9d._structure import Block
     from d9d.models.moe import MoEState
     from d9d.transforms.pipeline._executor import StageRun
     from d9d.transforms.pipeline._stage_apply import _enter_block
 
     sent = (torch.ones(2, 3), torch.tensor(0.5), torch.ones(1, 4))
     local = MoEState(torch.zeros(2, 3), torch.tensor(0.0), torch.zeros(1, 4))
+    block = Block(1, "layers.1", torch.nn.Identity(), ())
     run = StageRun(1, 1, 2, first=False, last=True, input=sent)
-    (state, cos), _ = _enter_block(run, 1, (local, "cos"), {})
+    (state, cos), _ = _enter_block(run, block, (local, "cos"), {})
     assert type(state) is MoEState and run.carried and cos == "cos"
     assert all(a is b for a, b in zip(state, sent, strict=True))
     run = StageRun(1, 1, 2, first=False, last=True, input=sent[:2])
     with pytest.raises(PlanError, match=r"block 1 takes a state of 3 tensors but the stage "):
-        _enter_block(run, 1, (local,), {})
+        _enter_block(run, block, (local,), {})
