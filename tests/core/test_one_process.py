@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import d9d
 from d9d.errors import MeshError
@@ -21,12 +20,10 @@ from d9d.models import Llama, LlamaConfig
 
 @pytest.fixture(autouse=True)
 def alone() -> Iterator[None]:
-    """No process group before the test; the one-rank group it started is destroyed after."""
+    """No process group before the test; ``tests/conftest.py`` destroys the one-rank group
+    it started, after it."""
     assert not dist.is_initialized()
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _clear_sharding_prop_cache()  # its entries hold this world's mesh (see fake_world)
 
 
 def _grad_step(model: d9d.Model) -> Any:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import d9d
 from d9d.errors import PlanError
@@ -23,13 +22,10 @@ RECIPES = ("tensorwise", "rowwise", "blockwise")
 
 @pytest.fixture(autouse=True)
 def alone() -> Iterator[None]:
-    """The one-rank group a step without a mesh starts is destroyed after the test (as in
-    tests/core/test_one_process.py), so that later tests in this process start their own."""
+    """No process group before the test; ``tests/conftest.py`` destroys the one-rank group
+    a step without a mesh starts, after it."""
     assert not dist.is_initialized()
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _clear_sharding_prop_cache()  # its entries hold this world's mesh
 
 
 def _batch(batch: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
