@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,8 +261,9 @@ def test_read_hf_config_names_an_unknown_model_type(tmp_path: Path) -> None:
         checkpoint.read_hf_config(tmp_path)
 
 
-def _fsdp_load(folder: Path, streamed: bool) -> int:
-    """Peak RSS growth of this rank while it places the Llama at ``folder`` on ``fsdp=2``."""
+def _fsdp_load(folder: Path, streamed: bool) -> tuple[int, int]:
+    """Peak RSS growth of this rank while it places the Llama at ``folder`` on ``fsdp=2``,
+    and the bytes of the local shards it ends up holding."""
     mesh = d9d.make_mesh("cpu", fsdp=2)
     step = d9d.shard_params(mesh, "fsdp")(lambda params, opt_state, batch: (params, opt_state))
 
@@ -271,21 +276,39 @@ def _fsdp_load(folder: Path, streamed: bool) -> int:
         return step.place(checkpoint.import_hf(folder)[1], (), model=model)[0]
 
     step.place(d9d.functionalize(Llama(LLAMA, device="meta")).params, ())  # imports, warmed
-    _, grown = peak_rss_growth(load)
-    return grown
+    placed, grown = peak_rss_growth(load)
+    local = [p.to_local() for p in placed.values()]
+    return grown, sum(t.numel() * t.element_size() for t in local)
 
 
-def test_each_rank_peak_memory_is_its_shard_not_the_model(tmp_path: Path) -> None:
+@pytest.fixture
+def memory_folder() -> Iterator[Path]:
+    """A folder on tmpfs: the mmapped weights' pages count in the resident set until unmapped.
+
+    Pages of a disk file are page cache the kernel may reclaim from a mapping mid-load on a
+    loaded machine, which lowered one CI run's measured peak of the full import to 0.65x the
+    model; without swap, tmpfs pages stay resident while mapped.
+    """
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("needs a writable /dev/shm (tmpfs) for a resident set that does not shrink")
+    folder = Path(tempfile.mkdtemp(dir=shm, prefix="d9d-hf-stream-"))
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_each_rank_peak_memory_is_its_shard_not_the_model(memory_folder: Path) -> None:
     config = LlamaConfig.tiny(vocab_size=16000, dim=1024, n_layers=4, n_heads=8, ffn_dim=2816)
     shapes = {k: v.shape for k, v in Llama(config, device="meta").named_parameters()}
     generator = torch.Generator().manual_seed(0)
     params = {k: torch.randn(shape, generator=generator) for k, shape in shapes.items()}
     model_bytes = sum(p.numel() * 4 for p in params.values())  # 311 MB
-    checkpoint.export_hf(params, config, tmp_path)
+    checkpoint.export_hf(params, config, memory_folder)
     del params
-    streamed = run_on_ranks(_fsdp_load, 2, tmp_path, True, method="fork")
-    full = run_on_ranks(_fsdp_load, 2, tmp_path, False, method="fork")
-    assert all(grown < 0.75 * model_bytes for grown in streamed), (streamed, model_bytes)
-    # The full import holds the whole model (measured 1.01x to 1.10x); 0.9x leaves room for
-    # the page cache the kernel may reclaim from a loaded machine's mapped file pages.
-    assert all(grown >= 0.9 * model_bytes for grown in full), (full, model_bytes)
+    streamed = run_on_ranks(_fsdp_load, 2, memory_folder, True, method="fork")
+    full = run_on_ranks(_fsdp_load, 2, memory_folder, False, method="fork")
+    # The measure sees what a rank holds: at least the shards it returns (about half the model).
+    assert all(shard <= grown < 0.75 * model_bytes for grown, shard in streamed), streamed
+    # The full import maps the whole model (measured 1.00x to 1.10x); with its pages on tmpfs
+    # nothing reclaims them, so the high-water mark reaches it.
+    assert all(grown >= 0.9 * model_bytes for grown, _ in full), (full, model_bytes)
