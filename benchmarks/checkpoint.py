@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
-import json
 import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from report import provenance, write_report
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -152,17 +151,13 @@ def main() -> None:
         if "blocked" not in name:
             row["GB_per_s"] = round(state_bytes / median / 1e9, 3)
         results.append(row)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     report = {
-        "benchmark": "checkpoint",
-        "device": f"cpu ({platform.machine()}, {args.world} gloo ranks by fork, 1 thread each)",
-        "torch": torch.__version__,
-        "tensorstore": importlib.metadata.version("tensorstore"),
-        "commit": commit,
-        "command": "python benchmarks/checkpoint.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None),
+        **provenance(
+            "checkpoint",
+            args,
+            f"cpu ({platform.machine()}, {args.world} gloo ranks by fork, 1 thread each)",
+            tensorstore=importlib.metadata.version("tensorstore"),
+        ),
         "config": {
             "model": f"Llama 3.2 1B shapes, {args.layers} block(s), vocab {args.vocab}",
             "params": state_bytes // 4,
@@ -172,8 +167,7 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"state: {state_bytes / 1e6:.0f} MB\n| variant | median (s) | GB/s |\n|---|---|---|")
     for r in results:
         print(f"| {r['variant']} | {r['median_s']} | {r.get('GB_per_s', '')} |")

@@ -18,16 +18,14 @@ JSON out:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from rank_timing import rank_device, time_steps, token_batches
+from report import device_name, provenance, write_report
 
 import d9d
 from d9d.models import MoE, MoEConfig
@@ -119,20 +117,8 @@ def main() -> None:
     base = results["replicated"]
     for r in results.values():
         r["speedup_vs_replicated"] = round(base["median_step_ms"] / r["median_step_ms"], 3)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    device = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})"
-    )
     report = {
-        "benchmark": "expert_parallel",
-        "device": device,
-        "backend": backend,
-        "torch": torch.__version__,
-        "commit": commit,
-        "command": "python benchmarks/expert_parallel.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        **provenance("expert_parallel", args, device_name(), backend=backend),
         "config": {
             "preset": args.preset,
             "world": args.world,
@@ -144,8 +130,7 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(
         "| variant | median step (ms) | tokens/s | vs replicated | route (ms/step) | "
         "all-to-all (MB/step) | params rank 0 (MB) |\n|---|---|---|---|---|---|---|"

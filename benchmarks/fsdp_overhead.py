@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import platform
 import resource
 import statistics
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from rank_timing import rank_device, time_steps, token_batches
+from report import device_name, provenance, write_report
 
 import d9d
 from d9d.cli._train import make_train_step
@@ -162,20 +160,8 @@ def main() -> None:
     fsdp2 = results["fsdp2 (fully_shard)"]["round_medians_ms"]
     fsdp2_prefetch = results["fsdp2 + explicit prefetch"]["round_medians_ms"]
     fsdp2_speedups = [round(a / b, 3) for a, b in zip(fsdp2, fsdp2_prefetch, strict=True)]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    device = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})"
-    )
     report = {
-        "benchmark": "fsdp_overhead",
-        "device": device,
-        "backend": backend,
-        "torch": torch.__version__,
-        "commit": commit,
-        "command": "python benchmarks/fsdp_overhead.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        **provenance("fsdp_overhead", args, device_name(), backend=backend),
         "config": {
             "preset": args.preset,
             "world": args.world,
@@ -190,8 +176,7 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(
         "| variant | median step (ms) | ratio to FSDP2 | peak memory / rank (MB) |\n|---|---|---|---|"
     )

@@ -10,10 +10,8 @@ accepts DTensor params. Reports graphs, graph breaks, compile time and median st
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 import torch._dynamo
 import torch._dynamo.config
 import torch.distributed as dist
+from report import provenance, write_report
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -138,22 +137,13 @@ def main() -> None:
         }
     finally:
         dist.destroy_process_group()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     report = {
-        "benchmark": "grad_strategies",
-        "device": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "commit": commit,
-        "command": "python benchmarks/grad_strategies.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        **provenance("grad_strategies", args, platform.processor() or platform.machine()),
         "config": {"preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len},
         "results": results,
         "dtensor_params": dtensor,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     for r in results:
         print(r)
     print(dtensor)

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import platform
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from report import provenance, write_report
 
 import d9d
 from d9d import checkpoint
@@ -113,17 +112,13 @@ def main() -> None:
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     report = {
-        "benchmark": "hf_stream",
-        "device": f"cpu ({platform.machine()}, {args.world} gloo ranks by fork, 1 thread each)",
-        "torch": torch.__version__,
-        "safetensors": importlib.metadata.version("safetensors"),
-        "commit": commit,
-        "command": "python benchmarks/hf_stream.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None),
+        **provenance(
+            "hf_stream",
+            args,
+            f"cpu ({platform.machine()}, {args.world} gloo ranks by fork, 1 thread each)",
+            safetensors=importlib.metadata.version("safetensors"),
+        ),
         "config": {
             "model": f"Llama 3.2 1B shapes, {args.layers} block(s), vocab {args.vocab}, fp32",
             "model_bytes": model_bytes,
@@ -131,8 +126,7 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"model: {model_bytes / 1e6:.0f} MB")
     print(
         "| way | rank | peak RSS growth (MB) | x model | x shard | s |\n|---|---|---|---|---|---|"

@@ -18,16 +18,14 @@ parallelism and CP divide. JSON out:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from rank_timing import rank_device, time_steps, token_batches
+from report import device_name, provenance, write_report
 
 import d9d
 from d9d.cli._train import make_train_step
@@ -201,20 +199,8 @@ def main() -> None:
         r["activation_fraction"] = round(
             r["saved_activation_bytes_rank0"] / base["saved_activation_bytes_rank0"], 3
         )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    device = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})"
-    )
     report = {
-        "benchmark": "tp_cp",
-        "device": device,
-        "backend": backend,
-        "torch": torch.__version__,
-        "commit": commit,
-        "command": "python benchmarks/tp_cp.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        **provenance("tp_cp", args, device_name(), backend=backend),
         "config": {
             "preset": args.preset,
             "world": args.world,
@@ -224,8 +210,7 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(
         "| variant | median step (ms) | tokens/s | vs one device | saved activations rank 0 (MB) | fraction |\n"
         "|---|---|---|---|---|---|"
