@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import d9d
-from d9d._context import running
+from d9d.core._context import running
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import KeptBytes, run_on_ranks
 

@@ -5,7 +5,7 @@ Variants, each training the same Llama preset with AdamW + global-norm clipping:
   d9d eager   ``d9d.value_and_grad`` + ``d9d.optim`` (``_foreach`` updates)
   d9d eager, no embedding check
               the same, without the eager check of the token ids against the vocab
-              (``d9d._embedding_ids``: one ``aminmax`` and one read back to the host per step)
+              (``d9d.core._embedding_ids``: one ``aminmax`` and one read back to the host per step)
   d9d jit     the same step under ``d9d.jit`` (one compiled graph, params donated)
   d9d jit, no index guard
               the same, compiled without ``d9d::check_index`` on the token ids and labels
@@ -31,11 +31,11 @@ import torch
 from report import provenance, write_report
 
 import d9d
-import d9d._jit
-import d9d._model
-from d9d._batch_check import batch_signature
-from d9d._index_checks import check_index, raise_outside
+import d9d.core._jit
+import d9d.core._model
 from d9d.cli._train import make_train_step
+from d9d.core._batch_check import batch_signature
+from d9d.core._index_checks import check_index, raise_outside
 from d9d.models import Llama, LlamaConfig
 
 
@@ -95,7 +95,7 @@ def _without_index_guard(run: Callable) -> Callable:
         nonlocal compiled
         if compiled:
             return run(batch)
-        with mock.patch.object(d9d._jit, "guard_indices", lambda graph: 0):
+        with mock.patch.object(d9d.core._jit, "guard_indices", lambda graph: 0):
             out = run(batch)
         compiled = True
         return out
@@ -107,7 +107,7 @@ def _without_embedding_check(run: Callable) -> Callable:
     """``run`` with ``Model.apply``'s eager check of the embeddings' ids switched off."""
 
     def call(batch):
-        with mock.patch.object(d9d._model, "embedding_checks", lambda modules: nullcontext()):
+        with mock.patch.object(d9d.core._model, "embedding_checks", lambda modules: nullcontext()):
             return run(batch)
 
     return call

@@ -99,7 +99,7 @@ def _d9d_rank(preset: str, batches: list[dict], warmup: int, variant: str) -> di
         with _saved_bytes(skip, saved):
             loss_fn(holder["p"], batch)
     else:
-        from d9d._context import running
+        from d9d.core._context import running
 
         for runtime in step.runtimes:
             batch = runtime.on_batch(batch)

@@ -17,15 +17,15 @@ __version__ = "0.1.0"
 # transforms (one package each under ``transforms/``, exporting its own name) are read off the
 # package's folders, so a new one resolves without an entry here.
 _NAMES = {
-    "AXIS_ORDER": "._mesh",
-    "Axes": "._structure",
-    "Model": "._model",
-    "functionalize": "._model",
-    "grad": "._autodiff",
-    "init_process_group": "._process_group",
-    "jit": "._jit",
-    "make_mesh": "._mesh",
-    "value_and_grad": "._autodiff",
+    "AXIS_ORDER": ".core._mesh",
+    "Axes": ".core._structure",
+    "Model": ".core._model",
+    "functionalize": ".core._model",
+    "grad": ".core._autodiff",
+    "init_process_group": ".launch",
+    "jit": ".core._jit",
+    "make_mesh": ".core._mesh",
+    "value_and_grad": ".core._autodiff",
 }
 _PACKAGES = tuple(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 _TRANSFORMS = tuple(
@@ -41,6 +41,7 @@ __all__ = [  # kept literal for type checkers; tests/core/test_public_names.py h
     "checkpoint",
     "cli",
     "context_parallel",
+    "core",
     "data",
     "errors",
     "expert_parallel",
@@ -51,6 +52,7 @@ __all__ = [  # kept literal for type checkers; tests/core/test_public_names.py h
     "init_process_group",
     "jit",
     "kernels",
+    "launch",
     "losses",
     "make_mesh",
     "models",
@@ -89,10 +91,12 @@ if TYPE_CHECKING:
     from . import (
         checkpoint,
         cli,
+        core,
         data,
         errors,
         hf,
         kernels,
+        launch,
         losses,
         models,
         moe,
@@ -102,12 +106,12 @@ if TYPE_CHECKING:
         transforms,
         tree,
     )
-    from ._autodiff import grad, value_and_grad
-    from ._jit import jit
-    from ._mesh import AXIS_ORDER, make_mesh
-    from ._model import Model, functionalize
-    from ._process_group import init_process_group
-    from ._structure import Axes
+    from .core._autodiff import grad, value_and_grad
+    from .core._jit import jit
+    from .core._mesh import AXIS_ORDER, make_mesh
+    from .core._model import Model, functionalize
+    from .core._structure import Axes
+    from .launch import init_process_group
     from .transforms import (
         context_parallel,
         expert_parallel,

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from .. import losses
-from .._autodiff import value_and_grad
-from .._comms import CommStats
-from .._mesh import make_mesh
-from .._model import Model
-from .._step import TransformedStep
+from ..core._autodiff import value_and_grad
+from ..core._comm_count import CommStats
+from ..core._mesh import make_mesh
+from ..core._model import Model
+from ..core._step import TransformedStep
 from ..models import LlamaConfig, MoEConfig
 from ..testing import fake_world
 from ..transforms import remat as remat_transform

@@ -28,9 +28,9 @@ from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._comms import CollectiveCounter, CommStats
-from .._context import running
-from .._step import TransformedStep
+from ..core._comm_count import CollectiveCounter, CommStats
+from ..core._context import running
+from ..core._step import TransformedStep
 from ..errors import DryRunError
 from ..testing import KeptBytes
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._model import Model, functionalize
+from ..core._model import Model, functionalize
 from ..models import Llama, LlamaConfig, MoE, MoEConfig
 
 __all__ = ["HF_AXES", "build_model"]

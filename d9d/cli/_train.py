@@ -20,12 +20,12 @@ import torch.distributed as dist
 from rich.console import Console
 
 from .. import checkpoint, data, losses, optim
-from .._autodiff import value_and_grad
-from .._mesh import make_mesh
-from .._model import Model, functionalize
-from .._process_group import init_process_group
-from .._step import TransformedStep
+from ..core._autodiff import value_and_grad
+from ..core._mesh import make_mesh
+from ..core._model import Model, functionalize
+from ..core._step import TransformedStep
 from ..errors import DataError
+from ..launch._process_group import init_process_group
 from ..models import Llama, LlamaConfig, MoE, MoEConfig
 from ..models.moe import make_train_step as make_moe_train_step
 from ..transforms import (
@@ -340,7 +340,7 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
         rows = header_lines(config, model_config, model, step, loader.tokens.size, held, device)
         print_header(console or Console(), rows)
     if config.jit:
-        from .._jit import jit  # inductor's import costs each eager rank about 2 s
+        from ..core._jit import jit  # inductor's import costs each eager rank about 2 s
 
         step = jit(step)
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from .. import data, losses
-from .._model import Model
-from .._step import TransformedStep
+from ..core._model import Model
+from ..core._step import TransformedStep
 from ..errors import DataError
 
 __all__ = ["Evaluator", "split_held_out"]

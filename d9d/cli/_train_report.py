@@ -15,8 +15,8 @@ from rich.text import Text
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import checkpoint
-from .._model import Model
-from .._step import TransformedStep
+from ..core._model import Model
+from ..core._step import TransformedStep
 from ..models import LlamaConfig, MoEConfig
 from ._config import TrainConfig
 

@@ -78,4 +78,4 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     }
 )
 """``{model_type: class names}`` of the modules of a family that compute each position on
-its own (see ``d9d._structure.position_wise_paths``)."""
+its own (see ``d9d.core._structure.position_wise_paths``)."""

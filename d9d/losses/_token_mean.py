@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._context import current, record_tokens
+from ..core._context import current, record_tokens
 
 __all__ = ["token_mean"]
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._context import current
+from ..core._context import current
 from ._config import MoEConfig
 from ._routing import Routing
 

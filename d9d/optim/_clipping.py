@@ -18,8 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d import tree
-from d9d._context import current
-from d9d._plan import Plan
+from d9d.core._context import current
+from d9d.core._plan import Plan
 from d9d.optim._checks import check_positive
 from d9d.optim._transform import GradientTransformation, by_kind
 

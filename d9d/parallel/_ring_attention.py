@@ -10,7 +10,7 @@ Each exchange is one functional ``all_to_all_single`` on the cp group whose only
 split is ``rank -> rank + 1``: P2P ops (``batch_isend_irecv``) are not implemented by the
 in-process threaded group the multi-rank tests use, while ``all_to_all_single`` runs on
 gloo, NCCL (which lowers it to grouped send/recv, so only the neighbour's bytes move) and
-the threaded group, is traced by ``torch.compile``, and is what ``d9d._comms`` counts.
+the threaded group, is traced by ``torch.compile``, and is what ``d9d.core._comm_count`` counts.
 Per call: forward ``cp - 1`` exchanges of (K, V); backward ``cp`` exchanges, ``cp - 1`` of
 (K, V, dK, dV) and a last one of (dK, dV). Tensors of one exchange travel as one byte buffer.
 

@@ -10,18 +10,18 @@ Each transform is a package holding its rule (how it rewrites a param's plan) an
 
 from typing import TYPE_CHECKING, Any
 
-from .._comms import CommStats as CommStats
-from .._phase import Phase as Phase
-from .._plan import Cast as Cast
-from .._plan import ParamPlan as ParamPlan
-from .._plan import Plan as Plan
-from .._runtime import ApplyCall as ApplyCall
-from .._runtime import Differentiation as Differentiation
-from .._runtime import Interception as Interception
-from .._runtime import Runtime as Runtime
-from .._step import Memory as Memory
-from .._step import TransformedStep as TransformedStep
-from .._transform import Transform as Transform
+from ..core._comm_count import CommStats as CommStats
+from ..core._param_plan import Cast as Cast
+from ..core._param_plan import ParamPlan as ParamPlan
+from ..core._phase import Phase as Phase
+from ..core._plan import Plan as Plan
+from ..core._runtime import ApplyCall as ApplyCall
+from ..core._runtime import Differentiation as Differentiation
+from ..core._runtime import Interception as Interception
+from ..core._runtime import Runtime as Runtime
+from ..core._step import Memory as Memory
+from ..core._step import TransformedStep as TransformedStep
+from ..core._transform import Transform as Transform
 from .context_parallel import ContextParallel as ContextParallel
 from .context_parallel import context_parallel as context_parallel
 from .expert_parallel import ExpertParallel as ExpertParallel
@@ -39,14 +39,14 @@ from .tensor_parallel import TensorParallel as TensorParallel
 from .tensor_parallel import tensor_parallel as tensor_parallel
 
 if TYPE_CHECKING:
-    from .._jit import Jitted as Jitted
+    from ..core._jit import Jitted as Jitted
 
 
 def __getattr__(name: str) -> Any:
-    # ``Jitted`` comes with ``d9d._jit``, which imports torch's compiler (about 2 s): loaded
+    # ``Jitted`` comes with ``d9d.core._jit``, which imports torch's compiler (about 2 s): loaded
     # when asked for, so that ``d9d plan`` and the transforms start without it.
     if name == "Jitted":
-        from .._jit import Jitted
+        from ..core._jit import Jitted
 
         return Jitted
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

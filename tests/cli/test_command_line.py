@@ -35,11 +35,11 @@ def test_the_parser_offers_the_library_choices() -> None:
 
 
 def test_the_plan_command_and_the_transforms_load_no_compiler_backend() -> None:
-    """``d9d._jit`` brings inductor's ``compile_fx`` (about 2 s): only ``jit`` loads it."""
+    """``d9d.core._jit`` brings inductor's ``compile_fx`` (about 2 s): only ``jit`` loads it."""
     loaded = _loaded_after("import d9d.cli._plan_command, d9d.transforms")
-    assert not {"d9d._jit", "torch._inductor.compile_fx"} & loaded
+    assert not {"d9d.core._jit", "torch._inductor.compile_fx"} & loaded
     loaded = _loaded_after("import d9d.transforms\nprint(d9d.transforms.Jitted)")
-    assert {"d9d._jit", "torch._inductor.compile_fx"} <= loaded
+    assert {"d9d.core._jit", "torch._inductor.compile_fx"} <= loaded
 
 
 def test_bad_flags_and_paths_are_answered_before_torch_is_imported() -> None:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import d9d
-from d9d._context import running
 from d9d.cli import _plan_command as plan_command
 from d9d.cli._plan_activations import (
     ActivationLayout,
@@ -26,6 +25,7 @@ from d9d.cli._plan_command import _measure, _step, show_plan
 from d9d.cli._plan_dry_run import count_collectives, dry_run, meta_as_cpu
 from d9d.cli._plan_models import build_model
 from d9d.cli._plan_report import human
+from d9d.core._context import running
 from d9d.errors import DryRunError
 from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.moe import MoEConfig as LayerConfig

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import d9d
-from d9d._autodiff import stack_aux
+from d9d.core._autodiff import stack_aux
 
 
 def test_value_and_grad_matches_autograd_and_keeps_paths() -> None:

@@ -1,4 +1,4 @@
-"""``d9d._index_checks``: which lookups of a captured graph get their index checked."""
+"""``d9d.core._index_checks``: which lookups of a captured graph get their index checked."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from d9d._index_checks import guard_indices
+from d9d.core._index_checks import guard_indices
 from d9d.errors import IndexRangeError
 
 

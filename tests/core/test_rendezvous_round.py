@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from d9d import _rendezvous_round
-from d9d._rendezvous_round import round_scope
+from d9d.launch import _rendezvous_round
+from d9d.launch._rendezvous_round import round_scope
 
 pytestmark = pytest.mark.distributed
 

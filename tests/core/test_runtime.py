@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from d9d._runtime import replace_activation
+from d9d.core._runtime import replace_activation
 from d9d.errors import PlanError
 from d9d.models.moe import MoEState
 

@@ -72,7 +72,7 @@ def test_split_errors_name_the_problem(count, paths, match) -> None:
 def test_a_carried_state_enters_the_stage_leaf_by_leaf() -> None:
     """A block taking a tuple (a carried state) gets the previous stage's tensors rebuilt into
     its structure; a count that does not match the state is named."""
-    from d9d._structure import Block
+    from d9d.core._structure import Block
     from d9d.models.moe import MoEState
     from d9d.transforms.pipeline._executor import StageRun
     from d9d.transforms.pipeline._stage_apply import _enter_block

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 import d9d
-import d9d._step
-from d9d._batch_check import check_batch
+import d9d.core._step
 from d9d.cli._train import make_train_step
+from d9d.core._batch_check import check_batch
 from d9d.errors import BatchShapeError, ParamShapeError, PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
@@ -93,7 +93,7 @@ def test_batch_shapes_are_checked_again_only_when_they_change(monkeypatch) -> No
         checks.append(dist.get_rank())
         check_batch(batch, mesh)
 
-    monkeypatch.setattr(d9d._step, "check_batch", counting_check)
+    monkeypatch.setattr(d9d.core._step, "check_batch", counting_check)
 
     def rank() -> None:
         model, opt, step = _setup(fsdp=2)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import d9d
-from d9d._comms import CollectiveCounter
+from d9d.core._comm_count import CollectiveCounter
 from d9d.testing import run_on_ranks
 from d9d.transforms import CommStats
 from d9d.transforms.expert_parallel._dispatch import combine, dispatch, route_rows

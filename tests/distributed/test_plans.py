@@ -12,8 +12,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import d9d
-import d9d._apply
-import d9d._collectives
+import d9d.core._apply
+import d9d.core._collectives
 from d9d.cli._train import make_train_step
 from d9d.errors import IndivisibleError, MeshError, PlanError
 from d9d.models import Llama, LlamaConfig
@@ -171,7 +171,7 @@ def test_uneven_dims_are_padded_and_reported() -> None:
 def _peak_gathered_bytes(reshard: bool, prefetch: bool = False) -> tuple[int, int, int]:
     """The most bytes of gathered params alive at once during one fsdp=2 step, counting the
     buffers of all-gathers issued ahead (prefetch) from when they are issued."""
-    gather, issue = d9d._collectives.gather_params, d9d._collectives.issue_gather
+    gather, issue = d9d.core._collectives.gather_params, d9d.core._collectives.issue_gather
     watched: dict[int, tuple[list[tuple[StorageWeakRef, int]], list[int]]] = {}
 
     def watch(plan: Any, tensors: list[torch.Tensor]) -> None:
@@ -204,7 +204,7 @@ def _peak_gathered_bytes(reshard: bool, prefetch: bool = False) -> tuple[int, in
         return peak[0], block, root
 
     with (
-        mock.patch.object(d9d._apply, "gather_params", tracked),
+        mock.patch.object(d9d.core._apply, "gather_params", tracked),
         mock.patch.object(shard_runtime, "gather_params", tracked),
         mock.patch.object(shard_regather, "gather_params", tracked),
         mock.patch.object(shard_prefetch, "issue_gather", tracked_issue),

@@ -17,8 +17,8 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 import d9d
-from d9d._backward_region import in_backward
-from d9d._context import running
+from d9d.core._backward_region import in_backward
+from d9d.core._context import running
 from d9d.errors import PlanError, RankFailedError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import KeptBytes, run_on_ranks

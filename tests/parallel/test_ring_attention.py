@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from d9d._comms import CollectiveCounter
+from d9d.core._comm_count import CollectiveCounter
 from d9d.errors import IndivisibleError
 from d9d.parallel import (
     MATH_BLOCK_ATTENTION,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..._context import sequence_attention
+from ...core._context import sequence_attention
 from ...kernels import rms_norm as rms_norm
 from ...kernels import rope as rope
 from ...kernels import swiglu as swiglu

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from d9d import losses, optim
-from d9d._autodiff import value_and_grad
-from d9d._model import Model
+from d9d.core._autodiff import value_and_grad
+from d9d.core._model import Model
 from d9d.moe import load_balance, update_router_bias
 from d9d.moe._balance import data_mean
 

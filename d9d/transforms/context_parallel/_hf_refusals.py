@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._structure import Structure
+from ...core._structure import Structure
 from ...errors import PlanError
 
 __all__ = ["check_attention_call", "check_hf_layers", "check_hf_spans"]

@@ -2,7 +2,7 @@
 runs, the global positions of the rank's tokens passed to the model, and ring attention.
 
 The d9d Llama's attention asks the running step for its ``"attention"`` op
-(:func:`d9d._context.sequence_attention`); a Hugging Face
+(:func:`d9d.core._context.sequence_attention`); a Hugging Face
 model is switched to the ``"d9d_ring"`` attention implementation for the call, once
 ``_hf_refusals.py`` finds nothing in it that mixes positions outside that attention.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..._runtime import ApplyCall, Runtime
-from ..._structure import Structure
+from ...core._runtime import ApplyCall, Runtime
+from ...core._structure import Structure
 from ._hf_refusals import check_hf_layers, check_hf_spans
 from ._split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ... import tree
-from ..._context import sequence_attention
+from ...core._context import sequence_attention
 from ...errors import PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, shard_sequence

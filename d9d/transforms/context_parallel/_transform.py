@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, ClassVar
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from ..._phase import Phase
-from ..._plan import ParamPlan, Plan
-from ..._transform import Transform
+from ...core._param_plan import ParamPlan
+from ...core._phase import Phase
+from ...core._plan import Plan
+from ...core._transform import Transform
 from ...parallel._zigzag import check_load_balance
 from ._runtime import ContextParallelRuntime
 from ._split import SequenceSplit
 
 if TYPE_CHECKING:
-    from ..._model import Model
+    from ...core._model import Model
 
 __all__ = ["ContextParallel", "context_parallel"]
 

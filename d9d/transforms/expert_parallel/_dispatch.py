@@ -24,7 +24,7 @@ from torch import Tensor
 
 __all__ = ["Route", "combine", "dispatch", "route_rows"]
 
-# The functional collective ops (what ``d9d._comms`` counts, and what DTensor issues).
+# The functional collective ops (what ``d9d.core._comm_count`` counts, and what DTensor issues).
 _c10d = torch.ops._c10d_functional
 
 

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..._runtime import ApplyCall, Interception, Runtime
+from ...core._runtime import ApplyCall, Interception, Runtime
 from ...moe import Experts
 from ._dispatch import combine, dispatch, route_rows
 

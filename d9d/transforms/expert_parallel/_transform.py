@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, ClassVar
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..._phase import Phase
-from ..._plan import ParamPlan, Plan
-from ..._transform import Transform
+from ...core._param_plan import ParamPlan
+from ...core._phase import Phase
+from ...core._plan import Plan
+from ...core._transform import Transform
 from ...errors import PlanError
 from ...moe import Experts
 from ._runtime import ExpertParallelRuntime
 
 if TYPE_CHECKING:
-    from ..._model import Model
+    from ...core._model import Model
 
 __all__ = ["ExpertParallel", "expert_parallel", "is_expert_weight"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from ..._runtime import ApplyCall, Interception, Runtime
+from ...core._runtime import ApplyCall, Interception, Runtime
 from ._linear import fp8_linear
 
 __all__ = ["Fp8Runtime"]

@@ -25,8 +25,8 @@ from typing import ClassVar
 
 from torch import nn
 
-from ..._plan import Plan
-from ..._structure import Structure
+from ...core._plan import Plan
+from ...core._structure import Structure
 from ...errors import PlanError
 
 __all__ = ["Choice", "choose", "compiled_pattern"]

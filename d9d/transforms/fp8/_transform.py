@@ -8,16 +8,17 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..._phase import Phase
-from ..._plan import ParamPlan, Plan
-from ..._transform import Transform
+from ...core._param_plan import ParamPlan
+from ...core._phase import Phase
+from ...core._plan import Plan
+from ...core._transform import Transform
 from ...errors import PlanError
 from ._linear import GRAD_DTYPES
 from ._runtime import Fp8Runtime
 from ._select import Choice, choose, compiled_pattern
 
 if TYPE_CHECKING:
-    from ..._model import Model
+    from ...core._model import Model
 
 __all__ = ["Fp8", "fp8"]
 

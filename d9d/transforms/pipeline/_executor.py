@@ -28,11 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ... import tree
-from ..._autodiff import stack_aux
-from ..._collectives import gather_params, local_like
-from ..._context import count_tokens
-from ..._plan import Plan
-from ..._runtime import Differentiation
+from ...core._autodiff import stack_aux
+from ...core._collectives import gather_params, local_like
+from ...core._context import count_tokens
+from ...core._plan import Plan
+from ...core._runtime import Differentiation
 from ...errors import DryRunError, PlanError
 from ._stage_shapes import LOSS_DTYPES, probe
 from ._stage_trace import TracedStage, span

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..._plan import Plan
-from ..._runtime import ApplyCall, Differentiation, Runtime
+from ...core._plan import Plan
+from ...core._runtime import ApplyCall, Differentiation, Runtime
 from ._executor import SCHEDULES, PipelineLayout, run_pipeline
 from ._stage_apply import enter_stage
 

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from ... import tree
-from ..._plan import Plan
-from ..._runtime import ApplyCall, Interception, replace_activation
-from ..._structure import Block
+from ...core._plan import Plan
+from ...core._runtime import ApplyCall, Interception, replace_activation
+from ...core._structure import Block
 from ...errors import PlanError
 from ._executor import PipelineLayout, StageDone, StageRun
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from ... import errors
-from ..._comms import record_p2p
+from ...core._comm_count import record_p2p
 
 __all__ = ["TracedStage", "span", "stage_spans"]
 

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..._structure import Structure
+from ...core._structure import Structure
 from ...errors import PlanError
 
 if TYPE_CHECKING:
-    from ..._model import Model
+    from ...core._model import Model
 
 __all__ = ["StageSplit", "split_stages"]
 

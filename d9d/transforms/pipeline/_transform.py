@@ -17,16 +17,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from ..._phase import Phase
-from ..._plan import ParamPlan, Plan
-from ..._transform import Transform
+from ...core._param_plan import ParamPlan
+from ...core._phase import Phase
+from ...core._plan import Plan
+from ...core._transform import Transform
 from ...errors import PlanError
 from ._executor import SCHEDULES, PipelineLayout, stage_owner
 from ._runtime import PipelineRuntime
 from ._stages import StageSplit, split_stages
 
 if TYPE_CHECKING:
-    from ..._model import Model
+    from ...core._model import Model
 
 __all__ = ["Pipeline", "pipeline"]
 

@@ -3,7 +3,7 @@
 Blocks that ``remat`` checkpoints are tagged regions of the one forward-loss-backward graph;
 torch's pass (``remat_using_tags_for_fwd_loss_bwd_graph``) duplicates their nodes into the
 backward part so that the forward's copies die early. It finds the backward part by the
-marks ``d9d._backward_region`` sets. Functionalization later regenerates some views inside
+marks ``d9d.core._backward_region`` sets. Functionalization later regenerates some views inside
 the backward (those ``DTensor.from_local`` makes of grads) without the marks, which splits
 the part in pieces that torch's pass refuses. :func:`rematerialize` closes those gaps and runs
 the pass; it is the remat runtime's graph pass, which ``jit`` runs in place of torch's own.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..._backward_region import in_backward, mark_backward
+from ...core._backward_region import in_backward, mark_backward
 from ...errors import PlanError
 
 __all__ = ["rematerialize"]

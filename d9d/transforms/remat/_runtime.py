@@ -29,7 +29,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import checkpoint
 
-from ..._runtime import ApplyCall, Interception, Runtime
+from ...core._runtime import ApplyCall, Interception, Runtime
 from ._graph_pass import rematerialize
 from ._policies import compiled_contexts, selective_contexts
 

@@ -7,15 +7,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..._phase import Phase
-from ..._plan import ParamPlan, Plan
-from ..._transform import Transform
+from ...core._param_plan import ParamPlan
+from ...core._phase import Phase
+from ...core._plan import Plan
+from ...core._transform import Transform
 from ...errors import PlanError
 from ._policies import POLICIES
 from ._runtime import RematRuntime
 
 if TYPE_CHECKING:
-    from ..._model import Model
+    from ...core._model import Model
 
 __all__ = ["Remat", "remat"]
 

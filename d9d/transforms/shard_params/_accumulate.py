@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..._autodiff import stack_aux
-from ..._context import current
-from ..._runtime import Differentiation
+from ...core._autodiff import stack_aux
+from ...core._context import current
+from ...core._runtime import Differentiation
 
 __all__ = ["accumulate"]
 

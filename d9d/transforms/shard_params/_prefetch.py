@@ -28,9 +28,9 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor
 
-from ..._collectives import IssuedGather, issue_gather
-from ..._plan import Plan
-from ..._structure import Block
+from ...core._collectives import IssuedGather, issue_gather
+from ...core._plan import Plan
+from ...core._structure import Block
 
 __all__ = ["ForwardPrefetch", "prefetches"]
 

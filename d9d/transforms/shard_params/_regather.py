@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..._collectives import IssuedGather, gather_params, issue_gather
-from ..._plan import Plan
+from ...core._collectives import IssuedGather, gather_params, issue_gather
+from ...core._plan import Plan
 
 __all__ = ["Regather"]
 

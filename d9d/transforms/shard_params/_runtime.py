@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..._collectives import gather_params
-from ..._plan import Plan
-from ..._runtime import ApplyCall, Differentiation, Runtime
-from ..._structure import Block
+from ...core._collectives import gather_params
+from ...core._plan import Plan
+from ...core._runtime import ApplyCall, Differentiation, Runtime
+from ...core._structure import Block
 from ._accumulate import accumulate
 from ._prefetch import ForwardPrefetch
 from ._regather import Regather

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..._plan import ParamPlan
+from ...core._param_plan import ParamPlan
 
 __all__ = ["Schedule", "schedule_of"]
 

@@ -16,15 +16,16 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..._phase import Phase
-from ..._plan import Cast, ParamPlan, Plan
-from ..._transform import Transform
+from ...core._param_plan import Cast, ParamPlan
+from ...core._phase import Phase
+from ...core._plan import Plan
+from ...core._transform import Transform
 from ...errors import PlanError
 from ._runtime import ShardParamsRuntime
 from ._schedule import Schedule
 
 if TYPE_CHECKING:
-    from ..._model import Model
+    from ...core._model import Model
 
 __all__ = ["ShardParams", "shard_params"]
 

@@ -13,8 +13,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from ..._plan import ParamPlan
-from ..._structure import Structure
+from ...core._param_plan import ParamPlan
+from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
 from ._layout import ActivationLayout
 

@@ -35,11 +35,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
-from ..._context import current
-from ..._embedding_ids import checked_ids
-from ..._plan import Plan
-from ..._runtime import ApplyCall, Interception, Runtime, replace_activation
-from ..._structure import Structure, block_paths
+from ...core._context import current
+from ...core._embedding_ids import checked_ids
+from ...core._plan import Plan
+from ...core._runtime import ApplyCall, Interception, Runtime, replace_activation
+from ...core._structure import Structure, block_paths
 from ...errors import PlanError
 from ._checks import (
     check_embedding,

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import tree
+from .. import tree
+from ..errors import IndivisibleError
 from ._backward_region import backward_region
 from ._collectives import reduce_to
 from ._context import count_tokens, current
 from ._embedding_ids import named_inputs
 from ._plan import Plan
 from ._runtime import Differentiation, Inputs
-from .errors import IndivisibleError
 
 __all__ = ["grad", "split_microbatches", "stack_aux", "value_and_grad"]
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from .errors import IndexRangeError
+from ..errors import IndexRangeError
 
 __all__ = ["check_index", "guard_indices", "raise_outside"]
 

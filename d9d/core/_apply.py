@@ -4,7 +4,7 @@ The params outside blocks are gathered when ``apply`` starts; a block's params w
 block's forward starts, and its slots get the module's own tensors back when it ends: the
 core's interception of each block, the innermost one. Both gathers go through the call's
 ``gather`` (:func:`_collectives.gather_params` unless a runtime put its own in). Before the
-forward every runtime's ``enter_apply`` sees the :class:`~d9d._runtime.ApplyCall` (it may
+forward every runtime's ``enter_apply`` sees the :class:`~d9d.core._runtime.ApplyCall` (it may
 change the inputs, stand modules in, intercept modules and blocks, take the gathers over,
 add contexts around the forward); the forward runs in the call's environment, inside those
 contexts; ``exit_apply`` runs after it, raised or not. The user's module carries none of

@@ -1,7 +1,7 @@
 """The transform protocol: a frozen object that claims mesh axes, rewrites each param's plan,
 may lay the whole plan out anew, and may contribute a runtime to the step's execution.
 
-Transforms apply phase by phase (:class:`~d9d._phase.Phase`, where the order is documented);
+Transforms apply phase by phase (:class:`~d9d.core._phase.Phase`, where the order is documented);
 decorator order never matters.
 """
 
@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import PlanError
+from ._param_plan import ParamPlan
 from ._phase import Phase
-from ._plan import ParamPlan, Plan
+from ._plan import Plan
 from ._runtime import Runtime
 from ._step import OutermostStep, TransformedStep
-from .errors import PlanError
 
 if TYPE_CHECKING:
     from ._model import Model
@@ -33,7 +34,7 @@ class Transform(abc.ABC):
     Attributes:
         name: The transform's name (``"shard_params"``), in messages; transforms of one
             phase apply in the order of their names.
-        phase: When it applies (:class:`~d9d._phase.Phase`).
+        phase: When it applies (:class:`~d9d.core._phase.Phase`).
     """
 
     name: ClassVar[str]

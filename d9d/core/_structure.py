@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf
+from .. import hf
 
 __all__ = ["Axes", "Block", "Slot", "Structure", "position_wise_paths", "structure_of"]
 
@@ -172,7 +172,7 @@ def position_wise_paths(module: nn.Module) -> tuple[str, ...]:
     """Paths of the modules under ``module`` declared *position-wise*: each position of their
     output depends on that position of their input only (an MLP, a dropless MoE layer; not
     attention), apart from statistics the module sums over ranks itself (through
-    ``d9d._context``). A module declares it with an attribute ``position_wise = True`` (a
+    ``d9d.core._context``). A module declares it with an attribute ``position_wise = True`` (a
     class attribute, or one set per instance, e.g. ``d9d.moe.MoE`` when it drops no
     token); a Hugging Face family's modules get it from ``d9d.hf``. Transforms may then run
     such a module on part of each sequence (``tensor_parallel``'s sequence parallelism)."""

@@ -29,7 +29,8 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ._context import current
-from ._plan import Cast, ParamPlan, Plan
+from ._param_plan import Cast, ParamPlan
+from ._plan import Plan
 
 __all__ = [
     "IssuedGather",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 # The functional collective ops themselves (what DTensor issues, Dynamo traces and
-# ``d9d._comms`` counts): their Python wrappers were renamed between torch 2.11 and 2.13.
+# ``d9d.core._comm_count`` counts): their Python wrappers were renamed between torch 2.11 and 2.13.
 _c10d = torch.ops._c10d_functional
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import tree
-from .errors import BatchShapeError, IndivisibleError
+from .. import tree
+from ..errors import BatchShapeError, IndivisibleError
 
 __all__ = ["BatchSignature", "batch_signature", "check_batch"]
 

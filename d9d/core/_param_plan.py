@@ -1,25 +1,23 @@
-"""Plans: per param, how it is stored, computed and reduced, and why; pure data.
+"""One param's plan: how it is stored, computed and reduced, and why; pure data.
 
 A transform's rule rewrites a :class:`ParamPlan`; the step gathers, reduces, places and
-checks from the plan (``_collectives``, ``_place``), counts its memory from it (``_step``);
-``_plan_render`` prints it.
+checks from it (``_collectives``, ``_placed_trees``), counts its memory from it (``_step``);
+``_plan`` holds every param's plan and prints them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from ._plan_render import render_explanation, render_table
 from ._structure import Axes
-from .errors import PlanError
 
-__all__ = ["Cast", "ParamPlan", "Plan"]
+__all__ = ["Cast", "ParamPlan"]
 
 _A = TypeVar("_A")
 
@@ -160,79 +158,3 @@ class ParamPlan:
 
 def _set(placements: tuple[Placement, ...], index: int, value: Placement) -> tuple[Placement, ...]:
     return (*placements[:index], value, *placements[index + 1 :])
-
-
-@dataclass
-class Plan:
-    """Where every param lives on a mesh: per-param plans, and what the step's ranks share.
-
-    ``print(plan)`` shows path, global shape, storage and compute placements (``R``: replicated
-    on every axis; ``fsdp:S(0)``: dim 0 sharded over ``fsdp``) and bytes per rank;
-    ``plan.explain(path)`` says why. Under ``pipeline`` the plan lists every param with its
-    stages, lays them out on the mesh of one stage (the mesh without the pipeline axis), and
-    ``held`` names the ones this rank stores.
-
-    Attributes:
-        mesh: The mesh the params are laid out on.
-        entries: ``{path: ParamPlan}`` of every param of the model.
-        held: Paths of the params this rank stores (default: all).
-        token_groups: ``(process group name, ranks)`` of each axis over which ranks hold
-            different tokens, over which losses count their tokens.
-        stage_group: The process group over which ranks hold different params whole (the
-            pipeline axis), over which norms of the whole model are summed; None.
-        notes: Lines the plan's title adds (e.g. which stage of how many).
-        state_bytes: Bytes of optimizer state this rank holds, per dtype name
-            (``{"bfloat16": ..., "int64": ...}``), from the tree ``step.place`` laid out;
-            empty before.
-    """
-
-    mesh: DeviceMesh
-    entries: dict[str, ParamPlan]
-    held: tuple[str, ...] | None = None
-    token_groups: tuple[tuple[str, int], ...] = ()
-    stage_group: str | None = None
-    notes: tuple[str, ...] = ()
-    state_bytes: dict[str, int] = field(default_factory=dict)
-    names: tuple[str, ...] = field(init=False, repr=False)
-    group_names: tuple[str, ...] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.held is None:
-            self.held = tuple(self.entries)
-        self.names = tuple(self.mesh.mesh_dim_names or ())
-        self.group_names = tuple(self.mesh.get_group(i).group_name for i in range(self.mesh.ndim))
-
-    def __getitem__(self, path: str) -> ParamPlan:
-        try:
-            return self.entries[path]
-        except KeyError:
-            raise PlanError(
-                f"no param {path!r} in the plan; paths look like {list(self.entries)[:4]}"
-            ) from None
-
-    def bytes_per_rank(self) -> int:
-        """Param bytes stored on this rank (largest shards; its stages' under ``pipeline``)."""
-        return sum(self.entries[p].bytes_per_rank(self.mesh) for p in self.held)
-
-    def padding_bytes(self) -> int:
-        """Param bytes stored beyond the model's size over the ranks of one stage (all ranks
-        without ``pipeline``), from uneven shards."""
-        return sum(e.padding_bytes(self.mesh) for e in self.entries.values())
-
-    def total_bytes(self) -> int:
-        """Bytes of the whole unsharded model."""
-        return sum(math.prod(e.shape) * e.dtype.itemsize for e in self.entries.values())
-
-    def table(self, *, max_rows: int | None = None) -> str:
-        """The plan as a text table; ``max_rows`` elides the middle of long plans.
-
-        Under ``pipeline`` a ``stage`` column gives each param's stages, the mesh is a
-        stage's, and the total counts this rank's params."""
-        return render_table(self, max_rows=max_rows)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def explain(self, path: str) -> str:
-        """Why param ``path`` got its placements, one line per deciding transform."""
-        return render_explanation(self, path)

@@ -15,11 +15,11 @@ import torch._dynamo.config
 import torch._functorch.config
 import torch._inductor.compile_fx
 
-from . import tree
+from .. import tree
+from ..errors import DonatedTreeError, PlanError, RecompileError
 from ._context import current, running
 from ._index_checks import guard_indices
 from ._step import OutermostStep, TransformedStep
-from .errors import DonatedTreeError, PlanError, RecompileError
 
 __all__ = ["Jitted", "jit"]
 

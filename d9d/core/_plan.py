@@ -1,18 +1,104 @@
-"""A plan as text: the table of every param and the reasons behind one param's layout."""
+"""The plan of a step: every param's plan on a mesh, what the step's ranks share, and the
+plan as text (the table of every param, the reasons behind one param's layout)."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from ..errors import PlanError
+from ._param_plan import ParamPlan
+
 __all__ = [
+    "Plan",
     "annotation_cell",
     "annotation_columns",
     "render_explanation",
     "render_table",
     "short_placements",
 ]
+
+
+@dataclass
+class Plan:
+    """Where every param lives on a mesh: per-param plans, and what the step's ranks share.
+
+    ``print(plan)`` shows path, global shape, storage and compute placements (``R``: replicated
+    on every axis; ``fsdp:S(0)``: dim 0 sharded over ``fsdp``) and bytes per rank;
+    ``plan.explain(path)`` says why. Under ``pipeline`` the plan lists every param with its
+    stages, lays them out on the mesh of one stage (the mesh without the pipeline axis), and
+    ``held`` names the ones this rank stores.
+
+    Attributes:
+        mesh: The mesh the params are laid out on.
+        entries: ``{path: ParamPlan}`` of every param of the model.
+        held: Paths of the params this rank stores (default: all).
+        token_groups: ``(process group name, ranks)`` of each axis over which ranks hold
+            different tokens, over which losses count their tokens.
+        stage_group: The process group over which ranks hold different params whole (the
+            pipeline axis), over which norms of the whole model are summed; None.
+        notes: Lines the plan's title adds (e.g. which stage of how many).
+        state_bytes: Bytes of optimizer state this rank holds, per dtype name
+            (``{"bfloat16": ..., "int64": ...}``), from the tree ``step.place`` laid out;
+            empty before.
+    """
+
+    mesh: DeviceMesh
+    entries: dict[str, ParamPlan]
+    held: tuple[str, ...] | None = None
+    token_groups: tuple[tuple[str, int], ...] = ()
+    stage_group: str | None = None
+    notes: tuple[str, ...] = ()
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    names: tuple[str, ...] = field(init=False, repr=False)
+    group_names: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.held is None:
+            self.held = tuple(self.entries)
+        self.names = tuple(self.mesh.mesh_dim_names or ())
+        self.group_names = tuple(self.mesh.get_group(i).group_name for i in range(self.mesh.ndim))
+
+    def __getitem__(self, path: str) -> ParamPlan:
+        try:
+            return self.entries[path]
+        except KeyError:
+            raise PlanError(
+                f"no param {path!r} in the plan; paths look like {list(self.entries)[:4]}"
+            ) from None
+
+    def bytes_per_rank(self) -> int:
+        """Param bytes stored on this rank (largest shards; its stages' under ``pipeline``)."""
+        return sum(self.entries[p].bytes_per_rank(self.mesh) for p in self.held)
+
+    def padding_bytes(self) -> int:
+        """Param bytes stored beyond the model's size over the ranks of one stage (all ranks
+        without ``pipeline``), from uneven shards."""
+        return sum(e.padding_bytes(self.mesh) for e in self.entries.values())
+
+    def total_bytes(self) -> int:
+        """Bytes of the whole unsharded model."""
+        return sum(math.prod(e.shape) * e.dtype.itemsize for e in self.entries.values())
+
+    def table(self, *, max_rows: int | None = None) -> str:
+        """The plan as a text table; ``max_rows`` elides the middle of long plans.
+
+        Under ``pipeline`` a ``stage`` column gives each param's stages, the mesh is a
+        stage's, and the total counts this rank's params."""
+        return render_table(self, max_rows=max_rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def explain(self, path: str) -> str:
+        """Why param ``path`` got its placements, one line per deciding transform."""
+        return render_explanation(self, path)
 
 
 def short_placements(placements: tuple[Placement, ...], names: tuple[str, ...]) -> str:
@@ -31,12 +117,8 @@ def short_placements(placements: tuple[Placement, ...], names: tuple[str, ...]) 
     return " ".join(parts) or "R"
 
 
-def render_table(plan: Any, *, max_rows: int | None = None) -> str:
-    """The text table of :meth:`d9d.transforms.Plan.table` (``plan``: a ``Plan``; this module
-    prints plans and imports none)."""
-    from rich.console import Console  # rich only when a plan is printed
-    from rich.table import Table
-
+def render_table(plan: Plan, *, max_rows: int | None = None) -> str:
+    """The text table of :meth:`Plan.table`."""
     names = plan.names
     mesh = " x ".join(f"{n}={s}" for n, s in zip(names, plan.mesh.shape, strict=True))
     title = ", ".join((f"d9d plan on mesh {mesh} ({plan.mesh.device_type})", *plan.notes))
@@ -86,7 +168,7 @@ def render_table(plan: Any, *, max_rows: int | None = None) -> str:
     return console.export_text()
 
 
-def annotation_columns(entries: Any) -> list[type]:
+def annotation_columns(entries: Iterable[ParamPlan]) -> list[type]:
     """The kinds of annotation among ``entries`` (plans of params) that are table columns
     (a ``column`` name and a ``cell()``), in order of first appearance."""
     kinds: dict[type, None] = {}
@@ -97,14 +179,14 @@ def annotation_columns(entries: Any) -> list[type]:
     return list(kinds)
 
 
-def annotation_cell(entry: Any, kind: type) -> str:
+def annotation_cell(entry: ParamPlan, kind: type) -> str:
     """``entry``'s cell in the column of annotation ``kind`` (empty without one)."""
     annotation = entry.annotation(kind)
     return "" if annotation is None else annotation.cell()
 
 
-def render_explanation(plan: Any, path: str) -> str:
-    """The text of :meth:`d9d.transforms.Plan.explain`."""
+def render_explanation(plan: Plan, path: str) -> str:
+    """The text of :meth:`Plan.explain`."""
     e = plan[path]
     names = plan.names
     lines = [

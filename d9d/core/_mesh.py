@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import MeshError
+from ..errors import MeshError
 
 __all__ = ["AXIS_ORDER", "make_mesh"]
 

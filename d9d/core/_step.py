@@ -1,6 +1,6 @@
 """The transformed step: ``place``, ``plan``, ``comms``, ``memory``, and the call.
 
-A call runs the step body under one :class:`~d9d._context.StepContext`: the plan and the
+A call runs the step body under one :class:`~d9d.core._context.StepContext`: the plan and the
 transforms' runtimes, which the batch, ``d9d.value_and_grad`` and ``Model.apply`` consult.
 """
 
@@ -17,18 +17,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from . import tree
+from .. import tree
+from ..errors import IndivisibleError, PlanError
 from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._collectives import distribute
-from ._comms import CollectiveCounter, CommStats
+from ._comm_count import CollectiveCounter, CommStats
 from ._context import StepContext, running
 from ._mesh import make_mesh
+from ._param_plan import ParamPlan
 from ._phase import Phase
-from ._place import check_placed, place_state, without
-from ._plan import ParamPlan, Plan
+from ._placed_trees import check_placed, place_state, without
+from ._plan import Plan
 from ._runtime import Runtime
 from ._structure import Axes
-from .errors import IndivisibleError, PlanError
 
 if TYPE_CHECKING:
     from ._model import Model
@@ -57,7 +58,7 @@ class Memory:
 
 
 class StepTransform(Protocol):
-    """What a step asks of a transform (``d9d/_transform.py`` defines the base class that
+    """What a step asks of a transform (``d9d/core/_transform.py`` defines the base class that
     every transform derives from; this module, which it imports, only names the methods)."""
 
     name: ClassVar[str]
@@ -367,7 +368,7 @@ def _local_bytes(leaf: Any) -> int:
 
 
 def order_transforms(transforms: tuple[StepTransform, ...]) -> tuple[StepTransform, ...]:
-    """``transforms`` in the order they apply: by phase, then by name (``d9d/_phase.py``)."""
+    """``transforms`` in the order they apply: by phase, then by name (``d9d/core/_phase.py``)."""
     return tuple(sorted(transforms, key=lambda t: (int(t.phase), t.name)))
 
 

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hf
+from .. import hf
+from ..errors import ParamShapeError, ParamTreeMismatchError
 from ._apply import apply_in_step
 from ._context import current
 from ._embedding_ids import embedding_checks
 from ._structure import Axes, Structure, structure_of
-from .errors import ParamShapeError, ParamTreeMismatchError
 
 __all__ = ["Axes", "Model", "functionalize"]
 

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..errors import PlanError
 from ._plan import Plan
 from ._structure import Block, Slot, Structure
-from .errors import PlanError
 
 __all__ = ["ApplyCall", "Differentiation", "Interception", "Runtime", "replace_activation"]
 
@@ -278,7 +278,7 @@ class Runtime:
 
     def op(self, name: str) -> Callable[..., Any] | None:
         """The op model code asks the running step for by ``name``
-        (:func:`d9d._context.step_op`) to use instead of its own, or None; the first runtime
+        (:func:`d9d.core._context.step_op`) to use instead of its own, or None; the first runtime
         with one wins. ``"attention"``: ``attend(q, k, v, *, causal, scale)`` over the whole
         sequence."""
         del name

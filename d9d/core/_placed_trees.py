@@ -9,10 +9,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import tree
+from .. import tree
+from ..errors import ParamShapeError, PlanError
 from ._collectives import distribute
 from ._plan import Plan
-from .errors import ParamShapeError, PlanError
 
 __all__ = ["check_placed", "place_state", "without"]
 
