@@ -36,7 +36,7 @@ import d9d._jit
 import d9d._model
 from d9d._batch_check import batch_signature
 from d9d._index_checks import check_index, raise_outside
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.models import Llama, LlamaConfig
 
 

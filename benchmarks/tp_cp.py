@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rank_timing import rank_device, time_steps, token_batches
 
 import d9d
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from d9d.cli import _main
-from d9d.kernels import _bench, _bench_cases
+from d9d.cli._options import SCHEDULE_NAMES
+from d9d.cli.bench import _cases, _kernels
+from d9d.cli.bench._parser import BENCH_DTYPES, BENCH_OPS, BENCH_SHAPES
+from d9d.cli.train._parser import FP8_RECIPES
 from d9d.transforms.fp8._linear import GRAD_DTYPES
 from d9d.transforms.pipeline import SCHEDULES
 
@@ -27,16 +29,16 @@ def test_help_and_import_load_neither_torch_nor_the_testing_helpers() -> None:
 
 
 def test_the_parser_offers_the_library_choices() -> None:
-    assert sorted(_main.SCHEDULE_NAMES) == sorted(SCHEDULES)
-    assert tuple(_main.FP8_RECIPES) == tuple(GRAD_DTYPES)
-    assert tuple(_main.BENCH_SHAPES) == tuple(_bench_cases.SHAPES)
-    assert tuple(_main.BENCH_OPS) == tuple(_bench_cases.OPS)
-    assert tuple(_main.BENCH_DTYPES) == tuple(_bench.DTYPES)
+    assert sorted(SCHEDULE_NAMES) == sorted(SCHEDULES)
+    assert tuple(FP8_RECIPES) == tuple(GRAD_DTYPES)
+    assert tuple(BENCH_SHAPES) == tuple(_cases.SHAPES)
+    assert tuple(BENCH_OPS) == tuple(_cases.OPS)
+    assert tuple(BENCH_DTYPES) == tuple(_kernels.DTYPES)
 
 
 def test_the_plan_command_and_the_transforms_load_no_compiler_backend() -> None:
     """``d9d._jit`` brings inductor's ``compile_fx`` (about 2 s): only ``jit`` loads it."""
-    loaded = _loaded_after("import d9d.cli._plan_command, d9d.transforms")
+    loaded = _loaded_after("import d9d.cli.plan._show, d9d.transforms")
     assert not {"d9d._jit", "torch._inductor.compile_fx"} & loaded
     loaded = _loaded_after("import d9d.transforms\nprint(d9d.transforms.Jitted)")
     assert {"d9d._jit", "torch._inductor.compile_fx"} <= loaded

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .._comms import CommStats
-from .._plan import Plan
-from .._plan_render import annotation_cell, annotation_columns, short_placements
+from ..._comms import CommStats
+from ..._plan import Plan
+from ..._plan_render import annotation_cell, annotation_columns, short_placements
 
 __all__ = ["human", "render_comms", "render_plan"]
 
