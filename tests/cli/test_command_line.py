@@ -60,3 +60,15 @@ def test_bad_flags_and_paths_are_answered_before_torch_is_imported() -> None:
             f"assert {message!r} in err.getvalue(), err.getvalue()"
         )
         assert "torch" not in _loaded_after(code), argv
+
+
+def test_a_subcommand_loads_only_its_own_command_module() -> None:
+    """``d9d --help`` loads no subcommand's ``_command``; ``d9d plan`` loads plan's alone."""
+    commands = {f"d9d.cli.{name}._command" for name in ("train", "plan", "bench")}
+    loaded = _loaded_after("import d9d.cli._main as m\nm._parser().format_help()")
+    assert not commands & loaded
+    code = (
+        "import contextlib, io\nfrom d9d.cli import main\n"
+        "with contextlib.redirect_stderr(io.StringIO()):\n    assert main(['plan', '--tp', '0']) == 2"
+    )
+    assert commands & _loaded_after(code) == {"d9d.cli.plan._command"}
