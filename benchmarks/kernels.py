@@ -6,7 +6,7 @@ byte counts (the bytes an ideal kernel must move: each input read once, each out
 once) as a share of the measured device-to-device copy bandwidth, TFLOP/s for the fused
 linear cross-entropy, and peak memory for the cross-entropy ops; checks the issue's
 targets; writes JSON to ``benchmarks/results/kernels-<device>.json``. The measuring code is
-``d9d/kernels/_bench.py``, shared with ``d9d bench kernels``.
+``d9d/cli/bench/_kernels.py``, shared with ``d9d bench kernels``.
 
     python benchmarks/kernels.py                      # needs a CUDA device
     python benchmarks/kernels.py --only rms_norm,swiglu --no-compile
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from d9d.kernels import _bench
+from d9d.cli.bench import _kernels
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=_bench.DTYPES)
+    parser.add_argument("--dtype", default="bfloat16", choices=_kernels.DTYPES)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated ops, e.g. rms_norm,swiglu")
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    report = _bench.run(
+    report = _kernels.run(
         device=device,
         shapes=shapes,
         dtype=args.dtype,

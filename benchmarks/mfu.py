@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import d9d
 from d9d.checkpoint._hf import _hf_config, llama_to_hf
 from d9d.cli._flops import peak_bf16_flops
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.models import Llama, LlamaConfig
 
 VARIANTS = ("d9d", "transformers", "torchtitan")

@@ -33,8 +33,9 @@ import torch
 
 import d9d
 from d9d.cli._config import TrainConfig
-from d9d.cli._train import _loader, _optimizer
-from d9d.cli._train_data import training_tokens
+from d9d.cli._train_step import _optimizer
+from d9d.cli.train._data import training_tokens
+from d9d.cli.train._run import _loader
 from d9d.models import MoE, MoEConfig
 from d9d.models.moe import make_train_step
 

@@ -19,8 +19,10 @@ the ratio to ``torch``, and the median time of each per-call input check on its 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -28,12 +30,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from report import provenance, write_report
 
 import d9d
 import d9d.core._jit
 import d9d.core._model
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.core._batch_check import batch_signature
 from d9d.core._index_checks import check_index, raise_outside
 from d9d.models import Llama, LlamaConfig
@@ -197,13 +198,21 @@ def main() -> None:
                 "ratio_to_torch": round(median / base, 3),
             }
         )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     device_name = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     )
     report = {
-        **provenance("step_overhead", args, device_name),
+        "benchmark": "step_overhead",
+        "device": device_name,
+        "torch": torch.__version__,
+        "commit": commit,
+        "command": "python benchmarks/step_overhead.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "config": {
             "preset": args.preset,
             "batch_size": args.batch_size,
@@ -213,7 +222,8 @@ def main() -> None:
         "results": results,
         "checks_us": _check_costs_us(config, batches[0], device),
     }
-    write_report(args.out, report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print("| variant | median step (ms) | tokens/s | ratio to torch |\n|---|---|---|---|")
     for r in results:
         print(

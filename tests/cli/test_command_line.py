@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from d9d.cli import _main
-from d9d.kernels import _bench, _bench_cases
+from d9d.cli._options import SCHEDULE_NAMES
+from d9d.cli.bench import _cases, _kernels
+from d9d.cli.bench._parser import BENCH_DTYPES, BENCH_OPS, BENCH_SHAPES
+from d9d.cli.train._parser import FP8_RECIPES
 from d9d.transforms.fp8._linear import GRAD_DTYPES
 from d9d.transforms.pipeline import SCHEDULES
 
@@ -27,16 +29,16 @@ def test_help_and_import_load_neither_torch_nor_the_testing_helpers() -> None:
 
 
 def test_the_parser_offers_the_library_choices() -> None:
-    assert sorted(_main.SCHEDULE_NAMES) == sorted(SCHEDULES)
-    assert tuple(_main.FP8_RECIPES) == tuple(GRAD_DTYPES)
-    assert tuple(_main.BENCH_SHAPES) == tuple(_bench_cases.SHAPES)
-    assert tuple(_main.BENCH_OPS) == tuple(_bench_cases.OPS)
-    assert tuple(_main.BENCH_DTYPES) == tuple(_bench.DTYPES)
+    assert sorted(SCHEDULE_NAMES) == sorted(SCHEDULES)
+    assert tuple(FP8_RECIPES) == tuple(GRAD_DTYPES)
+    assert tuple(BENCH_SHAPES) == tuple(_cases.SHAPES)
+    assert tuple(BENCH_OPS) == tuple(_cases.OPS)
+    assert tuple(BENCH_DTYPES) == tuple(_kernels.DTYPES)
 
 
 def test_the_plan_command_and_the_transforms_load_no_compiler_backend() -> None:
     """``d9d.core._jit`` brings inductor's ``compile_fx`` (about 2 s): only ``jit`` loads it."""
-    loaded = _loaded_after("import d9d.cli._plan_command, d9d.transforms")
+    loaded = _loaded_after("import d9d.cli.plan._show, d9d.transforms")
     assert not {"d9d.core._jit", "torch._inductor.compile_fx"} & loaded
     loaded = _loaded_after("import d9d.transforms\nprint(d9d.transforms.Jitted)")
     assert {"d9d.core._jit", "torch._inductor.compile_fx"} <= loaded
@@ -58,3 +60,15 @@ def test_bad_flags_and_paths_are_answered_before_torch_is_imported() -> None:
             f"assert {message!r} in err.getvalue(), err.getvalue()"
         )
         assert "torch" not in _loaded_after(code), argv
+
+
+def test_a_subcommand_loads_only_its_own_command_module() -> None:
+    """``d9d --help`` loads no subcommand's ``_command``; ``d9d plan`` loads plan's alone."""
+    commands = {f"d9d.cli.{name}._command" for name in ("train", "plan", "bench")}
+    loaded = _loaded_after("import d9d.cli._main as m\nm._parser().format_help()")
+    assert not commands & loaded
+    code = (
+        "import contextlib, io\nfrom d9d.cli import main\n"
+        "with contextlib.redirect_stderr(io.StringIO()):\n    assert main(['plan', '--tp', '0']) == 2"
+    )
+    assert commands & _loaded_after(code) == {"d9d.cli.plan._command"}

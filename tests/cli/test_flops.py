@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from d9d.cli._flops import mfu, peak_bf16_flops, train_flops_per_token
-from d9d.cli._train_metrics import SpeedMeter
+from d9d.cli.train._metrics import SpeedMeter
 from d9d.models import LlamaConfig, MoEConfig
 
 

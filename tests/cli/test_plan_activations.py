@@ -14,17 +14,17 @@ import pytest
 import torch
 
 import d9d
-from d9d.cli import _plan_command as plan_command
-from d9d.cli._plan_activations import (
+from d9d.cli.plan import _show as plan_command
+from d9d.cli.plan._activations import (
     ActivationLayout,
     activation_bytes,
     in_flight,
     moe_activation_bytes,
 )
-from d9d.cli._plan_command import _measure, _step, show_plan
-from d9d.cli._plan_dry_run import count_collectives, dry_run, meta_as_cpu
-from d9d.cli._plan_models import build_model
-from d9d.cli._plan_report import human
+from d9d.cli.plan._dry_run import count_collectives, dry_run, meta_as_cpu
+from d9d.cli.plan._models import build_model
+from d9d.cli.plan._report import human
+from d9d.cli.plan._show import _measure, _step, show_plan
 from d9d.core._context import running
 from d9d.errors import DryRunError
 from d9d.models import Llama, LlamaConfig, MoE, MoEConfig

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 import d9d
-from d9d.cli import _plan_command as plan_command
 from d9d.cli import main
-from d9d.cli._plan_command import (
+from d9d.cli.plan import _show as plan_command
+from d9d.cli.plan._dry_run import count_collectives, dry_run
+from d9d.cli.plan._models import build_model
+from d9d.cli.plan._report import human
+from d9d.cli.plan._show import (
     _measure,
     _per_block,
     _pipeline_layout,
@@ -22,9 +25,6 @@ from d9d.cli._plan_command import (
     _uniform,
     show_plan,
 )
-from d9d.cli._plan_dry_run import count_collectives, dry_run
-from d9d.cli._plan_models import build_model
-from d9d.cli._plan_report import human
 from d9d.errors import DryRunError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from d9d import checkpoint
-from d9d.cli import _train, main
+from d9d.cli import main
+from d9d.cli.train import _run as _train
 
 _LEAF = "arrays/params.embed.weight"
 

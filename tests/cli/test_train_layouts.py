@@ -14,9 +14,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from d9d.cli import _train
 from d9d.cli._config import TrainConfig
-from d9d.cli._train import train
+from d9d.cli.train import _run as _train
+from d9d.cli.train._run import train
 from d9d.errors import RankFailedError
 from d9d.testing import run_on_ranks
 from d9d.transforms.tensor_parallel import TensorParallel

@@ -78,8 +78,8 @@ def test_opt_state_dtype_stores_bfloat16_moments(tmp_path: Path) -> None:
 def test_plan_shows_the_optimizer_state_of_bfloat16_moments() -> None:
     """``d9d plan --opt-state-dtype bfloat16``: the optimizer line is 4 bytes a param over
     fsdp=2 (plus adam's and the schedule's counters: 8 + 8 + 4 bytes), not 8."""
-    from d9d.cli._plan_command import show_plan
-    from d9d.cli._plan_report import human
+    from d9d.cli.plan._report import human
+    from d9d.cli.plan._show import show_plan
     from d9d.models import LlamaConfig
 
     def memory_lines(opt_state_dtype: str) -> tuple[str, str]:

@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from d9d import checkpoint
-from d9d.cli import _train, main
+from d9d.cli import main
+from d9d.cli.train import _run as _train
 from d9d.testing import run_on_ranks
 
 

@@ -15,7 +15,8 @@ import torch
 
 from d9d import checkpoint
 from d9d.checkpoint import _format
-from d9d.cli import _train, main
+from d9d.cli import main
+from d9d.cli.train import _run as _train
 
 
 def _args(out: Path, *extra: str) -> list[str]:

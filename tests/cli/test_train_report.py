@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import d9d.cli._train_report
+import d9d.cli.train._report
 from d9d.cli import main
 from d9d.models import LlamaConfig
 
@@ -89,4 +89,4 @@ def test_last_line_names_every_file_the_run_wrote_and_only_those(
 
 
 def test_the_header_example_runs() -> None:
-    assert doctest.testmod(d9d.cli._train_report).failed == 0
+    assert doctest.testmod(d9d.cli.train._report).failed == 0

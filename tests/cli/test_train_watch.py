@@ -196,7 +196,7 @@ def test_eval_under_torchrun_fsdp_equals_one_process(tmp_path: Path) -> None:
 
 
 def test_neither_d9d_nor_its_train_module_imports_tensorboard_or_wandb() -> None:
-    probe = "import sys, d9d, d9d.cli._train\nprint(' '.join(sorted(sys.modules)))"
+    probe = "import sys, d9d, d9d.cli.train._run\nprint(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import d9d
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.core._jit import _shared_patch
 from d9d.errors import DonatedTreeError, IndexRangeError, ParamShapeError, RecompileError
 from d9d.models import Llama, LlamaConfig

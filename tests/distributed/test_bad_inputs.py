@@ -10,7 +10,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import d9d
 import d9d.core._step
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.core._batch_check import check_batch
 from d9d.errors import BatchShapeError, ParamShapeError, PlanError
 from d9d.models import Llama, LlamaConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import d9d
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.errors import IndexRangeError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks

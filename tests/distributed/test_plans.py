@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import d9d
 import d9d.core._apply
 import d9d.core._collectives
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.errors import IndivisibleError, MeshError, PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks

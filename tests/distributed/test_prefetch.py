@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import d9d
-from d9d.cli._train import make_train_step
+from d9d.cli._train_step import make_train_step
 from d9d.errors import PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks

@@ -80,13 +80,13 @@ def test_without_cuda_it_says_so(bench, capsys):
 def test_fp8_gemm_rows_skip_the_compile_baseline():
     """Compiling the dequantize-then-matmul reference would cost the GPU stage's budget for
     a row no one compares with: the fp8 GEMMs' rival is the bfloat16 matmul."""
-    from d9d.kernels import _bench
-    from d9d.kernels._bench_cases import SHAPES
-    from d9d.kernels._bench_fp8_cases import fp8_cases
+    from d9d.cli.bench import _kernels
+    from d9d.cli.bench._cases import SHAPES
+    from d9d.cli.bench._fp8_cases import fp8_cases
 
     cases = fp8_cases(SHAPES["tiny"], torch.bfloat16, "cpu")
     gemm = next(case for case in cases if case.op == "fp8_gemm" and "rowwise" in case.shape)
-    rows = _bench._measure(gemm, "cpu", 0, 1, 1.0, compile_baseline=True, skip=("triton",))
+    rows = _kernels._measure(gemm, "cpu", 0, 1, 1.0, compile_baseline=True, skip=("triton",))
     assert {row["impl"] for row in rows} == {"torch", "eager", "bf16"}
     assert [row for row in rows if "error" in row] == []
     assert {case.op for case in cases if case.compile_eager} == {"fp8_quantize"}

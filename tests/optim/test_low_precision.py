@@ -251,7 +251,7 @@ def _tiny_bf16_run(fsdp: int | None) -> tuple[list[float], dict[str, str]]:
     """3 steps of the tiny Llama with bf16 params and stochastic rounding, under
     ``shard_params`` on ``fsdp`` ranks (None: one device, untransformed)."""
     import d9d
-    from d9d.cli._train import make_train_step
+    from d9d.cli._train_step import make_train_step
     from d9d.models import Llama, LlamaConfig
 
     torch.manual_seed(0)

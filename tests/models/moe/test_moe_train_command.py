@@ -18,7 +18,7 @@ from rich.console import Console
 
 from d9d.cli import main
 from d9d.cli._config import TrainConfig
-from d9d.cli._train import train
+from d9d.cli.train._run import train
 from d9d.testing import run_on_ranks
 
 

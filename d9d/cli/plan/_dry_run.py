@@ -28,11 +28,11 @@ from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..core._comm_count import CollectiveCounter, CommStats
-from ..core._context import running
-from ..core._step import TransformedStep
-from ..errors import DryRunError
-from ..testing import KeptBytes
+from ...core._comm_count import CollectiveCounter, CommStats
+from ...core._context import running
+from ...core._step import TransformedStep
+from ...errors import DryRunError
+from ...testing import KeptBytes
 
 __all__ = ["DryRun", "count_collectives", "dry_run", "group_labels", "meta_as_cpu"]
 

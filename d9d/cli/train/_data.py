@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import data
-from ..errors import DataError
-from ._train_resume import say
+from ... import data
+from ...errors import DataError
+from ._resume import say
 
 __all__ = ["training_tokens"]
 

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from ._flops import mfu, peak_bf16_flops
-from ._train_resume import say
+from .._flops import mfu, peak_bf16_flops
+from ._resume import say
 
 __all__ = ["SpeedMeter", "peak_memory"]
 

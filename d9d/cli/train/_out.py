@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["check_fresh_out"]
 

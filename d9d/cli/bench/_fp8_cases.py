@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ._bench_cases import Case, _expert_loop, _Maker
-from ._fp8_gemm import fp8_gemm, fp8_grouped_gemm, operand_groups
-from ._fp8_gemm import reference as fp8_gemm_reference
-from ._fp8_quantize import fp8_quantize
-from ._fp8_quantize import reference as fp8_quantize_reference
-from ._fp8_recipes import dequantize
-from ._grouped_gemm import grouped_gemm
+from ...kernels._fp8_gemm import fp8_gemm, fp8_grouped_gemm, operand_groups
+from ...kernels._fp8_gemm import reference as fp8_gemm_reference
+from ...kernels._fp8_quantize import fp8_quantize
+from ...kernels._fp8_quantize import reference as fp8_quantize_reference
+from ...kernels._fp8_recipes import dequantize
+from ...kernels._grouped_gemm import grouped_gemm
+from ._cases import Case, _expert_loop, _Maker
 
 __all__ = ["fp8_cases"]
 

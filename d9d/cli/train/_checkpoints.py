@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, data
+from ... import checkpoint, data
 
 __all__ = ["Checkpointer", "check_finite"]
 

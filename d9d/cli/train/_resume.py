@@ -24,9 +24,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import checkpoint
-from ..checkpoint import _format
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ... import checkpoint
+from ...checkpoint import _format
+from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
 __all__ = ["SCHEDULE_FLAGS", "check_unchanged", "restore", "say", "set_aside_newer"]
 

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import data, losses
-from ..core._model import Model
-from ..core._step import TransformedStep
-from ..errors import DataError
+from ... import data, losses
+from ...core._model import Model
+from ...core._step import TransformedStep
+from ...errors import DataError
 
 __all__ = ["Evaluator", "split_held_out"]
 

@@ -7,8 +7,8 @@ import importlib.util
 import math
 from pathlib import Path
 
-from ..errors import DataError
-from ._config import TrainConfig
+from ...errors import DataError
+from .._config import TrainConfig
 
 __all__ = ["check_flags"]
 

@@ -1,6 +1,6 @@
 """The kernel benchmark behind ``d9d bench kernels`` and ``benchmarks/kernels.py``.
 
-Each op of ``_bench_cases`` runs forward, and forward + backward, in every implementation.
+Each op of ``_cases`` runs forward, and forward + backward, in every implementation.
 A row reports the median of ``reps`` timed runs after ``warmup`` (on a GPU the GPU time of
 CUDA graph replays, or events around plain calls for the loss ops and AdamW, with L2
 flushed before each run, see ``_time``; wall time on CPU), GB/s from the case's byte count
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ._bench_cases import OPS, SHAPES, Case, cases
-from ._bench_fp8_cases import fp8_cases
-from ._triton_env import triton_unavailable
+from ...kernels._triton_env import triton_unavailable
+from ._cases import OPS, SHAPES, Case, cases
+from ._fp8_cases import fp8_cases
 
 __all__ = ["DTYPES", "format_table", "run"]
 

@@ -4,9 +4,9 @@ simulated world.
 The model is built on the meta device and the ranks are simulated (``fake_world``); the step
 is ``d9d train``'s, under the transforms ``d9d train`` composes for the same flags, so the
 plan printed is the one a run would use. Collectives come from running that step once on
-meta tensors (``_plan_dry_run``), under ``--pp`` the pipeline schedule too (its point-to-point
+meta tensors (``_dry_run``), under ``--pp`` the pipeline schedule too (its point-to-point
 sends and receives complete at once on the simulated world). Activations: the formula of
-``_plan_activations`` where it covers the model and layout (d9d's Llama and MoE, without
+``_activations`` where it covers the model and layout (d9d's Llama and MoE, without
 ``--pp``), else the bytes the same dry run's forward kept for its backward.
 """
 
@@ -19,23 +19,24 @@ from typing import Any
 
 import torch
 
-from .. import losses
-from ..core._autodiff import value_and_grad
-from ..core._comm_count import CommStats
-from ..core._mesh import make_mesh
-from ..core._model import Model
-from ..core._step import TransformedStep
-from ..models import LlamaConfig, MoEConfig
-from ..testing import fake_world
-from ..transforms import remat as remat_transform
-from ..transforms import shard_params
-from ..transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
-from ._config import TrainConfig
-from ._plan_activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
-from ._plan_checks import check_layout as _check
-from ._plan_dry_run import DryRun, dry_run, group_labels
-from ._plan_models import build_model
-from ._plan_report import human, render_comms, render_plan
+from ... import losses
+from ...core._autodiff import value_and_grad
+from ...core._comm_count import CommStats
+from ...core._mesh import make_mesh
+from ...core._model import Model
+from ...core._step import TransformedStep
+from ...models import LlamaConfig, MoEConfig
+from ...testing import fake_world
+from ...transforms import remat as remat_transform
+from ...transforms import shard_params
+from ...transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
+from .._config import TrainConfig
+from .._train_step import _optimizer, _parallel, make_train_step
+from ._activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
+from ._checks import check_layout as _check
+from ._dry_run import DryRun, dry_run, group_labels
+from ._models import build_model
+from ._report import human, render_comms, render_plan
 
 __all__ = ["show_plan"]
 
@@ -204,8 +205,6 @@ def _step(
 ) -> tuple[Any, Any]:
     """``d9d train``'s step and optimizer for the layout; ``split``: the block paths that
     begin pipeline stages 1, 2, ... (None: ``pipeline`` balances them, as ``d9d train``)."""
-    from ._train import _optimizer, _parallel, make_train_step
-
     config = TrainConfig(
         model=family,
         schedule=schedule,
@@ -217,7 +216,7 @@ def _step(
     if hf_config is not None:
         fn = _logits_step(model, opt)
     elif family == "moe":
-        from ..models.moe import make_train_step as make_moe_train_step
+        from ...models.moe import make_train_step as make_moe_train_step
 
         fn = make_moe_train_step(model, opt, grad_norm=True)
     else:
@@ -400,7 +399,7 @@ def _logits_step(model: Model, opt: Any) -> Any:
         return losses.cross_entropy(model.apply(params, batch["tokens"]).logits, batch["labels"])
 
     def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
-        from .. import optim
+        from ... import optim
 
         loss, grads = value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)

@@ -15,15 +15,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import _reference as R
-from ._adamw import adamw
-from ._cross_entropy import cross_entropy
-from ._fused_linear_cross_entropy import fused_linear_cross_entropy
-from ._grouped_gemm import grouped_gemm
-from ._moe_permute import moe_permute, moe_unpermute, permute_reference, route, unpermute_reference
-from ._rms_norm import fused_add_rms_norm, rms_norm
-from ._rope import rope
-from ._swiglu import swiglu
+from ...kernels import _reference as R
+from ...kernels._adamw import adamw
+from ...kernels._cross_entropy import cross_entropy
+from ...kernels._fused_linear_cross_entropy import fused_linear_cross_entropy
+from ...kernels._grouped_gemm import grouped_gemm
+from ...kernels._moe_permute import (
+    moe_permute,
+    moe_unpermute,
+    permute_reference,
+    route,
+    unpermute_reference,
+)
+from ...kernels._rms_norm import fused_add_rms_norm, rms_norm
+from ...kernels._rope import rope
+from ...kernels._swiglu import swiglu
 
 __all__ = ["OPS", "SHAPES", "Case", "cases"]
 
@@ -31,7 +37,7 @@ __all__ = ["OPS", "SHAPES", "Case", "cases"]
 # one batch of 8192 tokens. "tiny" only exercises the code path (CPU, Triton interpreter).
 # The MoE ops run at the "moe" models' shapes with the same tokens: OLMoE-1B-7B (64 experts,
 # top-8, hidden 2048, expert MLP 1024) and Qwen3-30B-A3B (128 experts, top-8, 2048, 768).
-# The fp8 ops (_bench_fp8_cases.py) run at "fp8" (K and N multiples of 16 in "tiny" too, as
+# The fp8 ops (_fp8_cases.py) run at "fp8" (K and N multiples of 16 in "tiny" too, as
 # torch._scaled_mm needs) and at the first MoE model's gate+up GEMM.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {

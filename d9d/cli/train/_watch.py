@@ -12,8 +12,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._config import TrainConfig
-from ._train_resume import say
+from .._config import TrainConfig
+from ._resume import say
 
 __all__ = ["Dashboards"]
 

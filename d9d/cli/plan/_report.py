@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ..core._comm_count import CommStats
-from ..core._plan import Plan, annotation_cell, annotation_columns, short_placements
+from ...core._comm_count import CommStats
+from ...core._plan import Plan, annotation_cell, annotation_columns, short_placements
 
 __all__ = ["human", "render_comms", "render_plan"]
 

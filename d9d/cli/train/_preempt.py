@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._train_resume import say
+from ._resume import say
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preemption"]
 

@@ -14,11 +14,11 @@ from rich.console import Console
 from rich.text import Text
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import checkpoint
-from ..core._model import Model
-from ..core._step import TransformedStep
-from ..models import LlamaConfig, MoEConfig
-from ._config import TrainConfig
+from ... import checkpoint
+from ...core._model import Model
+from ...core._step import TransformedStep
+from ...models import LlamaConfig, MoEConfig
+from .._config import TrainConfig
 
 __all__ = ["header_lines", "print_header", "written_files"]
 

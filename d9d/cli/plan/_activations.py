@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import LlamaConfig, MoEConfig
-from ..moe import MoEConfig as LayerConfig
+from ...models import LlamaConfig, MoEConfig
+from ...moe import MoEConfig as LayerConfig
 
 __all__ = ["ActivationLayout", "activation_bytes", "in_flight", "moe_activation_bytes"]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ..core._model import Model, functionalize
-from ..models import Llama, LlamaConfig, MoE, MoEConfig
+from ...core._model import Model, functionalize
+from ...models import Llama, LlamaConfig, MoE, MoEConfig
 
 __all__ = ["HF_AXES", "build_model"]
 

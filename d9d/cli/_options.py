@@ -1,0 +1,45 @@
+"""Flags that ``d9d train`` and ``d9d plan`` both take, with one wording.
+
+Standard library only: the parsers import this module, and ``d9d --help`` imports no
+``torch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
+"""``d9d.transforms.pipeline.SCHEDULES``' names."""
+
+
+def add_preset(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--preset``: a model family's named size."""
+    parser.add_argument(
+        "--preset",
+        default=default,
+        help="llama: tiny, small, 1b or 8b; moe: tiny, small, olmoe-1b-7b, qwen3-30b-a3b or "
+        "deepseek-v3 (default %(default)s)",
+    )
+
+
+def add_microbatches(parser: argparse.ArgumentParser) -> None:
+    """``--microbatches``: the pipeline's microbatches per step."""
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline microbatches per step with --pp (default: 2 x pp)",
+    )
+
+
+def add_debug(parser: argparse.ArgumentParser) -> None:
+    """``--debug``: raise errors with their traceback."""
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, show the traceback, not one line"
+    )
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed flags of a command, without the command's name and ``--debug``."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "debug")}

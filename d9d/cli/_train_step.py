@@ -1,0 +1,144 @@
+"""The step ``d9d train`` runs and ``d9d plan`` lays out: the loss and its update
+(``make_train_step``), the optimizer of the flags (``_optimizer``) and the transforms of the
+job's mesh (``_parallel``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import losses, optim
+from ..core._autodiff import value_and_grad
+from ..core._mesh import make_mesh
+from ..core._model import Model
+from ..transforms import (
+    context_parallel,
+    expert_parallel,
+    fp8,
+    pipeline,
+    shard_params,
+    tensor_parallel,
+)
+from ..transforms.pipeline import SCHEDULES
+from ._config import TrainConfig
+from ._precision import opt_state_dtype, shard_options
+
+__all__ = ["make_train_step"]
+
+
+def make_train_step(
+    model: Model, opt: optim.GradientTransformation, *, grad_norm: bool = False
+) -> Callable[..., Any]:
+    """The step ``d9d train`` runs: next-token cross entropy, grads, one optimizer update.
+
+    Args:
+        model: A functionalized language model: ``model.apply(params, tokens) -> logits``.
+        opt: The optimizer.
+        grad_norm: Also return the global norm of the gradients, before clipping (one more
+            norm over the grads per step; ``d9d train`` checks it). Default ``False``.
+
+    Returns:
+        ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where ``batch``
+        holds ``"tokens"`` and ``"labels"`` of shape ``[batch, seq_len]`` and ``metrics``
+        the 0-d ``"loss"`` (and ``"grad_norm"``), equal on every rank.
+
+    Example:
+        >>> from d9d import functionalize
+        >>> from d9d.models import Llama, LlamaConfig
+        >>> model = functionalize(Llama(LlamaConfig.tiny()))
+        >>> opt = optim.sgd(0.1)
+        >>> step = make_train_step(model, opt)
+        >>> tokens = torch.zeros(1, 8, dtype=torch.long)
+        >>> _, _, metrics = step(model.params, opt.init(model.params), {"tokens": tokens, "labels": tokens})
+        >>> metrics["loss"].shape
+        torch.Size([])
+    """
+
+    def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+    def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
+        loss, grads = value_and_grad(loss_fn)(params, batch)
+        metrics = {"loss": loss}
+        if grad_norm:
+            metrics["grad_norm"] = optim.global_norm(grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, metrics
+
+    return step
+
+
+def _optimizer(config: TrainConfig) -> optim.GradientTransformation:
+    schedule = optim.warmup_cosine(
+        config.lr,
+        min(config.warmup, config.steps - 1),
+        max(config.steps, 2),
+        end_value=config.lr / 10,
+    )
+    moments = opt_state_dtype(config)
+    return optim.chain(
+        optim.clip_by_global_norm(config.clip),
+        optim.adamw(
+            schedule,
+            b2=0.95,
+            weight_decay=config.weight_decay,
+            mask=_decays,
+            mu_dtype=moments,
+            nu_dtype=moments,
+        ),
+    )
+
+
+def _decays(path: str, param: torch.Tensor) -> bool:
+    return param.ndim >= 2
+
+
+_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
+
+
+def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
+    """``step`` under the transforms of the job's ``pp x dp x fsdp x cp x tp`` mesh (``fsdp``:
+    the ranks the others leave), or as it is outside a job."""
+    if not dist.is_initialized():
+        return step
+    world = dist.get_world_size()
+    sizes = {name: getattr(config, name) or 1 for name in _AXES if name != "fsdp"}
+    others = math.prod(sizes.values())
+    fsdp = config.fsdp or max(world // others, 1)
+    if others * fsdp != world:
+        product = " x ".join(f"--{k} {v}" for k, v in {**sizes, "fsdp": fsdp}.items())
+        raise ValueError(
+            f"{product} is {others * fsdp} ranks but torchrun started {world}; make their "
+            "product the number of ranks"
+        )
+    # Only the axes in use: DTensor's sharding propagation slows down steeply with the
+    # number of mesh dims (a foreach op on a 5-D mesh takes minutes to plan).
+    axes = {name: size for name, size in {**sizes, "fsdp": fsdp}.items() if size > 1}
+    options = shard_options(config)
+    if options and not {"dp", "fsdp"} & set(axes):
+        axes["fsdp"] = 1  # shard_params' precision and accumulation, over one rank
+    mesh = make_mesh(**(axes or {"fsdp": 1}))
+    if "dp" in axes or "fsdp" in axes:
+        shard_axis = "fsdp" if "fsdp" in axes else None
+        replicate_axis = "dp" if "dp" in axes else None
+        step = shard_params(mesh, shard_axis, replicate_axis=replicate_axis, **options)(step)
+    if sizes["tp"] > 1:
+        step = tensor_parallel(mesh)(step)
+    if sizes["cp"] > 1:
+        step = context_parallel(mesh)(step)
+    if sizes["ep"] > 1:
+        step = expert_parallel(mesh)(step)
+    if config.fp8 is not None:
+        step = fp8(mesh, config.fp8)(step)
+    if sizes["pp"] > 1:
+        step = pipeline(
+            mesh,
+            schedule=config.schedule,
+            microbatches=config.microbatches or 2 * sizes["pp"],
+            virtual_stages=2 if SCHEDULES[config.schedule].multi else 1,
+        )(step)
+    return step
