@@ -157,3 +157,50 @@ def test_moe_step_runs_its_experts_in_fp8():
     want = model.module(tokens).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(got, plain)
+
+
+def test_remat_recomputes_the_fp8_experts_bitwise():
+    """``remat("full")`` recomputes the MoE block in the backward: the experts compute in fp8
+    again (the seam is set whenever the block runs), and the grads are the fp8 step's."""
+    model = d9d.functionalize(MoE(MoEConfig.tiny()))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads(transforms):
+        loss = lambda p, t: model.apply(p, t).logits.float().square().mean()  # noqa: E731
+        step = lambda p, s, t: (d9d.grad(loss)(p, t), s, {})  # noqa: E731
+        for transform in transforms:
+            step = transform(step)
+        params, _ = step.place(model.params, (), model=model)
+        return {k: v.full_tensor() for k, v in step(params, (), tokens)[0].items()}
+
+    want = grads([d9d.fp8(recipe="rowwise", include="experts")])
+    got = grads([d9d.remat("full"), d9d.fp8(recipe="rowwise", include="experts")])
+    plain = grads([d9d.remat("full")])
+    for path in want:
+        assert torch.equal(got[path], want[path]), path
+    assert not torch.equal(plain["layers.1.mlp.experts.w_up"], want["layers.1.mlp.experts.w_up"])
+
+
+@pytest.mark.compile
+def test_jit_traces_one_graph_with_fp8_experts_equal_to_eager():
+    model = d9d.functionalize(MoE(MoEConfig.tiny()))
+    mesh = d9d.make_mesh(fsdp=1)  # one mesh for both steps: a jitted step guards on its mesh
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def loss(params, tokens):
+        return model.apply(params, tokens).logits.float().square().mean()
+
+    body = lambda p, s, b: (p, s, d9d.value_and_grad(loss)(p, b))  # noqa: E731
+    step = d9d.fp8(mesh, "tensorwise", include="experts")(body)
+    jitted = d9d.jit(backend="aot_eager", fullgraph=True)(
+        d9d.fp8(mesh, "tensorwise", include="experts")(body)
+    )
+    params, _ = step.place(model.params, (), model=model)
+    jparams, _ = jitted.place(model.params, (), model=model)
+    want_loss, want = step(params, (), tokens)[2]
+    got_loss, got = jitted(jparams, (), tokens)[2]
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    for path in ("layers.1.mlp.experts.w_gate", "layers.1.mlp.experts.w_down"):
+        scale = want[path].abs().max().item()
+        torch.testing.assert_close(got[path], want[path], rtol=1e-5, atol=1e-6 * scale)
+    assert jitted.traces == 1

@@ -211,7 +211,7 @@ def test_short_training_run_stays_near_float32(recipe):
     assert not torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["_transform", "_linear"])
+@pytest.mark.parametrize("name", ["_transform", "_linear", "_experts"])
 def test_docstring_examples_run(name):
     module = importlib.import_module(f"d9d.transforms.fp8.{name}")
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
