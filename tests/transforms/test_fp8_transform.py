@@ -91,7 +91,10 @@ def test_the_plan_says_the_experts_compute_in_fp8_and_the_router_does_not():
     cells = _cells(step)
     experts = [f"layers.1.mlp.experts.w_{name}" for name in ("gate", "up", "down")]
     assert [cells[path] for path in experts] == ["tensorwise"] * 3
-    assert "layers.1.mlp.router.weight" not in cells  # d9d.moe's router is no linear
+    assert cells["layers.1.mlp.router.weight"] == "-"  # d9d.moe's router: no linear, no fp8
+    assert "a router (its logits choose the experts)" in step.plan.explain(
+        "layers.1.mlp.router.weight"
+    )
     assert "compute their grouped GEMMs' output, input grad and weight grad in fp8" in (
         step.plan.explain(experts[0])
     )

@@ -17,7 +17,8 @@ routed experts (an ``Experts`` module: stacked ``[E, K, N]`` weights, grouped GE
 in fp8 when the experts module's path matches ``include`` and not ``exclude``; all three of
 its weights share its choice. They have no dims rule: the weight grad pads its operands to
 ``torch._scaled_mm``'s multiples of 16 with zeros, and the grouped GEMMs take any shape.
-``d9d.moe``'s router is no ``nn.Linear`` and is never intercepted.
+``d9d.moe``'s router is no ``nn.Linear`` and is never intercepted; its weight gets a choice
+of high precision, so the plan says why.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from torch import nn
 from ..._plan import Plan
 from ..._structure import Structure
 from ...errors import PlanError
-from ...moe import Experts
+from ...moe import Experts, MoE
 
 __all__ = ["Choice", "choose", "compiled_pattern"]
 
 MULTIPLE = 16
 _ROUTER_NAMES = ("router", "gate")
+_ROUTER = "a router (its logits choose the experts): never in fp8"
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,9 @@ class Choice:
         weight: Its weight's param path (the canonical one, when tied).
         recipe: The recipe it computes its matmuls in, or None: high precision.
         why: Why not, when ``recipe`` is None.
-        kind: ``"linear"`` (an ``nn.Linear``) or ``"experts"`` (a ``d9d.moe`` experts
-            module's stacked weight, in its grouped GEMMs).
+        kind: ``"linear"`` (an ``nn.Linear``), ``"experts"`` (a ``d9d.moe`` experts
+            module's stacked weight, in its grouped GEMMs) or ``"router"`` (a ``d9d.moe``
+            router's weight: always high precision).
     """
 
     column: ClassVar[str] = "fp8"  # the plan table's column this annotation fills
@@ -90,6 +93,9 @@ def choose(
     blocks = tuple(b.path + "." for b in structure.blocks)
     choices = []
     for path, module in structure.modules.items():
+        if isinstance(module, MoE):
+            weight = structure.canonical(f"{path}.router.weight")
+            choices.append(Choice(f"{path}.router", weight, None, _ROUTER, "router"))
         if isinstance(module, Experts):
             why = _not_matched(path, include, exclude)
             for name, _ in module.named_parameters(recurse=False):
@@ -105,8 +111,9 @@ def choose(
         why = _why_not(path, dims, blocks, include, exclude)
         choices.append(Choice(path, weight, None if why else recipe, why))
     for name, pattern in (("include", include), ("exclude", exclude)):
-        if pattern is not None and not any(pattern.search(c.path) for c in choices):
-            linears = list(dict.fromkeys(c.path for c in choices))
+        chosen = [c for c in choices if c.kind != "router"]
+        if pattern is not None and not any(pattern.search(c.path) for c in chosen):
+            linears = list(dict.fromkeys(c.path for c in chosen))
             raise PlanError(
                 f"fp8({name}={pattern.pattern!r}) matches no linear (nor routed experts module) "
                 f"of the model; its linears and experts are "
