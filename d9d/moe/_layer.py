@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -42,7 +43,11 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """``E`` SwiGLU experts as stacked weights ``w_gate``/``w_up`` ``[E, dim, hidden]`` and
-    ``w_down`` ``[E, hidden, dim]``, the ``[E, K, N]`` layout of ``grouped_gemm``."""
+    ``w_down`` ``[E, hidden, dim]``, the ``[E, K, N]`` layout of ``grouped_gemm``.
+
+    Its three matmuls call :attr:`gemm`, ``d9d.kernels.grouped_gemm`` unless a transform
+    sets another for one call (``d9d.fp8`` sets its fp8 grouped GEMM there).
+    """
 
     def __init__(self, config: MoEConfig, *, device: _Device = None) -> None:
         super().__init__()
@@ -50,13 +55,14 @@ class Experts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(shape, device=device))
         self.w_up = nn.Parameter(torch.empty(shape, device=device))
         self.w_down = nn.Parameter(torch.empty(shape[0], shape[2], shape[1], device=device))
+        # gemm(x [T, K], w [E, K, N], group_sizes [E]) -> [T, N]
+        self.gemm: Callable[[Tensor, Tensor, Tensor], Tensor] = grouped_gemm
 
     def forward(self, x: Tensor, group_sizes: Tensor) -> Tensor:
         """Rows of ``x`` grouped by expert (``group_sizes [E]``) through their experts."""
-        hidden = swiglu(
-            grouped_gemm(x, self.w_gate, group_sizes), grouped_gemm(x, self.w_up, group_sizes)
-        )
-        return grouped_gemm(hidden, self.w_down, group_sizes)
+        gemm = self.gemm
+        hidden = swiglu(gemm(x, self.w_gate, group_sizes), gemm(x, self.w_up, group_sizes))
+        return gemm(hidden, self.w_down, group_sizes)
 
 
 class SharedExperts(nn.Module):

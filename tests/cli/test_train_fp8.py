@@ -1,5 +1,5 @@
-"""``d9d train --fp8 RECIPE``: the blocks' linears compute in fp8; the losses stay near the
-float32 run's and the checkpointed params stay float32."""
+"""``d9d train --fp8 RECIPE``: the blocks' linears (and a MoE's routed experts) compute in fp8;
+the losses stay near the float32 run's and the checkpointed params stay float32."""
 
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ def test_fp8_run_stays_near_the_float32_run(tmp_path: Path) -> None:
     leaves = json.loads((tmp_path / "fp8/checkpoints/step_3/metadata.json").read_text())["leaves"]
     dtypes = {leaf["dtype"] for path, leaf in leaves.items() if path.startswith("params.")}
     assert dtypes == {"float32"}  # ... over float32 params
+
+
+def test_fp8_moe_run_stays_near_the_float32_run(tmp_path: Path) -> None:
+    """``--model moe``: the routed experts' grouped GEMMs compute in fp8 too."""
+    plain = _run(tmp_path / "plain", "--model", "moe")
+    fp8 = _run(tmp_path / "fp8", "--model", "moe", "--fp8", "tensorwise")
+    assert fp8 != plain
+    torch.testing.assert_close(torch.tensor(fp8), torch.tensor(plain), rtol=1e-2, atol=0)
 
 
 def test_unknown_recipe_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,12 +84,26 @@ def test_plan_says_which_linears_compute_in_fp8_and_why_not():
     assert "embed.weight" not in cells  # an embedding is no linear
 
 
-def test_experts_and_router_stay_in_high_precision_and_the_plan_says_so():
+def test_the_plan_says_the_experts_compute_in_fp8_and_the_router_does_not():
     model = d9d.functionalize(MoE(MoEConfig.tiny()))
-    step = d9d.fp8(recipe="rowwise")(lambda p, s, b: (p, s, {}))
+    step = d9d.fp8(recipe="tensorwise")(lambda p, s, b: (p, s, {}))
     step.place(model.params, (), model=model)
-    assert "grouped GEMMs) is not built" in step.plan.explain("layers.1.mlp.experts.w_gate")
-    assert _cells(step)["layers.0.mlp.w_up.weight"] == "rowwise"  # a dense layer's
+    cells = _cells(step)
+    experts = [f"layers.1.mlp.experts.w_{name}" for name in ("gate", "up", "down")]
+    assert [cells[path] for path in experts] == ["tensorwise"] * 3
+    assert cells["layers.1.mlp.router.weight"] == "-"  # d9d.moe's router: no linear, no fp8
+    assert "a router (its logits choose the experts)" in step.plan.explain(
+        "layers.1.mlp.router.weight"
+    )
+    assert "compute their grouped GEMMs' output, input grad and weight grad in fp8" in (
+        step.plan.explain(experts[0])
+    )
+    assert "one per expert" in step.plan.explain(experts[2])
+    assert cells["layers.0.mlp.w_up.weight"] == "tensorwise"  # a dense layer's
+    step = d9d.fp8(recipe="rowwise", exclude=r"experts")(lambda p, s, b: (p, s, {}))
+    step.place(model.params, (), model=model)
+    assert _cells(step)[experts[1]] == "-"
+    assert "excluded by exclude='experts'" in step.plan.explain(experts[1])
 
 
 def test_only_the_chosen_linears_run_in_fp8():
@@ -200,7 +214,7 @@ def test_short_training_run_stays_near_float32(recipe):
     assert not torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["_transform", "_linear"])
+@pytest.mark.parametrize("name", ["_transform", "_linear", "_experts"])
 def test_docstring_examples_run(name):
     module = importlib.import_module(f"d9d.transforms.fp8.{name}")
     assert doctest.testmod(module, raise_on_error=True).attempted > 0

@@ -34,13 +34,13 @@ from torch import Tensor
 
 from ...kernels import fp8_gemm, fp8_quantize
 
-__all__ = ["GRAD_DTYPES", "fp8_linear"]
+__all__ = ["E4M3", "GRAD_DTYPES", "MULTIPLE", "fp8_linear"]
 
 E4M3 = torch.float8_e4m3fn
 GRAD_DTYPES = {"tensorwise": torch.float8_e5m2, "rowwise": torch.float8_e5m2, "blockwise": E4M3}
 # torch._scaled_mm takes K and N in multiples of 16: the weight grad's K is the token count,
 # padded with zero rows to one (zeros change no amax, and add nothing to the product).
-_MULTIPLE = 16
+MULTIPLE = 16
 
 
 def _as_a(x: Tensor, recipe: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -78,7 +78,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _matmul(grad, weight, recipe, grad_dtype, x.dtype)
         if ctx.needs_input_grad[1]:
-            pad = -x.shape[0] % _MULTIPLE
+            pad = -x.shape[0] % MULTIPLE
             grad_t, x_padded = F.pad(grad.t(), (0, pad)), F.pad(x, (0, 0, 0, pad))
             grad_w = _matmul(grad_t, x_padded, recipe, grad_dtype, weight.dtype)
         return grad_x, grad_w, None

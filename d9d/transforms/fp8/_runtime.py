@@ -1,5 +1,8 @@
 """``fp8`` at run time: each chosen linear's call becomes :func:`fp8_linear` on the tensors
-its module holds for this call.
+its module holds for this call, and each chosen ``d9d.moe`` experts module computes its
+grouped GEMMs with :func:`fp8_grouped_gemm_experts` (set as its ``gemm`` for the call).
+Under ``expert_parallel``, whose interception dispatches the rows around the experts module,
+the experts compute on the rank's experts and the rows dispatched to them.
 
 The interception sits around the ``nn.Linear`` itself, inside every interception of the
 layout transforms (``fp8`` applies in the ``COMPUTE_FORM`` phase, after them): under
@@ -19,17 +22,20 @@ from typing import Any
 from torch import nn
 
 from ...core._runtime import ApplyCall, Interception, Runtime
+from ._experts import fp8_grouped_gemm_experts
 from ._linear import fp8_linear
 
 __all__ = ["Fp8Runtime"]
 
 
 class Fp8Runtime(Runtime):
-    """The runtime of ``fp8``: intercepts the linears at ``paths``, computing in ``recipe``."""
+    """The runtime of ``fp8``: intercepts the linears at ``paths`` and sets the grouped GEMM
+    of the experts modules at ``experts``, computing in ``recipe``."""
 
-    def __init__(self, paths: tuple[str, ...], recipe: str) -> None:
+    def __init__(self, paths: tuple[str, ...], recipe: str, experts: tuple[str, ...] = ()) -> None:
         self.paths = paths
         self.recipe = recipe
+        self.experts = experts
 
     def enter_apply(self, call: ApplyCall) -> None:
         modules = call.structure.modules
@@ -37,6 +43,10 @@ class Fp8Runtime(Runtime):
             if not call.stood_in(path):
                 around = functools.partial(_linear, modules[path], self.recipe)
                 call.intercept(path, Interception(around=around))
+        gemm = functools.partial(fp8_grouped_gemm_experts, recipe=self.recipe)
+        for path in self.experts:
+            if not call.stood_in(path):
+                call.override(modules[path], "gemm", gemm)
 
 
 def _linear(

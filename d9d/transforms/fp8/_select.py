@@ -13,8 +13,12 @@ of the default exclusions holds:
   in multiples of 16).
 
 The embedding is an ``nn.Embedding``, no linear: it is never intercepted. ``d9d.moe``'s
-routed experts (stacked ``[E, K, N]`` weights and grouped GEMMs) stay in high precision:
-fp8 of their grouped GEMMs is not built, and the plan says so per expert weight.
+routed experts (an ``Experts`` module: stacked ``[E, K, N]`` weights, grouped GEMMs) compute
+in fp8 when the experts module's path matches ``include`` and not ``exclude``; all three of
+its weights share its choice. They have no dims rule: the weight grad pads its operands to
+``torch._scaled_mm``'s multiples of 16 with zeros, and the grouped GEMMs take any shape.
+``d9d.moe``'s router is no ``nn.Linear`` and is never intercepted; its weight gets a choice
+of high precision, so the plan says why.
 """
 
 from __future__ import annotations
@@ -28,22 +32,27 @@ from torch import nn
 from ...core._plan import Plan
 from ...core._structure import Structure
 from ...errors import PlanError
+from ...moe import Experts, MoE
 
 __all__ = ["Choice", "choose", "compiled_pattern"]
 
 MULTIPLE = 16
 _ROUTER_NAMES = ("router", "gate")
+_ROUTER = "a router (its logits choose the experts): never in fp8"
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One linear's fate under ``fp8``.
+    """One linear's (or one routed expert weight's) fate under ``fp8``.
 
     Attributes:
-        path: The linear's module path.
+        path: The linear's (the experts') module path.
         weight: Its weight's param path (the canonical one, when tied).
         recipe: The recipe it computes its matmuls in, or None: high precision.
         why: Why not, when ``recipe`` is None.
+        kind: ``"linear"`` (an ``nn.Linear``), ``"experts"`` (a ``d9d.moe`` experts
+            module's stacked weight, in its grouped GEMMs) or ``"router"`` (a ``d9d.moe``
+            router's weight: always high precision).
     """
 
     column: ClassVar[str] = "fp8"  # the plan table's column this annotation fills
@@ -51,6 +60,7 @@ class Choice:
     weight: str
     recipe: str | None
     why: str = ""
+    kind: str = "linear"
 
     def cell(self) -> str:
         """Its cell in the plan's table: the recipe, or ``-``."""
@@ -74,14 +84,24 @@ def choose(
     include: re.Pattern[str] | None,
     exclude: re.Pattern[str] | None,
 ) -> tuple[Choice, ...]:
-    """The choice for every linear of ``structure`` under ``plan``, in module order.
+    """The choice for every linear and every routed expert weight of ``structure`` under
+    ``plan``, in module order.
 
     Raises:
-        PlanError: ``include`` or ``exclude`` matches no linear's path.
+        PlanError: ``include`` or ``exclude`` matches no linear's or experts module's path.
     """
     blocks = tuple(b.path + "." for b in structure.blocks)
     choices = []
     for path, module in structure.modules.items():
+        if isinstance(module, MoE):
+            weight = structure.canonical(f"{path}.router.weight")
+            choices.append(Choice(f"{path}.router", weight, None, _ROUTER, "router"))
+        if isinstance(module, Experts):
+            why = _not_matched(path, include, exclude)
+            for name, _ in module.named_parameters(recurse=False):
+                weight = structure.canonical(f"{path}.{name}")
+                choices.append(Choice(path, weight, None if why else recipe, why, "experts"))
+            continue
         if not isinstance(module, nn.Linear):
             continue
         weight = structure.canonical(f"{path}.weight")
@@ -91,11 +111,13 @@ def choose(
         why = _why_not(path, dims, blocks, include, exclude)
         choices.append(Choice(path, weight, None if why else recipe, why))
     for name, pattern in (("include", include), ("exclude", exclude)):
-        if pattern is not None and not any(pattern.search(c.path) for c in choices):
-            linears = [c.path for c in choices]
+        chosen = [c for c in choices if c.kind != "router"]
+        if pattern is not None and not any(pattern.search(c.path) for c in chosen):
+            linears = list(dict.fromkeys(c.path for c in chosen))
             raise PlanError(
-                f"fp8({name}={pattern.pattern!r}) matches no linear of the model; its linears "
-                f"are {linears[:6]}{' ...' if len(linears) > 6 else ''}: fix the pattern"
+                f"fp8({name}={pattern.pattern!r}) matches no linear (nor routed experts module) "
+                f"of the model; its linears and experts are "
+                f"{linears[:6]}{' ...' if len(linears) > 6 else ''}: fix the pattern"
             )
     return tuple(choices)
 
@@ -108,10 +130,9 @@ def _why_not(
     exclude: re.Pattern[str] | None,
 ) -> str:
     """Why the linear at ``path`` stays in high precision ('' when it computes in fp8)."""
-    if include is not None and not include.search(path):
-        return f"not matched by include={include.pattern!r}"
-    if exclude is not None and exclude.search(path):
-        return f"excluded by exclude={exclude.pattern!r}"
+    why = _not_matched(path, include, exclude)
+    if why:
+        return why
     if blocks and not path.startswith(blocks):
         return "the output head (a linear outside the blocks)"
     if path.rpartition(".")[2] in _ROUTER_NAMES:
@@ -122,4 +143,15 @@ def _why_not(
             f"dims as computed on a rank not multiples of {MULTIPLE} ({odd}), which "
             "torch._scaled_mm refuses"
         )
+    return ""
+
+
+def _not_matched(
+    path: str, include: re.Pattern[str] | None, exclude: re.Pattern[str] | None
+) -> str:
+    """Why ``include``/``exclude`` leave the module at ``path`` out ('' when they keep it)."""
+    if include is not None and not include.search(path):
+        return f"not matched by include={include.pattern!r}"
+    if exclude is not None and exclude.search(path):
+        return f"excluded by exclude={exclude.pattern!r}"
     return ""

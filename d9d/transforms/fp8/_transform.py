@@ -22,11 +22,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Fp8", "fp8"]
 
-_EXPERTS = (
-    "fp8: stays in high precision: fp8 of d9d.moe's routed experts (their grouped GEMMs) is "
-    "not built (issue 28)"
-)
-
 
 @dataclass(frozen=True)
 class Fp8(Transform):
@@ -71,33 +66,34 @@ class Fp8(Transform):
         entries = dict(plan.entries)
         for choice in self.choices(plan, model):
             entry = entries[choice.weight]
-            if choice.recipe is None:
-                reason = f"fp8: {choice.path} stays in high precision: {choice.why}"
-            else:
-                grads = str(GRAD_DTYPES[self.recipe]).removeprefix("torch.")
-                reason = (
-                    f"{self}: {choice.path} computes its output, input grad and weight grad "
-                    f"in fp8 (float8_e4m3fn activations and weights, {grads} grads, dynamic "
-                    "scales); the param, its grad and its optimizer state keep their dtype"
-                )
             entries[choice.weight] = replace(
-                entry.annotate(choice), reasons=(*entry.reasons, reason)
+                entry.annotate(choice), reasons=(*entry.reasons, self._reason(choice))
             )
-        for path, entry in entries.items():
-            if _is_expert_weight(entry):
-                entries[path] = replace(entry, reasons=(*entry.reasons, _EXPERTS))
         return replace(plan, entries=entries)
 
+    def _reason(self, choice: Choice) -> str:
+        """What ``explain`` says of ``choice``'s weight."""
+        if choice.recipe is None:
+            return f"fp8: {choice.path} stays in high precision: {choice.why}"
+        grads = str(GRAD_DTYPES[self.recipe]).removeprefix("torch.")
+        formats = f"float8_e4m3fn activations and weights, {grads} grads, dynamic scales"
+        keep = "the param, its grad and its optimizer state keep their dtype"
+        if choice.kind == "experts":
+            per_expert = ", one per expert" if self.recipe == "tensorwise" else ""
+            return (
+                f"{self}: the routed experts {choice.path} compute their grouped GEMMs' "
+                f"output, input grad and weight grad in fp8 ({formats}{per_expert}); {keep}"
+            )
+        return (
+            f"{self}: {choice.path} computes its output, input grad and weight grad in fp8 "
+            f"({formats}); {keep}"
+        )
+
     def runtime(self, plan: Plan, model: Model | None) -> Fp8Runtime:
-        paths = tuple(c.path for c in self.choices(plan, model) if c.recipe is not None)
-        return Fp8Runtime(paths, self.recipe)
-
-
-def _is_expert_weight(entry: ParamPlan) -> bool:
-    """A stacked routed-expert weight (``d9d.moe``): logical axes ``("experts", ...)`` naming
-    an ``expert_mlp`` dim."""
-    axes = entry.axes
-    return axes is not None and len(axes) > 1 and axes[0] == "experts" and "expert_mlp" in axes
+        chosen = [c for c in self.choices(plan, model) if c.recipe is not None]
+        paths = tuple(c.path for c in chosen if c.kind == "linear")
+        experts = tuple(dict.fromkeys(c.path for c in chosen if c.kind == "experts"))
+        return Fp8Runtime(paths, self.recipe, experts)
 
 
 def fp8(
@@ -119,22 +115,26 @@ def fp8(
     dtype. By default every linear computes in fp8 but the output head (a linear outside the
     blocks), routers (linears named ``router`` or ``gate``) and linears with a dim that is
     not a multiple of 16; ``step.plan`` has an ``fp8`` column and ``plan.explain(path)``
-    says why a linear does not. ``d9d.moe``'s routed experts stay in high precision (not
-    built), which the plan says. Composes with ``shard_params``, ``tensor_parallel`` (each
-    rank scales its shard), ``remat`` and ``d9d.jit`` (``docs/fp8.md``).
+    says why a linear does not. ``d9d.moe``'s routed experts compute their grouped GEMMs'
+    three matmuls in fp8 too (tensorwise: one scale per expert), chosen by their experts
+    module's path. Composes with ``shard_params``, ``tensor_parallel`` (each rank scales its
+    shard), ``expert_parallel``, ``context_parallel``, ``pipeline``, ``remat`` and
+    ``d9d.jit`` (``docs/fp8.md``).
 
     Args:
         mesh: The mesh, when no other transform of the step gives it (as for ``remat``).
         recipe: ``"tensorwise"`` (default), ``"rowwise"`` or ``"blockwise"``.
-        include: A regex: only linears whose module path it matches (``re.search``).
-        exclude: A regex: linears whose module path it matches stay in high precision.
+        include: A regex: only linears and experts modules whose module path it matches
+            (``re.search``).
+        exclude: A regex: linears and experts modules whose module path it matches stay in
+            high precision.
 
     Returns:
         The transform: decorate a step with it.
 
     Raises:
         PlanError: An unknown recipe or a pattern that is no regex; when placed, a pattern
-            that matches no linear, or no model given to ``place``.
+            that matches no linear or experts module, or no model given to ``place``.
 
     Example:
         >>> import d9d, torch

@@ -1,0 +1,139 @@
+"""The routed experts' grouped GEMM in fp8: what ``fp8`` sets as a ``d9d.moe`` experts
+module's ``gemm`` for one call.
+
+For ``y[rows of e] = x[rows of e] @ w[e]`` (``x [T, K]`` rows grouped by expert, ``w [E, K,
+N]``, ``group_sizes [E]`` on the device):
+
+- output ``y``: ``x`` quantized along ``K``, ``w[e]`` along ``K``; ``fp8_grouped_gemm``;
+- input grad ``dx = dy @ w[e].T``: ``dy`` along ``N`` (the grad format), ``w[e].T`` along
+  ``N``; ``fp8_grouped_gemm``;
+- weight grad ``dw[e] = x[rows of e].T @ dy[rows of e]``, a sum over the expert's tokens:
+  for each expert, ``fp8_gemm`` of ``dy.T`` and ``x`` with the other experts' rows zeroed,
+  quantized along the tokens (the linear's weight grad, on the expert's rows). Zeroed rows
+  change no amax and add nothing, so each expert's scales are its own tokens'. This is
+  ``E`` dense GEMMs over all ``T`` rows (``E`` times the grouped FLOPs) and no host sync: a
+  grouped fp8 GEMM over the contraction dim is not built.
+
+Scales per recipe: ``tensorwise`` has one scale per expert for each operand (the amax of the
+expert's rows, of its weight; computed by the rowwise kernel with each row given its expert's
+scale); ``rowwise`` and ``blockwise`` as for linears (a row, 1x128 tiles; a weight's column,
+128x128 blocks of each expert). e4m3 for activations and weights, the recipe's grad format
+(``GRAD_DTYPES``) for ``dy``. The forward saves ``x`` and ``w`` in their own dtype; the output
+has ``x``'s dtype and the weight grad ``w``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...kernels import fp8_gemm, fp8_grouped_gemm, fp8_quantize
+from ._linear import E4M3, GRAD_DTYPES, MULTIPLE
+
+__all__ = ["fp8_grouped_gemm_experts"]
+
+_AMAX_EPS = 1e-12  # fp8_quantize's: an expert without rows gets a tiny scale, never 0
+
+
+def _expert_of_rows(group_sizes: Tensor, rows: int) -> Tensor:
+    """``[rows]``: the expert each row belongs to (no host sync)."""
+    experts = torch.arange(group_sizes.numel(), device=group_sizes.device)
+    return torch.repeat_interleave(experts, group_sizes, output_size=rows)
+
+
+def _per_expert_scales(x: Tensor, owner: Tensor, experts: int, dtype: torch.dtype) -> Tensor:
+    """``[rows, 1]``: each row's expert's tensorwise scale (the amax of that expert's rows)."""
+    row_amax = x.detach().abs().amax(dim=1).float()
+    amax = row_amax.new_zeros(experts).scatter_reduce(0, owner, row_amax, "amax")
+    return (amax.clamp(min=_AMAX_EPS) / torch.finfo(dtype).max)[owner, None]
+
+
+def _quantize_a(
+    x: Tensor, owner: Tensor, experts: int, recipe: str, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``x [rows, k]`` (rows grouped by expert) as the grouped GEMM's ``a``, along ``k``."""
+    if recipe != "tensorwise":
+        return fp8_quantize(x, recipe, dtype)
+    if x.shape[0] == 0:
+        return x.detach().to(dtype), x.new_empty(0, 1, dtype=torch.float32)
+    scale, limit = _per_expert_scales(x, owner, experts, dtype), torch.finfo(dtype).max
+    return (x.detach().float() / scale).clamp(-limit, limit).to(dtype), scale
+
+
+def _quantize_b(w: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
+    """``w [E, k, n]`` as the grouped GEMM's ``b``: each expert along ``k`` in e4m3; a
+    tensorwise scale broadcast to the rowwise kernel's ``[E, 1, n]``."""
+    data, scale = fp8_quantize(w, recipe, E4M3, dim=-2, block=(128, 128))
+    return data, scale.expand(w.shape[0], 1, w.shape[2]) if recipe == "tensorwise" else scale
+
+
+def _grouped(
+    a: Tensor,
+    w: Tensor,
+    group_sizes: Tensor,
+    owner: Tensor,
+    recipe: str,
+    a_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``a [T, k]`` rows of expert ``e`` times ``w[e] [k, n]``, both quantized along ``k``."""
+    a_data, a_scale = _quantize_a(a, owner, w.shape[0], recipe, a_dtype)
+    # Per-expert tensorwise scales are per-row and per-column scales of equal values.
+    kernel_recipe = "rowwise" if recipe == "tensorwise" else recipe
+    return fp8_grouped_gemm(
+        a_data, a_scale, *_quantize_b(w, recipe), group_sizes, kernel_recipe, out_dtype
+    )
+
+
+def _weight_grad(x: Tensor, grad: Tensor, owner: Tensor, experts: int, recipe: str, dtype):
+    """``[E, K, N]``: each expert's ``x.T @ grad`` over its rows (module doc)."""
+    k = x.shape[1]
+    pad_rows = -x.shape[0] % MULTIPLE  # torch._scaled_mm's K (the tokens) and N (k)
+    x = F.pad(x, (0, -k % MULTIPLE, 0, pad_rows))
+    grad, owner = F.pad(grad, (0, 0, 0, pad_rows)), F.pad(owner, (0, pad_rows), value=-1)
+    grad_dtype, grads = GRAD_DTYPES[recipe], []
+    for expert in range(experts):
+        mine = (owner == expert)[:, None]
+        grad_t = torch.where(mine, grad, 0.0).t()
+        a = fp8_quantize(grad_t, recipe, grad_dtype)
+        b = fp8_quantize(torch.where(mine, x, 0.0), recipe, E4M3, dim=-2, block=(128, 128))
+        grads.append(fp8_gemm(*a, *b, recipe, dtype)[:, :k].t())  # [N, K] -> [K, N]
+    return torch.stack(grads)
+
+
+class _Fp8GroupedGemm(torch.autograd.Function):
+    """``grouped_gemm(x, w, group_sizes)`` with its three matmuls in fp8."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: str) -> Tensor:
+        owner = _expert_of_rows(group_sizes, x.shape[0])
+        ctx.save_for_backward(x, w, group_sizes, owner)
+        ctx.recipe = recipe
+        return _grouped(x, w, group_sizes, owner, recipe, E4M3, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        x, w, group_sizes, owner = ctx.saved_tensors
+        recipe, grad_dtype = ctx.recipe, GRAD_DTYPES[ctx.recipe]
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_t = w.transpose(1, 2)
+            grad_x = _grouped(grad, w_t, group_sizes, owner, recipe, grad_dtype, x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _weight_grad(x, grad, owner, w.shape[0], recipe, w.dtype)
+        return grad_x, grad_w, None, None
+
+
+def fp8_grouped_gemm_experts(x: Tensor, w: Tensor, group_sizes: Tensor, recipe: str) -> Tensor:
+    """``d9d.kernels.grouped_gemm(x, w, group_sizes)`` with the output, input grad and weight
+    grad computed in fp8 under ``recipe`` (module doc); the output in ``x``'s dtype.
+
+    Example:
+        >>> x, w = torch.randn(5, 32), torch.randn(3, 32, 16)
+        >>> fp8_grouped_gemm_experts(x, w, torch.tensor([2, 0, 3]), "tensorwise").shape
+        torch.Size([5, 16])
+    """
+    return _Fp8GroupedGemm.apply(x, w, group_sizes, recipe)
