@@ -1,0 +1,158 @@
+"""ZeRO-1 and ZeRO-2 at run time: the update runs on shards of params stored whole.
+
+[Note: the step body of a ZeRO-1/2 step] A param is stored whole over the sharding axis
+and its optimizer state is kept ``Shard(dim)``. The step body sees each param as its
+optimizer state is laid out (this rank's slice of the stored param, taken with no
+communication: :meth:`Zero.enter_step`), so the user's unchanged ``grads -> opt.update ->
+apply_updates`` runs on shards. The forward computes with the whole stored param
+(:func:`gather_whole`: no all-gather); its grad comes back to the slice, reduce-scattered
+(ZeRO-2) or all-reduced and then sliced (ZeRO-1). When the body returns, the updated shards
+are all-gathered into whole params, one collective per mesh axis and dtype for the whole
+model (:meth:`Zero.exit_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..._collectives import coalescible, gather_many, gather_params, local_like, reduce_to
+from ..._context import current
+from ..._plan import ParamPlan, Plan
+
+__all__ = ["Zero", "updates_sharded"]
+
+
+def updates_sharded(entry: ParamPlan) -> bool:
+    """Whether ``entry``'s update runs on a shard of the param it stores (ZeRO-1/2)."""
+    return entry.state_kept != entry.storage
+
+
+class Zero:
+    """One step's slices of the params ZeRO-1/2 store whole, and their gathers back."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.paths = frozenset(p for p in plan.held if updates_sharded(plan.entries[p]))
+        # {path: (slice the body sees, whole stored param)} while a step runs.
+        self.wholes: dict[str, tuple[DTensor, DTensor]] = {}
+
+    def enter_step(self, params: Any) -> Any:
+        """``params`` (stored) with each ZeRO param replaced by its slice as its state is
+        laid out; no communication."""
+        out = dict(params)
+        self.wholes = {}
+        for path in self.paths:
+            whole = params[path]
+            view = whole.redistribute(whole.device_mesh, self.plan.entries[path].state_kept)
+            self.wholes[path] = (view, whole)
+            out[path] = view
+        return out
+
+    def exit_step(self, params: Any) -> Any:
+        """``params`` (as the body returned them) with each ZeRO param all-gathered whole:
+        one all-gather per mesh axis and dtype."""
+        self.wholes = {}
+        out = dict(params)
+        groups: dict[tuple[int, torch.dtype], list[str]] = {}
+        for path in self.paths:
+            leaf, entry = params[path], self.plan.entries[path]
+            if tuple(leaf.placements) == entry.storage:
+                continue
+            back = _gathered_back(entry)
+            found = coalescible(back)
+            if tuple(leaf.placements) != entry.state_kept or found is None:
+                out[path] = leaf.redistribute(leaf.device_mesh, entry.storage)
+                continue
+            groups.setdefault((found[0], leaf.dtype), []).append(path)
+        plan = self.plan
+        with torch.no_grad():
+            for (axis, _), members in groups.items():
+                entries = [_gathered_back(plan.entries[p]) for p in members]
+                stored = [params[p] for p in members]
+                locals_ = gather_many(stored, plan.mesh, entries, axis, plan.group_names)
+                for path, local, entry, shard in zip(
+                    members, locals_, entries, stored, strict=True
+                ):
+                    out[path] = DTensor.from_local(
+                        local,
+                        plan.mesh,
+                        entry.compute,
+                        run_check=False,
+                        shape=shard.shape,
+                        stride=shard.stride(),
+                    )
+        return out
+
+    def gather(self, paths: list[str], params: Any) -> dict[str, torch.Tensor]:
+        """The compute tensors of ``paths``: a ZeRO param's slice that this step's body was
+        given computes with its whole stored param (no communication); others are gathered
+        from what they are."""
+        out, rest = {}, []
+        for path in paths:
+            pair = self.wholes.get(path)
+            if pair is not None and _same_tensor(params[path], pair[0]):
+                out[path] = gather_whole(params[path], pair[1], self.plan.entries[path])
+            else:
+                rest.append(path)
+        if rest:
+            out.update(gather_params(self.plan, rest, params))
+        return {p: out[p] for p in paths}
+
+
+def _gathered_back(entry: ParamPlan) -> ParamPlan:
+    """``entry`` as :func:`gather_many` reads it to gather an updated slice whole."""
+    return replace(entry, storage=entry.state_kept, compute=entry.storage, codec=None)
+
+
+def _same_tensor(leaf: Any, view: DTensor) -> bool:
+    """``leaf`` is ``view`` or an alias of it (``value_and_grad`` differentiates a detached
+    copy of each param)."""
+    if not isinstance(leaf, DTensor):
+        return False
+    mine, theirs = leaf.to_local(), view.to_local()
+    return mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape
+
+
+def gather_whole(view: DTensor, whole: DTensor, entry: ParamPlan) -> torch.Tensor:
+    """The local tensor to compute with, from ``whole``, the param ``view`` slices; in the
+    backward the grad goes to ``view``: reduced to ``entry.grad_kept``, then taken to the
+    layout of ``view`` (``entry.state_kept``), unless the step defers reductions."""
+    return _GatherWhole.apply(view, whole, entry)
+
+
+class _GatherWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, view: DTensor, whole: DTensor, entry: ParamPlan) -> torch.Tensor:
+        del view
+        ctx.entry, ctx.mesh = entry, whole.device_mesh
+        ctx.shape, ctx.stride, ctx.dtype = whole.shape, whole.stride(), whole.dtype
+        ctx.reduce_dtype = entry.reduce_dtype or whole.dtype
+        step = current()
+        ctx.defer = step is not None and step.defer_reduction
+        if entry.codec is not None:
+            whole = local_like(entry.codec.encode(whole.to_local()), whole)
+        if tuple(whole.placements) != entry.compute:
+            whole = whole.redistribute(whole.device_mesh, entry.compute)
+        local = whole.to_local()
+        # A new tensor object: autograd gives the output a grad_fn, not the stored param.
+        return local.detach() if entry.codec is None else entry.codec.decode(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None, None]:
+        entry = ctx.entry
+        local = grad.to(ctx.reduce_dtype)
+        if entry.grad_scale != 1:
+            local = local * entry.grad_scale
+        out = DTensor.from_local(
+            local, ctx.mesh, entry.grad, run_check=False, shape=ctx.shape, stride=ctx.stride
+        )
+        if ctx.defer:  # summed over microbatches, reduced once (``value_and_grad``)
+            return out, None, None
+        out = reduce_to(out, entry.grad_kept)
+        if tuple(out.placements) != entry.state_kept:  # ZeRO-1: this rank's slice
+            out = out.redistribute(ctx.mesh, entry.state_kept)
+        return out.to(ctx.dtype), None, None
