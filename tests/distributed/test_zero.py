@@ -1,0 +1,147 @@
+"""``shard_params(shard="grads" | "opt_state")``: ZeRO-2 and ZeRO-1 against one device, and
+their memory and communication per rank, exactly."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from equivalence import assert_equivalent, batches, llama, optimizer, reference, train_step
+from torch.distributed.tensor import Replicate, Shard
+
+import d9d
+from d9d.testing import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+ZERO = {"zero1": "opt_state", "zero2": "grads"}
+
+LAYOUTS = {
+    "fsdp=2": ({"fsdp": 2}, lambda mesh, shard: [d9d.shard_params(mesh, "fsdp", shard=shard)]),
+    "dp=2 x fsdp=2": (
+        {"dp": 2, "fsdp": 2},
+        lambda mesh, shard: [d9d.shard_params(mesh, "fsdp", "dp", shard=shard)],
+    ),
+    "fsdp=2 x tp=2": (
+        {"fsdp": 2, "tp": 2},
+        lambda mesh, shard: [
+            d9d.shard_params(mesh, "fsdp", shard=shard),
+            d9d.tensor_parallel(mesh),
+        ],
+    ),
+    "fsdp=2, 2 microbatches": (
+        {"fsdp": 2},
+        lambda mesh, shard: [d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=2)],
+    ),
+}
+
+
+@functools.cache
+def _reference(opt: str = "adamw"):
+    return reference(llama(torch.float64), batches(256), opt=opt)
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_equals_one_device(zero: str, layout: str) -> None:
+    """5 AdamW steps after global-norm clipping (``equivalence.optimizer``), float64."""
+    mesh_axes, transforms = LAYOUTS[layout]
+    assert_equivalent(
+        llama(torch.float64),
+        lambda mesh: transforms(mesh, ZERO[zero]),
+        mesh_axes,
+        batches(256),
+        _reference(),
+        dtype=torch.float64,
+    )
+
+
+def _grads_rank(mesh_axes: dict[str, int], shard: str, microbatches: int, batch: dict):
+    mesh = d9d.make_mesh("cpu", **mesh_axes)
+    model = llama(torch.float64)()
+    seen = {}
+
+    def step(params, opt_state, batch):
+        loss_fn = d9d.value_and_grad(
+            lambda p, b: d9d.losses.cross_entropy(model.apply(p, b["tokens"]), b["labels"])
+        )
+        _, grads = loss_fn(params, batch)
+        seen.update(grads)
+        return params, opt_state, {}
+
+    axis = "dp" if "dp" in mesh_axes else None
+    step = d9d.shard_params(mesh, "fsdp", axis, shard=shard, microbatches=microbatches)(step)
+    params, state = step.place(model.params, ())
+    step(params, state, step.shard_batch(batch))
+    return {k: (tuple(g.placements), g.full_tensor()) for k, g in seen.items()}
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_grads_equal_one_device(zero: str, microbatches: int) -> None:
+    """The grads the step body sees: shards of the one-device grads (the mean over the data
+    ranks), on dp=2 x fsdp=2. Clipping makes the equivalence above blind to a grad's
+    scale (a sum instead of a mean over ranks); this is not."""
+    model, batch = llama(torch.float64)(), batches(256)[0]
+    expected = d9d.grad(
+        lambda p: d9d.losses.cross_entropy(model.apply(p, batch["tokens"]), batch["labels"])
+    )(model.params)
+    mesh_axes = {"dp": 2, "fsdp": 2}
+    for grads in run_on_ranks(_grads_rank, 4, mesh_axes, ZERO[zero], microbatches, batch):
+        for path, (placements, grad) in grads.items():
+            assert placements == (Replicate(), Shard(0)), path
+            torch.testing.assert_close(grad, expected[path], rtol=1e-9, atol=1e-12)
+
+
+def _placed(shard: str, **options):
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model, opt = llama()(), optimizer()
+    step = d9d.shard_params(mesh, shard=shard, **options)(train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params))
+    return step, params, state
+
+
+def _memory_and_comms(shard: str):
+    step, params, state = _placed(shard)
+    memory = step.memory(params, state)
+    stats = step.comms(params, state, step.shard_batch(batches(256)[0]))
+    leaves = d9d.tree.leaves(state)
+    counters = sum(x.numel() * x.element_size() for x in leaves if x.ndim == 0)
+    shapes = {
+        "params": sorted(tuple(v.to_local().shape) for v in params.values()),
+        "state": sorted(tuple(x.to_local().shape) for x in leaves if x.ndim),
+    }
+    return memory, counters, dict(stats.count), dict(stats.bytes), shapes
+
+
+def test_memory_and_communication_per_rank_are_exact() -> None:
+    """Tiny Llama (float32, every dim 0 even): Ψ params of 4 bytes, AdamW's two moments.
+    Per rank: ZeRO-3 all three sharded; ZeRO-2 params whole; ZeRO-1 params and grads whole;
+    the moments always sharded. ZeRO-2 reduce-scatters each grad and all-gathers the updated
+    params in one collective; ZeRO-1 all-reduces each grad instead of reduce-scattering it."""
+    model = llama()()
+    psi = sum(p.numel() for p in model.params.values())
+    n = len(model.params)
+    whole, half = 4 * psi, 4 * psi // 2
+    whole_shapes = sorted(tuple(p.shape) for p in model.params.values())
+    half_shapes = sorted((p.shape[0] // 2, *p.shape[1:]) for p in model.params.values())
+    results = {s: run_on_ranks(_memory_and_comms, 2, s) for s in ("params", "grads", "opt_state")}
+    expected = {"params": (half, half), "grads": (whole, half), "opt_state": (whole, whole)}
+    for shard, ranks in results.items():
+        for memory, counters, count, nbytes, shapes in ranks:
+            assert (memory.params, memory.grads) == expected[shard]
+            assert memory.opt_state == 2 * half + counters
+            assert shapes["params"] == (half_shapes if shard == "params" else whole_shapes)
+            assert shapes["state"] == sorted(2 * half_shapes)
+            if shard == "params":
+                continue
+            assert count[("all_gather", "fsdp")] == 1
+            assert nbytes[("all_gather", "fsdp")] == whole
+    zero2, zero1 = results["grads"][0], results["opt_state"][0]
+    assert zero2[2][("reduce_scatter", "fsdp")] == n
+    assert zero2[3][("reduce_scatter", "fsdp")] == whole
+    assert ("reduce_scatter", "fsdp") not in zero1[2]
+    # the rest of the all-reduces (the loss's token count, the clipping norm) are alike
+    assert zero1[2][("all_reduce", "fsdp")] == zero2[2][("all_reduce", "fsdp")] + n
+    assert zero1[3][("all_reduce", "fsdp")] == zero2[3][("all_reduce", "fsdp")] + whole
