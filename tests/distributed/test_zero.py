@@ -11,6 +11,7 @@ from equivalence import assert_equivalent, batches, llama, optimizer, reference,
 from torch.distributed.tensor import Replicate, Shard
 
 import d9d
+from d9d.errors import PlanError
 from d9d.testing import run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -145,3 +146,56 @@ def test_memory_and_communication_per_rank_are_exact() -> None:
     # the rest of the all-reduces (the loss's token count, the clipping norm) are alike
     assert zero1[2][("all_reduce", "fsdp")] == zero2[2][("all_reduce", "fsdp")] + n
     assert zero1[3][("all_reduce", "fsdp")] == zero2[3][("all_reduce", "fsdp")] + whole
+
+
+def _mixed_rank(shard: str):
+    step, params, state = _placed(shard, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    stats = step.comms(params, state, step.shard_batch(batches(256)[0]))
+    losses = []
+    for batch in batches(256):
+        params, state, metrics = step(params, state, step.shard_batch(batch))
+        losses.append(metrics["loss"])
+    return dict(stats.count), torch.stack(losses), {p.dtype for p in params.values()}
+
+
+def test_mixed_precision_computes_in_bf16_with_fp32_params() -> None:
+    """Blocks compute in bf16 from the whole fp32 params (no all-gather in the forward),
+    grads are reduced in fp32, and the losses are ZeRO-3's in the same precision."""
+    zero3 = run_on_ranks(_mixed_rank, 2, "params")[0]
+    for shard in ZERO.values():
+        count, losses, dtypes = run_on_ranks(_mixed_rank, 2, shard)[0]
+        assert dtypes == {torch.float32}
+        assert count[("all_gather", "fsdp")] == 1  # the updated params, once
+        torch.testing.assert_close(losses, zero3[1], rtol=1e-5, atol=0)
+
+
+def test_bad_shard_and_missing_axis_are_refused() -> None:
+    mesh = d9d.make_mesh("cpu", fsdp=1)
+    with pytest.raises(PlanError, match=r"shard='zero2'.*'grads' \(ZeRO-2"):
+        d9d.shard_params(mesh, shard="zero2")
+    with pytest.raises(PlanError, match=r"shard='opt_state'\) shards over axis=, but axis=None"):
+        d9d.shard_params(mesh, None, replicate_axis="fsdp", shard="opt_state")
+
+
+def _jit_rank():
+    step, params, state = _placed("grads")
+    step = d9d.jit(step)
+    with pytest.raises(PlanError, match=r"\(ZeRO-1/2\) runs eagerly"):
+        step(params, state, step.shard_batch(batches(256)[0]))
+
+
+def test_jit_is_refused() -> None:
+    run_on_ranks(_jit_rank, 2)
+
+
+def _pipeline_rank():
+    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
+    model, opt = llama()(), optimizer()
+    step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
+    step = d9d.shard_params(mesh, shard="opt_state")(step)
+    with pytest.raises(PlanError, match=r"does not compose with pipeline yet"):
+        step.place(model.params, opt.init(model.params), model=model)
+
+
+def test_pipeline_is_refused() -> None:
+    run_on_ranks(_pipeline_rank, 4)
