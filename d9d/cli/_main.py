@@ -200,6 +200,15 @@ def _parser() -> argparse.ArgumentParser:
         "optimizer state (shard_params' param_dtype) (default %(default)s)",
     )
     run.add_argument(
+        "--zero",
+        type=int,
+        choices=(1, 2, 3),
+        default=defaults.zero,
+        help="under torchrun, what --fsdp shards: 3 params, grads and optimizer state "
+        "(FSDP); 2 grads and optimizer state; 1 optimizer state only (shard_params' shard=) "
+        "(default %(default)s)",
+    )
+    run.add_argument(
         "--opt-state-dtype",
         choices=("float32", "bfloat16"),
         default=defaults.opt_state_dtype,
@@ -351,6 +360,14 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="pipeline microbatches per step with --pp (default: 2 x pp)",
+    )
+    show.add_argument(
+        "--zero",
+        type=int,
+        choices=(1, 2, 3),
+        default=3,
+        help="what --fsdp shards, as d9d train takes it: 3 params, grads and optimizer "
+        "state; 2 grads and optimizer state; 1 optimizer state only (default %(default)s)",
     )
     show.add_argument(
         "--opt-state-dtype",

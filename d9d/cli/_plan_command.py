@@ -58,6 +58,7 @@ def show_plan(
     schedule: str = "1f1b",
     microbatches: int | None = None,
     opt_state_dtype: str = "float32",
+    zero: int = 3,
     max_rows: int | None = 24,
 ) -> str:
     """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
@@ -78,6 +79,8 @@ def show_plan(
         microbatches: Pipeline microbatches per step with ``pp`` (default ``2 * pp``).
         opt_state_dtype: AdamW's moments' dtype, ``"float32"`` or ``"bfloat16"`` (``d9d
             train --opt-state-dtype``).
+        zero: What ``fsdp`` shards (``d9d train --zero``): 3 params, grads and optimizer
+            state; 2 grads and optimizer state; 1 optimizer state only.
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
@@ -113,7 +116,7 @@ def show_plan(
             )
             seq = min(4096, longest or 4096)
         step, opt = _step(
-            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype
+            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype, zero
         )
         params, state = step.place(functional.params, opt.init(functional.params), model=functional)
         memory = step.memory(params, state)
@@ -154,7 +157,8 @@ def show_plan(
         title,
         render_plan(plan, title="", max_rows=max_rows),
         "memory on rank 0 (AdamW, float32"
-        + ("):" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments):"),
+        + ("" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments")
+        + ("):" if zero == 3 or sizes["fsdp"] == 1 else f", ZeRO-{zero} over fsdp):"),
         f"  params       {human(memory.params):>12}",
         f"  grads        {human(memory.grads):>12}",
         f"  optimizer    {human(memory.opt_state):>12}",
@@ -199,6 +203,7 @@ def _step(
     schedule: str,
     microbatches: int,
     opt_state_dtype: str = "float32",
+    zero: int = 3,
     *,
     split: tuple[str, ...] | None = None,
 ) -> tuple[Any, Any]:
@@ -211,6 +216,7 @@ def _step(
         schedule=schedule,
         microbatches=microbatches,
         opt_state_dtype=opt_state_dtype,
+        zero=zero,
         **sizes,
     )
     opt = _optimizer(config)

@@ -47,7 +47,7 @@ from ._train_eval import Evaluator, split_held_out
 from ._train_log import MetricsLog
 from ._train_metrics import SpeedMeter, peak_memory
 from ._train_out import check_fresh_out
-from ._train_precision import opt_state_dtype, shard_options
+from ._train_precision import ZERO_SHARDS, opt_state_dtype, shard_options
 from ._train_preempt import Preemption
 from ._train_profile import StepProfiler
 from ._train_progress import TrainProgress
@@ -271,6 +271,8 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     if "dp" in axes or "fsdp" in axes:
         shard_axis = "fsdp" if "fsdp" in axes else None
         replicate_axis = "dp" if "dp" in axes else None
+        if shard_axis is not None:
+            options["shard"] = ZERO_SHARDS[config.zero]
         step = shard_params(mesh, shard_axis, replicate_axis=replicate_axis, **options)(step)
     if sizes["tp"] > 1:
         step = tensor_parallel(mesh)(step)
