@@ -125,7 +125,7 @@ def show_plan(
         layout = _pipeline_layout(step)
         measured = _measure(
             functional, step, params, state, data, config, model, preset, hf_config,
-            sizes, remat, schedule, chunks,
+            sizes, remat, schedule, chunks, zero=zero,
         )  # fmt: skip
         if measured.comms is not None:
             comms = render_comms(measured.comms)
@@ -286,6 +286,8 @@ def _measure(
     remat: str,
     schedule: str,
     microbatches: int,
+    *,
+    zero: int = 3,
 ) -> DryRun:
     """The collectives of one step on rank 0 and the bytes its forward keeps: measured on
     the model itself, or, past a few blocks, on two small ones and extrapolated
@@ -299,7 +301,7 @@ def _measure(
             return dry_run(step, params, state, batch)
         return _per_block(
             config, model, preset, sizes, remat, schedule, microbatches, batch,
-            hf_config=hf_config, n_layers=n_layers, known=step,
+            hf_config=hf_config, n_layers=n_layers, known=step, zero=zero,
         )  # fmt: skip
     held = {s: layout.split.blocks[s][1] - layout.split.blocks[s][0] for s in layout.local_stages}
     # The small models have one block a stage, then grow one: an MoE's first block may be
@@ -309,7 +311,7 @@ def _measure(
         return dry_run(step, params, state, batch)
     return _per_block(
         config, model, preset, sizes, remat, schedule, microbatches, batch,
-        hf_config=hf_config, pipeline=held, known=step,
+        hf_config=hf_config, pipeline=held, known=step, zero=zero,
     )  # fmt: skip
 
 
@@ -341,6 +343,7 @@ def _per_block(
     n_layers: int | None = None,
     pipeline: dict[int, int] | None = None,
     known: TransformedStep | None = None,
+    zero: int = 3,
 ) -> DryRun:
     """The collectives of the whole model, and the bytes its forward keeps, from steps of
     ``base`` and ``base + 1`` blocks: every further block is identical, so moves and keeps
@@ -356,7 +359,7 @@ def _per_block(
     how many blocks a stage holds.
 
     ``n_layers``: the model's blocks (default ``config.n_layers``). ``known``: a step built
-    before these on the same mesh layout (``dry_run``)."""
+    before these on the same mesh layout (``dry_run``). ``zero``: ``d9d train --zero``."""
     if pipeline is None:
         base = _base_blocks(config)
         total = n_layers if n_layers is not None else config.n_layers
@@ -372,7 +375,7 @@ def _per_block(
             paths = [b.path for b in small.structure.blocks]  # in stage ``grown``
             split = tuple(paths[i + (grown is not None and i > grown)] for i in range(1, blocks))
         step, opt = _step(
-            small, sizes, model, hf_config, remat, schedule, microbatches, split=split
+            small, sizes, model, hf_config, remat, schedule, microbatches, zero=zero, split=split
         )
         params, state = step.place(small.params, opt.init(small.params), model=small)
         run = dry_run(step, params, state, batch, known=labels)

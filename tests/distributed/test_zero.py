@@ -7,7 +7,15 @@ import functools
 
 import pytest
 import torch
-from equivalence import assert_equivalent, batches, llama, optimizer, reference, train_step
+from equivalence import (
+    assert_equivalent,
+    batches,
+    hf_llama,
+    llama,
+    optimizer,
+    reference,
+    train_step,
+)
 from torch.distributed.tensor import Replicate, Shard
 
 import d9d
@@ -56,6 +64,26 @@ def test_equals_one_device(zero: str, layout: str) -> None:
         _reference(),
         dtype=torch.float64,
     )
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_uneven_shards_equal_one_device(zero: str) -> None:
+    """A Hugging Face Llama of vocab 97: its embedding and head split 49 + 48 rows (padded
+    in the reduce-scatter and in the all-gather of the updates)."""
+    build = hf_llama(torch.float64)
+    assert_equivalent(
+        build,
+        lambda mesh: LAYOUTS["fsdp=2"][1](mesh, ZERO[zero]),
+        {"fsdp": 2},
+        batches(97),
+        _hf_reference(),
+        dtype=torch.float64,
+    )
+
+
+@functools.cache
+def _hf_reference():
+    return reference(hf_llama(torch.float64), batches(97))
 
 
 def _grads_rank(mesh_axes: dict[str, int], shard: str, microbatches: int, batch: dict):
@@ -119,11 +147,11 @@ def _memory_and_comms(shard: str):
 def test_memory_and_communication_per_rank_are_exact() -> None:
     """Tiny Llama (float32, every dim 0 even): Ψ params of 4 bytes, AdamW's two moments.
     Per rank: ZeRO-3 all three sharded; ZeRO-2 params whole; ZeRO-1 params and grads whole;
-    the moments always sharded. ZeRO-2 reduce-scatters each grad and all-gathers the updated
-    params in one collective; ZeRO-1 all-reduces each grad instead of reduce-scattering it."""
+    the moments always sharded. ZeRO-2 reduce-scatters the grads of each block in one
+    collective, as ZeRO-3 does, and all-gathers the updated params in one; ZeRO-1 all-reduces
+    the grads instead."""
     model = llama()()
     psi = sum(p.numel() for p in model.params.values())
-    n = len(model.params)
     whole, half = 4 * psi, 4 * psi // 2
     whole_shapes = sorted(tuple(p.shape) for p in model.params.values())
     half_shapes = sorted((p.shape[0] // 2, *p.shape[1:]) for p in model.params.values())
@@ -139,12 +167,13 @@ def test_memory_and_communication_per_rank_are_exact() -> None:
                 continue
             assert count[("all_gather", "fsdp")] == 1
             assert nbytes[("all_gather", "fsdp")] == whole
-    zero2, zero1 = results["grads"][0], results["opt_state"][0]
-    assert zero2[2][("reduce_scatter", "fsdp")] == n
-    assert zero2[3][("reduce_scatter", "fsdp")] == whole
+    zero3, zero2, zero1 = (results[s][0] for s in ("params", "grads", "opt_state"))
+    units = 1 + 2  # the params outside blocks, then each block: one reduction each
+    assert zero2[2][("reduce_scatter", "fsdp")] == zero3[2][("reduce_scatter", "fsdp")] == units
+    assert zero2[3][("reduce_scatter", "fsdp")] == zero3[3][("reduce_scatter", "fsdp")] == whole
     assert ("reduce_scatter", "fsdp") not in zero1[2]
     # the rest of the all-reduces (the loss's token count, the clipping norm) are alike
-    assert zero1[2][("all_reduce", "fsdp")] == zero2[2][("all_reduce", "fsdp")] + n
+    assert zero1[2][("all_reduce", "fsdp")] == zero2[2][("all_reduce", "fsdp")] + units
     assert zero1[3][("all_reduce", "fsdp")] == zero2[3][("all_reduce", "fsdp")] + whole
 
 

@@ -5,8 +5,9 @@ and its optimizer state is kept ``Shard(dim)``. The step body sees each param as
 optimizer state is laid out (this rank's slice of the stored param, taken with no
 communication: :meth:`Zero.enter_step`), so the user's unchanged ``grads -> opt.update ->
 apply_updates`` runs on shards. The forward computes with the whole stored param
-(:func:`gather_whole`: no all-gather); its grad comes back to the slice, reduce-scattered
-(ZeRO-2) or all-reduced and then sliced (ZeRO-1). When the body returns, the updated shards
+(no all-gather); its grad comes back to the slice, reduce-scattered
+(ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
+(:mod:`._zero_reduce`). When the body returns, the updated shards
 are all-gathered into whole params, one collective per mesh axis and dtype for the whole
 model (:meth:`Zero.exit_step`).
 """
@@ -17,11 +18,11 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from ..._collectives import coalescible, gather_many, gather_params, local_like, reduce_to
-from ..._context import current
+from ..._collectives import coalescible, gather_many, gather_params
 from ..._plan import ParamPlan, Plan
+from ._zero_reduce import gather_wholes
 
 __all__ = ["Zero", "updates_sharded"]
 
@@ -88,19 +89,37 @@ class Zero:
         return out
 
     def gather(self, paths: list[str], params: Any) -> dict[str, torch.Tensor]:
-        """The compute tensors of ``paths``: a ZeRO param's slice that this step's body was
-        given computes with its whole stored param (no communication); others are gathered
-        from what they are."""
+        """The compute tensors of ``paths``: the slices this step's body was given compute
+        with their whole stored params (no communication; their grads reduced together,
+        :func:`gather_wholes`); others are gathered from what they are."""
         out, rest = {}, []
+        groups: dict[tuple, list[str]] = {}
         for path in paths:
             pair = self.wholes.get(path)
-            if pair is not None and _same_tensor(params[path], pair[0]):
-                out[path] = gather_whole(params[path], pair[1], self.plan.entries[path])
-            else:
+            if pair is None or not _same_tensor(params[path], pair[0]):
                 rest.append(path)
+                continue
+            e = self.plan.entries[path]
+            axis = _sharding_axis(e)
+            kept = isinstance(e.grad_kept[axis], Shard)
+            key = (axis, e.grad[axis], e.reduce_dtype or e.dtype, kept)
+            groups.setdefault(key, []).append(path)
+        for (axis, *_), members in groups.items():
+            views = [params[p] for p in members]
+            wholes = [self.wholes[p][1] for p in members]
+            entries = [self.plan.entries[p] for p in members]
+            gathered = gather_wholes(views, wholes, entries, axis, self.plan.group_names)
+            out.update(zip(members, gathered, strict=True))
         if rest:
             out.update(gather_params(self.plan, rest, params))
         return {p: out[p] for p in paths}
+
+
+def _sharding_axis(entry: ParamPlan) -> int:
+    """The mesh axis over which ``entry``'s optimizer state is sharded and its param not."""
+    return next(
+        i for i, (s, t) in enumerate(zip(entry.storage, entry.state_kept, strict=True)) if s != t
+    )
 
 
 def _gathered_back(entry: ParamPlan) -> ParamPlan:
@@ -115,44 +134,3 @@ def _same_tensor(leaf: Any, view: DTensor) -> bool:
         return False
     mine, theirs = leaf.to_local(), view.to_local()
     return mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape
-
-
-def gather_whole(view: DTensor, whole: DTensor, entry: ParamPlan) -> torch.Tensor:
-    """The local tensor to compute with, from ``whole``, the param ``view`` slices; in the
-    backward the grad goes to ``view``: reduced to ``entry.grad_kept``, then taken to the
-    layout of ``view`` (``entry.state_kept``), unless the step defers reductions."""
-    return _GatherWhole.apply(view, whole, entry)
-
-
-class _GatherWhole(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, view: DTensor, whole: DTensor, entry: ParamPlan) -> torch.Tensor:
-        del view
-        ctx.entry, ctx.mesh = entry, whole.device_mesh
-        ctx.shape, ctx.stride, ctx.dtype = whole.shape, whole.stride(), whole.dtype
-        ctx.reduce_dtype = entry.reduce_dtype or whole.dtype
-        step = current()
-        ctx.defer = step is not None and step.defer_reduction
-        if entry.codec is not None:
-            whole = local_like(entry.codec.encode(whole.to_local()), whole)
-        if tuple(whole.placements) != entry.compute:
-            whole = whole.redistribute(whole.device_mesh, entry.compute)
-        local = whole.to_local()
-        # A new tensor object: autograd gives the output a grad_fn, not the stored param.
-        return local.detach() if entry.codec is None else entry.codec.decode(local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None, None]:
-        entry = ctx.entry
-        local = grad.to(ctx.reduce_dtype)
-        if entry.grad_scale != 1:
-            local = local * entry.grad_scale
-        out = DTensor.from_local(
-            local, ctx.mesh, entry.grad, run_check=False, shape=ctx.shape, stride=ctx.stride
-        )
-        if ctx.defer:  # summed over microbatches, reduced once (``value_and_grad``)
-            return out, None, None
-        out = reduce_to(out, entry.grad_kept)
-        if tuple(out.placements) != entry.state_kept:  # ZeRO-1: this rank's slice
-            out = out.redistribute(ctx.mesh, entry.state_kept)
-        return out.to(ctx.dtype), None, None
