@@ -228,3 +228,18 @@ def _pipeline_rank():
 
 def test_pipeline_is_refused() -> None:
     run_on_ranks(_pipeline_rank, 4)
+
+
+def _unchanged_rank():
+    step, params, state = _placed("grads")
+    evaluate = step.sharing_plan(lambda p, s, b: (p, s, {}))
+    stats = evaluate.comms(params, state, step.shard_batch(batches(256)[0]))
+    after, _, _ = evaluate(params, state, step.shard_batch(batches(256)[0]))
+    return dict(stats.count), all(after[k] is params[k] for k in params)
+
+
+def test_params_returned_unchanged_are_not_gathered() -> None:
+    """A step that returns the slices it was given (an eval step) returns the stored
+    params themselves, with no all-gather."""
+    for count, same in run_on_ranks(_unchanged_rank, 2):
+        assert count == {} and same

@@ -55,12 +55,16 @@ class Zero:
 
     def exit_step(self, params: Any) -> Any:
         """``params`` (as the body returned them) with each ZeRO param all-gathered whole:
-        one all-gather per mesh axis and dtype."""
-        self.wholes = {}
+        one all-gather per mesh axis and dtype; a slice returned as the body was given it
+        (an eval step's) is its stored param again, with no communication."""
+        wholes, self.wholes = self.wholes, {}
         out = dict(params)
         groups: dict[tuple[int, torch.dtype], list[str]] = {}
         for path in self.paths:
             leaf, entry = params[path], self.plan.entries[path]
+            if path in wholes and leaf is wholes[path][0]:
+                out[path] = wholes[path][1]
+                continue
             if tuple(leaf.placements) == entry.storage:
                 continue
             back = _gathered_back(entry)
