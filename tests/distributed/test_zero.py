@@ -4,6 +4,7 @@ their memory and communication per rank, exactly."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import d9d
 from d9d.errors import PlanError
-from d9d.testing import run_on_ranks
+from d9d.testing import assert_trees_all_close, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -243,3 +244,25 @@ def test_params_returned_unchanged_are_not_gathered() -> None:
     params themselves, with no all-gather."""
     for count, same in run_on_ranks(_unchanged_rank, 2):
         assert count == {} and same
+
+
+def _spawned_rank(data: list[dict]):
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model, opt = llama(torch.float64)(), optimizer()
+    step = d9d.shard_params(mesh, shard="grads")(train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params))
+    for batch in data:
+        params, state, _ = step(params, state, step.shard_batch(batch))
+    return hash("layers.0.attn.wq.weight"), {k: v.full_tensor() for k, v in params.items()}
+
+
+def test_processes_with_their_own_string_hashes_agree() -> None:
+    """Spawned ranks draw their own string hash seeds (unless PYTHONHASHSEED is set): the
+    order of the coalesced collectives' buffers must not follow a set's order."""
+    data = batches(256, steps=2)
+    expected = reference(llama(torch.float64), data)[1]
+    ranks = run_on_ranks(_spawned_rank, 2, data, method="spawn", timeout=600)
+    if "PYTHONHASHSEED" not in os.environ:
+        assert ranks[0][0] != ranks[1][0]  # the ranks did hash strings differently
+    for _, params in ranks:
+        assert_trees_all_close(params, expected, rtol=1e-9, atol=1e-12)

@@ -37,7 +37,9 @@ class Zero:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.paths = frozenset(p for p in plan.held if updates_sharded(plan.entries[p]))
+        # In the plan's order, the same on every rank: it orders the gathers' buffers (a
+        # set's order follows the process's string hash seed, which differs between ranks).
+        self.paths = tuple(p for p in plan.held if updates_sharded(plan.entries[p]))
         # {path: (slice the body sees, whole stored param)} while a step runs.
         self.wholes: dict[str, tuple[DTensor, DTensor]] = {}
 
