@@ -266,3 +266,29 @@ def test_processes_with_their_own_string_hashes_agree() -> None:
         assert ranks[0][0] != ranks[1][0]  # the ranks did hash strings differently
     for _, params in ranks:
         assert_trees_all_close(params, expected, rtol=1e-9, atol=1e-12)
+
+
+def _checkpoint_rank(path: str):
+    data = batches(256, steps=2)
+    trained = {}
+    for shard in ("params", "grads"):  # saved under ZeRO-3, restored under ZeRO-2
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model, opt = llama(torch.float64)(), optimizer()
+        step = d9d.shard_params(mesh, shard=shard)(train_step(model, opt))
+        params, state = step.place(model.params, opt.init(model.params))
+        if shard == "params":
+            params, state, _ = step(params, state, step.shard_batch(data[0]))
+            saved = d9d.checkpoint.save(path, {"params": params, "state": state}, step=1).wait()
+        else:
+            restored = d9d.checkpoint.restore(saved, {"params": params, "state": state})
+            params, state = restored["params"], restored["state"]
+        params, state, _ = step(params, state, step.shard_batch(data[1]))
+        trained[shard] = {k: v.full_tensor() for k, v in params.items()}
+    return trained
+
+
+def test_checkpoint_of_zero3_resumes_under_zero2(tmp_path) -> None:
+    """The checkpoint restores into ZeRO-2's layout (params whole, state sharded), and the
+    next step equals the one ZeRO-3 takes."""
+    for trained in run_on_ranks(_checkpoint_rank, 2, str(tmp_path / "ckpt")):
+        assert_trees_all_close(trained["grads"], trained["params"], rtol=1e-9, atol=1e-12)
