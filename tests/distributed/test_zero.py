@@ -292,3 +292,25 @@ def test_checkpoint_of_zero3_resumes_under_zero2(tmp_path) -> None:
     next step equals the one ZeRO-3 takes."""
     for trained in run_on_ranks(_checkpoint_rank, 2, str(tmp_path / "ckpt")):
         assert_trees_all_close(trained["grads"], trained["params"], rtol=1e-9, atol=1e-12)
+
+
+def _hsdp_rank(shard: str):
+    mesh = d9d.make_mesh("cpu", dp=2, fsdp=2)
+    model, opt = llama()(), optimizer()
+    step = d9d.shard_params(mesh, "fsdp", "dp", shard=shard)(train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params))
+    stats = step.comms(params, state, step.shard_batch(batches(256)[0]))
+    return dict(stats.count), dict(stats.bytes)
+
+
+def test_hsdp_reduces_each_block_over_dp_in_one_all_reduce() -> None:
+    """dp=2 x fsdp=2: ZeRO-2 reduce-scatters a block's grads over fsdp and all-reduces the
+    shards over dp in one collective each, as ZeRO-3 does (the same counts and bytes); its
+    updated params are all-gathered once over fsdp."""
+    (zero3_count, zero3_bytes), *_ = run_on_ranks(_hsdp_rank, 4, "params")
+    (count, nbytes), *_ = run_on_ranks(_hsdp_rank, 4, "grads")
+    for key in (("reduce_scatter", "fsdp"), ("all_reduce", "dp")):
+        assert (count[key], nbytes[key]) == (zero3_count[key], zero3_bytes[key]), key
+    assert count[("reduce_scatter", "fsdp")] == 1 + 2
+    assert count[("all_gather", "fsdp")] == 1
+    assert ("all_gather", "dp") not in count
