@@ -136,13 +136,17 @@ def _memory_and_comms(shard: str):
     step, params, state = _placed(shard)
     memory = step.memory(params, state)
     stats = step.comms(params, state, step.shard_batch(batches(256)[0]))
+    table = str(step.plan).splitlines()
+    row = next(line for line in table if "layers.0.attn.wq.weight" in line)
+    header = next(line for line in table if "path" in line)
+    column = ("zero" in header, "ZeRO-" in row)
     leaves = d9d.tree.leaves(state)
     counters = sum(x.numel() * x.element_size() for x in leaves if x.ndim == 0)
     shapes = {
         "params": sorted(tuple(v.to_local().shape) for v in params.values()),
         "state": sorted(tuple(x.to_local().shape) for x in leaves if x.ndim),
     }
-    return memory, counters, dict(stats.count), dict(stats.bytes), shapes
+    return memory, counters, dict(stats.count), dict(stats.bytes), shapes, column, row
 
 
 def test_memory_and_communication_per_rank_are_exact() -> None:
@@ -159,7 +163,10 @@ def test_memory_and_communication_per_rank_are_exact() -> None:
     results = {s: run_on_ranks(_memory_and_comms, 2, s) for s in ("params", "grads", "opt_state")}
     expected = {"params": (half, half), "grads": (whole, half), "opt_state": (whole, whole)}
     for shard, ranks in results.items():
-        for memory, counters, count, nbytes, shapes in ranks:
+        for memory, counters, count, nbytes, shapes, column, row in ranks:
+            assert column == (shard != "params",) * 2  # the plan's zero column
+            if shard != "params":
+                assert f"ZeRO-{1 if shard == 'opt_state' else 2}" in row
             assert (memory.params, memory.grads) == expected[shard]
             assert memory.opt_state == 2 * half + counters
             assert shapes["params"] == (half_shapes if shard == "params" else whole_shapes)

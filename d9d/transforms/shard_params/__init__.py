@@ -5,7 +5,8 @@ body shards of params stored whole and gathers their updates back."""
 
 from ._runtime import ShardParamsRuntime as ShardParamsRuntime
 from ._schedule import Schedule as Schedule
+from ._stage import ZeroStage as ZeroStage
 from ._transform import ShardParams as ShardParams
 from ._transform import shard_params as shard_params
 
-__all__ = ["Schedule", "ShardParams", "ShardParamsRuntime", "shard_params"]
+__all__ = ["Schedule", "ShardParams", "ShardParamsRuntime", "ZeroStage", "shard_params"]

@@ -25,6 +25,7 @@ from ..._transform import Transform
 from ...errors import PlanError
 from ._runtime import ShardParamsRuntime
 from ._schedule import Schedule
+from ._stage import ZeroStage
 
 SHARDED = ("params", "grads", "opt_state")
 """What ``shard=`` may shard beyond the optimizer state, widest first (ZeRO-3, -2, -1)."""
@@ -168,7 +169,8 @@ class ShardParams(Transform):
         )
         state = _set(entry.state_kept, index, Shard(dim))
         grad_kept = state if self.shard == "grads" else entry.grad_kept
-        return replace(entry, state=state, grad_storage=grad_kept)
+        stage = ZeroStage(2 if self.shard == "grads" else 1)
+        return replace(entry, state=state, grad_storage=grad_kept).annotate(stage)
 
 
 def _set(placements: tuple[Placement, ...], index: int, value: Placement) -> tuple[Placement, ...]:
