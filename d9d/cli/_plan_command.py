@@ -92,7 +92,7 @@ def show_plan(
         ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
             not multiply to ``world``, ``ep > 1`` without ``model="moe"``, an unknown ``model``, ``preset`` or
             ``remat``, a dim that does not split, or a schedule that cannot run
-            ``microbatches``.
+            ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -101,6 +101,8 @@ def show_plan(
     sizes = _check(
         model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
     )
+    if zero != 3 and sizes["fsdp"] == 1:
+        raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     for name, value in (("batch", batch), ("seq", seq), ("microbatches", microbatches)):
         if name != "batch" and value is None:
             continue

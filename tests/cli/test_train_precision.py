@@ -92,6 +92,8 @@ def test_plan_shows_the_bytes_of_each_zero_stage() -> None:
         value = {line.split()[0]: line.split()[-2:] for line in lines if line.startswith("  ")}
         assert (value["params"], value["grads"]) == (params, grads)
         assert value["optimizer"] == human(8 * n // 2 + 20).split()
+    with pytest.raises(ValueError, match=r"--zero 2 shards over --fsdp, which is 1 here"):
+        show_plan("tiny", tp=2, zero=2)
 
 
 def test_plan_shows_the_optimizer_state_of_bfloat16_moments() -> None:
