@@ -11,9 +11,12 @@ import torch
 
 from ._config import TrainConfig
 
-__all__ = ["opt_state_dtype", "shard_options"]
+__all__ = ["ZERO_SHARDS", "opt_state_dtype", "shard_options"]
 
 _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+ZERO_SHARDS = {1: "opt_state", 2: "grads", 3: "params"}
+"""``--zero N``: ``shard_params``' ``shard=`` over ``--fsdp``."""
 
 
 def shard_options(config: TrainConfig) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from ..transforms import (
 )
 from ..transforms.pipeline import SCHEDULES
 from ._config import TrainConfig
-from ._precision import opt_state_dtype, shard_options
+from ._precision import ZERO_SHARDS, opt_state_dtype, shard_options
 
 __all__ = ["make_train_step"]
 
@@ -103,6 +103,11 @@ _AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
 def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     """``step`` under the transforms of the job's ``pp x dp x fsdp x cp x tp`` mesh (``fsdp``:
     the ranks the others leave), or as it is outside a job."""
+    if config.zero != 3 and not dist.is_initialized():
+        raise ValueError(
+            f"--zero {config.zero} shards over --fsdp ranks, and this is one process: launch "
+            "with `torchrun --nproc-per-node N -m d9d train ...`, or drop --zero"
+        )
     if not dist.is_initialized():
         return step
     world = dist.get_world_size()
@@ -121,10 +126,17 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     options = shard_options(config)
     if options and not {"dp", "fsdp"} & set(axes):
         axes["fsdp"] = 1  # shard_params' precision and accumulation, over one rank
+    if config.zero != 3 and "fsdp" not in axes:
+        raise ValueError(
+            f"--zero {config.zero} shards over --fsdp, which is 1 here; give --fsdp more "
+            "ranks, or drop --zero"
+        )
     mesh = make_mesh(**(axes or {"fsdp": 1}))
     if "dp" in axes or "fsdp" in axes:
         shard_axis = "fsdp" if "fsdp" in axes else None
         replicate_axis = "dp" if "dp" in axes else None
+        if shard_axis is not None:
+            options["shard"] = ZERO_SHARDS[config.zero]
         step = shard_params(mesh, shard_axis, replicate_axis=replicate_axis, **options)(step)
     if sizes["tp"] > 1:
         step = tensor_parallel(mesh)(step)

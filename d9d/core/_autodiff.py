@@ -235,13 +235,19 @@ def _check_value(value: Any, *, has_aux: bool) -> None:
 def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Plan | None) -> torch.Tensor:
     """The grad laid out like its param: a ``Partial`` DTensor grad is reduced here.
 
-    Under a plan the param's placements are the plan's (checked before the step), and those
-    are read from the plan: reading them from the param would make ``jit`` guard on the
-    identity of the param's placement objects, which each step's update creates anew.
+    Under a plan the step body sees a param laid out as its optimizer state is kept
+    (``state_kept``: ZeRO-1/2 update a shard of a param stored whole); its grad is reduced
+    to where the plan keeps it (``grad_kept``), then taken to that layout (from a whole
+    grad, this rank's slice: no communication). Those placements are read from the plan:
+    reading them from the param would make ``jit`` guard on the identity of the param's
+    placement objects, which each step's update creates anew.
     """
     if isinstance(grad, DTensor):
         entry = plan.entries.get(path) if plan is not None else None
-        placements = entry.storage if entry is not None else tuple(param.placements)
+        placements = entry.state_kept if entry is not None else tuple(param.placements)
         if tuple(grad.placements) != placements:
-            grad = reduce_to(grad, placements)
+            kept = entry.grad_kept if entry is not None else placements
+            grad = reduce_to(grad, kept)
+            if tuple(grad.placements) != placements:
+                grad = grad.redistribute(grad.device_mesh, placements)
     return grad.to(param.dtype)

@@ -13,7 +13,8 @@ reads what the phases before it decided:
    block interceptions of phases 1 and 2 prepared (``pipeline``);
 4. ``COMPUTE_FORM``: what a stored shard becomes when it is gathered and computed with, and
    what comes back to it (a gather codec, a grad scale, the optimizer state's placement and
-   device): it reads the final storage (``fp8`` and ZeRO variants belong here);
+   device): it reads the final storage (``fp8`` belongs here; ``shard_params``' own
+   ZeRO-1/2 placements are set by its phase-2 rule);
 5. ``RECOMPUTATION``: blocks run again as all the others run them (``remat``).
 
 A new transform picks its phase; no other transform's file changes.

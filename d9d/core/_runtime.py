@@ -1,9 +1,11 @@
 """The runtime protocol: how a transform takes part in one step's execution.
 
 A transform's :meth:`~d9d.transforms.Transform.runtime` may return a :class:`Runtime`. The
-core calls every runtime, in transform order, at four places and never names a transform:
+core calls every runtime, in transform order, at these places and never names a transform:
 
 - on the batch, before the step body runs (:meth:`Runtime.on_batch`);
+- on the params, as the step body sees them and as the step returns them
+  (:meth:`Runtime.enter_step`, :meth:`Runtime.exit_step`);
 - around differentiation: one runtime may drive ``d9d.value_and_grad`` itself (microbatch
   accumulation, the pipeline executor), given a :class:`Differentiation`;
 - around ``Model.apply``: :meth:`Runtime.enter_apply` sees the :class:`ApplyCall` before the
@@ -298,6 +300,15 @@ class Runtime:
     def on_batch(self, batch: Any) -> Any:
         """The batch the step body sees (this rank's part of it)."""
         return batch
+
+    def enter_step(self, params: Any) -> Any:
+        """The params the step body sees, from those the step was called with (as stored):
+        each laid out as the plan keeps its optimizer state, where the update runs."""
+        return params
+
+    def exit_step(self, params: Any) -> Any:
+        """The params the step returns, from those its body returned: laid out as stored."""
+        return params
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         """``(value, aux, grads)`` of ``job``; grads are laid out as the params are stored."""

@@ -305,7 +305,10 @@ class TransformedStep:
         graph)."""
         for runtime in self._runtimes:
             batch = runtime.on_batch(batch)
+            params = runtime.enter_step(params)
         params, opt_state, metrics = self.fn(params, opt_state, batch)
+        for runtime in reversed(self._runtimes):
+            params = runtime.exit_step(params)
         return params, opt_state, self._mean_over_ranks(metrics)
 
     def _mean_over_ranks(self, metrics: Any) -> Any:

@@ -48,6 +48,8 @@ def _one_process(model: str) -> list[float]:
         {"dp": 2, "tp": 2},
         {"model": "moe", "tp": 2},  # sequence parallel: each rank routes half of each sequence
         {"model": "moe", "ep": 2},  # 3 of the 6 experts per rank
+        {"fsdp": 2, "zero": 2},  # grads and optimizer state sharded, params whole
+        {"dp": 2, "fsdp": 2, "zero": 1},  # optimizer state sharded over fsdp
     ],
     ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()),
 )
@@ -82,6 +84,19 @@ def test_layout_must_fill_the_job(tmp_path: Path) -> None:
 def test_jit_and_pipeline_are_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--jit does not compile a pipeline step"):
         _losses(tmp_path, pp=2, jit=True)
+
+
+def test_zero_below_3_with_jit_or_pipeline_is_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--zero 2 runs eagerly .*; drop --jit or use --zero 3"):
+        _losses(tmp_path, zero=2, jit=True)
+    with pytest.raises(ValueError, match=r"--zero 1 runs eagerly .*; drop --pp or use --zero 3"):
+        _losses(tmp_path, zero=1, pp=2)
+    with pytest.raises(ValueError, match=r"--zero must be 1, 2 or 3, got 4"):
+        _losses(tmp_path, zero=4)
+    with pytest.raises(ValueError, match=r"--zero 2 shards over --fsdp ranks, and this is one"):
+        _losses(tmp_path, zero=2)
+    with pytest.raises(RankFailedError, match=r"--zero 1 shards over --fsdp, which is 1 here"):
+        run_on_ranks(_losses, 2, tmp_path, dp=2, zero=1)
 
 
 def test_ep_without_moe_and_ep_with_jit_are_refused_before_training(tmp_path: Path) -> None:

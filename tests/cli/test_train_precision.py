@@ -75,6 +75,27 @@ def test_opt_state_dtype_stores_bfloat16_moments(tmp_path: Path) -> None:
     assert moments == {"bfloat16"} and params == {"float32"}
 
 
+def test_plan_shows_the_bytes_of_each_zero_stage() -> None:
+    """``d9d plan --zero N`` over fsdp=2, tiny Llama (Ψ params, float32, AdamW): params,
+    grads and optimizer state per rank, sharded as each stage shards them."""
+    from d9d.cli.plan._report import human
+    from d9d.cli.plan._show import show_plan
+    from d9d.models import LlamaConfig
+
+    n = LlamaConfig.tiny().num_params
+    whole, half = human(4 * n).split(), human(4 * n // 2).split()
+    expected = {3: (half, half), 2: (whole, half), 1: (whole, whole)}
+    for zero, (params, grads) in expected.items():
+        lines = show_plan("tiny", fsdp=2, seq=64, max_rows=2, zero=zero).splitlines()
+        head = next(line for line in lines if line.startswith("memory on rank 0"))
+        assert head.endswith("):" if zero == 3 else f", ZeRO-{zero} over fsdp):")
+        value = {line.split()[0]: line.split()[-2:] for line in lines if line.startswith("  ")}
+        assert (value["params"], value["grads"]) == (params, grads)
+        assert value["optimizer"] == human(8 * n // 2 + 20).split()
+    with pytest.raises(ValueError, match=r"--zero 2 shards over --fsdp, which is 1 here"):
+        show_plan("tiny", tp=2, zero=2)
+
+
 def test_plan_shows_the_optimizer_state_of_bfloat16_moments() -> None:
     """``d9d plan --opt-state-dtype bfloat16``: the optimizer line is 4 bytes a param over
     fsdp=2 (plus adam's and the schedule's counters: 8 + 8 + 4 bytes), not 8."""

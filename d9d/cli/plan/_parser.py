@@ -71,6 +71,14 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_microbatches(show)
     show.add_argument(
+        "--zero",
+        type=int,
+        choices=(1, 2, 3),
+        default=3,
+        help="what --fsdp shards, as d9d train takes it: 3 params, grads and optimizer "
+        "state; 2 grads and optimizer state; 1 optimizer state only (default %(default)s)",
+    )
+    show.add_argument(
         "--opt-state-dtype",
         choices=("float32", "bfloat16"),
         default="float32",

@@ -59,6 +59,7 @@ def show_plan(
     schedule: str = "1f1b",
     microbatches: int | None = None,
     opt_state_dtype: str = "float32",
+    zero: int = 3,
     max_rows: int | None = 24,
 ) -> str:
     """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
@@ -79,6 +80,8 @@ def show_plan(
         microbatches: Pipeline microbatches per step with ``pp`` (default ``2 * pp``).
         opt_state_dtype: AdamW's moments' dtype, ``"float32"`` or ``"bfloat16"`` (``d9d
             train --opt-state-dtype``).
+        zero: What ``fsdp`` shards (``d9d train --zero``): 3 params, grads and optimizer
+            state; 2 grads and optimizer state; 1 optimizer state only.
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
@@ -90,7 +93,7 @@ def show_plan(
         ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
             not multiply to ``world``, ``ep > 1`` without ``model="moe"``, an unknown ``model``, ``preset`` or
             ``remat``, a dim that does not split, or a schedule that cannot run
-            ``microbatches``.
+            ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -99,6 +102,8 @@ def show_plan(
     sizes = _check(
         model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
     )
+    if zero != 3 and sizes["fsdp"] == 1:
+        raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     for name, value in (("batch", batch), ("seq", seq), ("microbatches", microbatches)):
         if name != "batch" and value is None:
             continue
@@ -114,7 +119,7 @@ def show_plan(
             )
             seq = min(4096, longest or 4096)
         step, opt = _step(
-            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype
+            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype, zero
         )
         params, state = step.place(functional.params, opt.init(functional.params), model=functional)
         memory = step.memory(params, state)
@@ -123,7 +128,7 @@ def show_plan(
         layout = _pipeline_layout(step)
         measured = _measure(
             functional, step, params, state, data, config, model, preset, hf_config,
-            sizes, remat, schedule, chunks,
+            sizes, remat, schedule, chunks, zero=zero,
         )  # fmt: skip
         if measured.comms is not None:
             comms = render_comms(measured.comms)
@@ -155,7 +160,8 @@ def show_plan(
         title,
         render_plan(plan, title="", max_rows=max_rows),
         "memory on rank 0 (AdamW, float32"
-        + ("):" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments):"),
+        + ("" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments")
+        + ("):" if zero == 3 or sizes["fsdp"] == 1 else f", ZeRO-{zero} over fsdp):"),
         f"  params       {human(memory.params):>12}",
         f"  grads        {human(memory.grads):>12}",
         f"  optimizer    {human(memory.opt_state):>12}",
@@ -200,6 +206,7 @@ def _step(
     schedule: str,
     microbatches: int,
     opt_state_dtype: str = "float32",
+    zero: int = 3,
     *,
     split: tuple[str, ...] | None = None,
 ) -> tuple[Any, Any]:
@@ -210,6 +217,7 @@ def _step(
         schedule=schedule,
         microbatches=microbatches,
         opt_state_dtype=opt_state_dtype,
+        zero=zero,
         **sizes,
     )
     opt = _optimizer(config)
@@ -279,6 +287,8 @@ def _measure(
     remat: str,
     schedule: str,
     microbatches: int,
+    *,
+    zero: int = 3,
 ) -> DryRun:
     """The collectives of one step on rank 0 and the bytes its forward keeps: measured on
     the model itself, or, past a few blocks, on two small ones and extrapolated
@@ -292,7 +302,7 @@ def _measure(
             return dry_run(step, params, state, batch)
         return _per_block(
             config, model, preset, sizes, remat, schedule, microbatches, batch,
-            hf_config=hf_config, n_layers=n_layers, known=step,
+            hf_config=hf_config, n_layers=n_layers, known=step, zero=zero,
         )  # fmt: skip
     held = {s: layout.split.blocks[s][1] - layout.split.blocks[s][0] for s in layout.local_stages}
     # The small models have one block a stage, then grow one: an MoE's first block may be
@@ -302,7 +312,7 @@ def _measure(
         return dry_run(step, params, state, batch)
     return _per_block(
         config, model, preset, sizes, remat, schedule, microbatches, batch,
-        hf_config=hf_config, pipeline=held, known=step,
+        hf_config=hf_config, pipeline=held, known=step, zero=zero,
     )  # fmt: skip
 
 
@@ -334,6 +344,7 @@ def _per_block(
     n_layers: int | None = None,
     pipeline: dict[int, int] | None = None,
     known: TransformedStep | None = None,
+    zero: int = 3,
 ) -> DryRun:
     """The collectives of the whole model, and the bytes its forward keeps, from steps of
     ``base`` and ``base + 1`` blocks: every further block is identical, so moves and keeps
@@ -349,7 +360,7 @@ def _per_block(
     how many blocks a stage holds.
 
     ``n_layers``: the model's blocks (default ``config.n_layers``). ``known``: a step built
-    before these on the same mesh layout (``dry_run``)."""
+    before these on the same mesh layout (``dry_run``). ``zero``: ``d9d train --zero``."""
     if pipeline is None:
         base = _base_blocks(config)
         total = n_layers if n_layers is not None else config.n_layers
@@ -365,7 +376,7 @@ def _per_block(
             paths = [b.path for b in small.structure.blocks]  # in stage ``grown``
             split = tuple(paths[i + (grown is not None and i > grown)] for i in range(1, blocks))
         step, opt = _step(
-            small, sizes, model, hf_config, remat, schedule, microbatches, split=split
+            small, sizes, model, hf_config, remat, schedule, microbatches, zero=zero, split=split
         )
         params, state = step.place(small.params, opt.init(small.params), model=small)
         run = dry_run(step, params, state, batch, known=labels)

@@ -35,6 +35,14 @@ def check_flags(config: TrainConfig) -> None:
             "--grad-accum does not combine with --pp: a pipeline step already accumulates its "
             "--microbatches; drop --grad-accum and pass --microbatches"
         )
+    if config.zero not in (1, 2, 3):
+        raise ValueError(f"--zero must be 1, 2 or 3, got {config.zero!r}")
+    if config.zero != 3 and (config.jit or (config.pp or 1) > 1):
+        flag = "--jit" if config.jit else "--pp"
+        raise ValueError(
+            f"--zero {config.zero} runs eagerly and without a pipeline for now; drop {flag} "
+            "or use --zero 3"
+        )
     if config.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {config.dtype!r}")
     if config.model not in ("llama", "moe"):

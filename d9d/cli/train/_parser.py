@@ -149,6 +149,15 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         "optimizer state (shard_params' param_dtype) (default %(default)s)",
     )
     run.add_argument(
+        "--zero",
+        type=int,
+        choices=(1, 2, 3),
+        default=defaults.zero,
+        help="under torchrun, what --fsdp shards: 3 params, grads and optimizer state "
+        "(FSDP); 2 grads and optimizer state; 1 optimizer state only (shard_params' shard=) "
+        "(default %(default)s)",
+    )
+    run.add_argument(
         "--opt-state-dtype",
         choices=("float32", "bfloat16"),
         default=defaults.opt_state_dtype,

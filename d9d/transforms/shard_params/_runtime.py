@@ -11,7 +11,9 @@ schedules the collectives and decides what to save):
   autograd saves and gather them again in the backward, issuing the gather of the block
   before early (:mod:`._regather`).
 
-With ``microbatches > 1`` it drives ``d9d.value_and_grad`` (:mod:`._accumulate`).
+With ``microbatches > 1`` it drives ``d9d.value_and_grad`` (:mod:`._accumulate`). Under
+ZeRO-1/2 the step body sees slices of params stored whole, and their updates are gathered
+back when it returns (:mod:`._zero`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ._accumulate import accumulate
 from ._prefetch import ForwardPrefetch
 from ._regather import Regather
 from ._schedule import schedule_of
+from ._zero import Zero
 
 __all__ = ["ShardParamsRuntime"]
 
@@ -37,12 +40,29 @@ class ShardParamsRuntime(Runtime):
 
     def __init__(self, plan: Plan, microbatches: int) -> None:
         self.microbatches = microbatches
+        zero = Zero(plan)
+        self.zero = zero if zero.paths else None
         self.drives_differentiation = microbatches > 1
         schedules = {p: schedule_of(plan.entries[p]) for p in plan.held}
         # Read once here: the gathers ask per param and per call.
         self.again = frozenset(p for p, s in schedules.items() if s.regather)
         self.early = frozenset(p for p, s in schedules.items() if s.prefetch)
         self.regathers = any(plan.entries[p].compute != plan.entries[p].storage for p in self.again)
+
+    def enter_step(self, params: Any) -> Any:
+        return params if self.zero is None else self.zero.enter_step(params)
+
+    def exit_step(self, params: Any) -> Any:
+        return params if self.zero is None else self.zero.exit_step(params)
+
+    def jit_refusal(self) -> str | None:
+        if self.zero is None:
+            return None
+        return (
+            "shard_params(shard='opt_state' | 'grads') (ZeRO-1/2) runs eagerly: its step "
+            "body's param slices and the all-gather of the updates are not traced yet; use "
+            "shard='params' (ZeRO-3) under d9d.jit, or drop d9d.jit"
+        )
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         return accumulate(job, self.microbatches)
@@ -53,7 +73,7 @@ class ShardParamsRuntime(Runtime):
         regather = (
             Regather(call.plan, call.params, self.again, self.early) if self.regathers else None
         )
-        boundary = _Boundary(call, regather, self.early)
+        boundary = _Boundary(call, regather, self.early, self.zero)
         call.state[self] = boundary
         call.gather = boundary.gather
         if boundary.regather is not None:
@@ -69,8 +89,15 @@ class ShardParamsRuntime(Runtime):
 class _Boundary:
     """One call's gathers: each unit's, waiting for one issued ahead, issuing the next."""
 
-    def __init__(self, call: ApplyCall, regather: Regather | None, early: frozenset[str]) -> None:
+    def __init__(
+        self,
+        call: ApplyCall,
+        regather: Regather | None,
+        early: frozenset[str],
+        zero: Zero | None,
+    ) -> None:
         self.call = call
+        self.zero = zero
         self.early = early
         self.regather = regather
         self.prefetch: ForwardPrefetch | None = None
@@ -82,6 +109,8 @@ class _Boundary:
         if not self.started:
             self.started = True
             self.prefetch = _forward_prefetch(self.call, self.early)
+        if self.zero is not None:
+            return self.zero.gather(keys, self.call.params)
         prefetch = self.prefetch
         # Taken inline: no frame of this one keeps the issued buffer alive past the gather.
         gathered = gather_params(

@@ -1,10 +1,13 @@
-"""``shard_params``: FSDP (ZeRO-3), HSDP and DDP as a difference of storage and compute layout.
+"""``shard_params``: FSDP (ZeRO-3), ZeRO-1/2, HSDP and DDP as differences of the storage,
+compute, grad and optimizer-state layouts.
 
-A param is stored ``Shard(0)`` on the sharding axis and used ``Replicate``: each block gathers
-its params when it starts and drops them when it ends; the gradient comes back ``Partial`` (each
-rank's batch) and is reduce-scattered to the stored shard. A replicate axis stores and uses the
-param whole and all-reduces its gradient. Both average the gradient over their ranks, so a step
-equals one device fed every rank's batch.
+ZeRO-3: a param is stored ``Shard(0)`` on the sharding axis and used ``Replicate``: each block
+gathers its params when it starts and drops them when it ends; the gradient comes back
+``Partial`` (each rank's batch) and is reduce-scattered to the stored shard. ZeRO-1/2: the
+param is stored and used whole, its optimizer state kept ``Shard(0)``, its grad
+reduce-scattered (ZeRO-2) or all-reduced (ZeRO-1). A replicate axis stores and uses the
+param whole and all-reduces its gradient. All average the gradient over their ranks, so a
+step equals one device fed every rank's batch.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ...core._param_plan import Cast, ParamPlan
 from ...core._phase import Phase
@@ -23,6 +26,10 @@ from ...core._transform import Transform
 from ...errors import PlanError
 from ._runtime import ShardParamsRuntime
 from ._schedule import Schedule
+from ._stage import ZeroStage
+
+SHARDED = ("params", "grads", "opt_state")
+"""What ``shard=`` may shard beyond the optimizer state, widest first (ZeRO-3, -2, -1)."""
 
 if TYPE_CHECKING:
     from ...core._model import Model
@@ -44,8 +51,20 @@ class ShardParams(Transform):
     reduce_dtype: torch.dtype | None = None
     microbatches: int = 1
     prefetch: bool = True
+    shard: str = "params"
 
     def __post_init__(self) -> None:
+        if self.shard not in SHARDED:
+            raise PlanError(
+                f"shard_params got shard={self.shard!r}; choose 'params' (ZeRO-3: params, "
+                "grads and optimizer state sharded), 'grads' (ZeRO-2: grads and optimizer "
+                "state) or 'opt_state' (ZeRO-1: optimizer state only)"
+            )
+        if self.shard != "params" and self.axis is None:
+            raise PlanError(
+                f"shard_params(shard={self.shard!r}) shards over axis=, but axis=None; pass "
+                "the axis to shard over (axis='fsdp')"
+            )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(
                 f"shard_params needs microbatches >= 1, got microbatches={self.microbatches!r}"
@@ -69,7 +88,8 @@ class ShardParams(Transform):
             self._axis_index(self.replicate_axis, "replicate_axis")
 
     def __str__(self) -> str:
-        return f"shard_params(axis={self.axis!r}, replicate_axis={self.replicate_axis!r})"
+        zero = "" if self.shard == "params" else f", shard={self.shard!r}"
+        return f"shard_params(axis={self.axis!r}, replicate_axis={self.replicate_axis!r}{zero})"
 
     def claimed_axes(self) -> tuple[str, ...]:
         return tuple(a for a in (self.replicate_axis, self.axis) if a is not None)
@@ -79,6 +99,11 @@ class ShardParams(Transform):
 
     def runtime(self, plan: Plan, model: Model | None) -> ShardParamsRuntime:
         del model
+        if self.shard != "params" and plan.stage_group is not None:
+            raise PlanError(
+                f"{self} does not compose with pipeline yet: a stage updates its params "
+                "whole, gathered once per step; use shard='params' (ZeRO-3) with pipeline"
+            )
         return ShardParamsRuntime(plan, self.microbatches)
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
@@ -113,6 +138,8 @@ class ShardParams(Transform):
             if rows % size
             else ""
         )
+        if self.shard != "params":
+            return self._zero(entry, index, dim, uneven)
         kept = "" if self.reshard_after_forward else ", kept from the forward to the backward"
         early = " (issued while the block before it runs)" if self.prefetch else ""
         entry = entry.with_axis(
@@ -126,6 +153,29 @@ class ShardParams(Transform):
             ),
         )
         return entry.annotate(Schedule(regather=self.reshard_after_forward, prefetch=self.prefetch))
+
+    def _zero(self, entry: ParamPlan, index: int, dim: int, uneven: str) -> ParamPlan:
+        """ZeRO-1/2: stored and used whole over the axis, optimizer state (and for ZeRO-2
+        the grad) kept ``Shard(dim)``."""
+        grads = "reduce-scattered (mean)" if self.shard == "grads" else "all-reduced (mean)"
+        entry = entry.with_axis(
+            index,
+            storage=Replicate(),
+            compute=Replicate(),
+            grad=Partial("avg"),
+            reason=(
+                f"{self}: whole over {self.axis!r}; optimizer state dim {dim} sharded{uneven}, "
+                f"grads {grads}, the update runs on the shard and is all-gathered once per step"
+            ),
+        )
+        state = _set(entry.state_kept, index, Shard(dim))
+        grad_kept = state if self.shard == "grads" else entry.grad_kept
+        stage = ZeroStage(2 if self.shard == "grads" else 1)
+        return replace(entry, state=state, grad_storage=grad_kept).annotate(stage)
+
+
+def _set(placements: tuple[Placement, ...], index: int, value: Placement) -> tuple[Placement, ...]:
+    return (*placements[:index], value, *placements[index + 1 :])
 
 
 def _free_dim(entry: ParamPlan) -> int:
@@ -144,8 +194,10 @@ def shard_params(
     reduce_dtype: torch.dtype | None = None,
     microbatches: int = 1,
     prefetch: bool = True,
+    shard: str = "params",
 ) -> ShardParams:
-    """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3).
+    """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3), or only
+    grads and optimizer state (ZeRO-2), or only optimizer state (ZeRO-1).
 
     Each param is stored ``Shard(0)`` over ``axis`` (its first dim that ``tensor_parallel``
     does not already shard) and gathered just in time: a block's params
@@ -168,6 +220,16 @@ def shard_params(
     compute as in FSDP2; the same bytes move, and at most one block beyond the running one is
     gathered. Under :func:`d9d.jit` the compiler schedules the collectives.
 
+    ZeRO-1/2 (``shard="opt_state"`` / ``"grads"``): params are stored whole over ``axis``
+    (blocks use them with no all-gather) and the optimizer state is sharded ``Shard(0)``.
+    Grads are reduce-scattered to shards (ZeRO-2) or all-reduced and kept whole (ZeRO-1).
+    The step body sees each param as this rank's shard of it (taken with no communication),
+    so the unchanged ``grads -> opt.update -> apply_updates`` updates only the shard, with
+    grads and state of the same shape; when the body returns, the updated shards are
+    all-gathered into whole params, one all-gather per dtype for the whole model. Global
+    grad norms (``clip_by_global_norm``) are over the whole grads, as with ZeRO-3. Eager
+    only (:func:`d9d.jit` refuses it), and not under :func:`d9d.pipeline`.
+
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
         axis: The mesh axis to shard over, or None for DDP. Default ``"fsdp"``.
@@ -179,13 +241,17 @@ def shard_params(
         microbatches: Gradient-accumulation microbatches per step (>= 1).
         prefetch: Issue the next block's all-gather before the current block computes
             (forward and backward). Default True.
+        shard: What is sharded over ``axis`` besides the optimizer state: ``"params"``
+            (and grads: ZeRO-3, FSDP), ``"grads"`` (ZeRO-2) or ``"opt_state"`` (nothing
+            else: ZeRO-1). Default ``"params"``.
 
     Returns:
         The transform: decorate a step with it.
 
     Raises:
         PlanError: An axis is not on the mesh, both axes are the same, or neither is given;
-            ``microbatches`` is not a positive int or ``prefetch`` not a bool.
+            ``microbatches`` is not a positive int or ``prefetch`` not a bool; ``shard`` is
+            not one of the three, or is ZeRO-1/2 without ``axis`` or under ``pipeline``.
 
     Example:
         >>> import d9d, torch
@@ -207,4 +273,5 @@ def shard_params(
         reduce_dtype,
         microbatches,
         prefetch,
+        shard,
     )

@@ -1,0 +1,143 @@
+"""ZeRO-1 and ZeRO-2 at run time: the update runs on shards of params stored whole.
+
+[Note: the step body of a ZeRO-1/2 step] A param is stored whole over the sharding axis
+and its optimizer state is kept ``Shard(dim)``. The step body sees each param as its
+optimizer state is laid out (this rank's slice of the stored param, taken with no
+communication: :meth:`Zero.enter_step`), so the user's unchanged ``grads -> opt.update ->
+apply_updates`` runs on shards. The forward computes with the whole stored param
+(no all-gather); its grad comes back to the slice, reduce-scattered
+(ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
+(:mod:`._zero_reduce`). When the body returns, the updated shards
+are all-gathered into whole params, one collective per mesh axis and dtype for the whole
+model (:meth:`Zero.exit_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from ...core._collectives import coalescible, gather_many, gather_params
+from ...core._param_plan import ParamPlan
+from ...core._plan import Plan
+from ._zero_reduce import gather_wholes
+
+__all__ = ["Zero", "updates_sharded"]
+
+
+def updates_sharded(entry: ParamPlan) -> bool:
+    """Whether ``entry``'s update runs on a shard of the param it stores (ZeRO-1/2)."""
+    return entry.state_kept != entry.storage
+
+
+class Zero:
+    """One step's slices of the params ZeRO-1/2 store whole, and their gathers back."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        # In the plan's order, the same on every rank: it orders the gathers' buffers (a
+        # set's order follows the process's string hash seed, which differs between ranks).
+        self.paths = tuple(p for p in plan.held if updates_sharded(plan.entries[p]))
+        # {path: (slice the body sees, whole stored param)} while a step runs.
+        self.wholes: dict[str, tuple[DTensor, DTensor]] = {}
+
+    def enter_step(self, params: Any) -> Any:
+        """``params`` (stored) with each ZeRO param replaced by its slice as its state is
+        laid out; no communication."""
+        out = dict(params)
+        self.wholes = {}
+        for path in self.paths:
+            whole = params[path]
+            view = whole.redistribute(whole.device_mesh, self.plan.entries[path].state_kept)
+            self.wholes[path] = (view, whole)
+            out[path] = view
+        return out
+
+    def exit_step(self, params: Any) -> Any:
+        """``params`` (as the body returned them) with each ZeRO param all-gathered whole:
+        one all-gather per mesh axis and dtype; a slice returned as the body was given it
+        (an eval step's) is its stored param again, with no communication."""
+        wholes, self.wholes = self.wholes, {}
+        out = dict(params)
+        groups: dict[tuple[int, torch.dtype], list[str]] = {}
+        for path in self.paths:
+            leaf, entry = params[path], self.plan.entries[path]
+            if path in wholes and leaf is wholes[path][0]:
+                out[path] = wholes[path][1]
+                continue
+            if tuple(leaf.placements) == entry.storage:
+                continue
+            back = _gathered_back(entry)
+            found = coalescible(back)
+            if tuple(leaf.placements) != entry.state_kept or found is None:
+                out[path] = leaf.redistribute(leaf.device_mesh, entry.storage)
+                continue
+            groups.setdefault((found[0], leaf.dtype), []).append(path)
+        plan = self.plan
+        with torch.no_grad():
+            for (axis, _), members in groups.items():
+                entries = [_gathered_back(plan.entries[p]) for p in members]
+                stored = [params[p] for p in members]
+                locals_ = gather_many(stored, plan.mesh, entries, axis, plan.group_names)
+                for path, local, entry, shard in zip(
+                    members, locals_, entries, stored, strict=True
+                ):
+                    out[path] = DTensor.from_local(
+                        local,
+                        plan.mesh,
+                        entry.compute,
+                        run_check=False,
+                        shape=shard.shape,
+                        stride=shard.stride(),
+                    )
+        return out
+
+    def gather(self, paths: list[str], params: Any) -> dict[str, torch.Tensor]:
+        """The compute tensors of ``paths``: the slices this step's body was given compute
+        with their whole stored params (no communication; their grads reduced together,
+        :func:`gather_wholes`); others are gathered from what they are."""
+        out, rest = {}, []
+        groups: dict[tuple, list[str]] = {}
+        for path in paths:
+            pair = self.wholes.get(path)
+            if pair is None or not _same_tensor(params[path], pair[0]):
+                rest.append(path)
+                continue
+            e = self.plan.entries[path]
+            axis = _sharding_axis(e)
+            kept = isinstance(e.grad_kept[axis], Shard)
+            key = (axis, e.grad[axis], e.reduce_dtype or e.dtype, kept)
+            groups.setdefault(key, []).append(path)
+        for (axis, *_), members in groups.items():
+            views = [params[p] for p in members]
+            wholes = [self.wholes[p][1] for p in members]
+            entries = [self.plan.entries[p] for p in members]
+            gathered = gather_wholes(views, wholes, entries, axis, self.plan.group_names)
+            out.update(zip(members, gathered, strict=True))
+        if rest:
+            out.update(gather_params(self.plan, rest, params))
+        return {p: out[p] for p in paths}
+
+
+def _sharding_axis(entry: ParamPlan) -> int:
+    """The mesh axis over which ``entry``'s optimizer state is sharded and its param not."""
+    return next(
+        i for i, (s, t) in enumerate(zip(entry.storage, entry.state_kept, strict=True)) if s != t
+    )
+
+
+def _gathered_back(entry: ParamPlan) -> ParamPlan:
+    """``entry`` as :func:`gather_many` reads it to gather an updated slice whole."""
+    return replace(entry, storage=entry.state_kept, compute=entry.storage, codec=None)
+
+
+def _same_tensor(leaf: Any, view: DTensor) -> bool:
+    """``leaf`` is ``view`` or an alias of it (``value_and_grad`` differentiates a detached
+    copy of each param)."""
+    if not isinstance(leaf, DTensor):
+        return False
+    mine, theirs = leaf.to_local(), view.to_local()
+    return mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape
