@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from d9d.cli._train_step import make_train_step
 from rank_timing import rank_device, time_steps, token_batches
 from report import device_name, provenance, write_report
 
 import d9d
+from d9d.cli._train_step import make_train_step
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks
 

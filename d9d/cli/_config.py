@@ -43,7 +43,7 @@ class TrainConfig:
     dtype: str = "float32"  # "bfloat16": blocks compute in bf16 over float32 master weights
     opt_state_dtype: str = "float32"  # "bfloat16": AdamW's moments stored in bf16 (math in fp32)
     zero: int = 3  # over --fsdp: 3 params, grads, state sharded; 2 grads, state; 1 state only
-    fp8: str | None = None  # fp8 recipe of the blocks' linears (d9d.fp8); None: off
+    fp8: str | None = None  # fp8 recipe of the linears and routed experts (d9d.fp8); None: off
     grad_accum: int = 1  # gradient-accumulation microbatches per step (not with --pp)
     dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
     tensorboard: bool = True  # event files in out/tensorboard, if tensorboard is installed

@@ -169,8 +169,8 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         choices=FP8_RECIPES,
         default=None,
         metavar="RECIPE",
-        help="compute the blocks' linears in fp8 (d9d.fp8): tensorwise, rowwise or blockwise; "
-        "params and optimizer state keep their dtype (default: off)",
+        help="compute the blocks' linears and routed experts in fp8 (d9d.fp8): tensorwise, "
+        "rowwise or blockwise; params and optimizer state keep their dtype (default: off)",
     )
     run.add_argument(
         "--grad-accum",
