@@ -12,6 +12,7 @@ from equivalence import (
     assert_equivalent,
     batches,
     hf_llama,
+    hf_model,
     llama,
     optimizer,
     reference,
@@ -85,6 +86,23 @@ def test_uneven_shards_equal_one_device(zero: str) -> None:
 @functools.cache
 def _hf_reference():
     return reference(hf_llama(torch.float64), batches(97))
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_params_tensor_parallel_shards_whole_equal_one_device(zero: str) -> None:
+    """Qwen2 under fsdp=2 x tp=2: its q/k/v biases have one dim, which tensor_parallel
+    shards, so their state is sharded over fsdp within tp's shards (nested, as DTensor lays
+    ``(Shard(0), Shard(0))`` out: fsdp first). Their grads cannot join a block's
+    reduce-scatter of tp-local rows; two steps."""
+    build, data = hf_model("qwen2-pad0", torch.float64), batches(97, steps=2)
+    assert_equivalent(
+        build,
+        lambda mesh: LAYOUTS["fsdp=2 x tp=2"][1](mesh, ZERO[zero]),
+        {"fsdp": 2, "tp": 2},
+        data,
+        reference(build, data),
+        dtype=torch.float64,
+    )
 
 
 def _grads_rank(mesh_axes: dict[str, int], shard: str, microbatches: int, batch: dict):
