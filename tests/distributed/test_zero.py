@@ -232,6 +232,17 @@ def test_bad_shard_and_missing_axis_are_refused() -> None:
         d9d.shard_params(mesh, None, replicate_axis="fsdp", shard="opt_state")
 
 
+@pytest.mark.parametrize("option", ["reshard_after_forward", "prefetch"])
+def test_zero3_only_options_are_refused(option: str) -> None:
+    mesh = d9d.make_mesh("cpu", fsdp=1)
+    for shard in ZERO.values():
+        with pytest.raises(
+            PlanError,
+            match=rf"shard='{shard}'\) got {option}=False: .* drop {option}= or use shard='params'",
+        ):
+            d9d.shard_params(mesh, shard=shard, **{option: False})
+
+
 def _jit_rank():
     step, params, state = _placed("grads")
     step = d9d.jit(step)

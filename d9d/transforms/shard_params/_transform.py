@@ -65,6 +65,17 @@ class ShardParams(Transform):
                 f"shard_params(shard={self.shard!r}) shards over axis=, but axis=None; pass "
                 "the axis to shard over (axis='fsdp')"
             )
+        if self.shard != "params":
+            for option, value in (
+                ("reshard_after_forward", self.reshard_after_forward),
+                ("prefetch", self.prefetch),
+            ):
+                if value is not True:
+                    raise PlanError(
+                        f"shard_params(shard={self.shard!r}) got {option}={value!r}: ZeRO-1/2 "
+                        "compute with whole params and gather none in the forward: nothing "
+                        f"to reshard or prefetch; drop {option}= or use shard='params' (ZeRO-3)"
+                    )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(
                 f"shard_params needs microbatches >= 1, got microbatches={self.microbatches!r}"
