@@ -243,6 +243,24 @@ def test_zero3_only_options_are_refused(option: str) -> None:
             d9d.shard_params(mesh, shard=shard, **{option: False})
 
 
+def _bad_return_rank():
+    step, params, state = _placed("grads")
+    batch = step.shard_batch(batches(256)[0])
+    path = "layers.0.attn.wq.weight"
+    missing = step.sharing_plan(lambda p, s, b: ({k: v for k, v in p.items() if k != path}, s, {}))
+    with pytest.raises(PlanError, match=rf"returned no param '{path}'.*\(Shard\(dim=0\)\)"):
+        missing(params, state, batch)
+    plain = step.sharing_plan(lambda p, s, b: ({**p, path: p[path].to_local()}, s, {}))
+    with pytest.raises(
+        PlanError, match=rf"returned param '{path}' as a Tensor.*\(Shard\(dim=0\)\)"
+    ):
+        plain(params, state, batch)
+
+
+def test_body_returning_a_missing_or_plain_param_is_refused() -> None:
+    run_on_ranks(_bad_return_rank, 2)
+
+
 def _jit_rank():
     step, params, state = _placed("grads")
     step = d9d.jit(step)

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ...core._collectives import coalescible, gather_many, gather_params, reducible
 from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
+from ...errors import PlanError
 from ._zero_reduce import gather_wholes
 
 __all__ = ["Zero", "updates_sharded"]
@@ -67,7 +68,7 @@ class Zero:
         out = dict(params)
         groups: dict[tuple[int, torch.dtype], list[str]] = {}
         for path in self.paths:
-            leaf, entry = params[path], self.plan.entries[path]
+            leaf, entry = _returned(params, path, self.plan.entries[path]), self.plan.entries[path]
             if path in wholes and leaf is wholes[path][0]:
                 out[path] = wholes[path][1]
                 continue
@@ -127,6 +128,25 @@ class Zero:
         if rest:
             out.update(gather_params(self.plan, rest, params))
         return {p: out[p] for p in paths}
+
+
+def _returned(params: Any, path: str, entry: ParamPlan) -> DTensor:
+    """The param the step body returned at ``path``, which must be a DTensor."""
+    placements = ", ".join(map(repr, entry.state_kept))
+    if path not in params:
+        raise PlanError(
+            f"the step body returned no param {path!r}; under shard_params(shard='grads' | "
+            f"'opt_state') return every param it was given, {path!r} as a DTensor laid out "
+            f"({placements}) (apply_updates keeps that layout)"
+        )
+    leaf = params[path]
+    if not isinstance(leaf, DTensor):
+        raise PlanError(
+            f"the step body returned param {path!r} as a {type(leaf).__name__}; under "
+            f"shard_params(shard='grads' | 'opt_state') return it as a DTensor laid out "
+            f"({placements}), as the body was given it (apply_updates keeps that layout)"
+        )
+    return leaf
 
 
 def _sharding_axis(entry: ParamPlan) -> int:
