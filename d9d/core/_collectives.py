@@ -452,11 +452,11 @@ def reduce_many(
     (:func:`reduce_to`), in the reduce dtype. Grads are cast to the reduce dtype and scaled
     by ``grad_scale`` first.
 
-    Entries must share the reduce dtype and grad placements, and no other axis may shard a
-    ``kept`` dim (nested shards are split over the mesh's axes in order, not as rows of a
-    local grad): :func:`reducible` says which can. ``groups``: the mesh axes' process group
-    names; ``mine``: the rows of each grad's ``kept`` dim this rank keeps (unused for
-    ``Replicate``); ``strides``: the params' global strides.
+    Entries must share the reduce dtype and the grad's placement on ``axis``, and no other
+    axis may shard a ``kept`` dim (nested shards are split over the mesh's axes in order,
+    not as rows of a local grad): :func:`reducible` says which can. ``groups``: the mesh
+    axes' process group names; ``mine``: the rows of each grad's ``kept`` dim this rank
+    keeps (unused for ``Replicate``); ``strides``: the params' global strides.
     """
     first = entries[0]
     scaled = [

@@ -23,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 import d9d
 from d9d.errors import PlanError
 from d9d.testing import assert_trees_all_close, run_on_ranks
+from d9d.transforms.shard_params import ZeroStage
 
 pytestmark = pytest.mark.distributed
 
@@ -241,6 +242,12 @@ def test_zero3_only_options_are_refused(option: str) -> None:
             match=rf"shard='{shard}'\) got {option}=False: .* drop {option}= or use shard='params'",
         ):
             d9d.shard_params(mesh, shard=shard, **{option: False})
+
+
+def test_zero_stage_is_1_or_2() -> None:
+    assert ZeroStage(2).cell() == "ZeRO-2"
+    with pytest.raises(ValueError, match=r"ZeroStage\(stage=3\).*pass stage=1 or 2"):
+        ZeroStage(3)
 
 
 def _bad_return_rank():

@@ -14,13 +14,13 @@ step equals one device fed every rank's batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ...core._param_plan import Cast, ParamPlan
+from ...core._param_plan import Cast, ParamPlan, with_placement
 from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
@@ -29,7 +29,10 @@ from ._runtime import ShardParamsRuntime
 from ._schedule import Schedule
 from ._stage import ZeroStage
 
-SHARDED = ("params", "grads", "opt_state")
+Sharded = Literal["params", "grads", "opt_state"]
+"""``shard=``: what the axis shards beyond the optimizer state."""
+
+SHARDED: tuple[Sharded, ...] = ("params", "grads", "opt_state")
 """What ``shard=`` may shard beyond the optimizer state, widest first (ZeRO-3, -2, -1)."""
 
 if TYPE_CHECKING:
@@ -52,7 +55,7 @@ class ShardParams(Transform):
     reduce_dtype: torch.dtype | None = None
     microbatches: int = 1
     prefetch: bool = True
-    shard: str = "params"
+    shard: Sharded = "params"
 
     def __post_init__(self) -> None:
         if self.shard not in SHARDED:
@@ -180,14 +183,10 @@ class ShardParams(Transform):
                 f"grads {grads}, the update runs on the shard and is all-gathered once per step"
             ),
         )
-        state = _set(entry.state_kept, index, Shard(dim))
+        state = with_placement(entry.state_kept, index, Shard(dim))
         grad_kept = state if self.shard == "grads" else entry.grad_kept
         stage = ZeroStage(2 if self.shard == "grads" else 1)
         return replace(entry, state=state, grad_storage=grad_kept).annotate(stage)
-
-
-def _set(placements: tuple[Placement, ...], index: int, value: Placement) -> tuple[Placement, ...]:
-    return (*placements[:index], value, *placements[index + 1 :])
 
 
 def _free_dim(entry: ParamPlan) -> int:
@@ -206,7 +205,7 @@ def shard_params(
     reduce_dtype: torch.dtype | None = None,
     microbatches: int = 1,
     prefetch: bool = True,
-    shard: str = "params",
+    shard: Sharded = "params",
 ) -> ShardParams:
     """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3), or only
     grads and optimizer state (ZeRO-2), or only optimizer state (ZeRO-1).
