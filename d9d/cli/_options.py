@@ -33,6 +33,30 @@ def add_microbatches(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_zero(parser: argparse.ArgumentParser, default: int) -> None:
+    """``--zero``: what ``--fsdp`` shards (``shard_params``' ``shard=``)."""
+    parser.add_argument(
+        "--zero",
+        type=int,
+        choices=(1, 2, 3),
+        default=default,
+        help="what --fsdp shards: 3 params, grads and optimizer state (FSDP); 2 grads and "
+        "optimizer state; 1 optimizer state only (shard_params' shard=; 1 and 2 need --fsdp "
+        "ranks) (default %(default)s)",
+    )
+
+
+def add_opt_state_dtype(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--opt-state-dtype``: the dtype AdamW stores its moments in."""
+    parser.add_argument(
+        "--opt-state-dtype",
+        choices=("float32", "bfloat16"),
+        default=default,
+        help="bfloat16: AdamW's two moments stored in bf16 (half the optimizer state), "
+        "updated in float32 (adamw's mu_dtype, nu_dtype) (default %(default)s)",
+    )
+
+
 def add_debug(parser: argparse.ArgumentParser) -> None:
     """``--debug``: raise errors with their traceback."""
     parser.add_argument(

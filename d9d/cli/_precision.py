@@ -1,7 +1,8 @@
 """``d9d train --dtype`` and ``--grad-accum``: what they ask of ``shard_params``, which keeps
 float32 master weights while blocks gather and compute in ``param_dtype``, and accumulates the
 grads of ``microbatches`` slices of the batch before reducing them once; ``--opt-state-dtype``:
-the dtype AdamW stores its moments in."""
+the dtype AdamW stores its moments in; ``--zero N``: what ``shard_params`` shards
+(``ZERO_SHARDS``)."""
 
 from __future__ import annotations
 

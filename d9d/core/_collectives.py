@@ -12,7 +12,7 @@ unless the running step defers reductions (microbatch accumulation).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +34,17 @@ from ._plan import Plan
 
 __all__ = [
     "IssuedGather",
+    "coalescible",
     "distribute",
     "gather",
     "gather_many",
     "gather_params",
     "issue_gather",
     "local_like",
+    "reduce_many",
     "reduce_to",
+    "reducible",
+    "unreduced",
 ]
 
 # The functional collective ops themselves (what DTensor issues, Dynamo traces and
@@ -248,13 +252,21 @@ def coalescible(entry: ParamPlan) -> tuple[int, int] | None:
         return None
     if not isinstance(entry.grad[axis], Partial):
         return None
-    dim = stored.dim
-    nested = any(isinstance(p, Shard) and p.dim == dim for p in _others(entry.storage, axis))
-    return None if nested else (axis, dim)
+    return None if _nested(entry.storage, axis, stored.dim) else (axis, stored.dim)
 
 
-def _others(placements: tuple[Placement, ...], axis: int) -> tuple[Placement, ...]:
-    return (*placements[:axis], *placements[axis + 1 :])
+def reducible(entry: ParamPlan, axis: int, kept: Placement) -> bool:
+    """Whether ``entry``'s grad can share :func:`reduce_many`'s collective over mesh ``axis``
+    to ``kept``: a ``Replicate`` (all-reduced) or a ``Shard(dim)`` of a dim that no other
+    axis shards (DTensor splits nested shards over the mesh's axes in order, not as rows of
+    the local grad)."""
+    return not isinstance(kept, Shard) or not _nested(entry.grad, axis, kept.dim)
+
+
+def _nested(placements: tuple[Placement, ...], axis: int, dim: int) -> bool:
+    """Whether an axis other than ``axis`` shards ``dim``."""
+    others = (*placements[:axis], *placements[axis + 1 :])
+    return any(isinstance(p, Shard) and p.dim == dim for p in others)
 
 
 def gather_many(
@@ -359,9 +371,7 @@ class _GatherMany(torch.autograd.Function):
             entries,
             layouts,
         )
-        ctx.over = _reduced_together(entries, axis)
         ctx.dtypes = [t.dtype for t in stored]
-        ctx.reduce_dtype = first.reduce_dtype or stored[0].dtype
         ctx.defer = _deferring()
         if issued is None:
             flat = _flat_shards(list(stored), list(entries), axis, ranks, codec, dtype)
@@ -390,57 +400,113 @@ class _GatherMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        mesh, axis, entries = ctx.mesh, ctx.axis, ctx.entries
+        entries, strides = ctx.entries, [layout[4] for layout in ctx.layouts]
         if ctx.defer:
-            return (
-                None,
-                None,
-                None,
-                None,
-                None,
-                *(
-                    DTensor.from_local(
-                        _scaled(g.to(ctx.reduce_dtype), e),
-                        mesh,
-                        e.grad,
-                        run_check=False,
-                        shape=torch.Size(e.shape),
-                        stride=layout[4],
-                    )
-                    for g, e, layout in zip(grads, entries, ctx.layouts, strict=True)
-                ),
-            )
-        ranks, group = mesh.shape[axis], ctx.groups[axis]
-        pieces = []
-        for grad, entry, (dim, chunk, _, _, _) in zip(grads, entries, ctx.layouts, strict=True):
-            rows = _padded(_scaled(grad.to(ctx.reduce_dtype), entry).movedim(dim, 0), ranks * chunk)
-            pieces.append(rows.reshape(ranks, -1))
+            return (None,) * 5 + tuple(unreduced(list(grads), ctx.mesh, entries, strides))
+        kept = [e.storage[ctx.axis] for e in entries]
+        mine = [layout[3] for layout in ctx.layouts]
+        reduced = reduce_many(
+            list(grads), ctx.mesh, entries, ctx.axis, ctx.groups, kept, mine, strides
+        )
+        return (None,) * 5 + tuple(g.to(d) for g, d in zip(reduced, ctx.dtypes, strict=True))
+
+
+def unreduced(
+    grads: list[torch.Tensor],
+    mesh: DeviceMesh,
+    entries: Sequence[ParamPlan],
+    strides: Sequence[tuple[int, ...]],
+) -> list[DTensor]:
+    """``grads`` (local, laid out as their entries' ``grad``) cast to the reduce dtype,
+    scaled, and returned as those ``Partial`` DTensors, for the step to reduce once
+    (microbatch accumulation)."""
+    return [
+        DTensor.from_local(
+            _scaled(g.to(e.reduce_dtype or e.dtype), e),
+            mesh,
+            e.grad,
+            run_check=False,
+            shape=torch.Size(e.shape),
+            stride=stride,
+        )
+        for g, e, stride in zip(grads, entries, strides, strict=True)
+    ]
+
+
+def reduce_many(
+    grads: list[torch.Tensor],
+    mesh: DeviceMesh,
+    entries: Sequence[ParamPlan],
+    axis: int,
+    groups: tuple[str, ...],
+    kept: Sequence[Placement],
+    mine: Sequence[int],
+    strides: Sequence[tuple[int, ...]],
+) -> list[DTensor]:
+    """``grads`` (local, laid out as their entries' ``grad``: ``Partial`` on mesh ``axis``)
+    reduced over ``axis`` in one collective to ``kept``, their placements on ``axis``: all
+    ``Shard(dim)``, one reduce-scatter of their rows padded to equal chunks (as DTensor lays
+    uneven shards out); all ``Replicate``, one all-reduce. Then one all-reduce per other axis
+    over which every grad is ``Partial`` and kept whole (HSDP's replicate axis), after the
+    sharded axis (1/n of the bytes), and each to its entry's ``grad_kept``
+    (:func:`reduce_to`), in the reduce dtype. Grads are cast to the reduce dtype and scaled
+    by ``grad_scale`` first.
+
+    Entries must share the reduce dtype and the grad's placement on ``axis``, and no other
+    axis may shard a ``kept`` dim (nested shards are split over the mesh's axes in order,
+    not as rows of a local grad): :func:`reducible` says which can. ``groups``: the mesh
+    axes' process group names; ``mine``: the rows of each grad's ``kept`` dim this rank
+    keeps (unused for ``Replicate``); ``strides``: the params' global strides.
+    """
+    first = entries[0]
+    scaled = [
+        _scaled(g.to(first.reduce_dtype or first.dtype), e)
+        for g, e in zip(grads, entries, strict=True)
+    ]
+    ranks, group = mesh.shape[axis], groups[axis]
+    if isinstance(kept[0], Shard):
+        pieces, layouts = [], []
+        for grad, where in zip(scaled, kept, strict=True):
+            rows = grad.movedim(where.dim, 0)
+            chunk = -(-rows.shape[0] // ranks)
+            layouts.append((where.dim, chunk, rows.shape[1:]))
+            pieces.append(_padded(rows, ranks * chunk).reshape(ranks, -1))
         flat = torch.cat(pieces, dim=1).reshape(-1)
-        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
-        if entries[0].grad[axis].reduce_op == "avg":
-            reduced = reduced / ranks
-        for other in ctx.over:  # the sharded axis first: 1/n of the bytes over the others
-            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "sum", ctx.groups[other]))
-            if entries[0].grad[other].reduce_op == "avg":
-                reduced = reduced / mesh.shape[other]
-        out, offset = [], 0
-        for entry, dtype, (dim, chunk, rest, mine, stride) in zip(
-            entries, ctx.dtypes, ctx.layouts, strict=True
-        ):
+        flat = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
+    else:
+        flat = torch.cat([g.reshape(-1) for g in scaled])
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group))
+        layouts = None
+    if first.grad[axis].reduce_op == "avg":
+        flat = flat / ranks
+    over = _reduced_together(tuple(entries), axis)
+    for other in over:
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", groups[other]))
+        if first.grad[other].reduce_op == "avg":
+            flat = flat / mesh.shape[other]
+    out, offset = [], 0
+    for n, (grad, entry, where, stride) in enumerate(
+        zip(scaled, entries, kept, strides, strict=True)
+    ):
+        if layouts is None:
+            local = flat[offset : offset + grad.numel()].view(grad.shape)
+            offset += grad.numel()
+        else:
+            dim, chunk, rest = layouts[n]
             size = chunk * math.prod(rest)
-            local = reduced[offset : offset + size].view(chunk, *rest)[:mine].movedim(0, dim)
+            local = flat[offset : offset + size].view(chunk, *rest)[: mine[n]].movedim(0, dim)
             offset += size
-            placements = tuple(
-                entry.storage[i] if i == axis else Replicate() if i in ctx.over else p
-                for i, p in enumerate(entry.grad)
-            )
-            grad = DTensor.from_local(
-                local.contiguous(),
-                mesh,
-                placements,
-                run_check=False,
-                shape=torch.Size(entry.shape),
-                stride=stride,
-            )
-            out.append(reduce_to(grad, entry.grad_kept).to(dtype))
-        return (None, None, None, None, None, *out)
+        placements = tuple(
+            where if i == axis else Replicate() if i in over else p
+            for i, p in enumerate(entry.grad)
+        )
+        grad = DTensor.from_local(
+            local.contiguous(),
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(entry.shape),
+            stride=stride,
+        )
+        out.append(reduce_to(grad, entry.grad_kept))
+    return out

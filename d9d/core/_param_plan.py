@@ -17,7 +17,7 @@ from torch.distributed.tensor import Placement, Shard
 
 from ._structure import Axes
 
-__all__ = ["Cast", "ParamPlan"]
+__all__ = ["Cast", "ParamPlan", "with_placement"]
 
 _A = TypeVar("_A")
 
@@ -125,9 +125,9 @@ class ParamPlan:
         """A copy with mesh axis ``index`` set to the given placements and ``reason`` added."""
         return replace(
             self,
-            storage=_set(self.storage, index, storage),
-            compute=_set(self.compute, index, compute),
-            grad=_set(self.grad, index, grad),
+            storage=with_placement(self.storage, index, storage),
+            compute=with_placement(self.compute, index, compute),
+            grad=with_placement(self.grad, index, grad),
             reasons=(*self.reasons, reason),
         )
 
@@ -156,5 +156,8 @@ class ParamPlan:
         return self.bytes_per_rank(mesh) * mesh.size() - total
 
 
-def _set(placements: tuple[Placement, ...], index: int, value: Placement) -> tuple[Placement, ...]:
+def with_placement(
+    placements: tuple[Placement, ...], index: int, value: Placement
+) -> tuple[Placement, ...]:
+    """``placements`` with mesh axis ``index``'s placement replaced by ``value``."""
     return (*placements[:index], value, *placements[index + 1 :])

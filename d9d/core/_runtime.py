@@ -311,7 +311,8 @@ class Runtime:
         return params
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
-        """``(value, aux, grads)`` of ``job``; grads are laid out as the params are stored."""
+        """``(value, aux, grads)`` of ``job``; each grad laid out as its param's optimizer
+        state is kept (``state_kept``: the stored layout but under ZeRO-1/2)."""
         raise NotImplementedError(f"{type(self).__name__} does not drive differentiation")
 
     def enter_apply(self, call: ApplyCall) -> None:

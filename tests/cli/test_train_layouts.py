@@ -95,8 +95,10 @@ def test_zero_below_3_with_jit_or_pipeline_is_refused_before_training(tmp_path: 
         _losses(tmp_path, zero=4)
     with pytest.raises(ValueError, match=r"--zero 2 shards over --fsdp ranks, and this is one"):
         _losses(tmp_path, zero=2)
-    with pytest.raises(RankFailedError, match=r"--zero 1 shards over --fsdp, which is 1 here"):
-        run_on_ranks(_losses, 2, tmp_path, dp=2, zero=1)
+    # With no dp axis, --dtype and --grad-accum give shard_params an fsdp axis of one rank
+    for extra in ({"dp": 2}, {"tp": 2}, {"tp": 2, "dtype": "bfloat16"}, {"tp": 2, "grad_accum": 2}):
+        with pytest.raises(RankFailedError, match=r"--zero 1 shards over --fsdp, which is 1 here"):
+            run_on_ranks(_losses, 2, tmp_path, zero=1, **extra)
 
 
 def test_ep_without_moe_and_ep_with_jit_are_refused_before_training(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from equivalence import (
     assert_equivalent,
     batches,
     hf_llama,
+    hf_model,
     llama,
     optimizer,
     reference,
@@ -22,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 import d9d
 from d9d.errors import PlanError
 from d9d.testing import assert_trees_all_close, run_on_ranks
+from d9d.transforms.shard_params import ZeroStage
 
 pytestmark = pytest.mark.distributed
 
@@ -85,6 +87,23 @@ def test_uneven_shards_equal_one_device(zero: str) -> None:
 @functools.cache
 def _hf_reference():
     return reference(hf_llama(torch.float64), batches(97))
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_params_tensor_parallel_shards_whole_equal_one_device(zero: str) -> None:
+    """Qwen2 under fsdp=2 x tp=2: its q/k/v biases have one dim, which tensor_parallel
+    shards, so their state is sharded over fsdp within tp's shards (nested, as DTensor lays
+    ``(Shard(0), Shard(0))`` out: fsdp first). Their grads cannot join a block's
+    reduce-scatter of tp-local rows; two steps."""
+    build, data = hf_model("qwen2-pad0", torch.float64), batches(97, steps=2)
+    assert_equivalent(
+        build,
+        lambda mesh: LAYOUTS["fsdp=2 x tp=2"][1](mesh, ZERO[zero]),
+        {"fsdp": 2, "tp": 2},
+        data,
+        reference(build, data),
+        dtype=torch.float64,
+    )
 
 
 def _grads_rank(mesh_axes: dict[str, int], shard: str, microbatches: int, batch: dict):
@@ -212,6 +231,41 @@ def test_bad_shard_and_missing_axis_are_refused() -> None:
         d9d.shard_params(mesh, shard="zero2")
     with pytest.raises(PlanError, match=r"shard='opt_state'\) shards over axis=, but axis=None"):
         d9d.shard_params(mesh, None, replicate_axis="fsdp", shard="opt_state")
+
+
+@pytest.mark.parametrize("option", ["reshard_after_forward", "prefetch"])
+def test_zero3_only_options_are_refused(option: str) -> None:
+    mesh = d9d.make_mesh("cpu", fsdp=1)
+    for shard in ZERO.values():
+        with pytest.raises(
+            PlanError,
+            match=rf"shard='{shard}'\) got {option}=False: .* drop {option}= or use shard='params'",
+        ):
+            d9d.shard_params(mesh, shard=shard, **{option: False})
+
+
+def test_zero_stage_is_1_or_2() -> None:
+    assert ZeroStage(2).cell() == "ZeRO-2"
+    with pytest.raises(ValueError, match=r"ZeroStage\(stage=3\).*pass stage=1 or 2"):
+        ZeroStage(3)
+
+
+def _bad_return_rank():
+    step, params, state = _placed("grads")
+    batch = step.shard_batch(batches(256)[0])
+    path = "layers.0.attn.wq.weight"
+    missing = step.sharing_plan(lambda p, s, b: ({k: v for k, v in p.items() if k != path}, s, {}))
+    with pytest.raises(PlanError, match=rf"returned no param '{path}'.*\(Shard\(dim=0\)\)"):
+        missing(params, state, batch)
+    plain = step.sharing_plan(lambda p, s, b: ({**p, path: p[path].to_local()}, s, {}))
+    with pytest.raises(
+        PlanError, match=rf"returned param '{path}' as a Tensor.*\(Shard\(dim=0\)\)"
+    ):
+        plain(params, state, batch)
+
+
+def test_body_returning_a_missing_or_plain_param_is_refused() -> None:
+    run_on_ranks(_bad_return_rank, 2)
 
 
 def _jit_rank():

@@ -8,7 +8,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .._options import SCHEDULE_NAMES, add_debug, add_microbatches, add_preset
+from .._options import (
+    SCHEDULE_NAMES,
+    add_debug,
+    add_microbatches,
+    add_opt_state_dtype,
+    add_preset,
+    add_zero,
+)
 
 __all__ = ["add_plan_parser"]
 
@@ -70,19 +77,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         help="pipeline schedule with --pp (default %(default)s)",
     )
     add_microbatches(show)
-    show.add_argument(
-        "--zero",
-        type=int,
-        choices=(1, 2, 3),
-        default=3,
-        help="what --fsdp shards, as d9d train takes it: 3 params, grads and optimizer "
-        "state; 2 grads and optimizer state; 1 optimizer state only (default %(default)s)",
-    )
-    show.add_argument(
-        "--opt-state-dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="AdamW's moments' dtype, as d9d train takes it (default %(default)s)",
-    )
+    add_zero(show, 3)
+    add_opt_state_dtype(show, "float32")
     show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
     add_debug(show)

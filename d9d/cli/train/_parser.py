@@ -9,7 +9,14 @@ import argparse
 from pathlib import Path
 
 from .._config import TrainConfig
-from .._options import SCHEDULE_NAMES, add_debug, add_microbatches, add_preset
+from .._options import (
+    SCHEDULE_NAMES,
+    add_debug,
+    add_microbatches,
+    add_opt_state_dtype,
+    add_preset,
+    add_zero,
+)
 
 __all__ = ["FP8_RECIPES", "add_train_parser"]
 
@@ -148,22 +155,8 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         help="bfloat16: params gathered and computed in bf16, float32 master weights and "
         "optimizer state (shard_params' param_dtype) (default %(default)s)",
     )
-    run.add_argument(
-        "--zero",
-        type=int,
-        choices=(1, 2, 3),
-        default=defaults.zero,
-        help="under torchrun, what --fsdp shards: 3 params, grads and optimizer state "
-        "(FSDP); 2 grads and optimizer state; 1 optimizer state only (shard_params' shard=) "
-        "(default %(default)s)",
-    )
-    run.add_argument(
-        "--opt-state-dtype",
-        choices=("float32", "bfloat16"),
-        default=defaults.opt_state_dtype,
-        help="bfloat16: AdamW's two moments stored in bf16 (half the optimizer state), "
-        "updated in float32 (adamw's mu_dtype, nu_dtype) (default %(default)s)",
-    )
+    add_zero(run, defaults.zero)
+    add_opt_state_dtype(run, defaults.opt_state_dtype)
     run.add_argument(
         "--fp8",
         choices=FP8_RECIPES,

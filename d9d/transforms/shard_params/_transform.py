@@ -1,10 +1,11 @@
 """``shard_params``: FSDP (ZeRO-3), ZeRO-1/2, HSDP and DDP as differences of the storage,
 compute, grad and optimizer-state layouts.
 
-ZeRO-3: a param is stored ``Shard(0)`` on the sharding axis and used ``Replicate``: each block
-gathers its params when it starts and drops them when it ends; the gradient comes back
-``Partial`` (each rank's batch) and is reduce-scattered to the stored shard. ZeRO-1/2: the
-param is stored and used whole, its optimizer state kept ``Shard(0)``, its grad
+ZeRO-3: a param is stored ``Shard(dim)`` on the sharding axis (its first dim no other axis
+shards) and used ``Replicate``: each block gathers its params when it starts and drops them
+when it ends; the gradient comes back ``Partial`` (each rank's batch) and is
+reduce-scattered to the stored shard. ZeRO-1/2: the param is stored and used whole, its
+optimizer state kept ``Shard(dim)``, its grad
 reduce-scattered (ZeRO-2) or all-reduced (ZeRO-1). A replicate axis stores and uses the
 param whole and all-reduces its gradient. All average the gradient over their ranks, so a
 step equals one device fed every rank's batch.
@@ -13,13 +14,13 @@ step equals one device fed every rank's batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ...core._param_plan import Cast, ParamPlan
+from ...core._param_plan import Cast, ParamPlan, with_placement
 from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
@@ -28,7 +29,10 @@ from ._runtime import ShardParamsRuntime
 from ._schedule import Schedule
 from ._stage import ZeroStage
 
-SHARDED = ("params", "grads", "opt_state")
+Sharded = Literal["params", "grads", "opt_state"]
+"""``shard=``: what the axis shards beyond the optimizer state."""
+
+SHARDED: tuple[Sharded, ...] = ("params", "grads", "opt_state")
 """What ``shard=`` may shard beyond the optimizer state, widest first (ZeRO-3, -2, -1)."""
 
 if TYPE_CHECKING:
@@ -51,7 +55,7 @@ class ShardParams(Transform):
     reduce_dtype: torch.dtype | None = None
     microbatches: int = 1
     prefetch: bool = True
-    shard: str = "params"
+    shard: Sharded = "params"
 
     def __post_init__(self) -> None:
         if self.shard not in SHARDED:
@@ -65,6 +69,17 @@ class ShardParams(Transform):
                 f"shard_params(shard={self.shard!r}) shards over axis=, but axis=None; pass "
                 "the axis to shard over (axis='fsdp')"
             )
+        if self.shard != "params":
+            for option, value in (
+                ("reshard_after_forward", self.reshard_after_forward),
+                ("prefetch", self.prefetch),
+            ):
+                if value is not True:
+                    raise PlanError(
+                        f"shard_params(shard={self.shard!r}) got {option}={value!r}: ZeRO-1/2 "
+                        "compute with whole params and gather none in the forward: nothing "
+                        f"to reshard or prefetch; drop {option}= or use shard='params' (ZeRO-3)"
+                    )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(
                 f"shard_params needs microbatches >= 1, got microbatches={self.microbatches!r}"
@@ -168,14 +183,10 @@ class ShardParams(Transform):
                 f"grads {grads}, the update runs on the shard and is all-gathered once per step"
             ),
         )
-        state = _set(entry.state_kept, index, Shard(dim))
+        state = with_placement(entry.state_kept, index, Shard(dim))
         grad_kept = state if self.shard == "grads" else entry.grad_kept
         stage = ZeroStage(2 if self.shard == "grads" else 1)
         return replace(entry, state=state, grad_storage=grad_kept).annotate(stage)
-
-
-def _set(placements: tuple[Placement, ...], index: int, value: Placement) -> tuple[Placement, ...]:
-    return (*placements[:index], value, *placements[index + 1 :])
 
 
 def _free_dim(entry: ParamPlan) -> int:
@@ -194,12 +205,12 @@ def shard_params(
     reduce_dtype: torch.dtype | None = None,
     microbatches: int = 1,
     prefetch: bool = True,
-    shard: str = "params",
+    shard: Sharded = "params",
 ) -> ShardParams:
     """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3), or only
     grads and optimizer state (ZeRO-2), or only optimizer state (ZeRO-1).
 
-    Each param is stored ``Shard(0)`` over ``axis`` (its first dim that ``tensor_parallel``
+    Each param is stored ``Shard(dim)`` over ``axis`` (its first dim that ``tensor_parallel``
     does not already shard) and gathered just in time: a block's params
     when that block (a child of an ``nn.ModuleList``, e.g. ``layers.3``) starts, the others when
     the model is applied. With ``reshard_after_forward`` the gathered copies are dropped after
@@ -221,14 +232,16 @@ def shard_params(
     gathered. Under :func:`d9d.jit` the compiler schedules the collectives.
 
     ZeRO-1/2 (``shard="opt_state"`` / ``"grads"``): params are stored whole over ``axis``
-    (blocks use them with no all-gather) and the optimizer state is sharded ``Shard(0)``.
-    Grads are reduce-scattered to shards (ZeRO-2) or all-reduced and kept whole (ZeRO-1).
-    The step body sees each param as this rank's shard of it (taken with no communication),
-    so the unchanged ``grads -> opt.update -> apply_updates`` updates only the shard, with
-    grads and state of the same shape; when the body returns, the updated shards are
-    all-gathered into whole params, one all-gather per dtype for the whole model. Global
-    grad norms (``clip_by_global_norm``) are over the whole grads, as with ZeRO-3. Eager
-    only (:func:`d9d.jit` refuses it), and not under :func:`d9d.pipeline`.
+    (blocks use them with no all-gather) and the optimizer state is sharded ``Shard(dim)``
+    (the dim ZeRO-3 would shard). Grads are reduce-scattered to shards (ZeRO-2) or
+    all-reduced and kept whole (ZeRO-1). The step body sees each param as this rank's shard
+    of it (taken with no communication, but for a param whose only dim ``tensor_parallel``
+    shards: one all-gather over tp), so the unchanged ``grads -> opt.update ->
+    apply_updates`` updates only the shard, with grads and state of the same shape; when the
+    body returns, the updated shards are all-gathered into whole params, one all-gather per
+    mesh axis and dtype for the whole model. Global grad norms (``clip_by_global_norm``) are
+    over the whole grads, as with ZeRO-3. Eager only (:func:`d9d.jit` refuses it), and not
+    under :func:`d9d.pipeline`; ``reshard_after_forward`` and ``prefetch`` are ZeRO-3's.
 
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
@@ -251,7 +264,8 @@ def shard_params(
     Raises:
         PlanError: An axis is not on the mesh, both axes are the same, or neither is given;
             ``microbatches`` is not a positive int or ``prefetch`` not a bool; ``shard`` is
-            not one of the three, or is ZeRO-1/2 without ``axis`` or under ``pipeline``.
+            not one of the three, or is ZeRO-1/2 without ``axis``, under ``pipeline``, or
+            with ``reshard_after_forward`` or ``prefetch`` not True.
 
     Example:
         >>> import d9d, torch

@@ -2,14 +2,16 @@
 
 [Note: the step body of a ZeRO-1/2 step] A param is stored whole over the sharding axis
 and its optimizer state is kept ``Shard(dim)``. The step body sees each param as its
-optimizer state is laid out (this rank's slice of the stored param, taken with no
-communication: :meth:`Zero.enter_step`), so the user's unchanged ``grads -> opt.update ->
-apply_updates`` runs on shards. The forward computes with the whole stored param
-(no all-gather); its grad comes back to the slice, reduce-scattered
-(ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
-(:mod:`._zero_reduce`). When the body returns, the updated shards
-are all-gathered into whole params, one collective per mesh axis and dtype for the whole
-model (:meth:`Zero.exit_step`).
+optimizer state is laid out: this rank's slice of the stored param, taken with no
+communication (:meth:`Zero.enter_step`), except for a param whose kept dim another axis
+shards too (a 1-D bias under tensor_parallel): DTensor splits nested shards over the mesh's
+axes in order, fsdp's first, so its slice is one all-gather over that axis. The user's
+unchanged ``grads -> opt.update -> apply_updates`` runs on shards. The forward computes
+with the whole stored param (no all-gather); its grad comes back to the slice,
+reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
+(:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
+updated shards are all-gathered into whole params, one collective per mesh axis and dtype
+for the whole model (:meth:`Zero.exit_step`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ...core._collectives import coalescible, gather_many, gather_params
+from ...core._collectives import coalescible, gather_many, gather_params, reducible
 from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
+from ...errors import PlanError
 from ._zero_reduce import gather_wholes
 
 __all__ = ["Zero", "updates_sharded"]
@@ -46,7 +49,8 @@ class Zero:
 
     def enter_step(self, params: Any) -> Any:
         """``params`` (stored) with each ZeRO param replaced by its slice as its state is
-        laid out; no communication."""
+        laid out; no communication, but for a param whose kept dim another axis shards too
+        (see the module's note)."""
         out = dict(params)
         self.wholes = {}
         for path in self.paths:
@@ -64,7 +68,7 @@ class Zero:
         out = dict(params)
         groups: dict[tuple[int, torch.dtype], list[str]] = {}
         for path in self.paths:
-            leaf, entry = params[path], self.plan.entries[path]
+            leaf, entry = _returned(params, path, self.plan.entries[path]), self.plan.entries[path]
             if path in wholes and leaf is wholes[path][0]:
                 out[path] = wholes[path][1]
                 continue
@@ -98,7 +102,8 @@ class Zero:
     def gather(self, paths: list[str], params: Any) -> dict[str, torch.Tensor]:
         """The compute tensors of ``paths``: the slices this step's body was given compute
         with their whole stored params (no communication; their grads reduced together,
-        :func:`gather_wholes`); others are gathered from what they are."""
+        :func:`gather_wholes`, each alone where it cannot share the collective); others are
+        gathered from what they are."""
         out, rest = {}, []
         groups: dict[tuple, list[str]] = {}
         for path in paths:
@@ -108,6 +113,9 @@ class Zero:
                 continue
             e = self.plan.entries[path]
             axis = _sharding_axis(e)
+            if not reducible(e, axis, e.grad_kept[axis]):
+                groups[(None, path)] = [path]
+                continue
             kept = isinstance(e.grad_kept[axis], Shard)
             key = (axis, e.grad[axis], e.reduce_dtype or e.dtype, kept)
             groups.setdefault(key, []).append(path)
@@ -120,6 +128,25 @@ class Zero:
         if rest:
             out.update(gather_params(self.plan, rest, params))
         return {p: out[p] for p in paths}
+
+
+def _returned(params: Any, path: str, entry: ParamPlan) -> DTensor:
+    """The param the step body returned at ``path``, which must be a DTensor."""
+    placements = ", ".join(map(repr, entry.state_kept))
+    if path not in params:
+        raise PlanError(
+            f"the step body returned no param {path!r}; under shard_params(shard='grads' | "
+            f"'opt_state') return every param it was given, {path!r} as a DTensor laid out "
+            f"({placements}) (apply_updates keeps that layout)"
+        )
+    leaf = params[path]
+    if not isinstance(leaf, DTensor):
+        raise PlanError(
+            f"the step body returned param {path!r} as a {type(leaf).__name__}; under "
+            f"shard_params(shard='grads' | 'opt_state') return it as a DTensor laid out "
+            f"({placements}), as the body was given it (apply_updates keeps that layout)"
+        )
+    return leaf
 
 
 def _sharding_axis(entry: ParamPlan) -> int:
