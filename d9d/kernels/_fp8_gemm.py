@@ -4,8 +4,11 @@ recipes, dense and grouped by expert)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import KernelInputError
 from . import _grouped_gemm
@@ -130,6 +133,26 @@ def _torch(
             f"backend='triton'"
         )
     return _scaled_mm(a, a_scale, b, b_scale, out_dtype)
+
+
+def _scaled_mm_recipes(device_type: str) -> tuple[str, ...]:
+    """Rowwise on CUDA and meta; on CPU only where this torch's ``_scaled_mm`` has it (2.11's
+    CPU kernel has tensorwise scales only, and fails an internal assert on rowwise ones)."""
+    if device_type == "cpu" and not _cpu_scaled_mm_is_rowwise():
+        return ("tensorwise",)
+    return ("tensorwise", "rowwise")
+
+
+@functools.cache
+def _cpu_scaled_mm_is_rowwise() -> bool:
+    with _disable_current_modes():  # a real CPU call, also inside a fake or dispatch mode
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        ones = torch.ones(16, 1)
+        try:
+            torch._scaled_mm(a, a.t(), ones, ones.t(), out_dtype=torch.float32)
+        except RuntimeError:
+            return False
+    return True
 
 
 def _scaled_mm_unavailable(device_type: str | None) -> str | None:
@@ -309,7 +332,7 @@ register_backend(
     _torch,
     dtypes=FP8_DTYPES,
     unavailable=_scaled_mm_unavailable,
-    variants=("tensorwise", "rowwise"),
+    variants=_scaled_mm_recipes,
 )
 define_op("fp8_grouped_gemm", grouped_reference, dtypes=FP8_DTYPES)
 register_backend(

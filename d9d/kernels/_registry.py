@@ -48,8 +48,9 @@ class Backend:
     dtypes: frozenset[torch.dtype]  # dtypes of the op's main tensor it accepts
     unavailable: Callable[[str | None], str | None]  # device type (None: any) -> why not, or None
     auto: Callable[[str], bool]  # device type -> may automatic selection pick it there
-    # The op's modes it implements (fp8 recipes), None: all. A call names its mode, a string.
-    variants: frozenset[str] | None = None
+    # The op's modes it implements (fp8 recipes), None: all, or a function of the device type
+    # giving them. A call names its mode, a string.
+    variants: frozenset[str] | Callable[[str], Collection[str]] | None = None
 
 
 @dataclass
@@ -89,7 +90,7 @@ def register_backend(
     dtypes: frozenset[torch.dtype] | set[torch.dtype],
     unavailable: Callable[[str | None], str | None] = _runs_anywhere,
     auto: Callable[[str], bool] = _auto_anywhere,
-    variants: Collection[str] | None = None,
+    variants: Collection[str] | Callable[[str], Collection[str]] | None = None,
     last: bool = False,
 ) -> None:
     """Adds backend ``name`` to ``op``, tried before the ones already there unless ``last``.
@@ -106,8 +107,9 @@ def register_backend(
         unavailable: ``device_type -> reason or None``: why it cannot run on that device type
             here (``None`` as device type: on any device of this machine). Default: never.
         auto: ``device_type -> bool``: whether automatic selection may pick it there.
-        variants: the modes of an op that has them (the fp8 ops' recipes) it implements;
-            None: all. Automatic selection skips a backend without the call's mode.
+        variants: the modes of an op that has them (the fp8 ops' recipes) it implements, or
+            ``device_type -> modes`` where they differ by device; None: all. Automatic
+            selection skips a backend without the call's mode.
         last: add it after the existing backends instead of before.
 
     Raises:
@@ -124,7 +126,7 @@ def register_backend(
         raise UnknownKernelError(f"cannot register a backend for {op=}: ops are {sorted(_OPS)}")
     if name == AUTO:
         raise UnknownKernelError(f"backend {name=} is reserved for automatic selection")
-    modes = None if variants is None else frozenset(variants)
+    modes = variants if variants is None or callable(variants) else frozenset(variants)
     backend = Backend(name, impl, frozenset(dtypes), unavailable, auto, modes)
     old = {k: v for k, v in _OPS[op].backends.items() if k != name}
     _OPS[op].backends = {**old, name: backend} if last else {name: backend, **old}
@@ -193,8 +195,10 @@ def _why_not(
     if dtype not in backend.dtypes:
         allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in backend.dtypes))
         return f"it supports dtypes {allowed}, got {dtype}"
-    if variant is not None and backend.variants is not None and variant not in backend.variants:
-        return f"it implements {sorted(backend.variants)}, not {variant!r}"
+    modes = backend.variants
+    modes = modes(device_type) if callable(modes) else modes
+    if variant is not None and modes is not None and variant not in modes:
+        return f"it implements {sorted(modes)}, not {variant!r}"
     return backend.unavailable(device_type)
 
 

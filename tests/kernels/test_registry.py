@@ -71,6 +71,22 @@ def test_automatic_selection_falls_back_by_dtype():
     assert impl is _registry._OPS["fused_linear_cross_entropy"].backends["chunked"].impl
 
 
+def test_modes_that_differ_by_device_are_refused_by_name_and_skipped_by_auto(monkeypatch):
+    """torch 2.11's CPU ``_scaled_mm`` has tensorwise scales only: its rowwise calls go to the
+    next backend automatically, and a forced one names the modes this device has."""
+    from d9d.kernels import _fp8_gemm
+
+    monkeypatch.setattr(_fp8_gemm, "_cpu_scaled_mm_is_rowwise", lambda: False)
+    data = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    scaled_mm = _registry._OPS["fp8_gemm"].backends["torch"].impl
+    assert _registry.resolve("fp8_gemm", data, None, "tensorwise") is scaled_mm
+    assert _registry.resolve("fp8_gemm", data, None, "rowwise") is not scaled_mm
+    with pytest.raises(KernelUnavailableError, match=r"implements \['tensorwise'\], not 'rowwise'"):
+        _registry.resolve("fp8_gemm", data, "torch", "rowwise")
+    monkeypatch.setattr(_fp8_gemm, "_cpu_scaled_mm_is_rowwise", lambda: True)
+    assert _registry.resolve("fp8_gemm", data, None, "rowwise") is scaled_mm
+
+
 def test_available_lists_ops_backends_and_reasons(monkeypatch):
     table = K.available()
     assert sorted(table) == [

@@ -3,8 +3,10 @@
 One kernel serves both: a dense GEMM is a grouped one with one expert. Row tiles find their
 expert as in ``grouped_gemm`` (no host sync). Tensorwise and rowwise scales multiply the
 accumulator once, at the end; blockwise scales (1x128 for ``a``, 128x128 for ``b``) multiply
-each 128-deep partial product before it is added, in float32, as DeepSeek-V3 promotes its
-tensor-core partial sums. A scale is read through strides, so a tensorwise scale is a
+each 128-deep partial product before it is added. Every recipe adds its 128-deep partial
+products in float32 outside the tensor cores, as DeepSeek-V3 promotes its partial sums: on
+Hopper an fp8 ``tl.dot`` accumulates in fewer bits than float32 (about 14, DeepSeek-V3
+measured), an error that would otherwise grow with K. A scale is read through strides, so a tensorwise scale is a
 broadcast view (stride 0) and costs no copy.
 """
 
@@ -57,14 +59,16 @@ def _fp8_gemm_kernel(
             )  # fmt: skip
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
+            # A fresh partial per K tile: Hopper's fp8 tensor cores sum in fewer bits than
+            # float32, so the running sum is kept in float32 outside them.
+            partial = tl.dot(a, b, input_precision="ieee" if UPCAST else "tf32")
             if PER_K_TILE:
                 tile = k0 // BLOCK_K
                 a_scale = tl.load(a_scales + tile * stride_ask, mask=row_ok, other=0.0)
                 b_scale = tl.load(b_scales + tile * stride_bsk, mask=col_ok, other=0.0)
-                partial = tl.dot(a, b, input_precision="ieee" if UPCAST else "tf32")
                 acc += partial * a_scale[:, None] * b_scale[None, :]
             else:
-                acc = tl.dot(a, b, acc, input_precision="ieee" if UPCAST else "tf32")
+                acc += partial
         if not PER_K_TILE:
             a_scale = tl.load(a_scales, mask=row_ok, other=0.0)
             b_scale = tl.load(b_scales, mask=col_ok, other=0.0)

@@ -8,8 +8,9 @@ needs a pass of its own) and the kernel then scales and casts.
 
 The cast is bit-exact with torch's: the kernel rounds to nearest-even onto the fp8 grid in
 float32 itself (``_round_to_fp8``), so the final conversion is exact whatever rounding the
-conversion uses. Triton's interpreter truncates when it converts to fp8, where torch and the
-GPU round to nearest-even.
+conversion uses (Triton's interpreter truncates when it converts to fp8, where torch and the
+GPU round to nearest-even), and sets the sign bit itself, so a negative value that rounds to
+zero is -0.0 as in torch (compiled for an H200, e4m3 data came out +0.0 there without it).
 """
 
 from __future__ import annotations
@@ -69,10 +70,14 @@ def _quantize_kernel(
         scale = tl.div_rn(tl.maximum(row_max(tl.abs(x), axis=1), EPS), FP8_MAX)
         y = tl.div_rn(x, scale[:, None])
     y = _round_to_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANTISSA, MIN_EXPONENT)
+    # x's sign bit set on the fp8 bits: what rounds to zero keeps its sign (compiled for an
+    # H200, e4m3 data of a negative value that rounded to zero came out +0.0 without it).
+    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    data = y.to(DATA.dtype.element_ty).to(tl.uint8, bitcast=True) | sign
     tl.store(
         DATA + matrix.to(tl.int64) * stride_db + rows[:, None].to(tl.int64) * stride_dr
         + cols[None, :] * stride_dc,
-        y.to(DATA.dtype.element_ty),
+        data.to(DATA.dtype.element_ty, bitcast=True),
         mask=mask,
     )  # fmt: skip
     scales = SCALE + matrix * stride_sb
