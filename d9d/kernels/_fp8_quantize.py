@@ -41,9 +41,10 @@ def reference(
     padded = F.pad(wide, (0, n_cols * group_cols - cols, 0, n_rows * group_rows - rows))
     groups = padded.reshape(*batch, n_rows, group_rows, n_cols, group_cols)
     amax = groups.abs().amax(dim=(-3, -1)).clamp(min=AMAX_EPS)
-    # A tensor divisor: CUDA divides by a Python number as a product with its reciprocal,
-    # which can differ from the correctly rounded quotient in the last bit.
-    scale = amax / amax.new_tensor(limit)
+    # A tensor divisor, filled on the device (no host copy: CUDA graphs capture it): CUDA
+    # divides by a Python number as a product with its reciprocal, which can differ from the
+    # correctly rounded quotient in the last bit.
+    scale = amax / torch.full_like(amax, limit)
     full = expand_scale(scale, (group_rows, group_cols), rows, cols)
     return (wide / full).clamp(-limit, limit).to(dtype), scale
 
