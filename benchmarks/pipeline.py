@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import d9d
+from d9d.errors import RankFailedError
 from d9d.testing import run_on_ranks
 from d9d.transforms.pipeline import stage_spans
 
@@ -38,6 +39,7 @@ SCHEDULES = {  # name: stages per rank
     "interleaved_1f1b": 2,
     "interleaved_zb": 2,
     "zbv": 2,
+    "dualpipev": 2,
 }
 
 
@@ -122,36 +124,62 @@ def _rank(schedule: str, p: int, m: int, unit: float, steps: int) -> list[float]
     return bubbles
 
 
+def _row(schedule: str, p: int, m: int, unit: float, steps: int) -> dict:
+    """The bubbles of ``schedule`` over ``p`` forked ranks and ``m`` microbatches, or the
+    ``PlanError`` the schedule refuses them with (DualPipeV: fewer microbatches than stages)."""
+    virtual = SCHEDULES[schedule]
+    row = {
+        "schedule": schedule,
+        "p": p,
+        "m": m,
+        "stages_per_rank": virtual,
+        "analytic_1f1b": round((p - 1) / (m + p - 1), 3),
+        "analytic_interleaved": round((p - 1) / (virtual * m + p - 1), 3),
+    }
+    try:
+        per_rank = run_on_ranks(_rank, p, schedule, p, m, unit, steps, method="fork", timeout=600)
+    except RankFailedError as error:
+        if "PlanError" not in str(error):
+            raise
+        return {**row, "error": str(error).split("PlanError: ")[-1].splitlines()[0]}
+    medians = [statistics.median(b) for b in per_rank]
+    return {
+        **row,
+        "bubble_mean": round(statistics.mean(medians), 3),
+        "bubble_max": round(max(medians), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--unit", type=float, default=0.01, help="seconds per F, I or W")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline-cpu.json"))
+    parser.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help="comma-separated; the other schedules' rows are kept from --out if it exists",
+    )
     args = parser.parse_args()
-    rows = []
-    for p in (2, 4):
-        for m in (4, 8, 16):
-            for schedule, virtual in SCHEDULES.items():
-                per_rank = run_on_ranks(
-                    _rank, p, schedule, p, m, args.unit, args.steps, method="fork", timeout=600
-                )
-                medians = [statistics.median(b) for b in per_rank]
-                rows.append(
-                    {
-                        "schedule": schedule,
-                        "p": p,
-                        "m": m,
-                        "stages_per_rank": virtual,
-                        "bubble_mean": round(statistics.mean(medians), 3),
-                        "bubble_max": round(max(medians), 3),
-                        "analytic_1f1b": round((p - 1) / (m + p - 1), 3),
-                        "analytic_interleaved": round((p - 1) / (virtual * m + p - 1), 3),
-                    }
-                )
-                print(rows[-1], flush=True)
+    chosen = args.schedules.split(",")
+    unknown = sorted(set(chosen) - set(SCHEDULES))
+    if unknown:
+        parser.error(f"--schedules names unknown {unknown}: schedules are {list(SCHEDULES)}")
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
+    rows = []
+    if args.out.exists() and set(chosen) != set(SCHEDULES):
+        old = json.loads(args.out.read_text())
+        kept = (row for row in old["results"] if row["schedule"] not in chosen)
+        rows = [{**row, "commit": row.get("commit", old["commit"])} for row in kept]
+    for p in (2, 4):
+        for m in (4, 8, 16):
+            for schedule in chosen:
+                rows.append({**_row(schedule, p, m, args.unit, args.steps), "commit": commit})
+                print(rows[-1], flush=True)
+    order = list(SCHEDULES)
+    rows.sort(key=lambda row: (row["p"], row["m"], order.index(row["schedule"])))
     report = {
         "command": "python benchmarks/pipeline.py",
         "commit": commit,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 """``d9d.transforms.pipeline.SCHEDULES``' names."""
 
 

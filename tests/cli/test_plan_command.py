@@ -126,6 +126,7 @@ PIPELINE_LAYOUTS = {
     "pp=2 1f1b": ("tiny", _sizes(pp=2), "1f1b", 4, 6),
     "pp=2 interleaved_1f1b": ("tiny", _sizes(pp=2), "interleaved_1f1b", 4, 8),
     "pp=2 zbv x tp=2": ("tiny", _sizes(pp=2, tp=2), "zbv", 4, 8),
+    "pp=2 dualpipev x tp=2": ("tiny", _sizes(pp=2, tp=2), "dualpipev", 4, 8),
     "pp=2 x fsdp=2": ("tiny", _sizes(pp=2, fsdp=2), "1f1b", 2, 6),
     "pp=4 gpipe x fsdp=2 x tp=2": ("tiny", _sizes(pp=4, fsdp=2, tp=2), "gpipe", 4, 12),
     "pp=2 interleaved_zb, tied": ("1b", _sizes(pp=2, fsdp=4), "interleaved_zb", 4, 8),
@@ -171,6 +172,7 @@ REAL_LAYOUTS = {
     "pp=2 1f1b": ("pp=2 1f1b", 1, 2 * 32 * 64 * 4),  # stage 0 of 2
     "pp=2 interleaved_1f1b": ("pp=2 interleaved_1f1b", 3, 2 * 32 * 64 * 4),  # 0, 2 of 4
     "pp=2 zbv x tp=2": ("pp=2 zbv x tp=2", 2, 2 * 16 * 64 * 4),  # stages 0 and 3 of 4
+    "pp=2 dualpipev x tp=2": ("pp=2 dualpipev x tp=2", 2, 2 * 16 * 64 * 4),  # the same V
     "pp=2 x fsdp=2": ("pp=2 x fsdp=2", 1, 2 * 32 * 64 * 4),
 }
 

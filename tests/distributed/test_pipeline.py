@@ -53,6 +53,7 @@ LAYOUTS = {
         _pp(schedule="interleaved_zb", microbatches=4, virtual_stages=2),
     ),
     "pp=2 zbv": ({"pp": 2}, 4, _pp(schedule="zbv", microbatches=4, virtual_stages=2)),
+    "pp=2 dualpipev": ({"pp": 2}, 4, _pp(schedule="dualpipev", microbatches=4, virtual_stages=2)),
     "pp=4 1f1b": ({"pp": 4}, 4, _pp(schedule="1f1b", microbatches=4)),
     "pp=4 interleaved_1f1b": (
         {"pp": 4},
@@ -63,6 +64,14 @@ LAYOUTS = {
         {"pp": 2, "fsdp": 2},
         4,
         lambda mesh: [d9d.shard_params(mesh), d9d.pipeline(mesh, microbatches=2)],
+    ),
+    "pp=2 dualpipev x fsdp=2": (
+        {"pp": 2, "fsdp": 2},
+        4,
+        lambda mesh: [
+            d9d.shard_params(mesh),
+            d9d.pipeline(mesh, schedule="dualpipev", microbatches=4, virtual_stages=2),
+        ],
     ),
     "pp=2 x tp=2": (
         {"pp": 2, "tp": 2},

@@ -56,11 +56,18 @@ def _grad_step(model: d9d.Model) -> Callable[..., Any]:
 
 # Zero-bubble schedules take input grads and weight grads in two backward passes: a
 # checkpointed block is recomputed in each. Two stages per rank: four blocks.
-def _zero_bubble(schedule: str) -> Callable[[Any], list[Any]]:
-    return lambda mesh: [d9d.pipeline(mesh, schedule=schedule, microbatches=2, virtual_stages=2)]
+def _zero_bubble(schedule: str, microbatches: int = 2) -> Callable[[Any], list[Any]]:
+    return lambda mesh: [
+        d9d.pipeline(mesh, schedule=schedule, microbatches=microbatches, virtual_stages=2)
+    ]
 
 
-ZERO_BUBBLE = {f"pp=2 {s}": ({"pp": 2}, _zero_bubble(s)) for s in ("zbv", "interleaved_zb")}
+ZERO_BUBBLE = {
+    "pp=2 zbv": ({"pp": 2}, _zero_bubble("zbv")),
+    "pp=2 interleaved_zb": ({"pp": 2}, _zero_bubble("interleaved_zb")),
+    # DualPipeV runs at least as many microbatches as stages.
+    "pp=2 dualpipev": ({"pp": 2}, _zero_bubble("dualpipev", microbatches=4)),
+}
 
 
 def _grads(layout: str, policy: str | None, every: int = 1) -> list[dict]:

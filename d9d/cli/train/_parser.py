@@ -144,7 +144,8 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         "--schedule",
         choices=SCHEDULE_NAMES,
         default="1f1b",
-        help="pipeline schedule with --pp; interleaved ones and zbv run 2 stages per rank "
+        help="pipeline schedule with --pp; interleaved ones, zbv and dualpipev run 2 stages per "
+        "rank "
         "(default %(default)s)",
     )
     add_microbatches(run)

@@ -69,6 +69,7 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleKind("ScheduleInterleaved1F1B", "loop", None, True),
     "interleaved_zb": ScheduleKind("ScheduleInterleavedZeroBubble", "loop", None, True, True),
     "zbv": ScheduleKind("ScheduleZBVZeroBubble", "v", 2, True, True),
+    "dualpipev": ScheduleKind("ScheduleDualPipeV", "v", 2, True, True),
 }
 
 

@@ -245,10 +245,12 @@ def pipeline(
         mesh: The mesh, from :func:`d9d.make_mesh`.
         axis: The mesh axis of the stages. Default ``"pp"``.
         stages: Block paths where stages 1, 2, ... begin, or None to balance.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``
-            or ``"zbv"`` (zero bubble, two stages per rank in a V).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``,
+            ``"zbv"`` (zero bubble, two stages per rank in a V) or ``"dualpipev"``
+            (DeepSeek's DualPipe on that V).
         microbatches: Microbatches per step; must divide the per-rank batch.
-        virtual_stages: Stages per rank (interleaved schedules; 2 for ``"zbv"``).
+        virtual_stages: Stages per rank (interleaved schedules; 2 for ``"zbv"`` and
+            ``"dualpipev"``).
 
     Returns:
         The transform: decorate a step with it, and pass ``model=`` to ``step.place``.
