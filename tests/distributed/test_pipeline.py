@@ -245,12 +245,13 @@ def test_sequence_parallel_stages_pass_sequence_shards() -> None:
 
 def _error_rank(case: str):
     mesh = d9d.make_mesh("cpu", pp=2)
-    model, opt = llama(torch.float32, 2)(), optimizer()
+    model, opt = llama(torch.float32, 4 if case == "dualpipev" else 2)(), optimizer()
     options = {
         "stages": {"stages": ["layers.7"]},
         "order": {"stages": ["layers.0"]},
         "too many": {"virtual_stages": 2, "schedule": "interleaved_1f1b"},
         "microbatches": {"microbatches": 3},
+        "dualpipev": {"schedule": "dualpipev", "virtual_stages": 2, "microbatches": 2},
         "no model": {},
         "apply outside": {},
         "jit": {},
@@ -274,6 +275,12 @@ def _error_rank(case: str):
         ("order", PlanError, "always begins stage 0"),
         ("too many", PlanError, "needs 4 stages but the model has only 2 blocks"),
         ("microbatches", IndivisibleError, "do not split into 3 microbatches"),
+        (
+            "dualpipev",
+            PlanError,
+            r"pipeline\(schedule='dualpipev'\) cannot run 2 microbatches on 2 ranks x 2 stages: "
+            "DualPipeV requires at least as many microbatches as stages",
+        ),
         ("no model", PlanError, r"model=model"),
         ("apply outside", PlanError, "only inside d9d.value_and_grad"),
         ("jit", PlanError, "does not compile a pipeline step"),
