@@ -23,7 +23,7 @@ def _block(recipe: str, scale: Tensor, cols: int) -> tuple[int, int]:
     return (128, 1) if recipe == "blockwise" and scale.shape[1] == cols else (128, 128)
 
 
-def _dequantize(data: Tensor, scale: Tensor, group_sizes: Tensor, recipe: str) -> Tensor:
+def dequantize_by_expert(data: Tensor, scale: Tensor, group_sizes: Tensor, recipe: str) -> Tensor:
     rows, cols = data.shape
     block = _block(recipe, scale, cols)
     return data.float() * expert_scales.expand(scale, group_sizes, recipe, block, rows, cols)
@@ -40,8 +40,8 @@ def reference(
 ) -> Tensor:
     """Each expert's ``a.T @ b`` over its rows, the operands dequantized to float32 (the other
     experts' rows masked: ``E`` times the work, no host sync)."""
-    a_wide = _dequantize(a, a_scale, group_sizes, recipe)
-    b_wide = _dequantize(b, b_scale, group_sizes, recipe)
+    a_wide = dequantize_by_expert(a, a_scale, group_sizes, recipe)
+    b_wide = dequantize_by_expert(b, b_scale, group_sizes, recipe)
     ends, rows = group_sizes.cumsum(0), torch.arange(a.shape[0], device=a.device)
     out = []
     for e in range(group_sizes.shape[0]):
