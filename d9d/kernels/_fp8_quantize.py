@@ -73,9 +73,37 @@ def _(x: Tensor, recipe: str, dtype: torch.dtype, dim: int, block_rows: int, blo
     return x.new_empty(x.shape, dtype=dtype), x.new_empty(shape, dtype=torch.float32)
 
 
-def _triton(
-    x: Tensor, recipe: str, dtype: torch.dtype, dim: int, block: tuple[int, int]
+@torch.library.custom_op("d9d::fp8_quantize_by_expert_triton", mutates_args=())
+def _triton_by_expert(
+    x: Tensor,
+    group_sizes: Tensor,
+    recipe: str,
+    dtype: torch.dtype,
+    block_rows: int,
+    block_cols: int,
 ) -> tuple[Tensor, Tensor]:
+    from ._triton import fp8_quantize_by_expert as kernels
+
+    return kernels.quantize_by_expert(x, group_sizes, recipe, dtype, (block_rows, block_cols))
+
+
+@_triton_by_expert.register_fake
+def _(x, group_sizes, recipe, dtype, block_rows, block_cols):
+    experts, block = group_sizes.shape[0], (block_rows, block_cols)
+    shape = _fp8_expert_scales.expert_scale_shape(*x.shape, experts, recipe, block)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(shape, dtype=torch.float32)
+
+
+def _triton(
+    x: Tensor,
+    recipe: str,
+    dtype: torch.dtype,
+    dim: int,
+    block: tuple[int, int],
+    group_sizes: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    if group_sizes is not None:
+        return _triton_by_expert(x, group_sizes, recipe, dtype, *block)
     group_cols = x.shape[-1] if dim == -1 else x.shape[-2]
     if recipe == "rowwise" and group_cols > MAX_ROWWISE_COLS:
         raise KernelInputError(
@@ -180,8 +208,7 @@ def fp8_quantize(
         block: blockwise only: ``(1, 128)`` (default), ``(128, 1)`` or ``(128, 128)``.
         group_sizes: ``[E]`` int32/int64 tensor on ``x``'s device, rows per expert (summing
             to ``T``, unchecked); needs ``dim=-2`` (rowwise) or ``block[0] == 128``
-            (blockwise). Only the reference backend implements it (torch ops, no Triton
-            kernel yet): automatic selection picks it, a forced ``"triton"`` is refused.
+            (blockwise).
         backend: ``"triton"``, ``"reference"``, ``"auto"`` or None (see ``d9d.kernels.use``).
 
     Returns:
@@ -212,7 +239,7 @@ def fp8_quantize(
     if group_sizes is None:
         return resolve("fp8_quantize", x, backend, recipe)(x.detach(), recipe, dtype, dim, block)
     _check_by_expert(x, recipe, dim, block, group_sizes)
-    impl = resolve("fp8_quantize", x, backend, f"{recipe} by expert")
+    impl = resolve("fp8_quantize", x, backend, recipe)
     return impl(x.detach(), recipe, dtype, dim, block, group_sizes)
 
 
@@ -224,5 +251,4 @@ register_backend(
     dtypes=TRITON_DTYPES,
     unavailable=fp8_triton_unavailable,
     auto=triton_auto,
-    variants=RECIPES,  # not "<recipe> by expert" (group_sizes): the reference's alone
 )

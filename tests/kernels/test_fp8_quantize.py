@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import d9d.kernels as K
-from d9d.errors import KernelInputError, KernelUnavailableError
+from d9d.errors import KernelInputError
 from d9d.kernels import _fp8_quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -228,5 +228,27 @@ def test_by_expert_errors():
         K.fp8_quantize(x[None], "tensorwise", group_sizes=sizes)
     with pytest.raises(KernelInputError, match=r"group_sizes must be an \[E\] int32 or int64"):
         K.fp8_quantize(x, "tensorwise", group_sizes=sizes.float())
-    with pytest.raises(KernelUnavailableError, match=r"not 'tensorwise by expert'"):
-        K.fp8_quantize(x, "tensorwise", group_sizes=sizes, backend="triton")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(BY_EXPERT))
+def test_by_expert_triton_is_bit_exact_with_the_reference(name, x_dtype, device):
+    recipe, kwargs = BY_EXPERT[name]
+    x = _x(sum(EXPERT_ROWS), 70, dtype=x_dtype).to(device)
+    x = x.t().contiguous().t()  # column-major: strides read right
+    for sizes in (EXPERT_ROWS, [0, 0], [3]):
+        sizes = torch.tensor(sizes, device=device)
+        rows = x[: int(sizes.sum())]
+        for dtype in (E4M3, E5M2):
+            args = (rows, recipe, dtype)
+            got = K.fp8_quantize(*args, group_sizes=sizes, backend="triton", **kwargs)
+            want = K.fp8_quantize(*args, group_sizes=sizes, backend="reference", **kwargs)
+            assert torch.equal(_bits(got[0]), _bits(want[0]))
+            assert torch.equal(got[1], want[1])
+
+
+def test_by_expert_custom_op_registration(device):
+    x, sizes = _x(40, 24).to(device), torch.tensor([9, 0, 31], device=device)
+    for recipe, block in (("blockwise", (128, 1)), ("rowwise", (128, 128))):
+        args = (x, sizes, recipe, E4M3, *block)
+        torch.library.opcheck(_fp8_quantize._triton_by_expert, args)
