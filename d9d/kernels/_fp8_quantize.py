@@ -143,15 +143,8 @@ def _check_by_expert(x: Tensor, recipe: str, dim: int, block, group_sizes: Tenso
             f"fp8_quantize: with group_sizes, x must be a [T, cols] matrix of rows grouped by "
             f"expert, got {x.shape=}"
         )
-    if (
-        not isinstance(group_sizes, Tensor)
-        or group_sizes.dim() != 1
-        or group_sizes.dtype
-        not in (
-            torch.int32,
-            torch.int64,
-        )
-    ):
+    sizes_ok = isinstance(group_sizes, Tensor) and group_sizes.dim() == 1
+    if not sizes_ok or group_sizes.dtype not in (torch.int32, torch.int64):
         raise KernelInputError(
             f"fp8_quantize: group_sizes must be an [E] int32 or int64 tensor, got "
             f"{getattr(group_sizes, 'shape', group_sizes)}, {getattr(group_sizes, 'dtype', '')}"
