@@ -60,7 +60,7 @@ SMOKE_TEST = "tests/optim/test_optim_compile.py::test_compiled_step_traces_once_
 # ops' compile baselines would not fit the stage's budget as well.
 KERNEL_OPS = (
     "rms_norm,fused_linear_cross_entropy,adamw,grouped_gemm,moe_permute,moe_unpermute,"
-    "fp8_quantize,fp8_gemm,fp8_grouped_gemm"
+    "fp8_quantize,fp8_gemm,fp8_grouped_gemm,fp8_grouped_gemm_k"
 )
 # Llama 3.2 1B's widths with 4 of its 16 blocks: three compiled variants and a second try of
 # batch 8: on the H100, transformers + torch.compile ran out of memory at batch 16 (d9d's step

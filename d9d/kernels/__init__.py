@@ -9,6 +9,7 @@ from ._adamw import adamw as adamw
 from ._cross_entropy import cross_entropy as cross_entropy
 from ._fp8_gemm import fp8_gemm as fp8_gemm
 from ._fp8_gemm import fp8_grouped_gemm as fp8_grouped_gemm
+from ._fp8_grouped_gemm_k import fp8_grouped_gemm_k as fp8_grouped_gemm_k
 from ._fp8_quantize import fp8_quantize as fp8_quantize
 from ._fused_linear_cross_entropy import fused_linear_cross_entropy as fused_linear_cross_entropy
 from ._grouped_gemm import grouped_gemm as grouped_gemm
@@ -28,6 +29,7 @@ __all__ = [
     "cross_entropy",
     "fp8_gemm",
     "fp8_grouped_gemm",
+    "fp8_grouped_gemm_k",
     "fp8_quantize",
     "fused_add_rms_norm",
     "fused_linear_cross_entropy",

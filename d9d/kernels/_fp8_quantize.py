@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import KernelInputError
+from . import _fp8_expert_scales
 from ._checks import check_floating
 from ._fp8_recipes import (
     AMAX_EPS,
@@ -28,9 +29,17 @@ MAX_ROWWISE_COLS = 65536  # the Triton kernel holds one row of a rowwise group i
 
 
 def reference(
-    x: Tensor, recipe: str, dtype: torch.dtype, dim: int, block: tuple[int, int]
+    x: Tensor,
+    recipe: str,
+    dtype: torch.dtype,
+    dim: int,
+    block: tuple[int, int],
+    group_sizes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Pads each matrix to whole groups with zeros, takes each group's amax, divides, casts."""
+    """Pads each matrix to whole groups with zeros, takes each group's amax, divides, casts;
+    with ``group_sizes``, groups along each expert's rows (``_fp8_expert_scales``)."""
+    if group_sizes is not None:
+        return _fp8_expert_scales.reference(x, group_sizes, recipe, dtype, block)
     *batch, rows, cols = x.shape
     shape, limit = scale_shape(x.shape, recipe, dim, block), fp8_max(dtype)
     if x.numel() == 0:  # amax 0
@@ -64,9 +73,37 @@ def _(x: Tensor, recipe: str, dtype: torch.dtype, dim: int, block_rows: int, blo
     return x.new_empty(x.shape, dtype=dtype), x.new_empty(shape, dtype=torch.float32)
 
 
-def _triton(
-    x: Tensor, recipe: str, dtype: torch.dtype, dim: int, block: tuple[int, int]
+@torch.library.custom_op("d9d::fp8_quantize_by_expert_triton", mutates_args=())
+def _triton_by_expert(
+    x: Tensor,
+    group_sizes: Tensor,
+    recipe: str,
+    dtype: torch.dtype,
+    block_rows: int,
+    block_cols: int,
 ) -> tuple[Tensor, Tensor]:
+    from ._triton import fp8_quantize_by_expert as kernels
+
+    return kernels.quantize_by_expert(x, group_sizes, recipe, dtype, (block_rows, block_cols))
+
+
+@_triton_by_expert.register_fake
+def _(x, group_sizes, recipe, dtype, block_rows, block_cols):
+    experts, block = group_sizes.shape[0], (block_rows, block_cols)
+    shape = _fp8_expert_scales.expert_scale_shape(*x.shape, experts, recipe, block)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(shape, dtype=torch.float32)
+
+
+def _triton(
+    x: Tensor,
+    recipe: str,
+    dtype: torch.dtype,
+    dim: int,
+    block: tuple[int, int],
+    group_sizes: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    if group_sizes is not None:
+        return _triton_by_expert(x, group_sizes, recipe, dtype, *block)
     group_cols = x.shape[-1] if dim == -1 else x.shape[-2]
     if recipe == "rowwise" and group_cols > MAX_ROWWISE_COLS:
         raise KernelInputError(
@@ -99,6 +136,36 @@ def _check(x: Tensor, recipe: str, dtype: torch.dtype, dim: int, block) -> None:
         raise KernelInputError(f"fp8_quantize: {block=} is not one of {list(BLOCKS)}")
 
 
+def _check_by_expert(x: Tensor, recipe: str, dim: int, block, group_sizes: Tensor) -> None:
+    """``group_sizes``' own rules: scale groups along the rows of a matrix, within experts."""
+    if x.dim() != 2:
+        raise KernelInputError(
+            f"fp8_quantize: with group_sizes, x must be a [T, cols] matrix of rows grouped by "
+            f"expert, got {x.shape=}"
+        )
+    sizes_ok = isinstance(group_sizes, Tensor) and group_sizes.dim() == 1
+    if not sizes_ok or group_sizes.dtype not in (torch.int32, torch.int64):
+        raise KernelInputError(
+            f"fp8_quantize: group_sizes must be an [E] int32 or int64 tensor, got "
+            f"{getattr(group_sizes, 'shape', group_sizes)}, {getattr(group_sizes, 'dtype', '')}"
+        )
+    if group_sizes.device != x.device:
+        raise KernelInputError(
+            f"fp8_quantize: group_sizes on {group_sizes.device}, x on {x.device}: move them "
+            f"to one device"
+        )
+    if recipe == "rowwise" and dim != -2:
+        raise KernelInputError(
+            f"fp8_quantize: rowwise with group_sizes scales each expert's columns: pass dim=-2, "
+            f"got {dim=} (a scale per row needs no group_sizes)"
+        )
+    if recipe == "blockwise" and block[0] != _fp8_expert_scales.TILE_ROWS:
+        raise KernelInputError(
+            f"fp8_quantize: blockwise with group_sizes tiles 128 rows of each expert: pass "
+            f"block=(128, 1) or (128, 128), got {block=} (1x128 tiles need no group_sizes)"
+        )
+
+
 def fp8_quantize(
     x: Tensor,
     recipe: str,
@@ -106,6 +173,7 @@ def fp8_quantize(
     *,
     dim: int = -1,
     block: tuple[int, int] = (1, 128),
+    group_sizes: Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Casts ``x`` to fp8 with float32 scales: amax per group, scale, saturating cast.
@@ -119,22 +187,36 @@ def fp8_quantize(
     multiples of 128. A 3-d ``x`` is a stack of matrices (experts), each scaled apart. Not
     differentiable: ``x`` is detached.
 
+    With ``group_sizes``, ``x [T, cols]`` has its rows grouped by expert (as ``grouped_gemm``'s)
+    and every group runs along the rows within one expert: the operands of
+    ``fp8_grouped_gemm_k`` (an expert's weight grad). Each expert's data and scales are then
+    ``fp8_quantize`` of its rows alone; blockwise tiles of 128 rows start at each expert's
+    first row. The scales' shapes need no host sync (Returns).
+
     Args:
         x: ``[rows, cols]`` or ``[batch, rows, cols]`` float tensor.
         recipe: ``"tensorwise"``, ``"rowwise"`` or ``"blockwise"``.
         dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
         dim: rowwise only: the dim a scale runs along, -1 (a scale per row) or -2 (per column).
         block: blockwise only: ``(1, 128)`` (default), ``(128, 1)`` or ``(128, 128)``.
+        group_sizes: ``[E]`` int32/int64 tensor on ``x``'s device, rows per expert (summing
+            to ``T``, unchecked); needs ``dim=-2`` (rowwise) or ``block[0] == 128``
+            (blockwise).
         backend: ``"triton"``, ``"reference"``, ``"auto"`` or None (see ``d9d.kernels.use``).
 
     Returns:
         ``(data, scale)``: ``data`` of ``x``'s shape in ``dtype``; ``scale`` float32 of shape
         ``[..., 1, 1]`` (tensorwise), ``[..., rows, 1]`` or ``[..., 1, cols]`` (rowwise),
-        ``[..., ceil(rows / block[0]), ceil(cols / block[1])]`` (blockwise).
+        ``[..., ceil(rows / block[0]), ceil(cols / block[1])]`` (blockwise). With
+        ``group_sizes``: ``[E, 1, 1]``, ``[E, 1, cols]``, ``[ceil(T / 128) + E, ceil(cols /
+        block[1])]`` (expert ``e``'s ``j``-th tile at row ``sum(ceil(group_sizes[:e] / 128))
+        + j``; the rows left over hold an all-zero group's scale).
 
     Raises:
         KernelInputError: ``x`` not a float matrix (or stack), an unknown recipe, a dtype
-            that is not fp8, or a ``dim``/``block`` not listed above.
+            that is not fp8, a ``dim``/``block`` not listed above, or a ``group_sizes`` that
+            is not ``[E]`` integers beside a matrix, or beside rowwise scales per row or
+            1x128 tiles.
         UnknownKernelError: unknown backend name.
         KernelUnavailableError: the forced backend cannot run here.
 
@@ -147,7 +229,11 @@ def fp8_quantize(
     """
     block = tuple(block)
     _check(x, recipe, dtype, dim, block)
-    return resolve("fp8_quantize", x, backend, recipe)(x.detach(), recipe, dtype, dim, block)
+    if group_sizes is None:
+        return resolve("fp8_quantize", x, backend, recipe)(x.detach(), recipe, dtype, dim, block)
+    _check_by_expert(x, recipe, dim, block, group_sizes)
+    impl = resolve("fp8_quantize", x, backend, recipe)
+    return impl(x.detach(), recipe, dtype, dim, block, group_sizes)
 
 
 define_op("fp8_quantize", reference, dtypes=FLOAT_DTYPES)

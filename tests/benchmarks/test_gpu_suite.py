@@ -43,7 +43,7 @@ def test_smoke_run_writes_every_stage_a_summary_and_the_log(tmp_path: Path) -> N
     kernel_ops = {row["op"] for row in reports["kernels"]["results"] if "error" not in row}
     assert {"rms_norm", "fused_linear_cross_entropy", "adamw", "grouped_gemm"} <= kernel_ops
     assert {"moe_permute", "moe_unpermute"} <= kernel_ops
-    assert {"fp8_quantize", "fp8_gemm", "fp8_grouped_gemm"} <= kernel_ops
+    assert {"fp8_quantize", "fp8_gemm", "fp8_grouped_gemm", "fp8_grouped_gemm_k"} <= kernel_ops
     mfu = {row["variant"]: row for row in reports["mfu"]["rows"]}
     assert mfu["d9d"]["losses"] == pytest.approx(mfu["transformers"]["losses"], abs=1e-4)
     assert "torchtitan" in mfu  # recorded, unavailable or failed on a CPU

@@ -17,6 +17,7 @@ OPS = {
     "cross_entropy",
     "fp8_gemm",
     "fp8_grouped_gemm",
+    "fp8_grouped_gemm_k",
     "fp8_quantize",
     "fused_add_rms_norm",
     "fused_linear_cross_entropy",

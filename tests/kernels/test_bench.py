@@ -45,6 +45,7 @@ def test_cpu_smoke_writes_a_report(bench, tmp_path):
         "cross_entropy",
         "fp8_gemm",
         "fp8_grouped_gemm",
+        "fp8_grouped_gemm_k",
         "fp8_quantize",
         "fused_add_rms_norm",
         "fused_linear_cross_entropy",

@@ -87,7 +87,8 @@ def test_adamw_compiles_without_graph_breaks(backend, device):
 
 
 def _fp8_matmuls(x, w, experts, group_sizes, recipe, backend):
-    """fp8 quantize, then a dense and a grouped fp8 GEMM, every recipe's layouts."""
+    """fp8 quantize, then a dense, a grouped and a grouped-along-K fp8 GEMM (the last on
+    operands quantized by expert), every recipe's layouts."""
     x_data, x_scale = K.fp8_quantize(x, recipe, backend=backend)
     w_data, w_scale = K.fp8_quantize(w, recipe, dim=-2, block=(128, 128), backend=backend)
     e_data, e_scale = K.fp8_quantize(experts, recipe, dim=-2, block=(128, 128), backend=backend)
@@ -96,7 +97,11 @@ def _fp8_matmuls(x, w, experts, group_sizes, recipe, backend):
     grouped = K.fp8_grouped_gemm(
         x_data, x_scale, e_data, e_scale, group_sizes, recipe, torch.float32, backend=gemm
     )
-    return dense, grouped
+    by_expert = {"dim": -2, "group_sizes": group_sizes, "backend": backend}
+    a = K.fp8_quantize(x, recipe, block=(128, 128), **by_expert)
+    b = K.fp8_quantize(dense, recipe, block=(128, 1), **by_expert)
+    weight = K.fp8_grouped_gemm_k(*a, *b, group_sizes, recipe, torch.float32, backend=gemm)
+    return dense, grouped, weight
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

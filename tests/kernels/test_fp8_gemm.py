@@ -21,9 +21,11 @@ OUT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3}  # reduction order; 
 TENSOR_CORE_ROUNDING = 4 * 2.0**-13
 
 
-def _assert_matches_reference(got, want, operands, recipe, out_dtype=torch.float32):
+def _assert_matches_reference(got, want, operands, recipe, out_dtype=torch.float32, gemm=None):
     """``|got - want| <= tol * (max|want| + |want|)``, plus the tensor cores' rounding of the
-    sum of |products| (the reference applied to ``|a|`` and ``|b|``) when ``got`` is on CUDA."""
+    sum of |products| (the reference ``gemm`` applied to ``|a|`` and ``|b|``; by default
+    ``fp8_grouped_gemm`` or ``fp8_gemm`` as ``operands`` have group sizes or not) when ``got``
+    is on CUDA."""
     assert got.dtype == want.dtype == out_dtype and got.shape == want.shape
     if not want.numel():
         return
@@ -33,7 +35,7 @@ def _assert_matches_reference(got, want, operands, recipe, out_dtype=torch.float
     if got.is_cuda:
         a, a_scale, b, b_scale, *group_sizes = operands
         magnitude_operands = (_abs(a), a_scale, _abs(b), b_scale, *group_sizes)
-        gemm = K.fp8_grouped_gemm if group_sizes else K.fp8_gemm
+        gemm = gemm or (K.fp8_grouped_gemm if group_sizes else K.fp8_gemm)
         magnitude = gemm(*magnitude_operands, recipe, torch.float32, backend="reference")
         bound = bound + TENSOR_CORE_ROUNDING * magnitude
     worst = (err / bound).max().item()

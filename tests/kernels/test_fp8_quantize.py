@@ -182,3 +182,73 @@ def test_cast_signal_to_noise_meets_issue_28(name):
         data, scale = K.fp8_quantize(x, recipe, dtype, **kwargs)
         noise = data.float() * _expand(scale, group, x.shape) - x
         assert 10 * torch.log10(x.square().sum() / noise.square().sum()) >= floor
+
+
+# Experts of 0, 130, 5, 0, 77 and 200 rows: empty, under 128, not multiples of 16, two tiles.
+EXPERT_ROWS = [0, 130, 5, 0, 77, 200]
+BY_EXPERT = {  # (recipe, keyword arguments of each expert's own fp8_quantize)
+    "tensorwise": ("tensorwise", {}),
+    "rowwise": ("rowwise", {"dim": -2}),
+    "blockwise-128x1": ("blockwise", {"block": (128, 1)}),
+    "blockwise-128x128": ("blockwise", {"block": (128, 128)}),
+}
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("name", list(BY_EXPERT))
+def test_by_expert_is_each_experts_own_quantization_bit_for_bit(name, dtype):
+    recipe, kwargs = BY_EXPERT[name]
+    x, sizes = _x(sum(EXPERT_ROWS), 70), torch.tensor(EXPERT_ROWS)
+    data, scale = K.fp8_quantize(x, recipe, dtype, group_sizes=sizes, **kwargs)
+    tiles, start = 0, 0
+    for e, n in enumerate(EXPERT_ROWS):
+        want_data, want_scale = K.fp8_quantize(
+            x[start : start + n], recipe, dtype, backend="reference", **kwargs
+        )
+        assert torch.equal(_bits(data[start : start + n]), _bits(want_data))
+        if recipe == "blockwise":
+            got_scale = scale[tiles : tiles + want_scale.shape[0]]
+            tiles += want_scale.shape[0]
+        else:
+            got_scale = scale[e] if n else scale[e].expand_as(want_scale)
+        assert torch.equal(got_scale, want_scale), e
+        start += n
+    if recipe == "blockwise":  # the slack of the tiles' upper bound: all-zero groups' scale
+        assert scale.shape[0] == 4 + len(EXPERT_ROWS) and tiles == 6
+        assert torch.all(scale[tiles:] == 1e-12 / torch.finfo(dtype).max)
+
+
+def test_by_expert_errors():
+    x, sizes = torch.randn(6, 8), torch.tensor([2, 4])
+    with pytest.raises(KernelInputError, match=r"rowwise with group_sizes .* pass dim=-2"):
+        K.fp8_quantize(x, "rowwise", group_sizes=sizes)
+    with pytest.raises(KernelInputError, match=r"block=\(128, 1\) or \(128, 128\), got"):
+        K.fp8_quantize(x, "blockwise", group_sizes=sizes)
+    with pytest.raises(KernelInputError, match=r"x must be a \[T, cols\] matrix"):
+        K.fp8_quantize(x[None], "tensorwise", group_sizes=sizes)
+    with pytest.raises(KernelInputError, match=r"group_sizes must be an \[E\] int32 or int64"):
+        K.fp8_quantize(x, "tensorwise", group_sizes=sizes.float())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(BY_EXPERT))
+def test_by_expert_triton_is_bit_exact_with_the_reference(name, x_dtype, device):
+    recipe, kwargs = BY_EXPERT[name]
+    x = _x(sum(EXPERT_ROWS), 70, dtype=x_dtype).to(device)
+    x = x.t().contiguous().t()  # column-major: strides read right
+    for sizes in (EXPERT_ROWS, [0, 0], [3]):
+        sizes = torch.tensor(sizes, device=device)
+        rows = x[: int(sizes.sum())]
+        for dtype in (E4M3, E5M2):
+            args = (rows, recipe, dtype)
+            got = K.fp8_quantize(*args, group_sizes=sizes, backend="triton", **kwargs)
+            want = K.fp8_quantize(*args, group_sizes=sizes, backend="reference", **kwargs)
+            assert torch.equal(_bits(got[0]), _bits(want[0]))
+            assert torch.equal(got[1], want[1])
+
+
+def test_by_expert_custom_op_registration(device):
+    x, sizes = _x(40, 24).to(device), torch.tensor([9, 0, 31], device=device)
+    for recipe, block in (("blockwise", (128, 1)), ("rowwise", (128, 128))):
+        args = (x, sizes, recipe, E4M3, *block)
+        torch.library.opcheck(_fp8_quantize._triton_by_expert, args)

@@ -95,6 +95,7 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
         "cross_entropy",
         "fp8_gemm",
         "fp8_grouped_gemm",
+        "fp8_grouped_gemm_k",
         "fp8_quantize",
         "fused_add_rms_norm",
         "fused_linear_cross_entropy",

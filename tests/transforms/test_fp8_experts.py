@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 
 import d9d
+import d9d.kernels as K
 from d9d.kernels import grouped_gemm
 from d9d.models import MoE, MoEConfig
+from d9d.transforms.fp8 import _experts
 from d9d.transforms.fp8._experts import fp8_grouped_gemm_experts
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -58,18 +60,15 @@ def _matmul(a, b, recipe, a_dtype):
 
 
 def _emulated(x, w, dy, sizes, recipe):
-    """Output, input grad and weight grad, one expert at a time: its rows for the output and
-    the input grad; for the weight grad all rows with the others' zeroed (blockwise tiles
-    lie along the tokens where the rows lie)."""
+    """Output, input grad and weight grad, one expert at a time on its rows alone (blockwise
+    weight-grad tiles start at the expert's first row)."""
     out, grad_x = torch.zeros(x.shape[0], w.shape[2]), torch.zeros_like(x)
     grad_w, start = torch.zeros_like(w), 0
     for e, n in enumerate(sizes):
         rows = slice(start, start + n)
         out[rows] = _matmul(x[rows], w[e], recipe, E4M3)
         grad_x[rows] = _matmul(dy[rows], w[e].t(), recipe, GRAD[recipe])
-        x_e, dy_e = torch.zeros_like(x), torch.zeros_like(dy)
-        x_e[rows], dy_e[rows] = x[rows], dy[rows]
-        grad_w[e] = _matmul(dy_e.t(), x_e, recipe, GRAD[recipe]).t()
+        grad_w[e] = _matmul(dy[rows].t(), x[rows], recipe, GRAD[recipe]).t()
         start += n
     return out, grad_x, grad_w
 
@@ -84,6 +83,7 @@ def _run(x, w, dy, sizes, recipe):
 CASES = {
     "uneven, one empty": ([10, 0, 20, 7], 160, 48),
     "ragged 128 edges": ([131, 3, 0, 40], 272, 144),
+    "tiles from each expert's first row": ([100, 200, 5], 24, 40),  # not the global 128s
     "all rows in one expert": ([0, 0, 25], 40, 64),  # the tiny MoE's odd expert width
 }
 
@@ -204,3 +204,57 @@ def test_jit_traces_one_graph_with_fp8_experts_equal_to_eager():
         scale = want[path].abs().max().item()
         torch.testing.assert_close(got[path], want[path], rtol=1e-5, atol=1e-6 * scale)
     assert jitted.traces == 1
+
+
+def _per_expert_weight_grad(x, dy, sizes, recipe):
+    """The weight grad as computed before ``fp8_grouped_gemm_k``: per expert, ``fp8_gemm`` of
+    ``dy.T`` and ``x`` over all rows with the other experts' rows zeroed, quantized along the
+    tokens (blockwise tiles at global multiples of 128)."""
+    rows, grads, start = torch.arange(x.shape[0]), [], 0
+    for n in sizes:
+        mine = ((rows >= start) & (rows < start + n))[:, None]
+        a = K.fp8_quantize(torch.where(mine, dy, 0.0).t(), recipe, GRAD[recipe])
+        b = K.fp8_quantize(torch.where(mine, x, 0.0), recipe, dim=-2, block=(128, 128))
+        grads.append(K.fp8_gemm(*a, *b, recipe, torch.float32, backend="reference").t())
+        start += n
+    return torch.stack(grads)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_weight_grad_equals_the_per_expert_path(recipe):
+    """Same quantized operands (experts start at multiples of 128, so blockwise tiles agree),
+    float32 sums in another order: equal within float32 rounding (1e-6 of the largest)."""
+    sizes = [128, 0, 256, 37]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(sizes), 40, generator=g) * torch.linspace(0.1, 4, sum(sizes))[:, None]
+    w, dy = torch.randn(4, 40, 24, generator=g), torch.randn(sum(sizes), 24, generator=g)
+    with d9d.kernels.use(fp8_quantize="reference", fp8_grouped_gemm_k="reference"):
+        _, _, grad_w = _run(x, w, dy, sizes, recipe)
+    want = _per_expert_weight_grad(x, dy, sizes, recipe)
+    torch.testing.assert_close(grad_w, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def test_weight_grad_reads_each_token_row_once(monkeypatch):
+    """The backward quantizes ``x`` and ``dy`` once each over their ``T`` rows and multiplies
+    them in one ``fp8_grouped_gemm_k`` (before: ``E`` quantizations and GEMMs of all rows)."""
+    calls = []
+
+    def counting(name, op):
+        def call(*args, **kwargs):
+            calls.append((name, args[0].shape))
+            return op(*args, **kwargs)
+
+        return call
+
+    for name in ("fp8_quantize", "fp8_grouped_gemm", "fp8_grouped_gemm_k"):
+        monkeypatch.setattr(_experts, name, counting(name, getattr(_experts, name)))
+    sizes = [5, 0, 9, 3, 7, 0, 1, 11]
+    x = torch.randn(sum(sizes), 32, requires_grad=True)
+    w = torch.randn(len(sizes), 32, 16, requires_grad=True)
+    out = fp8_grouped_gemm_experts(x, w, torch.tensor(sizes), "rowwise")
+    calls.clear()
+    out.backward(torch.randn_like(out))
+    assert calls.count(("fp8_quantize", x.shape)) == 1  # x, for the weight grad
+    assert calls.count(("fp8_quantize", out.shape)) == 2  # dy: the input grad, the weight grad
+    assert calls.count(("fp8_grouped_gemm_k", x.shape)) == 1
+    assert sum(name == "fp8_grouped_gemm_k" for name, _ in calls) == 1

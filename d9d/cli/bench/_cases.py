@@ -76,6 +76,7 @@ OPS = (
     "fp8_quantize",
     "fp8_gemm",
     "fp8_grouped_gemm",
+    "fp8_grouped_gemm_k",
 )
 
 

@@ -28,6 +28,7 @@ BENCH_OPS = (
     "fp8_quantize",
     "fp8_gemm",
     "fp8_grouped_gemm",
+    "fp8_grouped_gemm_k",
 )
 """``d9d.cli.bench._cases.OPS``."""
 BENCH_DTYPES = ("bfloat16", "float16", "float32")

@@ -8,16 +8,16 @@ N]``, ``group_sizes [E]`` on the device):
 - input grad ``dx = dy @ w[e].T``: ``dy`` along ``N`` (the grad format), ``w[e].T`` along
   ``N``; ``fp8_grouped_gemm``;
 - weight grad ``dw[e] = x[rows of e].T @ dy[rows of e]``, a sum over the expert's tokens:
-  for each expert, ``fp8_gemm`` of ``dy.T`` and ``x`` with the other experts' rows zeroed,
-  quantized along the tokens (the linear's weight grad, on the expert's rows). Zeroed rows
-  change no amax and add nothing, so each expert's scales are its own tokens'. This is
-  ``E`` dense GEMMs over all ``T`` rows (``E`` times the grouped FLOPs) and no host sync: a
-  grouped fp8 GEMM over the contraction dim is not built.
+  ``x`` and ``dy`` each quantized once along the tokens within each expert's rows
+  (``fp8_quantize`` with ``group_sizes``), then one ``fp8_grouped_gemm_k``: each token row
+  is read once, not once per expert, and no host sync.
 
 Scales per recipe: ``tensorwise`` has one scale per expert for each operand (the amax of the
 expert's rows, of its weight; computed by the rowwise kernel with each row given its expert's
 scale); ``rowwise`` and ``blockwise`` as for linears (a row, 1x128 tiles; a weight's column,
-128x128 blocks of each expert). e4m3 for activations and weights, the recipe's grad format
+128x128 blocks of each expert). In the weight grad, ``rowwise`` scales each column of an
+expert's rows, ``blockwise`` takes 128-token tiles from each expert's first row (``dy``
+128x1, ``x`` 128x128), so no scale group straddles two experts. e4m3 for activations and weights, the recipe's grad format
 (``GRAD_DTYPES``) for ``dy``. The forward saves ``x`` and ``w`` in their own dtype; the output
 has ``x``'s dtype and the weight grad ``w``'s.
 """
@@ -27,11 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ...kernels import fp8_gemm, fp8_grouped_gemm, fp8_quantize
-from ._linear import E4M3, GRAD_DTYPES, MULTIPLE
+from ...kernels import fp8_grouped_gemm, fp8_grouped_gemm_k, fp8_quantize
+from ._linear import E4M3, GRAD_DTYPES
 
 __all__ = ["fp8_grouped_gemm_experts"]
 
@@ -95,20 +94,12 @@ def _grouped(
     )
 
 
-def _weight_grad(x: Tensor, grad: Tensor, owner: Tensor, experts: int, recipe: str, dtype):
+def _weight_grad(x: Tensor, grad: Tensor, group_sizes: Tensor, recipe: str, dtype) -> Tensor:
     """``[E, K, N]``: each expert's ``x.T @ grad`` over its rows (module doc)."""
-    k = x.shape[1]
-    pad_rows = -x.shape[0] % MULTIPLE  # torch._scaled_mm's K (the tokens) and N (k)
-    x = F.pad(x, (0, -k % MULTIPLE, 0, pad_rows))
-    grad, owner = F.pad(grad, (0, 0, 0, pad_rows)), F.pad(owner, (0, pad_rows), value=-1)
-    grad_dtype, grads = GRAD_DTYPES[recipe], []
-    for expert in range(experts):
-        mine = (owner == expert)[:, None]
-        grad_t = torch.where(mine, grad, 0.0).t()
-        a = fp8_quantize(grad_t, recipe, grad_dtype)
-        b = fp8_quantize(torch.where(mine, x, 0.0), recipe, E4M3, dim=-2, block=(128, 128))
-        grads.append(fp8_gemm(*a, *b, recipe, dtype)[:, :k].t())  # [N, K] -> [K, N]
-    return torch.stack(grads)
+    by_expert = {"dim": -2, "group_sizes": group_sizes}
+    a = fp8_quantize(x, recipe, E4M3, block=(128, 128), **by_expert)
+    b = fp8_quantize(grad, recipe, GRAD_DTYPES[recipe], block=(128, 1), **by_expert)
+    return fp8_grouped_gemm_k(*a, *b, group_sizes, recipe, dtype)
 
 
 class _Fp8GroupedGemm(torch.autograd.Function):
@@ -130,7 +121,7 @@ class _Fp8GroupedGemm(torch.autograd.Function):
             w_t = w.transpose(1, 2)
             grad_x = _grouped(grad, w_t, group_sizes, owner, recipe, grad_dtype, x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _weight_grad(x, grad, owner, w.shape[0], recipe, w.dtype)
+            grad_w = _weight_grad(x, grad, group_sizes, recipe, w.dtype)
         return grad_x, grad_w, None, None
 
 

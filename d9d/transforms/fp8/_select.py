@@ -15,8 +15,8 @@ of the default exclusions holds:
 The embedding is an ``nn.Embedding``, no linear: it is never intercepted. ``d9d.moe``'s
 routed experts (an ``Experts`` module: stacked ``[E, K, N]`` weights, grouped GEMMs) compute
 in fp8 when the experts module's path matches ``include`` and not ``exclude``; all three of
-its weights share its choice. They have no dims rule: the weight grad pads its operands to
-``torch._scaled_mm``'s multiples of 16 with zeros, and the grouped GEMMs take any shape.
+its weights share its choice. They have no dims rule: their three GEMMs (``fp8_grouped_gemm``
+and, for the weight grad, ``fp8_grouped_gemm_k``) take any shape.
 ``d9d.moe``'s router is no ``nn.Linear`` and is never intercepted; its weight gets a choice
 of high precision, so the plan says why.
 """
