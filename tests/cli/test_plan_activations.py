@@ -395,3 +395,16 @@ def test_plan_of_the_pipelined_moe_decoder_equals_a_real_pipelined_step() -> Non
     real = _real_kept(build, "moe", {"pp": 2}, MOE_CONFIG.vocab_size, microbatches=4)
     print(f"moe pp=2: meta {measured:,} B, real {real:,} B")
     assert measured == real
+
+
+def test_the_plan_of_a_pipelined_moe_is_the_one_the_whole_schedule_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``d9d plan``'s whole report (table, memory per rank, activations, the collectives'
+    line) is the same whether the dry run stops at its first backward or runs the schedule
+    to its end."""
+    options = dict(model="moe", pp=2, ep=2, fsdp=2, seq=32, microbatches=4, max_rows=None)
+    fast = show_plan("tiny", **options)
+    monkeypatch.setattr(pipeline_executor, "_until", lambda _: contextlib.nullcontext())
+    assert show_plan("tiny", **options) == fast
+    assert "ep:S(0)" in fast and "measured on meta at rank 0's first backward" in fast
