@@ -4,6 +4,7 @@ and against the bytes a real forward keeps (``KeptBytes``)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -21,7 +22,7 @@ from d9d.cli.plan._activations import (
     in_flight,
     moe_activation_bytes,
 )
-from d9d.cli.plan._dry_run import count_collectives, dry_run, meta_as_cpu
+from d9d.cli.plan._dry_run import DryRun, count_collectives, dry_run, meta_as_cpu
 from d9d.cli.plan._models import build_model
 from d9d.cli.plan._report import human
 from d9d.cli.plan._show import _measure, _step, show_plan
@@ -30,6 +31,8 @@ from d9d.errors import DryRunError
 from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.moe import MoEConfig as LayerConfig
 from d9d.testing import KeptBytes, fake_world, run_on_ranks
+from d9d.transforms.pipeline import _executor as pipeline_executor
+from d9d.transforms.pipeline._stage_trace import stage_spans
 
 pytestmark = pytest.mark.distributed
 
@@ -347,3 +350,61 @@ def test_moe_under_pipeline_parallelism_measures_what_it_cannot_count() -> None:
         tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
         with pytest.raises(DryRunError, match="as a Python object, which a dry run on meta"):
             count_collectives(step, params, state, {"tokens": tokens, "labels": tokens})
+
+
+def _moe_pipelined_dry_run(schedule: str, microbatches: int) -> tuple[DryRun, list[str]]:
+    """The dry run of the MoE decoder (one dense block, three MoE blocks: two stages a rank
+    under the interleaved schedule) under pp=2, and the kinds of the stage compute spans it
+    ran (``F``, ``B``, ``W``)."""
+    sizes = _sizes({"pp": 2})
+    with fake_world(2):
+        with torch.device("meta"):
+            model = d9d.functionalize(MoE(dataclasses.replace(MOE_CONFIG, n_layers=4)))
+        step, opt = _step(model, sizes, "moe", None, "none", schedule, microbatches)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        tokens = torch.zeros(BATCH * microbatches, SEQ, dtype=torch.long, device="meta")
+        with stage_spans() as spans:
+            run = dry_run(step, params, state, {"tokens": tokens, "labels": tokens})
+    return run, [kind for kind, stage, *_ in spans if stage >= 0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_pipelined_dry_run_that_cannot_finish_stops_at_its_first_backward(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 cannot receive the MoE's aux outputs on meta: the schedule stops after one
+    backward, and what it reports (the bytes kept, the reason it counted no collective) is
+    what running the whole schedule reports."""
+    fast, kinds = _moe_pipelined_dry_run(schedule, 4)
+    monkeypatch.setattr(pipeline_executor, "_until", lambda _: contextlib.nullcontext())
+    whole, whole_kinds = _moe_pipelined_dry_run(schedule, 4)
+    print(f"{schedule}: spans {kinds} of {whole_kinds}; kept {fast.kept:,} B")
+    assert kinds.count("B") == 1
+    assert whole_kinds.count("B") == whole_kinds.count("F") > 1
+    assert fast.comms is None and whole.comms is None
+    assert fast.kept == whole.kept is not None
+    assert str(fast.error) == str(whole.error)
+    assert "as a Python object, which a dry run on meta" in str(fast.error)
+
+
+def test_plan_of_the_pipelined_moe_decoder_equals_a_real_pipelined_step() -> None:
+    """pp=2, 1F1B, 4 microbatches: the bytes the dry run measures before it stops (it cannot
+    receive the aux outputs) are those of rank 0 of gloo ranks running the whole step."""
+    build = lambda: MoE(MOE_CONFIG)  # noqa: E731
+    measured = _meta_kept(build, "moe", {"pp": 2}, "none", microbatches=4)
+    real = _real_kept(build, "moe", {"pp": 2}, MOE_CONFIG.vocab_size, microbatches=4)
+    print(f"moe pp=2: meta {measured:,} B, real {real:,} B")
+    assert measured == real
+
+
+def test_the_plan_of_a_pipelined_moe_is_the_one_the_whole_schedule_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``d9d plan``'s whole report (table, memory per rank, activations, the collectives'
+    line) is the same whether the dry run stops at its first backward or runs the schedule
+    to its end."""
+    options = dict(model="moe", pp=2, ep=2, fsdp=2, seq=32, microbatches=4, max_rows=None)
+    fast = show_plan("tiny", **options)
+    monkeypatch.setattr(pipeline_executor, "_until", lambda _: contextlib.nullcontext())
+    assert show_plan("tiny", **options) == fast
+    assert "ep:S(0)" in fast and "measured on meta at rank 0's first backward" in fast

@@ -3,7 +3,8 @@
 :class:`TracedStage` is PyTorch's ``PipelineStage`` reporting the bytes it sends and receives
 (``send``/``recv`` on the pipeline axis) and, inside :func:`stage_spans`, the spans of its
 compute: forward, backward, and the weight-grad half of zero-bubble schedules. On the meta
-device it runs without peers (``d9d plan``'s dry run).
+device it runs without peers (``d9d plan``'s dry run), and inside :func:`first_backward_only`
+it ends the schedule once it has run one backward.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.distributed import pipelining
 from ... import errors
 from ...core._comm_count import record_p2p
 
-__all__ = ["TracedStage", "span", "stage_spans"]
+__all__ = ["FirstBackwardDone", "TracedStage", "first_backward_only", "span", "stage_spans"]
 
 
 class _Spans(threading.local):
@@ -30,6 +31,36 @@ class _Spans(threading.local):
 
 
 _spans = _Spans()
+
+
+class _Stop(threading.local):
+    def __init__(self) -> None:
+        self.after_backward = False
+
+
+_stop = _Stop()
+
+
+class FirstBackwardDone(BaseException):
+    """A stage ran a backward inside :func:`first_backward_only`. A ``BaseException``:
+    torch's multi-stage schedules log every ``Exception`` that crosses them as an error
+    before raising it again, and this one is no error."""
+
+
+@contextmanager
+def first_backward_only() -> Iterator[None]:
+    """Within the block, a stage raises :class:`FirstBackwardDone` once it has run the
+    backward of one microbatch: the schedule ends there, on this thread.
+
+    For a dry run on meta whose step cannot finish (``_executor.run_pipeline``): what the
+    forward kept is measured at the first backward op (``KeptBytes.before_backward``), and
+    the rest of the schedule would run for a count that is thrown away."""
+    previous = _stop.after_backward
+    _stop.after_backward = True
+    try:
+        yield
+    finally:
+        _stop.after_backward = previous
 
 
 @contextmanager
@@ -81,7 +112,10 @@ class TracedStage(pipelining.PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with span("B", self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        if _stop.after_backward:
+            raise FirstBackwardDone
+        return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with span("W", self.stage_index, bwd_chunk_id):
