@@ -2,7 +2,8 @@
 
 :class:`TracedStage` is PyTorch's ``PipelineStage`` reporting the bytes it sends and receives
 (``send``/``recv`` on the pipeline axis) and, inside :func:`stage_spans`, the spans of its
-compute: forward, backward, and the weight-grad half of zero-bubble schedules. On the meta
+compute: forward, backward, and the weight-grad half of zero-bubble schedules, whose weight
+grads it takes in one backward pass (``_weight_pass.py``). On the meta
 device it runs without peers (``d9d plan``'s dry run), and inside :func:`first_backward_only`
 it ends the schedule once it has run one backward.
 """
@@ -21,6 +22,7 @@ from torch.distributed import pipelining
 
 from ... import errors
 from ...core._comm_count import record_p2p
+from ._weight_pass import one_param_group
 
 __all__ = ["FirstBackwardDone", "TracedStage", "first_backward_only", "span", "stage_spans"]
 
@@ -120,6 +122,15 @@ class TracedStage(pipelining.PipelineStage):
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with span("W", self.stage_index, bwd_chunk_id):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        # The weight grads in one backward pass, not one per param group: a block under
+        # remat is recomputed once in it, not once per weight (``_weight_pass.py``).
+        if backward_type == "weight":
+            bwd_kwargs = {**bwd_kwargs, "param_groups": one_param_group(bwd_kwargs["param_groups"])}
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     # torch 2.13's schedules open with a vote passed down the stages and back: STATIC (1)
     # when every stage has fixed shapes without DTensors, as every d9d stage has. On meta
