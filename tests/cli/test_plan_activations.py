@@ -362,10 +362,10 @@ def _moe_pipelined_dry_run(schedule: str, microbatches: int) -> tuple[DryRun, li
     return run, [kind for kind, stage, *_ in spans if stage >= 0]
 
 
-def _whole_schedule(runtime: Any, layout: Any, count: int) -> None:
-    """``_executor._sample_schedule``'s stand-in: the whole schedule, counted as it runs."""
-    del layout
-    runtime.schedule.step(mb=torch.arange(count))
+def _whole_schedule(schedule: Any, shapes: Any, layout: Any, count: int, zero_bubble: bool) -> None:
+    """``run_sampled``'s stand-in: the whole schedule, counted as it runs."""
+    del shapes, layout, zero_bubble
+    schedule.step(mb=torch.arange(count))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "interleaved_zb"])
@@ -376,7 +376,7 @@ def test_a_sampled_pipelined_dry_run_counts_what_the_whole_schedule_does(
     of its stages has run each action (F, B, W) once and counts the schedule from those:
     the same collectives, sends and receives, and bytes kept as running the whole schedule."""
     fast, kinds = _moe_pipelined_dry_run(schedule, 4)
-    monkeypatch.setattr(pipeline_executor, "_sample_schedule", _whole_schedule)
+    monkeypatch.setattr(pipeline_executor, "run_sampled", _whole_schedule)
     whole, whole_kinds = _moe_pipelined_dry_run(schedule, 4)
     print(f"{schedule}: spans {kinds} of {whole_kinds}; kept {fast.kept:,} B")
     assert len(kinds) < len(whole_kinds)
@@ -406,7 +406,7 @@ def test_the_plan_of_a_pipelined_moe_is_the_one_the_whole_schedule_gives(
     its end."""
     options = dict(model="moe", pp=2, ep=2, fsdp=2, seq=32, microbatches=4, max_rows=None)
     fast = show_plan("tiny", **options)
-    monkeypatch.setattr(pipeline_executor, "_sample_schedule", _whole_schedule)
+    monkeypatch.setattr(pipeline_executor, "run_sampled", _whole_schedule)
     assert show_plan("tiny", **options) == fast
     assert "ep:S(0)" in fast and "measured on meta at rank 0's first backward" in fast
     assert re.search(r"all_reduce +│ ep ", fast) and "not counted" not in fast

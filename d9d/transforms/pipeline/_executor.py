@@ -16,8 +16,6 @@ probe (``_stage_shapes``), and report their traffic and compute spans (``_stage_
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,13 +30,13 @@ from torch.distributed.tensor import DTensor
 from ... import tree
 from ...core._autodiff import stack_aux
 from ...core._collectives import distribute, gather_params, local_like
-from ...core._comm_count import add_counts, record_p2p, recording_into
+from ...core._comm_count import recording_into
 from ...core._context import count_tokens
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
 from ...errors import PlanError
 from ._stage_shapes import LOSS_DTYPES, probe
-from ._stage_trace import ScheduleSampled, TracedStage, sampled_actions, span
+from ._stage_trace import TracedStage, run_sampled, span
 from ._stages import StageSplit
 
 __all__ = [
@@ -289,7 +287,8 @@ def run_pipeline(
     try:
         with torch.enable_grad(), span("schedule", -1, count):
             if sampled:
-                _sample_schedule(runtime, layout, count)
+                zero_bubble = SCHEDULES[layout.schedule].zero_bubble
+                run_sampled(runtime.schedule, runtime.shapes, layout, count, zero_bubble)
             else:
                 runtime.schedule.step(mb=torch.arange(count), **extra)
     finally:
@@ -319,7 +318,7 @@ def run_pipeline(
 
 def _sampled(job: Differentiation, layout: PipelineLayout, device: torch.device) -> bool:
     """Whether this rank's schedule is counted from one microbatch of each stage action
-    (:func:`_sample_schedule`): a dry run on meta of a loss with aux outputs, on a rank
+    (``_stage_trace.run_sampled``): a dry run on meta of a loss with aux outputs, on a rank
     without the last stage. Such a rank would receive the aux outputs from the last stage
     as a Python object (``_aux_on_every_rank``), which no meta tensor carries; it makes
     their structure itself (:func:`_aux_on_meta`). And the whole schedule on meta is slow:
@@ -328,40 +327,6 @@ def _sampled(job: Differentiation, layout: PipelineLayout, device: torch.device)
     if device.type != "meta" or not job.has_aux:
         return False
     return layout.owner(layout.split.count - 1) != layout.rank
-
-
-def _sample_schedule(runtime: _Runtime, layout: PipelineLayout, count: int) -> None:
-    """Run the schedule until each local stage has run each of its actions once, and count
-    the whole schedule from those: each action's collectives ``count`` times, and per
-    microbatch the sends and receives of each tensor crossing to a stage on another rank
-    (forward: the activation; backward: its grad), as ``TracedStage`` counts them. The
-    schedule's own counts are dropped."""
-    kinds = ("F", "B", "W") if SCHEDULES[layout.schedule].zero_bubble else ("F", "B")
-    needed = frozenset((s, kind) for s in layout.local_stages for kind in kinds)
-    with (
-        recording_into(None),
-        sampled_actions(needed) as units,
-        contextlib.suppress(ScheduleSampled),
-    ):
-        runtime.schedule.step(mb=torch.arange(count))
-    for unit in units.values():
-        add_counts(unit, count)
-    last = layout.split.count - 1
-    for s in layout.local_stages:
-        entering, leaving = runtime.shapes[s]
-        for crossing, shapes, forward in (
-            (s > 0 and layout.owner(s - 1) != layout.rank, entering, "recv"),
-            (s < last and layout.owner(s + 1) != layout.rank, leaving, "send"),
-        ):
-            if not crossing:
-                continue
-            backward = "send" if forward == "recv" else "recv"
-            for shape, dtype in shapes:
-                nbytes = math.prod(shape) * dtype.itemsize
-                for _ in range(count):
-                    record_p2p(forward, layout.axis, nbytes)
-                    if dtype.is_floating_point:
-                        record_p2p(backward, layout.axis, nbytes)
 
 
 def _aux_on_meta(

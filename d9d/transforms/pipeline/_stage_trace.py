@@ -10,6 +10,8 @@ counts the first microbatch of each of its actions and ends the schedule once al
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +23,17 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from ... import errors
-from ...core._comm_count import CommStats, record_p2p, recording_into
+from ...core._comm_count import CommStats, add_counts, record_p2p, recording_into
 from ._weight_pass import one_param_group
 
-__all__ = ["ScheduleSampled", "TracedStage", "sampled_actions", "span", "stage_spans"]
+__all__ = [
+    "ScheduleSampled",
+    "TracedStage",
+    "run_sampled",
+    "sampled_actions",
+    "span",
+    "stage_spans",
+]
 
 
 class _Spans(threading.local):
@@ -71,6 +80,43 @@ def sampled_actions(
         yield units
     finally:
         _sampling.units, _sampling.needed = previous
+
+
+def run_sampled(
+    schedule: Any, shapes: dict[int, Any], layout: Any, count: int, zero_bubble: bool
+) -> None:
+    """Run ``schedule`` (of ``layout``, a ``PipelineLayout``) over ``count`` microbatches
+    until each local stage has run each of its actions once, and count the whole schedule
+    from those: each action's collectives ``count`` times, and per microbatch a send or
+    receive of each tensor crossing to a stage on another rank (forward: the activation
+    or carried state, from the probe's ``shapes``; backward: its grad), as
+    :class:`TracedStage` counts them. The schedule's own counts are dropped."""
+    kinds = ("F", "B", "W") if zero_bubble else ("F", "B")
+    needed = frozenset((s, kind) for s in layout.local_stages for kind in kinds)
+    with (
+        recording_into(None),
+        sampled_actions(needed) as units,
+        contextlib.suppress(ScheduleSampled),
+    ):
+        schedule.step(mb=torch.arange(count))
+    for unit in units.values():
+        add_counts(unit, count)
+    last = layout.split.count - 1
+    for s in layout.local_stages:
+        entering, leaving = shapes[s]
+        for crossing, tensors, forward in (
+            (s > 0 and layout.owner(s - 1) != layout.rank, entering, "recv"),
+            (s < last and layout.owner(s + 1) != layout.rank, leaving, "send"),
+        ):
+            if not crossing:
+                continue
+            backward = "send" if forward == "recv" else "recv"
+            for shape, dtype in tensors:
+                nbytes = math.prod(shape) * dtype.itemsize
+                for _ in range(count):
+                    record_p2p(forward, layout.axis, nbytes)
+                    if dtype.is_floating_point:
+                        record_p2p(backward, layout.axis, nbytes)
 
 
 @contextmanager
