@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter", "CommStats", "record_p2p"]
+__all__ = ["CollectiveCounter", "CommStats", "add_counts", "record_p2p", "recording_into"]
 
 _functional = torch.ops._c10d_functional
 
@@ -60,18 +61,51 @@ class CommStats:
 class _Counting(threading.local):
     def __init__(self) -> None:
         self.counter: CollectiveCounter | None = None
+        self.into: tuple[CommStats | None] | None = None  # set by ``recording_into``
 
 
 _counting = _Counting()
 
 
+def _target() -> CommStats | None:
+    """Where this thread's counts go now: the active counter's stats, or what
+    :func:`recording_into` set; None: nowhere."""
+    counter = _counting.counter
+    if counter is None:
+        return None
+    return counter.stats if _counting.into is None else _counting.into[0]
+
+
+@contextlib.contextmanager
+def recording_into(stats: CommStats | None) -> Iterator[None]:
+    """Within the block, what an active :class:`CollectiveCounter` counts on this thread
+    goes to ``stats`` instead of its own stats (None: is not counted). For a pipeline dry
+    run that counts one microbatch of a stage and scales it (``add_counts``)."""
+    previous = _counting.into
+    _counting.into = (stats,)
+    try:
+        yield
+    finally:
+        _counting.into = previous
+
+
+def add_counts(stats: CommStats, times: int = 1) -> None:
+    """Count ``stats`` ``times`` over, if a :class:`CollectiveCounter` is active."""
+    target = _target()
+    if target is not None:
+        for key, n in stats.count.items():
+            target.count[key] += times * n
+        for key, n in stats.bytes.items():
+            target.bytes[key] += times * n
+
+
 def record_p2p(kind: str, axis: str, nbytes: int) -> None:
     """Count one point-to-point ``send`` or ``recv`` of ``nbytes`` on ``axis`` (pipeline
     stages), if a :class:`CollectiveCounter` is active on this thread."""
-    counter = _counting.counter
-    if counter is not None:
-        counter.stats.count[(kind, axis)] += 1
-        counter.stats.bytes[(kind, axis)] += nbytes
+    target = _target()
+    if target is not None:
+        target.count[(kind, axis)] += 1
+        target.bytes[(kind, axis)] += nbytes
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -118,6 +152,8 @@ class CollectiveCounter(TorchDispatchMode):
             if kind == "all_gather":
                 size *= args[1]
             axis = self._axis_of.get(group, str(group))
-            self.stats.count[(kind, axis)] += 1
-            self.stats.bytes[(kind, axis)] += size
+            target = self.stats if _counting.into is None else _counting.into[0]
+            if target is not None:
+                target.count[(kind, axis)] += 1
+                target.bytes[(kind, axis)] += size
         return func(*args, **(kwargs or {}))

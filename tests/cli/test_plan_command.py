@@ -26,7 +26,7 @@ from d9d.cli.plan._show import (
     show_plan,
 )
 from d9d.errors import DryRunError
-from d9d.models import Llama, LlamaConfig
+from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.testing import fake_world, run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -100,7 +100,12 @@ def _sizes(**axes: int) -> dict[str, int]:
 
 
 def _plan_comms(
-    preset: str, sizes: dict[str, int], schedule: str, microbatches: int, n_layers: int
+    preset: str,
+    sizes: dict[str, int],
+    schedule: str,
+    microbatches: int,
+    n_layers: int,
+    family: str = "llama",
 ) -> tuple[dict, dict, bool, int]:
     """``d9d plan``'s collectives of a layout (as ``show_plan`` counts them: extrapolated
     past a few blocks), whether they were extrapolated, and the bytes kept for the
@@ -108,13 +113,13 @@ def _plan_comms(
     tokens = torch.zeros(2 * microbatches, 32, dtype=torch.long, device="meta")
     batch = {"tokens": tokens, "labels": tokens}
     with fake_world(math.prod(sizes.values())):
-        model, config, _ = build_model("llama", preset, None, n_layers=n_layers)
-        step, opt = _step(model, sizes, "llama", None, "none", schedule, microbatches)
+        model, config, _ = build_model(family, preset, None, n_layers=n_layers)
+        step, opt = _step(model, sizes, family, None, "none", schedule, microbatches)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         layout = _pipeline_layout(step)
         held = sum(b - a for a, b in (layout.split.blocks[s] for s in layout.local_stages))
         measured = _measure(
-            model, step, params, state, batch, config, "llama", preset, None, sizes, "none",
+            model, step, params, state, batch, config, family, preset, None, sizes, "none",
             schedule, microbatches,
         )  # fmt: skip
     stats, extrapolated = measured.comms, held > len(layout.local_stages) + 1
@@ -194,6 +199,50 @@ def test_plan_collectives_equal_a_real_pipelined_step(name: str) -> None:
     for kind in ("send", "recv"):
         assert count[(kind, "pp")] == per_microbatch * microbatches
         assert nbytes[(kind, "pp")] == per_microbatch * microbatches * activation
+
+
+def _real_moe_step_comms(
+    sizes: dict[str, int], schedule: str, microbatches: int, n_layers: int
+) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    model = d9d.functionalize(MoE(MoEConfig.tiny(n_layers=n_layers)))
+    step, opt = _step(model, sizes, "moe", None, "none", schedule, microbatches)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    tokens = torch.randint(0, 256, (2 * microbatches, 32))
+    stats = step.comms(params, state, {"tokens": tokens, "labels": tokens})  # the rank's own
+    return dict(stats.count), dict(stats.bytes)
+
+
+MOE_LAYOUTS = {
+    # name: (sizes, schedule, microbatches, blocks); MoEConfig.tiny: block 0 dense
+    "pp=2 1f1b": (_sizes(pp=2), "1f1b", 4, 4),
+    "pp=2 interleaved_1f1b": (_sizes(pp=2), "interleaved_1f1b", 4, 6),
+    "pp=2 interleaved_zb x fsdp=2": (_sizes(pp=2, fsdp=2), "interleaved_zb", 4, 4),
+    "pp=2 x tp=2": (_sizes(pp=2, tp=2), "1f1b", 2, 4),
+    "pp=2 x ep=2": ({**_sizes(pp=2), "ep": 2}, "1f1b", 2, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_plan_collectives_of_a_pipelined_moe_equal_a_real_step(name: str) -> None:
+    """The MoE's aux outputs come from the last stage, which rank 0 does not hold: its dry
+    run counts one microbatch of each stage action and makes the aux outputs' structure
+    itself. Every count and byte equals ``step.comms`` on rank 0 of gloo ranks running the
+    whole step, but the all-to-all bytes on ep, which follow the real step's routing (the
+    plan's are uniform routing's: ``test_expert_parallel_plan_counts_uniform_...``)."""
+    sizes, schedule, microbatches, n_layers = MOE_LAYOUTS[name]
+    count, nbytes, _, _ = _plan_comms("tiny", sizes, schedule, microbatches, n_layers, "moe")
+    ranks = math.prod(sizes.values())
+    real = run_on_ranks(
+        _real_moe_step_comms, ranks, sizes, schedule, microbatches, n_layers, method="fork"
+    )[0]
+    routed = ("all_to_all", "ep")
+    assert count == real[0]
+    assert {k: v for k, v in nbytes.items() if k != routed} == {
+        k: v for k, v in real[1].items() if k != routed
+    }
+    assert count[("send", "pp")] > 0 and count[("all_reduce", "pp")] > 0
+    assert ("ep" in sizes) == (count.get(routed, 0) > 0)  # rank 0 holds MoE block 1
 
 
 def test_plan_prints_the_pipeline_figures_of_a_real_step() -> None:

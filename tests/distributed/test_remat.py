@@ -3,6 +3,7 @@ transform; and what each policy keeps per block."""
 
 from __future__ import annotations
 
+import collections
 import doctest
 import importlib
 import math
@@ -21,6 +22,7 @@ from d9d.core._backward_region import in_backward
 from d9d.core._context import running
 from d9d.errors import PlanError, RankFailedError
 from d9d.models import Llama, LlamaConfig
+from d9d.models.llama._decoder import Block as LlamaBlock
 from d9d.testing import KeptBytes, run_on_ranks
 
 LAYOUTS: dict[str, tuple[dict[str, int], Callable[[Any], list[Any]]]] = {
@@ -128,6 +130,56 @@ def test_remat_every_other_block() -> None:
     want, got = _grads("fsdp=2", None), _grads("fsdp=2", "full", every=2)
     for a, b in zip(want, got, strict=True):
         assert all(torch.equal(a[p], b[p]) for p in a)
+
+
+def _block_runs(schedule: str, policy: str | None, microbatches: int) -> list[dict[int, int]]:
+    """Per rank, how many times each block's forward ran in one step (the second: the first
+    also probes the stage shapes), by block index."""
+
+    def rank() -> dict[int, int]:
+        mesh = d9d.make_mesh("cpu", pp=2)
+        model = _model(4)
+        index = {id(block): i for i, block in enumerate(model.module.layers)}
+        runs: collections.Counter[int] = collections.Counter()
+        block_forward = LlamaBlock.forward
+
+        def counted(block: LlamaBlock, *args: Any, **kwargs: Any) -> Any:
+            runs[index[id(block)]] += 1
+            return block_forward(block, *args, **kwargs)
+
+        LlamaBlock.forward = counted  # in this forked rank only
+        transforms = [_zero_bubble(schedule, microbatches)(mesh)[0]]
+        if policy is not None:
+            transforms.append(d9d.remat(policy, mesh=mesh))
+        step: Any = _grad_step(model)
+        for transform in transforms:
+            step = transform(step)
+        params, state = step.place(model.params, (), model=model)
+        batch = step.shard_batch(_batch())
+        step(params, state, batch)
+        runs.clear()
+        step(params, state, batch)
+        return dict(runs)
+
+    return run_on_ranks(rank, 2, method="fork")
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_zb"])
+def test_full_remat_under_zero_bubble_recomputes_a_block_once_per_backward_pass(
+    schedule: str,
+) -> None:
+    # Four blocks, four stages (block i is stage i): stage 0 takes its input and weight grads
+    # in one backward (it sends no input grad), so its block runs twice per microbatch (the
+    # forward and one recomputation); every other block three times (the forward, and one
+    # recomputation in each of the input-grad and weight-grad passes), where torch's
+    # weight-grad pass alone recomputed it once per weight (nine: eleven runs).
+    ranks = {"zbv": ((0, 3), (1, 2)), "interleaved_zb": ((0, 2), (1, 3))}
+    per_microbatch = {0: 2, 1: 3, 2: 3, 3: 3}
+    want = [{b: 4 * per_microbatch[b] for b in blocks} for blocks in ranks[schedule]]
+    assert _block_runs(schedule, "full", microbatches=4) == want
+    assert _block_runs(schedule, None, microbatches=4) == [
+        {b: 4 for b in r} for r in ranks[schedule]
+    ]
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ probe (``_stage_shapes``), and report their traffic and compute spans (``_stage_
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,13 +29,14 @@ from torch.distributed.tensor import DTensor
 
 from ... import tree
 from ...core._autodiff import stack_aux
-from ...core._collectives import gather_params, local_like
+from ...core._collectives import distribute, gather_params, local_like
+from ...core._comm_count import recording_into
 from ...core._context import count_tokens
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
-from ...errors import DryRunError, PlanError
+from ...errors import PlanError
 from ._stage_shapes import LOSS_DTYPES, probe
-from ._stage_trace import FirstBackwardDone, TracedStage, first_backward_only, span
+from ._stage_trace import TracedStage, run_sampled, span
 from ._stages import StageSplit
 
 __all__ = [
@@ -177,6 +177,7 @@ class _Runtime:
 
     modules: dict[int, _StageModule]
     schedule: Any
+    shapes: dict[int, tuple[list[Any], list[Any]]]  # the probe's, per local stage
     box: list[Any]
     loss_dtype: torch.dtype
     device: torch.device
@@ -200,10 +201,14 @@ class _Runner:
         self.weights: dict[int, torch.Tensor | None] = {}
 
     def run_stage(
-        self, stage: int, inputs: tuple[torch.Tensor, ...], index: int
+        self, stage: int, inputs: tuple[torch.Tensor, ...], index: int, *, skip_blocks: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``stage``'s part of the loss function on microbatch ``index``, from ``inputs``
+        (``skip_blocks``: with every block skipped, as :func:`_aux_on_meta` runs it)."""
         split = self.layout.split
         start, stop = split.blocks[stage]
+        if skip_blocks:
+            start = stop
         run = StageRun(stage, start, stop, stage == 0, stage == split.count - 1, inputs or None)
         args, kwargs = self.chunks[index]
         previous, self.layout.run = self.layout.run, run
@@ -278,18 +283,18 @@ def run_pipeline(
     count = len(chunks)
     losses: list[torch.Tensor] = []
     extra = {"target": torch.arange(count), "losses": losses} if last else {}
-    unfinishable = _unreceivable_aux(job, layout, runtime.device)
+    sampled = _sampled(job, layout, runtime.device)
     try:
-        with torch.enable_grad(), span("schedule", -1, count), _until(unfinishable):
-            runtime.schedule.step(mb=torch.arange(count), **extra)
-    except FirstBackwardDone:
-        pass
+        with torch.enable_grad(), span("schedule", -1, count):
+            if sampled:
+                zero_bubble = SCHEDULES[layout.schedule].zero_bubble
+                run_sampled(runtime.schedule, runtime.shapes, layout, count, zero_bubble)
+            else:
+                runtime.schedule.step(mb=torch.arange(count), **extra)
     finally:
         runtime.box[0] = None
         for module in runtime.modules.values():  # the cached stages must not keep them alive
             module._parameters.clear()
-    if unfinishable is not None:
-        raise unfinishable
     value, total = _loss_on_every_rank(losses, runner, runtime, last, layout)
     compute_grads = [
         weights[p].grad / total if weights[p].grad is not None else torch.zeros_like(weights[p])
@@ -303,35 +308,51 @@ def run_pipeline(
         materialize_grads=True,
     )
     grads = [_sum_tied(g, p, layout) for g, p in zip(grads, paths, strict=True)]
-    aux = _aux_on_every_rank(runner, count, layout) if job.has_aux else None
+    aux = None
+    if job.has_aux and sampled:
+        aux = _aux_on_meta(job, plan, layout, chunks, weights)
+    elif job.has_aux:
+        aux = _aux_on_every_rank(runner, count, layout)
     return value, aux, grads
 
 
-def _unreceivable_aux(
-    job: Differentiation, layout: PipelineLayout, device: torch.device
-) -> DryRunError | None:
-    """Why this rank's step cannot finish on meta, or None: it would receive the loss
-    function's aux outputs from the last stage as a Python object (``_aux_on_every_rank``),
-    whose structure and shapes no other rank knows beforehand and no meta tensor carries."""
+def _sampled(job: Differentiation, layout: PipelineLayout, device: torch.device) -> bool:
+    """Whether this rank's schedule is counted from one microbatch of each stage action
+    (``_stage_trace.run_sampled``): a dry run on meta of a loss with aux outputs, on a rank
+    without the last stage. Such a rank would receive the aux outputs from the last stage
+    as a Python object (``_aux_on_every_rank``), which no meta tensor carries; it makes
+    their structure itself (:func:`_aux_on_meta`). And the whole schedule on meta is slow:
+    on DeepSeek-V3's rank 0 under pp=8 (10 blocks, 16 microbatches of 1F1B) it took 12.4 s
+    (profiled) of a 17 s plan; up to the first backward, 1.7 s (docs/plan.md)."""
     if device.type != "meta" or not job.has_aux:
-        return None
-    if layout.owner(layout.split.count - 1) == layout.rank:
-        return None
-    return DryRunError(
-        "a pipelined loss with aux outputs (has_aux=True) sends them from the last stage "
-        "as a Python object, which a dry run on meta tensors cannot receive; count the "
-        "collectives of a real step with step.comms"
-    )
+        return False
+    return layout.owner(layout.split.count - 1) != layout.rank
 
 
-def _until(unfinishable: DryRunError | None) -> contextlib.AbstractContextManager[None]:
-    """The whole schedule, or, for a step that cannot finish, the schedule up to its first
-    backward: ``d9d plan`` reads what the forward kept at the first backward op
-    (``KeptBytes.before_backward``), and counts no collective of a step that raises. On
-    DeepSeek-V3's rank 0 under pp=8 (10 blocks, 16 microbatches of 1F1B) the whole schedule
-    on meta took 12.4 s (profiled) of a 17 s plan; up to the first backward (8 forwards and
-    one backward) it takes 1.7 s (docs/plan.md)."""
-    return contextlib.nullcontext() if unfinishable is None else first_backward_only()
+def _aux_on_meta(
+    job: Differentiation,
+    plan: Plan,
+    layout: PipelineLayout,
+    chunks: list[Any],
+    weights: Mapping[str, torch.Tensor],
+) -> Any:
+    """The aux outputs a sampled dry run (:func:`_sampled`) would receive: the last stage's
+    loss function run on microbatch 0 with every block skipped (the blocks keep their
+    outputs' structure: a carried state, such as the MoE's loads, keeps its shapes) and
+    its modules after the blocks holding meta params, uncounted, stacked as for
+    ``count`` microbatches."""
+    last = layout.split.count - 1
+    params = dict(weights)
+    for key in layout.split.keys[last]:
+        if key not in params:
+            entry = plan.entries[key]
+            full = torch.empty(entry.shape, dtype=entry.compute_dtype or entry.dtype, device="meta")
+            params[key] = distribute(full, plan.mesh, entry.compute).to_local()
+    runner = _Runner(job, _StageParams(params, layout.split), chunks, layout)
+    with torch.no_grad(), recording_into(None):
+        runner.run_stage(last, (), 0, skip_blocks=True)
+    count = len(chunks)
+    return stack_aux([runner.aux[0]] * count, [runner.weights[0]] * count)
 
 
 def _sum_tied(grad: torch.Tensor, path: str, layout: PipelineLayout) -> torch.Tensor:
@@ -449,7 +470,7 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
         ) from error
     last = layout.split.count - 1
     loss_dtype = shapes[last][1][0][1] if last in shapes else torch.float32
-    return _Runtime(modules, schedule, box, loss_dtype, device)
+    return _Runtime(modules, schedule, shapes, box, loss_dtype, device)
 
 
 def _example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -2,13 +2,16 @@
 
 :class:`TracedStage` is PyTorch's ``PipelineStage`` reporting the bytes it sends and receives
 (``send``/``recv`` on the pipeline axis) and, inside :func:`stage_spans`, the spans of its
-compute: forward, backward, and the weight-grad half of zero-bubble schedules. On the meta
-device it runs without peers (``d9d plan``'s dry run), and inside :func:`first_backward_only`
-it ends the schedule once it has run one backward.
+compute: forward, backward, and the weight-grad half of zero-bubble schedules, whose weight
+grads it takes in one backward pass (``_weight_pass.py``). On the meta
+device it runs without peers (``d9d plan``'s dry run), and inside :func:`sampled_actions` it
+counts the first microbatch of each of its actions and ends the schedule once all have run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +23,17 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from ... import errors
-from ...core._comm_count import record_p2p
+from ...core._comm_count import CommStats, add_counts, record_p2p, recording_into
+from ._weight_pass import one_param_group
 
-__all__ = ["FirstBackwardDone", "TracedStage", "first_backward_only", "span", "stage_spans"]
+__all__ = [
+    "ScheduleSampled",
+    "TracedStage",
+    "run_sampled",
+    "sampled_actions",
+    "span",
+    "stage_spans",
+]
 
 
 class _Spans(threading.local):
@@ -33,34 +44,94 @@ class _Spans(threading.local):
 _spans = _Spans()
 
 
-class _Stop(threading.local):
+class _Sampling(threading.local):
     def __init__(self) -> None:
-        self.after_backward = False
+        self.units: dict[tuple[int, str], CommStats] | None = None
+        self.needed: frozenset[tuple[int, str]] = frozenset()
 
 
-_stop = _Stop()
+_sampling = _Sampling()
 
 
-class FirstBackwardDone(BaseException):
-    """A stage ran a backward inside :func:`first_backward_only`. A ``BaseException``:
+class ScheduleSampled(BaseException):
+    """Every action :func:`sampled_actions` waits for has run once. A ``BaseException``:
     torch's multi-stage schedules log every ``Exception`` that crosses them as an error
     before raising it again, and this one is no error."""
 
 
 @contextmanager
-def first_backward_only() -> Iterator[None]:
-    """Within the block, a stage raises :class:`FirstBackwardDone` once it has run the
-    backward of one microbatch: the schedule ends there, on this thread.
+def sampled_actions(
+    needed: frozenset[tuple[int, str]],
+) -> Iterator[dict[tuple[int, str], CommStats]]:
+    """Within the block, the first run of each ``(stage, kind)`` of ``needed`` (kind ``F``
+    forward, ``B`` backward, ``W`` weight grads) counts its collectives into a
+    :class:`CommStats` of the dict yielded; once all have run, the stage raises
+    :class:`ScheduleSampled` and the schedule ends there, on this thread. Sends and
+    receives between stages are left to the caller.
 
-    For a dry run on meta whose step cannot finish (``_executor.run_pipeline``): what the
-    forward kept is measured at the first backward op (``KeptBytes.before_backward``), and
-    the rest of the schedule would run for a count that is thrown away."""
-    previous = _stop.after_backward
-    _stop.after_backward = True
+    For a dry run on meta (``_executor.run_pipeline``): every microbatch of a stage moves
+    what its first one did (same shapes; ``d9d plan`` assumes uniform routing), so the
+    schedule's collectives are these counts times the microbatches, and what the forward
+    kept is measured at the first backward op (``KeptBytes.before_backward``)."""
+    previous = _sampling.units, _sampling.needed
+    units: dict[tuple[int, str], CommStats] = {}
+    _sampling.units, _sampling.needed = units, needed
     try:
-        yield
+        yield units
     finally:
-        _stop.after_backward = previous
+        _sampling.units, _sampling.needed = previous
+
+
+def run_sampled(
+    schedule: Any, shapes: dict[int, Any], layout: Any, count: int, zero_bubble: bool
+) -> None:
+    """Run ``schedule`` (of ``layout``, a ``PipelineLayout``) over ``count`` microbatches
+    until each local stage has run each of its actions once, and count the whole schedule
+    from those: each action's collectives ``count`` times, and per microbatch a send or
+    receive of each tensor crossing to a stage on another rank (forward: the activation
+    or carried state, from the probe's ``shapes``; backward: its grad), as
+    :class:`TracedStage` counts them. The schedule's own counts are dropped."""
+    kinds = ("F", "B", "W") if zero_bubble else ("F", "B")
+    needed = frozenset((s, kind) for s in layout.local_stages for kind in kinds)
+    with (
+        recording_into(None),
+        sampled_actions(needed) as units,
+        contextlib.suppress(ScheduleSampled),
+    ):
+        schedule.step(mb=torch.arange(count))
+    for unit in units.values():
+        add_counts(unit, count)
+    last = layout.split.count - 1
+    for s in layout.local_stages:
+        entering, leaving = shapes[s]
+        for crossing, tensors, forward in (
+            (s > 0 and layout.owner(s - 1) != layout.rank, entering, "recv"),
+            (s < last and layout.owner(s + 1) != layout.rank, leaving, "send"),
+        ):
+            if not crossing:
+                continue
+            backward = "send" if forward == "recv" else "recv"
+            for shape, dtype in tensors:
+                nbytes = math.prod(shape) * dtype.itemsize
+                for _ in range(count):
+                    record_p2p(forward, layout.axis, nbytes)
+                    if dtype.is_floating_point:
+                        record_p2p(backward, layout.axis, nbytes)
+
+
+@contextmanager
+def _action(kind: str, stage: int, microbatch: int) -> Iterator[None]:
+    """One stage action: a span, and under :func:`sampled_actions` its count."""
+    units = _sampling.units
+    if units is None or (stage, kind) in units or (stage, kind) not in _sampling.needed:
+        with span(kind, stage, microbatch):
+            yield
+        return
+    units[(stage, kind)] = CommStats()
+    with span(kind, stage, microbatch), recording_into(units[(stage, kind)]):
+        yield
+    if _sampling.needed <= units.keys():
+        raise ScheduleSampled
 
 
 @contextmanager
@@ -100,7 +171,7 @@ class TracedStage(pipelining.PipelineStage):
     and its compute spans to :func:`stage_spans`."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with span("F", self.stage_index, fwd_chunk_id):
+        with _action("F", self.stage_index, fwd_chunk_id):
             try:
                 return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             except RuntimeError as error:
@@ -111,15 +182,21 @@ class TracedStage(pipelining.PipelineStage):
                 raise
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with span("B", self.stage_index, bwd_chunk_id):
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        if _stop.after_backward:
-            raise FirstBackwardDone
-        return out
+        with _action("B", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with span("W", self.stage_index, bwd_chunk_id):
+        with _action("W", self.stage_index, bwd_chunk_id):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        # The weight grads in one backward pass, not one per param group: a block under
+        # remat is recomputed once in it, not once per weight (``_weight_pass.py``).
+        if backward_type == "weight":
+            bwd_kwargs = {**bwd_kwargs, "param_groups": one_param_group(bwd_kwargs["param_groups"])}
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     # torch 2.13's schedules open with a vote passed down the stages and back: STATIC (1)
     # when every stage has fixed shapes without DTensors, as every d9d stage has. On meta
@@ -142,6 +219,8 @@ class TracedStage(pipelining.PipelineStage):
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.peer != rank]
 
     def _count(self, kind: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        if _sampling.units is not None:  # counted per microbatch by the executor
+            return ops
         for op in ops:
             record_p2p(kind, self.axis_name, op.tensor.numel() * op.tensor.element_size())
         return ops

@@ -118,8 +118,9 @@ def test_plan_shows_moe_pipeline_and_context_parallel_layouts(
     assert main(["plan", "--model", "moe", "--preset", "tiny", "--pp", "2", "--rows", "60"]) == 0
     out = capsys.readouterr().out
     assert "on 2 simulated ranks: pp=2" in out and "10 of 26 params held by rank 0" in out
-    # The step's aux outputs (aux loss, loads) come from the last stage as a Python object.
-    assert "collectives: not counted on simulated ranks: a pipelined loss with aux" in out
+    # The step's aux outputs (aux loss, loads) come from the last stage, which rank 0 does
+    # not hold: its dry run makes their structure itself and counts the step.
+    assert re.search(r"send\s*│\s*pp", out) and "not counted" not in out, out
     assert main(["plan", "--model", "moe", "--preset", "tiny", "--cp", "2"]) == 0
     out = capsys.readouterr().out
     assert "on 2 simulated ranks: cp=2" in out
