@@ -303,12 +303,16 @@ class TransformedStep:
     def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         """One step, inputs checked and the step running (``d9d.jit`` does both outside its
         graph)."""
+        given = params, opt_state
         for runtime in self._runtimes:
             batch = runtime.on_batch(batch)
             params = runtime.enter_step(params)
         params, opt_state, metrics = self.fn(params, opt_state, batch)
         for runtime in reversed(self._runtimes):
             params = runtime.exit_step(params)
+        # Every runtime is asked, also after a refusal: its asking may be a collective.
+        if not all([runtime.commit() for runtime in self._runtimes]):
+            params, opt_state = given
         return params, opt_state, self._mean_over_ranks(metrics)
 
     def _mean_over_ranks(self, metrics: Any) -> Any:
