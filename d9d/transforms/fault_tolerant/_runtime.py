@@ -65,7 +65,10 @@ class FaultTolerantRuntime(Runtime):
         return value, aux, out
 
     def commit(self) -> bool:
-        return bool(self.manager.should_commit())
+        kept = bool(self.manager.should_commit())
+        if not kept:
+            _log.warning("fault_tolerant: a replica group failed during the step; update dropped")
+        return kept
 
     def _log_change(self) -> None:
         """One line when the number of live replica groups changes (not on the first step)."""
