@@ -1,10 +1,11 @@
-"""``d9d train --fault-tolerant``: two replica groups (one process each) on a torchft
-lighthouse in this process give the losses of one process fed the whole batch; its flags are
-checked and what it does not run with is refused by name."""
+"""``d9d train --fault-tolerant``: two replica groups (a ``torchrun`` of two fsdp ranks each)
+on a torchft lighthouse in this process give the losses of one process fed the whole batch;
+its flags are checked and what it does not run with is refused by name."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +37,13 @@ def test_two_replica_groups_train_as_one_process(tmp_path: Path) -> None:
         groups = [
             subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "d9d", *ARGS, "--log-every", "1"),
+                    *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+                    *("--nproc-per-node=2", "-m", "d9d", *ARGS, "--log-every=1", "--fsdp=2"),
                     *("--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
                     *(f"--replica-group-id={g}", "--replica-groups=2"),
                     f"--out={tmp_path / f'group{g}'}",
                 ],
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

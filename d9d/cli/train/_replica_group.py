@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...errors import ConfigError
 from ...transforms.fault_tolerant import fault_tolerant
 from .._config import TrainConfig
 
@@ -61,8 +62,8 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
     group = ProcessGroupNCCL(timeout) if torch.cuda.is_available() else ProcessGroupGloo(timeout)
     manager = Manager(
         pg=group,
-        load_state_dict=None,
-        state_dict=None,
+        load_state_dict=_refuse_rejoin,
+        state_dict=dict,  # what a peer serves a group that asks to rejoin: nothing yet
         min_replica_size=1,
         use_async_quorum=False,
         rank=rank,
@@ -76,3 +77,13 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         quorum_timeout=timeout,
     )
     return ReplicaGroup(manager, store)
+
+
+def _refuse_rejoin(state: object) -> None:
+    """torchft asks a group that joins behind the others to load their live state."""
+    del state
+    raise ConfigError(
+        "this replica group joined while the others were past step 0, and rejoining (the "
+        "live params and optimizer state copied from a peer) is not built yet (issue 30); "
+        "start every replica group together, and restart them all after a failure"
+    )
