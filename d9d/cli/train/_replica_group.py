@@ -8,6 +8,7 @@ in :func:`d9d.fault_tolerant`, and the group reads its share of every global bat
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -76,7 +77,28 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         timeout=timeout,
         quorum_timeout=timeout,
     )
+    _wait_for_every_group(manager, config.replica_groups or 1, config.dist_timeout)
     return ReplicaGroup(manager, store)
+
+
+def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:
+    """Ask the lighthouse for quorums until one holds all ``groups``, so that no group
+    trains ahead while another is still starting: a group behind the others would have to
+    rejoin, which is not built. Each ask is one round trip to the lighthouse, which answers
+    once a quorum forms (a group still starting, heartbeating or not, holds none up for
+    long: the lighthouse then answers with the groups that asked)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        manager.start_quorum()
+        joined = manager.num_participants()
+        if joined >= groups:
+            return
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"only {joined} of --replica-groups {groups} replica groups reached the "
+                f"lighthouse within --dist-timeout {timeout_s:g} s; start them all"
+            )
+        time.sleep(0.1)  # a lone group's quorum comes back at once: ask ten times a second
 
 
 def _refuse_rejoin(state: object) -> None:
