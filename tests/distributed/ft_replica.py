@@ -23,6 +23,7 @@ from equivalence import llama, optimizer, train_step
 from torchft import Manager, ProcessGroupGloo
 
 import d9d
+from d9d.cli.train._replica_group import _refuse_rejoin
 
 VOCAB = 128
 
@@ -62,8 +63,8 @@ def main() -> None:
     store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=60)),
-        load_state_dict=None,
-        state_dict=None,
+        load_state_dict=_refuse_rejoin,  # as d9d train does: rejoining is not built
+        state_dict=dict,
         min_replica_size=1,
         use_async_quorum=False,
         rank=0,

@@ -150,3 +150,42 @@ def test_survivor_keeps_stepping_after_a_replica_group_is_killed(tmp_path: Path)
     _, params = _reference(data)
     got = torch.load(tmp_path / "group0.jsonl.params.pt")
     assert_trees_all_close(got, params, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_a_group_started_behind_the_others_is_refused_by_name(tmp_path: Path) -> None:
+    # Rejoining (the live params copied from a peer) is not built: a late group must fail,
+    # not train on its initial params beside the others.
+    lighthouse = _lighthouse()
+    try:
+        early = _start(lighthouse, 0, tmp_path / "group0.jsonl", "--pause-after=1")
+        _expect(early, "ready")
+        _go(early)
+        _expect(early, "paused")  # two steps committed alone
+        late = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "ft_replica.py"),
+                f"--lighthouse={lighthouse.address()}",
+                "--group=1",
+                f"--steps={STEPS}",
+                f"--out={tmp_path / 'group1.jsonl'}",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=HERE,
+        )
+        _expect(late, "ready")
+        _go(late, early)  # the late group's first quorum holds both
+        _, err = late.communicate(timeout=240)
+        assert late.returncode != 0
+        assert (
+            "rejoining (the live params and optimizer state copied from a peer) is not built" in err
+        )
+        _finish(early)
+    finally:
+        lighthouse.shutdown()
+    log = _log(tmp_path / "group0.jsonl")
+    assert [r["step"] for r in log if r["committed"]] == list(range(STEPS))
