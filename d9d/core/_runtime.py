@@ -332,6 +332,10 @@ class Runtime:
         """Why ``d9d.jit`` cannot compile a step with this runtime, or None."""
         return None
 
+    def comms_refusal(self) -> str | None:
+        """Why ``step.comms`` cannot count a step with this runtime (it runs one), or None."""
+        return None
+
     def jit_config(self) -> dict[str, Any]:
         """Dynamo config options (``torch._dynamo.config``) this runtime needs set while
         ``d9d.jit`` traces its step."""

@@ -335,6 +335,10 @@ class TransformedStep:
 
     def comms(self, params: Any, opt_state: Any, batch: Any) -> CommStats:
         """Run one step (eagerly, results dropped) and count its collectives per kind and axis."""
+        for runtime in self.runtimes:
+            refusal = runtime.comms_refusal()
+            if refusal is not None:
+                raise PlanError(refusal)
         labels = {k: v for r in self.runtimes for k, v in r.group_labels().items()}
         self.check_inputs(params, batch)  # its one-off all-gather of shapes is not the step's
         with CollectiveCounter(self.mesh, labels) as counter:

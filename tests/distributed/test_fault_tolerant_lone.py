@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -108,6 +110,23 @@ def test_fault_tolerant_refuses_jit():
     params, state = step.place(model.params, opt.init(model.params), model=model)
     with pytest.raises(PlanError, match=r"fault_tolerant runs eagerly.*drop d9d\.jit"):
         d9d.jit(step)(params, state, batches(128, global_batch=2, steps=1)[0])
+
+
+def test_fault_tolerant_refuses_step_comms():
+    model, opt, step = _build(manager := LoneManager([]))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    with pytest.raises(PlanError, match=r"step\.comms runs a step, and under fault_tolerant"):
+        step.comms(params, state, batches(128, global_batch=2, steps=1)[0])
+    assert manager.calls == []  # refused before any quorum
+
+
+def test_d9d_imports_without_torchft():
+    code = (
+        "import sys; sys.modules['torchft'] = None; import d9d, d9d.transforms, "
+        "d9d.cli.train._run; print(d9d.fault_tolerant.__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "fault_tolerant", done.stderr[-2000:]
 
 
 def test_docstring_example_runs():

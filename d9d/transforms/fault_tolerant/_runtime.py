@@ -41,6 +41,13 @@ class FaultTolerantRuntime(Runtime):
             "commit vote are host calls into the torchft Manager; drop d9d.jit"
         )
 
+    def comms_refusal(self) -> str | None:
+        return (
+            "step.comms runs a step, and under fault_tolerant that step would be committed "
+            "with the live replica groups, and the manager's collectives are not counted; "
+            "count the step without d9d.fault_tolerant"
+        )
+
     def enter_step(self, params: Any) -> Any:
         self.manager.start_quorum()
         return params
