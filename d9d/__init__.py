@@ -45,6 +45,7 @@ __all__ = [  # kept literal for type checkers; tests/core/test_public_names.py h
     "data",
     "errors",
     "expert_parallel",
+    "fault_tolerant",
     "fp8",
     "functionalize",
     "grad",
@@ -115,6 +116,7 @@ if TYPE_CHECKING:
     from .transforms import (
         context_parallel,
         expert_parallel,
+        fault_tolerant,
         fp8,
         pipeline,
         remat,

@@ -46,6 +46,10 @@ class TrainConfig:
     fp8: str | None = None  # fp8 recipe of the linears and routed experts (d9d.fp8); None: off
     grad_accum: int = 1  # gradient-accumulation microbatches per step (not with --pp)
     dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
+    fault_tolerant: bool = False  # a torchft replica group: train on when another group fails
+    lighthouse: str | None = None  # the torchft lighthouse's address, with fault_tolerant
+    replica_group_id: int | None = None  # this group's index, 0 .. replica_groups - 1
+    replica_groups: int | None = None  # how many groups the global batch is split over
     tensorboard: bool = True  # event files in out/tensorboard, if tensorboard is installed
     wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline: to out/wandb only)
     wandb_project: str = "d9d"

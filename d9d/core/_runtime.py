@@ -5,7 +5,8 @@ core calls every runtime, in transform order, at these places and never names a 
 
 - on the batch, before the step body runs (:meth:`Runtime.on_batch`);
 - on the params, as the step body sees them and as the step returns them
-  (:meth:`Runtime.enter_step`, :meth:`Runtime.exit_step`);
+  (:meth:`Runtime.enter_step`, :meth:`Runtime.exit_step`), and whether the step keeps its
+  update (:meth:`Runtime.commit`);
 - around differentiation: one runtime may drive ``d9d.value_and_grad`` itself (microbatch
   accumulation, the pipeline executor), given a :class:`Differentiation`;
 - around ``Model.apply``: :meth:`Runtime.enter_apply` sees the :class:`ApplyCall` before the
@@ -310,6 +311,12 @@ class Runtime:
         """The params the step returns, from those its body returned: laid out as stored."""
         return params
 
+    def commit(self) -> bool:
+        """Whether the step keeps its update; asked of every runtime once per step, after the
+        params are laid out as stored (the asking may be a collective). If one says False,
+        the step returns the params and optimizer state it was called with."""
+        return True
+
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         """``(value, aux, grads)`` of ``job``; each grad laid out as its param's optimizer
         state is kept (``state_kept``: the stored layout but under ZeRO-1/2)."""
@@ -323,6 +330,10 @@ class Runtime:
 
     def jit_refusal(self) -> str | None:
         """Why ``d9d.jit`` cannot compile a step with this runtime, or None."""
+        return None
+
+    def comms_refusal(self) -> str | None:
+        """Why ``step.comms`` cannot count a step with this runtime (it runs one), or None."""
         return None
 
     def jit_config(self) -> dict[str, Any]:

@@ -303,12 +303,16 @@ class TransformedStep:
     def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         """One step, inputs checked and the step running (``d9d.jit`` does both outside its
         graph)."""
+        given = params, opt_state
         for runtime in self._runtimes:
             batch = runtime.on_batch(batch)
             params = runtime.enter_step(params)
         params, opt_state, metrics = self.fn(params, opt_state, batch)
         for runtime in reversed(self._runtimes):
             params = runtime.exit_step(params)
+        # Every runtime is asked, also after a refusal: its asking may be a collective.
+        if not all([runtime.commit() for runtime in self._runtimes]):
+            params, opt_state = given
         return params, opt_state, self._mean_over_ranks(metrics)
 
     def _mean_over_ranks(self, metrics: Any) -> Any:
@@ -331,6 +335,10 @@ class TransformedStep:
 
     def comms(self, params: Any, opt_state: Any, batch: Any) -> CommStats:
         """Run one step (eagerly, results dropped) and count its collectives per kind and axis."""
+        for runtime in self.runtimes:
+            refusal = runtime.comms_refusal()
+            if refusal is not None:
+                raise PlanError(refusal)
         labels = {k: v for r in self.runtimes for k, v in r.group_labels().items()}
         self.check_inputs(params, batch)  # its one-off all-gather of shapes is not the step's
         with CollectiveCounter(self.mesh, labels) as counter:

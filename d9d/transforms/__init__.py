@@ -2,7 +2,7 @@
 
 Each transform is a package holding its rule (how it rewrites a param's plan) and its runtime
 (what it does while the step runs): ``shard_params``, ``tensor_parallel``,
-``context_parallel``, ``expert_parallel``, ``fp8``, ``pipeline``, ``remat``. Here too are the protocol they implement
+``context_parallel``, ``expert_parallel``, ``fault_tolerant``, ``fp8``, ``pipeline``, ``remat``. Here too are the protocol they implement
 (:class:`Transform`, its :class:`Phase`, :class:`Runtime`) and the types a transformed step hands back: its
 :class:`Plan` of :class:`ParamPlan` entries, :class:`Memory`, :class:`CommStats`, and the
 :class:`Jitted` step of ``d9d.jit``.
@@ -26,6 +26,8 @@ from .context_parallel import ContextParallel as ContextParallel
 from .context_parallel import context_parallel as context_parallel
 from .expert_parallel import ExpertParallel as ExpertParallel
 from .expert_parallel import expert_parallel as expert_parallel
+from .fault_tolerant import FaultTolerant as FaultTolerant
+from .fault_tolerant import fault_tolerant as fault_tolerant
 from .fp8 import Fp8 as Fp8
 from .fp8 import fp8 as fp8
 from .pipeline import Pipeline as Pipeline
@@ -60,6 +62,7 @@ __all__ = [
     "ContextParallel",
     "Differentiation",
     "ExpertParallel",
+    "FaultTolerant",
     "Fp8",
     "Interception",
     "Jitted",
@@ -76,6 +79,7 @@ __all__ = [
     "TransformedStep",
     "context_parallel",
     "expert_parallel",
+    "fault_tolerant",
     "fp8",
     "pipeline",
     "remat",

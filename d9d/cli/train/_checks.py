@@ -7,7 +7,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-from ...errors import DataError
+from ...errors import ConfigError, DataError
 from .._config import TrainConfig
 
 __all__ = ["check_flags"]
@@ -84,3 +84,40 @@ def check_flags(config: TrainConfig) -> None:
                 else "a checkpoint folder (out/checkpoints/step_N)"
             )
             raise DataError(f"{flag} {str(path)!r} does not exist; pass {what}")
+    _check_fault_tolerance(config)
+
+
+def _check_fault_tolerance(config: TrainConfig) -> None:
+    """``--fault-tolerant``'s flags, and what it does not run with yet (``ConfigError``)."""
+    ft_flags = {
+        "--lighthouse": config.lighthouse,
+        "--replica-group-id": config.replica_group_id,
+        "--replica-groups": config.replica_groups,
+    }
+    if not config.fault_tolerant:
+        given = [flag for flag, value in ft_flags.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --fault-tolerant; add it")
+        return
+    missing = [flag for flag, value in ft_flags.items() if value is None]
+    if missing:
+        raise ValueError(f"--fault-tolerant needs {', '.join(missing)} (docs/fault_tolerance.md)")
+    if config.replica_groups < 1 or not 0 <= config.replica_group_id < config.replica_groups:
+        raise ValueError(
+            f"--replica-group-id must be in 0 .. --replica-groups - 1, got "
+            f"{config.replica_group_id} of {config.replica_groups}"
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise ValueError("--fault-tolerant needs the torchft package: pip install 'd9d[ft]'")
+    rejoin = "a group restarted from a checkpoint or a peer cannot rejoin yet (issue 30)"
+    refused = {
+        "--jit": (config.jit, "the quorum and commit vote are host calls each step"),
+        "--pp": ((config.pp or 1) > 1, "the pipeline executor drives the backward itself"),
+        "--grad-accum": (config.grad_accum > 1, "accumulation drives the backward itself"),
+        "--save-every": (config.save_every > 0, rejoin),
+        "--resume": (config.resume or config.resume_from is not None, rejoin),
+        "--eval-every": (config.eval_every > 0, "eval is not run through the replica groups"),
+    }
+    for flag, (given, why) in refused.items():
+        if given:
+            raise ConfigError(f"--fault-tolerant does not run with {flag} yet: {why}; drop {flag}")

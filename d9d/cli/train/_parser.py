@@ -180,7 +180,25 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         help="under torchrun: seconds a collective may wait for a peer before the run stops "
         "with an error (default %(default)s)",
     )
+    _add_fault_tolerance(run)
     _add_watch(run, defaults)
+
+
+def _add_fault_tolerance(run: argparse.ArgumentParser) -> None:
+    """The flags of a torchft replica group (docs/fault_tolerance.md)."""
+    run.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="run as one torchft replica group: grads averaged over the live groups, which "
+        "train on when one fails (needs --lighthouse, --replica-group-id, --replica-groups)",
+    )
+    run.add_argument("--lighthouse", help="the torchft lighthouse's address (http://HOST:PORT)")
+    run.add_argument("--replica-group-id", type=int, help="this replica group's index, from 0")
+    run.add_argument(
+        "--replica-groups",
+        type=int,
+        help="how many replica groups the job starts (each reads its share of the batch)",
+    )
 
 
 def _add_watch(run: argparse.ArgumentParser, defaults: TrainConfig) -> None:

@@ -41,6 +41,7 @@ from ._out import check_fresh_out
 from ._preempt import Preemption
 from ._profile import StepProfiler
 from ._progress import TrainProgress
+from ._replica_group import ReplicaGroup, join_replica_group
 from ._report import header_lines, print_header
 from ._watch import Dashboards
 
@@ -133,13 +134,19 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
     """
     _check(config)
     started_group = _init_distributed(config)
+    replica = None
     try:
+        replica = join_replica_group(config) if config.fault_tolerant else None
         check_fresh_out(config.out, resuming=config.resume or config.resume_from is not None)
-        run = _train(config, console)
+        run = _train(config, console, replica)
     except BaseException:
+        if replica is not None:
+            replica.close()
         if started_group:
             dist.destroy_process_group()
         raise
+    if replica is not None:
+        replica.close()
     if started_group:
         # Ranks leave together: rank 0 is still plotting when the others finish, and a gloo
         # rank tearing its groups down while a peer is busy has aborted (SIGABRT) in CI.
@@ -172,7 +179,7 @@ def _config_json(config: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(asdict(config), default=str))
 
 
-def _train(config: TrainConfig, console: Console | None) -> TrainRun:
+def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup | None) -> TrainRun:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     config = replace(config, warmup=min(config.warmup, config.steps - 1))  # what the schedule uses
     directory = config.out / "checkpoints"
@@ -197,11 +204,13 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     step = _parallel(
         config, (make_moe_train_step if moe else make_train_step)(model, opt, grad_norm=True)
     )
+    if replica is not None:
+        step = replica.wrap(step)
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):
         params, opt_state = step.place(params, opt_state, model=model)
-        loader = _loader(config, loader.tokens, *step.data_rank())
+        loader = _loader(config, loader.tokens, *_data_rank(step, replica, config))
     evaluator = None
     if config.eval_every:
         evaluator = Evaluator(
@@ -260,7 +269,10 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
                 config.out / "profile" / f"rank{rank}.json", first_step, profile_steps
             ) as profiler,
         ):
-            watch = _Watch(log, dashboards, progress, speed, evaluator, profiler, preemption)
+            commits = replica.commits if replica is not None else None
+            watch = _Watch(
+                log, dashboards, progress, speed, evaluator, profiler, preemption, commits
+            )
             records = _loop(
                 config, step, params, opt_state, loader, device, first_step, saver, watch
             )
@@ -275,6 +287,17 @@ def _train(config: TrainConfig, console: Console | None) -> TrainRun:
     return TrainRun(records, first_step, max(first_step, config.steps))
 
 
+def _data_rank(
+    step: TransformedStep, replica: ReplicaGroup | None, config: TrainConfig
+) -> tuple[int, int]:
+    """This rank's index among the ranks that read different rows, and their count: with
+    replica groups, the group's ranks come after those of the groups before it."""
+    index, count = step.data_rank()
+    if replica is None or config.replica_groups is None or config.replica_group_id is None:
+        return index, count
+    return config.replica_group_id * count + index, config.replica_groups * count
+
+
 @dataclass(frozen=True)
 class _Watch:
     """Where a logged step goes and what else runs beside the steps."""
@@ -286,6 +309,7 @@ class _Watch:
     evaluator: Evaluator | None
     profiler: StepProfiler
     preemption: Preemption
+    commits: Callable[[], int] | None = None  # steps a replica group committed (torchft)
 
 
 def _loop(
@@ -302,12 +326,18 @@ def _loop(
     records: list[dict[str, float]] = []
     start = time.perf_counter()
     last, last_step = start, first_step
-    for i in range(first_step, config.steps):
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
+    i, batch = first_step, None
+    while i < config.steps:
+        if batch is None:
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
         watch.profiler.before(i)
+        committed = watch.commits() if watch.commits is not None else 0
         params, opt_state, metrics = step(params, opt_state, batch)
         watch.profiler.after(i)
-        n, saving = i + 1, saver.due(i + 1)
+        if watch.commits is not None and watch.commits() == committed:
+            continue  # a replica group failed during the step: it runs again on this batch
+        batch, i = None, i + 1
+        n, saving = i, saver.due(i)
         stopping = watch.preemption.agreed() and n < config.steps  # SIGTERM on some rank
         evaluating = watch.evaluator is not None and n % config.eval_every == 0
         logging = n % config.log_every == 0 or n == config.steps or evaluating

@@ -1,0 +1,120 @@
+"""``fault_tolerant`` at run time: the quorum, the grads' reduction over the live replica
+groups, and the commit vote.
+
+The grads come out of the backward reduced inside the replica group (laid out as the
+group's plan keeps them: a shard per rank under fsdp). Each rank all-reduces its local
+pieces with the same rank of every other live group, as torchft's ``Manager.allreduce``
+pairs them; every live group holds the same layout, so the pieces line up.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+
+from ...core._runtime import Differentiation, Runtime
+
+__all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]
+
+MANAGER_METHODS = ("start_quorum", "allreduce", "should_commit", "num_participants")
+"""The ``torchft.Manager`` methods the runtime calls."""
+
+_log = logging.getLogger("d9d.fault_tolerant")
+
+
+class FaultTolerantRuntime(Runtime):
+    """The runtime of ``fault_tolerant`` with ``manager``."""
+
+    drives_differentiation = True
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.participants: int | None = None
+
+    def jit_refusal(self) -> str | None:
+        return (
+            "fault_tolerant runs eagerly: its quorum, reduction over replica groups and "
+            "commit vote are host calls into the torchft Manager; drop d9d.jit"
+        )
+
+    def comms_refusal(self) -> str | None:
+        return (
+            "step.comms runs a step, and under fault_tolerant that step would be committed "
+            "with the live replica groups, and the manager's collectives are not counted; "
+            "count the step without d9d.fault_tolerant"
+        )
+
+    def enter_step(self, params: Any) -> Any:
+        self.manager.start_quorum()
+        return params
+
+    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
+        value, aux, grads, weight = job.run(job.args, job.kwargs, True)
+        pieces = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if weight is None:
+            # No token count: every live group weighs the same (the manager divides the sums
+            # by the number of participants).
+            reduced = _all_reduce(self.manager, [*pieces, value.reshape(1)], ReduceOp.AVG)
+            value = reduced[-1].reshape(())
+        else:
+            totals = torch.stack([value * weight, weight]).to(value.dtype)
+            reduced = _all_reduce(self.manager, [*pieces, totals], ReduceOp.SUM)
+            total_value, count = reduced[-1].unbind()
+            count = count.clamp(min=1)
+            value = total_value / count
+            reduced = [*(r / count.to(r.dtype) for r in reduced[:-1]), reduced[-1]]
+        out = [_like(r, g) for r, g in zip(reduced[:-1], grads, strict=True)]
+        self._log_change()
+        return value, aux, out
+
+    def commit(self) -> bool:
+        kept = bool(self.manager.should_commit())
+        if not kept:
+            _log.warning("fault_tolerant: a replica group failed during the step; update dropped")
+        return kept
+
+    def _log_change(self) -> None:
+        """One line when the number of live replica groups changes (not on the first step)."""
+        now = self.manager.num_participants()
+        if self.participants is not None and now != self.participants:
+            verb = "left" if now < self.participants else "joined"
+            _log.warning(
+                "fault_tolerant: %d replica group(s) %s; steps continue on %d",
+                abs(now - self.participants),
+                verb,
+                now,
+            )
+        self.participants = now
+
+
+def _all_reduce(manager: Any, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+    """``tensors`` all-reduced over the replica groups by ``op``, one collective per dtype."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in which])
+        manager.allreduce(flat, reduce_op=op).wait()
+        offset = 0
+        for i in which:
+            n = tensors[i].numel()
+            out[i] = flat[offset : offset + n].view(tensors[i].shape)
+            offset += n
+    return [t for t in out if t is not None]
+
+
+def _like(local: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``local`` laid out as ``grad`` (a DTensor's local piece, or a plain tensor)."""
+    if not isinstance(grad, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        grad.device_mesh,
+        grad.placements,
+        run_check=False,
+        shape=grad.shape,
+        stride=grad.stride(),
+    )

@@ -1,0 +1,109 @@
+"""``fault_tolerant``: the step's grads averaged over replica groups through a torchft
+``Manager``, its update committed or dropped by the manager's vote.
+
+Why a transform of its own and not ``shard_params(replicate_axis=..., fault_tolerant=...)``:
+the replica groups are not an axis of the step's mesh. Each group is a ``torchrun`` job of its
+own with its own mesh (any layout inside: fsdp, tp, ...), and the groups reach each other only
+through the manager's process group, whose members change from step to step. A mesh axis has
+a fixed size and a fixed ``DeviceMesh`` group; this reduction has neither, so it lives outside
+the plan: the transform claims no mesh axis and rewrites no param's plan, and its runtime
+works on the grads the step's own transforms have already reduced inside the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from ...core._param_plan import ParamPlan
+from ...core._phase import Phase
+from ...core._plan import Plan
+from ...core._transform import Transform
+from ...errors import PlanError
+from ._runtime import MANAGER_METHODS, FaultTolerantRuntime
+
+if TYPE_CHECKING:
+    from ...core._model import Model
+
+__all__ = ["FaultTolerant", "fault_tolerant"]
+
+
+@dataclass(frozen=True)
+class FaultTolerant(Transform):
+    """The ``fault_tolerant`` transform; build it with :func:`fault_tolerant`."""
+
+    name: ClassVar[str] = "fault_tolerant"
+    phase: ClassVar[Phase] = Phase.RECOMPUTATION
+    manager: Any
+    mesh: DeviceMesh | None = None
+
+    def __post_init__(self) -> None:
+        missing = [m for m in MANAGER_METHODS if not callable(getattr(self.manager, m, None))]
+        if missing:
+            raise PlanError(
+                f"fault_tolerant needs a torchft.Manager, got {type(self.manager).__name__} "
+                f"without {missing}; build one with torchft.Manager(pg=ProcessGroupGloo(), ...) "
+                "(pip install 'd9d[ft]')"
+            )
+
+    def __str__(self) -> str:
+        return "fault_tolerant(manager)"
+
+    def claimed_axes(self) -> tuple[str, ...]:
+        return ()
+
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        return entry
+
+    def runtime(self, plan: Plan, model: Model | None) -> FaultTolerantRuntime:
+        del model
+        if plan.stage_group is not None:
+            raise PlanError(
+                f"{self} does not compose with pipeline yet: the pipeline executor drives "
+                "d9d.value_and_grad, and so does the replica groups' reduction; drop one"
+            )
+        return FaultTolerantRuntime(self.manager)
+
+
+def fault_tolerant(manager: Any, *, mesh: DeviceMesh | None = None) -> FaultTolerant:
+    """Average the step's grads over torchft replica groups, which may fail and leave.
+
+    Each replica group (a ``torchrun`` job of its own, any layout inside) runs the same
+    transformed step on its own batches. Per step: the manager's quorum starts when the step
+    starts; after the backward, whose grads the step's other transforms reduce inside the
+    group, each rank all-reduces its grad shards with the same rank of every live replica
+    group through the manager's process group; after the step body, ``manager.should_commit()``
+    decides: True keeps the update, False (a replica group failed during the step) returns the
+    params and optimizer state the step was called with, and the step is run again.
+
+    The loss stays the token mean over the live replicas' batches: each group's grads and loss
+    are weighed by its valid-token count (:func:`d9d.losses.token_mean`), and the weighted
+    sums and counts are all-reduced together, one collective per dtype. A loss that counts no
+    tokens gives every live group the same weight.
+
+    Not yet: microbatches (``shard_params(microbatches=k)``), ``pipeline`` and ``d9d.jit``
+    are refused by name; ``step.comms`` does not count the manager's traffic; a restarted
+    group cannot rejoin (the manager is asked for no state dict).
+
+    Args:
+        manager: A ``torchft.Manager`` of this rank (its ``pg`` a ``ProcessGroupGloo`` or
+            ``ProcessGroupNCCL``, ``rank``/``world_size`` this rank's in its replica group).
+        mesh: The group's mesh, when no other transform of the step gives it.
+
+    Returns:
+        The transform: decorate a step with it.
+
+    Raises:
+        PlanError: ``manager`` is not a torchft ``Manager``; the step is pipelined or
+            accumulates microbatches (when placed), or is jitted.
+
+    Example:
+        >>> import d9d
+        >>> d9d.fault_tolerant(object())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        d9d.errors.PlanError: fault_tolerant needs a torchft.Manager, got object without ...
+    """
+    return FaultTolerant(manager, mesh)

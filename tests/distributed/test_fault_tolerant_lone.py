@@ -1,0 +1,134 @@
+"""``d9d.fault_tolerant`` in one process, against a stand-in for a torchft Manager of a lone
+replica group (its all-reduce over one participant is the identity): the step equals the
+plain step, a refused commit returns the step's inputs, and what is not supported is refused
+by name. The real lighthouse and replica groups: tests/distributed/test_fault_tolerant.py."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from equivalence import batches, llama, optimizer, train_step
+
+import d9d
+from d9d.errors import PlanError
+
+F64 = torch.float64
+
+
+class LoneManager:
+    """A torchft Manager's calls for one replica group alone; ``votes`` are what
+    ``should_commit`` answers, step by step."""
+
+    def __init__(self, votes: list[bool]) -> None:
+        self.votes = list(votes)
+        self.calls: list[str] = []
+
+    def start_quorum(self) -> None:
+        self.calls.append("start_quorum")
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> LoneManager:
+        self.calls.append(f"allreduce {tensor.dtype} {tensor.numel()}")
+        return self
+
+    def wait(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 1
+
+    def should_commit(self) -> bool:
+        self.calls.append("should_commit")
+        return self.votes.pop(0)
+
+
+def _run(model, opt, step, data):
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    out = []
+    for batch in data:
+        new_params, new_state, metrics = step(params, state, batch)
+        out.append((params, state, new_params, new_state, metrics["loss"]))
+        params, state = new_params, new_state
+    return out
+
+
+def _build(manager=None, **shard):
+    torch.manual_seed(0)
+    model, opt = llama(F64, n_layers=1)(), optimizer("adamw")
+    mesh = d9d.make_mesh("cpu", fsdp=1)
+    step = d9d.shard_params(mesh, "fsdp", **shard)(train_step(model, opt))
+    return model, opt, step if manager is None else d9d.fault_tolerant(manager)(step)
+
+
+def test_a_lone_replica_group_equals_the_plain_step_and_a_refused_commit_keeps_the_inputs():
+    data = batches(128, global_batch=2, steps=3)
+    manager = LoneManager([True, False, True])
+    model, opt, step = _build(manager)
+    runs = _run(model, opt, step, data)
+    # The refused step (the second) returns exactly what it was given...
+    given_params, given_state, params, state, _ = runs[1]
+    assert params is given_params and state is given_state
+    # ...and the steps around it equal the plain step on the batches that were committed.
+    plain = _run(*_build(), [data[0], data[2]])
+    for (_, _, got, _, got_loss), (_, _, want, _, want_loss) in zip(
+        [runs[0], runs[2]], plain, strict=True
+    ):
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+        d9d.testing.assert_trees_all_close(
+            {k: v.full_tensor() for k, v in got.items()},
+            {k: v.full_tensor() for k, v in want.items()},
+            rtol=1e-10,
+            atol=1e-12,
+        )
+    # One quorum, one all-reduce (one dtype: grads, weighted loss and token count), one vote.
+    params_numel = sum(p.numel() for p in model.params.values())
+    assert manager.calls[:3] == [
+        "start_quorum",
+        f"allreduce torch.float64 {params_numel + 2}",
+        "should_commit",
+    ]
+    assert len(manager.calls) == 9
+
+
+def test_fault_tolerant_refuses_what_is_not_a_manager():
+    with pytest.raises(PlanError, match=r"needs a torchft\.Manager, got object without"):
+        d9d.fault_tolerant(object())
+
+
+def test_fault_tolerant_refuses_microbatches_of_another_transform():
+    model, opt, step = _build(LoneManager([]), microbatches=2)
+    with pytest.raises(PlanError, match=r"both run d9d\.value_and_grad"):
+        step.place(model.params, opt.init(model.params), model=model)
+
+
+def test_fault_tolerant_refuses_jit():
+    model, opt, step = _build(LoneManager([]))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    with pytest.raises(PlanError, match=r"fault_tolerant runs eagerly.*drop d9d\.jit"):
+        d9d.jit(step)(params, state, batches(128, global_batch=2, steps=1)[0])
+
+
+def test_fault_tolerant_refuses_step_comms():
+    model, opt, step = _build(manager := LoneManager([]))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    with pytest.raises(PlanError, match=r"step\.comms runs a step, and under fault_tolerant"):
+        step.comms(params, state, batches(128, global_batch=2, steps=1)[0])
+    assert manager.calls == []  # refused before any quorum
+
+
+def test_d9d_imports_without_torchft():
+    code = (
+        "import sys; sys.modules['torchft'] = None; import d9d, d9d.transforms, "
+        "d9d.cli.train._run; print(d9d.fault_tolerant.__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "fault_tolerant", done.stderr[-2000:]
+
+
+def test_docstring_example_runs():
+    module = importlib.import_module("d9d.transforms.fault_tolerant._transform")
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0
