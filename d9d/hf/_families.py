@@ -36,7 +36,12 @@ FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2})
 has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has none)."""
 
 ROUTERS: Rules = MappingProxyType(
-    {r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.weight$": ("experts", "embed")}
+    {
+        r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.weight$": ("experts", "embed"),
+        r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.(bias|e_score_correction_bias)$": (
+            "experts",
+        ),
+    }
 )
 """The MoE routers' weights ``[E, H]``, which no ``transformers`` tp plan names (they stay
 replicated there): ``experts`` keeps them whole on tp, like d9d's own router."""
@@ -62,6 +67,20 @@ FILL: Rules = MappingProxyType(
         # heads, so their grads are summed over tp. Norms over all heads (Olmo2's) are the
         # plan's, which keeps their projections whole (plan_rules).
         r"(^|\.)self_attn\.(q|k|query|key)_(norm|layernorm)\.weight$": ("head_dim",),
+        # Attention sinks, one logit per head (GPT-OSS's, whose plan names the embedding only):
+        # each rank's attention adds its heads' (plans that name them say colwise).
+        r"(^|\.)self_attn\.sinks$": ("heads",),
+        # Latent attention's down-projections and their norms (DeepSeek-V2/V3's q_a_proj, which
+        # no plan names): replicated, read by the rank's heads only, so their grads are summed.
+        r"(^|\.)self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$": ("latent", "embed"),
+        r"(^|\.)self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.bias$": ("latent",),
+        r"(^|\.)self_attn\.(q_a|kv_a)_layernorm\.weight$": ("latent",),
+        r"(^|\.)self_attn\.(q_b_proj|kv_b_proj)\.weight$": ("heads", "latent"),
+        # Shared experts of an MoE layer (Qwen2-MoE's shared_expert, ...): a dense MLP.
+        r"(^|\.)mlp\.shared_experts?\.(gate|up|gate_up)_proj\.weight$": ("mlp", "embed"),
+        r"(^|\.)mlp\.shared_experts?\.down_proj\.weight$": ("embed", "mlp"),
+        # Qwen2-MoE's shared expert gate [1, H]: whole on tp, beside the router.
+        r"(^|\.)mlp\.shared_expert_gate\.weight$": ("experts", "embed"),
     }
 )
 """Llama-layout rules for what a model's tp plan leaves out (used only where it has a plan)."""
@@ -75,6 +94,21 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "qwen3_moe": ("Qwen3MoeSparseMoeBlock",),
         "mixtral": ("MixtralSparseMoeBlock",),
+        "aria_text": ("AriaTextMoELayer",),
+        "axk1": ("AXK1MoE",),
+        "deepseek_v2": ("DeepseekV2Moe",),
+        "exaone_moe": ("ExaoneMoeSparseMoEBlock",),
+        "glm4_moe": ("Glm4MoeMoE",),
+        "glm4_moe_lite": ("Glm4MoeLiteMoE",),
+        "granitemoe": ("GraniteMoeMoE",),
+        "granitemoe_swa": ("GraniteMoeSWAMoE",),
+        "hy_v3": ("HYV3MoE",),
+        "kolibri1": ("Kolibri1SparseMoeBlock",),
+        "minimax_m3_vl_text": ("MiniMaxM3VLSparseMoeBlock",),
+        "qwen2_moe": ("Qwen2MoeSparseMoeBlock",),
+        "sarvam_mla": ("DeepseekV3MoE",),
+        "sarvam_moe": ("Glm4MoeMoE",),
+        "solar_open": ("SolarOpenMoE",),
     }
 )
 """``{model_type: class names}`` of the modules of a family that compute each position on

@@ -24,7 +24,7 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import IndivisibleError, PlanError
-from ._layout import ActivationLayout
+from ._layout import PER_HEAD_AXES, ActivationLayout
 from ._runtime import TensorParallelRuntime
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "vocab": "tp",
     "embed": None,
     "head_dim": None,
+    "latent": None,  # latent attention's down-projections (MLA's q_a/kv_a): feed the rank's heads
     "experts": None,  # MoE routed experts and router: replicated over tp (shared experts: mlp)
     "expert_mlp": None,
 }
@@ -47,7 +48,6 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 _HEAD_AXES = ("heads", "kv_heads")
 # What a param gets when no rule names its dims: nothing (None), or nn.Linear's defaults.
 _UNNAMED = (None, "out", "in")
-_PER_HEAD_AXES = ("head_dim",)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class TensorParallel(Transform):
                 f"to {self.axis!r}; a param is sharded over one dim: map only one to it"
             )
         if not dims:
-            per_head = any(name in _PER_HEAD_AXES for name in entry.axes)
+            per_head = any(name in PER_HEAD_AXES for name in entry.axes)
             partial = self.sequence_parallel or per_head
             return entry.with_axis(
                 index,
