@@ -77,7 +77,7 @@ FILL: Rules = MappingProxyType(
         r"(^|\.)self_attn\.(q_a|kv_a)_layernorm\.weight$": ("latent",),
         r"(^|\.)self_attn\.(q_b_proj|kv_b_proj)\.weight$": ("heads", "latent"),
         # Shared experts of an MoE layer (Qwen2-MoE's shared_expert, ...): a dense MLP.
-        r"(^|\.)mlp\.shared_experts?\.(gate|up|gate_up)_proj\.weight$": ("mlp", "embed"),
+        r"(^|\.)mlp\.shared_experts?\.(gate|up)_proj\.weight$": ("mlp", "embed"),
         r"(^|\.)mlp\.shared_experts?\.down_proj\.weight$": ("embed", "mlp"),
         # Qwen2-MoE's shared expert gate [1, H]: whole on tp, beside the router.
         r"(^|\.)mlp\.shared_expert_gate\.weight$": ("experts", "embed"),
@@ -104,7 +104,6 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "granitemoe_swa": ("GraniteMoeSWAMoE",),
         "hy_v3": ("HYV3MoE",),
         "kolibri1": ("Kolibri1SparseMoeBlock",),
-        "minimax_m3_vl_text": ("MiniMaxM3VLSparseMoeBlock",),
         "qwen2_moe": ("Qwen2MoeSparseMoeBlock",),
         "sarvam_mla": ("DeepseekV3MoE",),
         "sarvam_moe": ("Glm4MoeMoE",),
