@@ -37,10 +37,14 @@ has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has non
 
 ROUTERS: Rules = MappingProxyType(
     {
-        r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.weight$": ("experts", "embed"),
+        r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)(\.wg|\.gate)?\.weight$": (
+            "experts",
+            "embed",
+        ),
         r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.(bias|e_score_correction_bias)$": (
             "experts",
         ),
+        r"(^|\.)mlp\.expert_bias$": ("experts",),  # AFMoE's routing bias, beside its router
     }
 )
 """The MoE routers' weights ``[E, H]``, which no ``transformers`` tp plan names (they stay
@@ -77,8 +81,14 @@ FILL: Rules = MappingProxyType(
         r"(^|\.)self_attn\.(q_a|kv_a)_layernorm\.weight$": ("latent",),
         r"(^|\.)self_attn\.(q_b_proj|kv_b_proj)\.weight$": ("heads", "latent"),
         # Shared experts of an MoE layer (Qwen2-MoE's shared_expert, ...): a dense MLP.
-        r"(^|\.)mlp\.shared_experts?\.(gate|up)_proj\.weight$": ("mlp", "embed"),
-        r"(^|\.)mlp\.shared_experts?\.down_proj\.weight$": ("embed", "mlp"),
+        r"(^|\.)mlp\.shared_(experts?|mlp)\.(gate|up)_proj\.weight$": ("mlp", "embed"),
+        r"(^|\.)mlp\.shared_(experts?|mlp)\.down_proj\.weight$": ("embed", "mlp"),
+        # xIELU's scalars (Apertus): they scale the rank's shard of the mlp, so their grads are
+        # summed over tp in both modes (mlp_scale); whole and unsummed they were 0.49 off
+        # without sequence parallelism.
+        r"(^|\.)mlp\.act_fn\.alpha_[pn]$": ("mlp_scale",),
+        # Attention output gates, one per head channel (AFMoE's, Beam's colwise in its plan).
+        r"(^|\.)self_attn\.gate_proj\.weight$": ("heads", "embed"),
         # Qwen2-MoE's shared expert gate [1, H]: whole on tp, beside the router.
         r"(^|\.)mlp\.shared_expert_gate\.weight$": ("experts", "embed"),
     }
@@ -94,16 +104,22 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "qwen3_moe": ("Qwen3MoeSparseMoeBlock",),
         "mixtral": ("MixtralSparseMoeBlock",),
+        "afmoe": ("AfmoeSparseMoeBlock",),
         "aria_text": ("AriaTextMoELayer",),
         "axk1": ("AXK1MoE",),
         "deepseek_v2": ("DeepseekV2Moe",),
         "exaone_moe": ("ExaoneMoeSparseMoEBlock",),
         "glm4_moe": ("Glm4MoeMoE",),
         "glm4_moe_lite": ("Glm4MoeLiteMoE",),
+        "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock",),
+        "gpt_oss": ("GptOssMLP",),
         "granitemoe": ("GraniteMoeMoE",),
         "granitemoe_swa": ("GraniteMoeSWAMoE",),
         "hy_v3": ("HYV3MoE",),
+        "hunyuan_v1_moe": ("HunYuanMoEV1Moe",),
         "kolibri1": ("Kolibri1SparseMoeBlock",),
+        "laguna": ("LagunaSparseMoeBlock",),
+        "longcat_flash": ("LongcatFlashMoE",),
         "qwen2_moe": ("Qwen2MoeSparseMoeBlock",),
         "sarvam_mla": ("DeepseekV3MoE",),
         "sarvam_moe": ("Glm4MoeMoE",),

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["IMPLEMENTED_STYLES", "plan_rules"]
+__all__ = ["IMPLEMENTED_STYLES", "generalize", "plan_rules"]
 
 Axes = tuple[str | None, ...]
 
@@ -73,7 +73,7 @@ def plan_rules(module: nn.Module) -> dict[str, Axes]:
             rules["^" + re.escape(path) + "$"] = axes
         elif (axes := _norm_of_projection(module, plan, owner, tuple(param.shape))) is not None:
             rules["^" + re.escape(path) + "$"] = axes
-    return _generalize(rules)
+    return generalize(rules)
 
 
 def _style(plan: list[tuple[re.Pattern[str], str]], owner: str) -> str | None:
@@ -175,7 +175,7 @@ def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: i
             return (f"tp plan style {style} (not implemented by d9d)", *whole[1:])
 
 
-def _generalize(rules: dict[str, Axes]) -> dict[str, Axes]:
+def generalize(rules: dict[str, Axes]) -> dict[str, Axes]:
     """One rule per layer-independent path (``model.layers.<i>.`` as ``\\d+``) when every layer
     agrees, so that ``model.axes`` reads like the hand-written tables."""
     general: dict[str, set[Axes]] = {}

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import assert_equivalent, reference
+from hf_families import data
+from sweep import _LAYOUTS as LAYOUTS
 from sweep import build, float64_islands, run_cell
 
 import d9d
@@ -51,3 +54,16 @@ def test_float64_islands_put_back_what_they_widen() -> None:
         assert torch.nn.functional.softmax(x, 0, dtype=torch.float32).dtype == torch.float64
     assert x.to(torch.float32).dtype == x.float().dtype == torch.float32
     assert d9d.hf.IMPLEMENTED_STYLES["mla_kv_a_proj"]
+
+
+def test_activation_scalars_on_the_mlp_shard_have_their_grads_summed_without_sp() -> None:
+    """Apertus's xIELU scalars scale each rank's shard of the mlp: their grads are partial
+    sums over tp in both modes (``mlp_scale``). Kept whole with ``("embed",)`` they equal one
+    device with sequence parallelism (whose replicated grads are summed anyway) but were off
+    by rel 0.49 without it."""
+    assert build("apertus")().axes["model.layers.0.mlp.act_fn.alpha_p"] == ("mlp_scale",)
+    mesh_axes, transforms = LAYOUTS["tp=2 no sp"]
+    make = build("apertus")
+    assert_equivalent(
+        make, transforms, mesh_axes, data(2), reference(make, data(2)), dtype=torch.float64
+    )

@@ -15,10 +15,11 @@ __all__ = ["PER_HEAD_AXES", "SEQUENCE_DIM", "ActivationLayout"]
 
 SEQUENCE_DIM = 1
 
-# Logical axes of params replicated on the axis whose outputs only the rank's heads read
-# (per-head norms; latent attention's down-projections and their norms): their grads, and the
-# input grads through them, are partial sums over the axis, in both modes.
-PER_HEAD_AXES = ("head_dim", "latent")
+# Logical axes of params replicated on the axis that only the rank's heads or mlp shard read
+# (per-head norms; latent attention's down-projections and their norms; scalars of an
+# activation on the mlp's hidden width): their grads, and the input grads through them, are
+# partial sums over the axis, in both modes.
+PER_HEAD_AXES = ("head_dim", "latent", "mlp_scale")
 
 
 @dataclass(frozen=True)

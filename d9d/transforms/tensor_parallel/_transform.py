@@ -40,6 +40,7 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "embed": None,
     "head_dim": None,
     "latent": None,  # latent attention's down-projections (MLA's q_a/kv_a): feed the rank's heads
+    "mlp_scale": None,  # an activation's scalars on the mlp's hidden width (xIELU's alpha)
     "experts": None,  # MoE routed experts and router: replicated over tp (shared experts: mlp)
     "expert_mlp": None,
 }
@@ -163,7 +164,10 @@ def _unnamed_message(entry: ParamPlan, name: str | None) -> str:
         "cannot tell whether to shard it. To keep it whole on every tp rank (a norm or scale "
         "over the hidden size, or a projection run replicated), pass "
         f"d9d.functionalize(module, axes={{r'\\.{suffix}$': {whole}}}) (tensor_parallel "
-        "refuses that by name where it would be inexact); to shard it, name the split dim "
+        "refuses a weight kept whole beside column-parallel linears by name), or, for a param "
+        "only the rank's heads or mlp shard read (a per-head norm, an activation's scalar), "
+        "name it 'head_dim' or 'mlp_scale' so that its grads are summed over tp; to shard it, "
+        "name the split dim "
         "'heads', 'kv_heads' or 'mlp' (dim 0 of a column-parallel weight, dim 1 of a "
         "row-parallel one) and the other 'embed'"
     )
