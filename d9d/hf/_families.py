@@ -37,7 +37,7 @@ has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has non
 
 ROUTERS: Rules = MappingProxyType(
     {
-        r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)(\.wg|\.gate)?\.weight$": (
+        r"(^|\.)(mlp|block_sparse_moe|feed_forward)\.(gate|router)(\.wg|\.gate)?\.weight$": (
             "experts",
             "embed",
         ),
@@ -118,6 +118,7 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "hunyuan_v1_moe": ("HunYuanMoEV1Moe",),
         "kolibri1": ("Kolibri1SparseMoeBlock",),
         "laguna": ("LagunaSparseMoeBlock",),
+        "llama4_text": ("Llama4TextMoe",),
         "qwen2_moe": ("Qwen2MoeSparseMoeBlock",),
         "sarvam_mla": ("DeepseekV3MoE",),
         "sarvam_moe": ("Glm4MoeMoE",),
