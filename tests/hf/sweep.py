@@ -12,6 +12,9 @@ sequence parallelism; refused for a module kept whole on tp, it reruns with
 equal to the whole batch's run is compared with one device fed the same two halves of each
 batch (``transformers`` alone): equal to that, it is ``equal (split)`` (``equal~ (split)``),
 as for families that compute in float32 inside a float64 model (:func:`_split_reference`).
+A ``tp=2`` cell that is ``wrong`` runs again, layout and one device both, with
+``transformers``' float32 casts kept float64 (:func:`float64_islands`): equal at rel 1e-9
+then, it is ``equal~ (f64)`` (the difference was float32 rounding, counted ``equal~``).
 
 ``python sweep.py --all`` (from ``tests/hf``) runs every cell and prints the table;
 ``--write-docs`` writes it into ``docs/huggingface.md`` between its markers; ``--merge``
