@@ -47,8 +47,10 @@ ROUTERS: Rules = MappingProxyType(
         r"(^|\.)mlp\.expert_bias$": ("experts",),  # AFMoE's routing bias, beside its router
     }
 )
-"""The MoE routers' weights ``[E, H]``, which no ``transformers`` tp plan names (they stay
-replicated there): ``experts`` keeps them whole on tp, like d9d's own router."""
+"""The MoE routers' weights ``[E, H]`` (``mlp.gate``, ``mlp.router``, Hunyuan's ``gate.wg``,
+AFMoE's ``router.gate``, Llama-4's ``feed_forward.router``) and their biases, which no
+``transformers`` tp plan names (they stay replicated there): ``experts`` keeps them whole on
+tp, like d9d's own router."""
 
 # Many plans name only part of the model (Hunyuan's names its embedding only, Granite-MoE's its
 # experts only): a model that has a plan gets these, by the names of the Llama layout, for the
@@ -99,7 +101,9 @@ FILL: Rules = MappingProxyType(
 # capacity, no jitter at the default router_jitter_noise=0.0), so tensor_parallel's sequence
 # parallelism may run them, experts replicated, on each rank's part of the sequence. Their
 # router logits, which transformers' own aux loss reads, then hold those positions only
-# (tensor_parallel refuses output_router_logits under sequence parallelism).
+# (tensor_parallel refuses output_router_logits under sequence parallelism). A family is listed
+# only once its tp=2 sweep cell (tests/hf/sweep.py) equals one device with sequence parallelism:
+# the class name alone does not prove a block drops no token.
 POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "qwen3_moe": ("Qwen3MoeSparseMoeBlock",),
