@@ -176,13 +176,11 @@ def _check_sharded(
     one-dim param of heads (``heads``, ``kv_heads``) of a module that gets its input whole
     for its column-parallel linears (an attention's sinks or gate bias: its forward reads
     them beside the rank's heads)."""
-    column_regions = {
-        path
-        for path, linears in regions.items()
-        for linear in linears
-        if (e := entries.get(structure.canonical(f"{linear}.weight"))) is not None
-        and e.compute[layout.index] == Shard(0)
-    }
+
+    def holds_column_linears(path: str) -> bool:
+        weights = (entries.get(structure.canonical(f"{p}.weight")) for p in regions.get(path, ()))
+        return any(w is not None and w.compute[layout.index] == Shard(0) for w in weights)
+
     for slot in structure.slots:
         key = structure.canonical(slot.key)
         entry = entries.get(key)
@@ -201,7 +199,7 @@ def _check_sharded(
             case nn.Embedding(), "weight", 0:
                 continue
         path = slot.key.rpartition(".")[0]
-        if path in column_regions and len(entry.shape) == 1 and entry.axes[0] in _HEAD_AXES:
+        if len(entry.shape) == 1 and entry.axes[0] in _HEAD_AXES and holds_column_linears(path):
             continue
         raise PlanError(
             f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
