@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 from ...core._param_plan import ParamPlan
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
-from ._layout import PER_HEAD_AXES, ActivationLayout
+from ._layout import PARTIAL_GRAD_AXES, ActivationLayout
 
 __all__ = [
     "check_embedding",
@@ -26,6 +26,8 @@ __all__ = [
     "check_region",
     "check_router_logits",
 ]
+
+_HEAD_AXES = ("heads", "kv_heads")
 
 
 def check_embedding(path: str, module: nn.Embedding) -> None:
@@ -102,7 +104,7 @@ def _check_whole_beside_sharded(
     too much for a weight whole on the axis beside them. Raise for such a weight."""
     for region, key, dims in _whole_weights(structure, regions, entries, layout):
         axes = entries[structure.canonical(key)].axes or ()
-        if 0 not in dims or any(name in PER_HEAD_AXES for name in axes):
+        if 0 not in dims or any(name in PARTIAL_GRAD_AXES for name in axes):
             continue  # a per-head weight's input grad is partial: the sum is exact
         raise PlanError(
             f"module {region!r} holds column-parallel linears and {key!r} whole on "
@@ -212,9 +214,6 @@ def _check_sharded(
             f"{('embed',) * len(entry.shape)}}})). (A transformers Conv1D is a transposed "
             "linear, and a fused q/k/v weight splits per head group, not per row range.)"
         )
-
-
-_HEAD_AXES = ("heads", "kv_heads")
 
 
 def _rule(key: str) -> str:

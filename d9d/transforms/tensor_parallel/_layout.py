@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ...errors import IndivisibleError
 
-__all__ = ["PER_HEAD_AXES", "SEQUENCE_DIM", "ActivationLayout"]
+__all__ = ["PARTIAL_GRAD_AXES", "SEQUENCE_DIM", "ActivationLayout"]
 
 SEQUENCE_DIM = 1
 
@@ -19,7 +19,7 @@ SEQUENCE_DIM = 1
 # (per-head norms; latent attention's down-projections and their norms; scalars of an
 # activation on the mlp's hidden width): their grads, and the input grads through them, are
 # partial sums over the axis, in both modes.
-PER_HEAD_AXES = ("head_dim", "latent", "mlp_scale")
+PARTIAL_GRAD_AXES = ("head_dim", "latent", "mlp_scale")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import IndivisibleError, PlanError
-from ._layout import PER_HEAD_AXES, ActivationLayout
+from ._layout import PARTIAL_GRAD_AXES, ActivationLayout
 from ._runtime import TensorParallelRuntime
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class TensorParallel(Transform):
                 f"to {self.axis!r}; a param is sharded over one dim: map only one to it"
             )
         if not dims:
-            per_head = any(name in PER_HEAD_AXES for name in entry.axes)
+            per_head = any(name in PARTIAL_GRAD_AXES for name in entry.axes)
             partial = self.sequence_parallel or per_head
             return entry.with_axis(
                 index,
