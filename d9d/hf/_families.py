@@ -36,10 +36,21 @@ FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2})
 has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has none)."""
 
 ROUTERS: Rules = MappingProxyType(
-    {r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.weight$": ("experts", "embed")}
+    {
+        r"(^|\.)(mlp|block_sparse_moe|feed_forward)\.(gate|router)(\.wg|\.gate)?\.weight$": (
+            "experts",
+            "embed",
+        ),
+        r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)\.(bias|e_score_correction_bias)$": (
+            "experts",
+        ),
+        r"(^|\.)mlp\.expert_bias$": ("experts",),  # AFMoE's routing bias, beside its router
+    }
 )
-"""The MoE routers' weights ``[E, H]``, which no ``transformers`` tp plan names (they stay
-replicated there): ``experts`` keeps them whole on tp, like d9d's own router."""
+"""The MoE routers' weights ``[E, H]`` (``mlp.gate``, ``mlp.router``, Hunyuan's ``gate.wg``,
+AFMoE's ``router.gate``, Llama-4's ``feed_forward.router``) and their biases, which no
+``transformers`` tp plan names (they stay replicated there): ``experts`` keeps them whole on
+tp, like d9d's own router."""
 
 # Many plans name only part of the model (Hunyuan's names its embedding only, Granite-MoE's its
 # experts only): a model that has a plan gets these, by the names of the Llama layout, for the
@@ -62,6 +73,26 @@ FILL: Rules = MappingProxyType(
         # heads, so their grads are summed over tp. Norms over all heads (Olmo2's) are the
         # plan's, which keeps their projections whole (plan_rules).
         r"(^|\.)self_attn\.(q|k|query|key)_(norm|layernorm)\.weight$": ("head_dim",),
+        # Attention sinks, one logit per head (GPT-OSS's, whose plan names the embedding only):
+        # each rank's attention adds its heads' (plans that name them say colwise).
+        r"(^|\.)self_attn\.sinks$": ("heads",),
+        # Latent attention's down-projections and their norms (DeepSeek-V2/V3's q_a_proj, which
+        # no plan names): replicated, read by the rank's heads only, so their grads are summed.
+        r"(^|\.)self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$": ("latent", "embed"),
+        r"(^|\.)self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.bias$": ("latent",),
+        r"(^|\.)self_attn\.(q_a|kv_a)_layernorm\.weight$": ("latent",),
+        r"(^|\.)self_attn\.(q_b_proj|kv_b_proj)\.weight$": ("heads", "latent"),
+        # Shared experts of an MoE layer (Qwen2-MoE's shared_expert, ...): a dense MLP.
+        r"(^|\.)mlp\.shared_(experts?|mlp)\.(gate|up)_proj\.weight$": ("mlp", "embed"),
+        r"(^|\.)mlp\.shared_(experts?|mlp)\.down_proj\.weight$": ("embed", "mlp"),
+        # xIELU's scalars (Apertus): they scale the rank's shard of the mlp, so their grads are
+        # summed over tp in both modes (mlp_scale); whole and unsummed they were 0.49 off
+        # without sequence parallelism.
+        r"(^|\.)mlp\.act_fn\.alpha_[pn]$": ("mlp_scale",),
+        # Attention output gates, one per head channel (AFMoE's, Beam's colwise in its plan).
+        r"(^|\.)self_attn\.gate_proj\.weight$": ("heads", "embed"),
+        # Qwen2-MoE's shared expert gate [1, H]: whole on tp, beside the router.
+        r"(^|\.)mlp\.shared_expert_gate\.weight$": ("experts", "embed"),
     }
 )
 """Llama-layout rules for what a model's tp plan leaves out (used only where it has a plan)."""
@@ -70,11 +101,32 @@ FILL: Rules = MappingProxyType(
 # capacity, no jitter at the default router_jitter_noise=0.0), so tensor_parallel's sequence
 # parallelism may run them, experts replicated, on each rank's part of the sequence. Their
 # router logits, which transformers' own aux loss reads, then hold those positions only
-# (tensor_parallel refuses output_router_logits under sequence parallelism).
+# (tensor_parallel refuses output_router_logits under sequence parallelism). A family is listed
+# only once its tp=2 sweep cell (tests/hf/sweep.py) equals one device with sequence parallelism:
+# the class name alone does not prove a block drops no token.
 POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "qwen3_moe": ("Qwen3MoeSparseMoeBlock",),
         "mixtral": ("MixtralSparseMoeBlock",),
+        "afmoe": ("AfmoeSparseMoeBlock",),
+        "aria_text": ("AriaTextMoELayer",),
+        "axk1": ("AXK1MoE",),
+        "deepseek_v2": ("DeepseekV2Moe",),
+        "exaone_moe": ("ExaoneMoeSparseMoEBlock",),
+        "glm4_moe": ("Glm4MoeMoE",),
+        "glm4_moe_lite": ("Glm4MoeLiteMoE",),
+        "gpt_oss": ("GptOssMLP",),
+        "granitemoe": ("GraniteMoeMoE",),
+        "granitemoe_swa": ("GraniteMoeSWAMoE",),
+        "hy_v3": ("HYV3MoE",),
+        "hunyuan_v1_moe": ("HunYuanMoEV1Moe",),
+        "kolibri1": ("Kolibri1SparseMoeBlock",),
+        "laguna": ("LagunaSparseMoeBlock",),
+        "llama4_text": ("Llama4TextMoe",),
+        "qwen2_moe": ("Qwen2MoeSparseMoeBlock",),
+        "sarvam_mla": ("DeepseekV3MoE",),
+        "sarvam_moe": ("Glm4MoeMoE",),
+        "solar_open": ("SolarOpenMoE",),
     }
 )
 """``{model_type: class names}`` of the modules of a family that compute each position on

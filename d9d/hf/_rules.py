@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ._families import FAMILIES, FILL, POSITION_WISE, ROUTERS
-from ._tp_plan import plan_rules
+from ._tp_plan import generalize, plan_rules
 
 __all__ = ["apply_defaults", "axes_for", "family_of", "is_hf_model", "position_wise_for"]
 
@@ -91,6 +91,7 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
     rules.update({k: v for k, v in planned.items() if k not in rules})
     if planned:
         rules.update({k: v for k, v in FILL.items() if k not in rules})
+        rules.update({k: v for k, v in _expert_rules(module).items() if k not in rules})
     rules.update({k: v for k, v in ROUTERS.items() if k not in rules})
     rules.update(_norm_rules(module))
     return {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
@@ -126,6 +127,25 @@ def apply_defaults(module: nn.Module) -> dict[str, Any]:
     if is_hf_model(module) and "use_cache" in inspect.signature(module.forward).parameters:
         return {"use_cache": False}
     return {}
+
+
+def _expert_rules(module: nn.Module) -> dict[str, tuple[str | None, ...]]:
+    """Axes of the fused routed-expert params that the plan leaves out (GPT-OSS's
+    ``mlp.experts.gate_up_proj [E, H, 2I]`` and their biases ``[E, 2I]``), by shape:
+    ``experts``, then ``embed`` for the dim of the hidden size and ``expert_mlp`` for the
+    other; none where a weight's two dims are both or neither the hidden size (which is which
+    is then unknown). Whole on tp, as ``moe_tp_experts`` keeps them."""
+    hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+    rules: dict[str, tuple[str | None, ...]] = {}
+    for path, param in module.named_parameters():
+        if not re.search(r"(^|\.)experts\.\w+$", path) or param.ndim not in (2, 3):
+            continue
+        dims = tuple(param.shape[1:])
+        if len(dims) == 2 and dims.count(hidden) != 1:
+            continue
+        inner = tuple("embed" if d == hidden else "expert_mlp" for d in dims)
+        rules["^" + re.escape(path) + "$"] = ("experts", *inner)
+    return generalize(rules)
 
 
 def _norm_rules(module: nn.Module) -> dict[str, tuple[str | None, ...]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["IMPLEMENTED_STYLES", "plan_rules"]
+__all__ = ["IMPLEMENTED_STYLES", "generalize", "plan_rules"]
 
 Axes = tuple[str | None, ...]
 
@@ -37,6 +37,8 @@ IMPLEMENTED_STYLES: Mapping[str, str] = MappingProxyType(
         "embedding_colwise": "the embedding: vocab-parallel (d9d's one embedding layout, exact too)",
         "replicated_with_grad_allreduce": "replicated, grads summed over tp (per-head norms)",
         "replicate": "replicated",
+        "mla_kv_a_proj": "latent attention's kv down-projection: replicated (latent), its grads "
+        "summed over tp, as it feeds the rank's heads only",
         "moe_tp_experts": "routed experts replicated over tp, as d9d.moe (experts, expert_mlp)",
     }
 )
@@ -64,12 +66,14 @@ def plan_rules(module: nn.Module) -> dict[str, Axes]:
     for path, param in module.named_parameters():
         owner, _, name = path.rpartition(".")
         style = _style(plan, owner)
+        if style in (None, "local_params"):  # a module's own param that the plan names itself
+            style = _style(plan, path) or style
         if style is not None:
             axes = _axes(style, owner, name, tuple(param.shape), head_dim)
             rules["^" + re.escape(path) + "$"] = axes
         elif (axes := _norm_of_projection(module, plan, owner, tuple(param.shape))) is not None:
             rules["^" + re.escape(path) + "$"] = axes
-    return _generalize(rules)
+    return generalize(rules)
 
 
 def _style(plan: list[tuple[re.Pattern[str], str]], owner: str) -> str | None:
@@ -134,7 +138,7 @@ def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: i
     match style, name, len(shape):
         case "colwise", "weight", 2:
             return (inner, "embed")
-        case "colwise", "bias", 1:
+        case "colwise", _, 1:  # a bias, or a per-head param of attention (sinks, gate_bias)
             return (inner,)
         case "rowwise", "weight", 2:
             return ("embed", "heads" if attention else "mlp")
@@ -152,6 +156,8 @@ def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: i
             return ("head_dim",)
         case (("replicated_with_grad_allreduce" | "replicate"), _, _):
             return whole
+        case "mla_kv_a_proj", _, _:
+            return ("latent", *whole[1:])
         case "moe_tp_experts", _, 3:
             wide = ("experts", "expert_mlp", "embed")
             return (
@@ -169,7 +175,7 @@ def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: i
             return (f"tp plan style {style} (not implemented by d9d)", *whole[1:])
 
 
-def _generalize(rules: dict[str, Axes]) -> dict[str, Axes]:
+def generalize(rules: dict[str, Axes]) -> dict[str, Axes]:
     """One rule per layer-independent path (``model.layers.<i>.`` as ``\\d+``) when every layer
     agrees, so that ``model.axes`` reads like the hand-written tables."""
     general: dict[str, set[Axes]] = {}

@@ -199,15 +199,6 @@ def _sweep_builder(family: str, axes: dict | None = None) -> Callable[[], d9d.Mo
             r"'model\.layers\.0\.self_attn\.q_proj\.weight' \(shape \(48, 48\)\) has "
             r"nn\.Linear's default axes \('out', 'in'\).*axes=\{r'\\\.q_proj\\\.weight\$'",
         ),
-        # Apertus: the xIELU activation's scalars [1], which no rule names; kept whole as
-        # the message says, they scale each rank's mlp shard: grads summed over tp, exact.
-        (
-            "apertus",
-            {r"\.act_fn\.alpha_[pn]$": ("embed",)},
-            "tp=2",
-            r"'model\.layers\.0\.mlp\.act_fn\.alpha_p' \(shape \(1,\)\) has no logical axis "
-            r"names.*axes=\{r'\\\.act_fn\\\.alpha_p\$': \('embed',\)\}",
-        ),
     ],
 )
 def test_params_no_rule_names_are_refused_with_rules_that_equal_one_device(

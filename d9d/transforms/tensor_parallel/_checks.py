@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 from ...core._param_plan import ParamPlan
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
-from ._layout import ActivationLayout
+from ._layout import PARTIAL_GRAD_AXES, ActivationLayout
 
 __all__ = [
     "check_embedding",
@@ -26,6 +26,8 @@ __all__ = [
     "check_region",
     "check_router_logits",
 ]
+
+_HEAD_AXES = ("heads", "kv_heads")
 
 
 def check_embedding(path: str, module: nn.Embedding) -> None:
@@ -58,7 +60,7 @@ def check_modules(
     """Raise, before any collective, for params the runtime cannot lay out: see
     :func:`_check_sharded`, :func:`_check_whole_beside_sharded` and
     :func:`_check_sequence_regions`."""
-    _check_sharded(structure, entries, layout)
+    _check_sharded(structure, regions, entries, layout)
     _check_whole_beside_sharded(structure, regions, entries, layout)
     if layout.sequence_parallel:
         _check_sequence_regions(structure, regions, entries, layout)
@@ -101,8 +103,9 @@ def _check_whole_beside_sharded(
     input grad summed over the axis: right for what the sharded linears compute, ``tp`` times
     too much for a weight whole on the axis beside them. Raise for such a weight."""
     for region, key, dims in _whole_weights(structure, regions, entries, layout):
-        if 0 not in dims:
-            continue
+        axes = entries[structure.canonical(key)].axes or ()
+        if 0 not in dims or any(name in PARTIAL_GRAD_AXES for name in axes):
+            continue  # a per-head weight's input grad is partial: the sum is exact
         raise PlanError(
             f"module {region!r} holds column-parallel linears and {key!r} whole on "
             f"{layout.axis!r}: tensor_parallel gives the module its input whole and sums its "
@@ -164,11 +167,22 @@ def check_router_logits(
 
 
 def _check_sharded(
-    structure: Structure, entries: Mapping[str, ParamPlan], layout: ActivationLayout
+    structure: Structure,
+    regions: Mapping[str, tuple[str, ...]],
+    entries: Mapping[str, ParamPlan],
+    layout: ActivationLayout,
 ) -> None:
     """Raise unless every param sharded over the axis belongs to a module whose shard the
     runtime knows how to use: an ``nn.Linear``'s weight (column- or row-parallel) or a
-    column-parallel linear's bias, an ``nn.Embedding``'s weight over the vocab."""
+    column-parallel linear's bias, an ``nn.Embedding``'s weight over the vocab, or a
+    one-dim param of heads (``heads``, ``kv_heads``) of a module that gets its input whole
+    for its column-parallel linears (an attention's sinks or gate bias: its forward reads
+    them beside the rank's heads)."""
+
+    def holds_column_linears(path: str) -> bool:
+        weights = (entries.get(structure.canonical(f"{p}.weight")) for p in regions.get(path, ()))
+        return any(w is not None and w.compute[layout.index] == Shard(0) for w in weights)
+
     for slot in structure.slots:
         key = structure.canonical(slot.key)
         entry = entries.get(key)
@@ -187,6 +201,8 @@ def _check_sharded(
             case nn.Embedding(), "weight", 0:
                 continue
         path = slot.key.rpartition(".")[0]
+        if len(entry.shape) == 1 and entry.axes[0] in _HEAD_AXES and holds_column_linears(path):
+            continue
         raise PlanError(
             f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
             f"axis {entry.axes[placement.dim]!r}), but its module {path!r} is a "

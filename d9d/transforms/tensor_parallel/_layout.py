@@ -11,9 +11,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ...errors import IndivisibleError
 
-__all__ = ["SEQUENCE_DIM", "ActivationLayout"]
+__all__ = ["PARTIAL_GRAD_AXES", "SEQUENCE_DIM", "ActivationLayout"]
 
 SEQUENCE_DIM = 1
+
+# Logical axes of params replicated on the axis that only the rank's heads or mlp shard read
+# (per-head norms; latent attention's down-projections and their norms; scalars of an
+# activation on the mlp's hidden width): their grads, and the input grads through them, are
+# partial sums over the axis, in both modes.
+PARTIAL_GRAD_AXES = ("head_dim", "latent", "mlp_scale")
 
 
 @dataclass(frozen=True)
@@ -43,12 +49,12 @@ class ActivationLayout:
 
     def slice_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's positions of ``x`` (dim 1); the backward all-gathers."""
-        _check_sequence(x, self.size, self.axis)
+        _check_sequence(x, SEQUENCE_DIM, self.size, self.axis)
         return self._local(x, [Replicate()], [Shard(SEQUENCE_DIM)])
 
     def enter_region(self, x: torch.Tensor, sequence_sharded: bool) -> torch.Tensor:
         """``x`` whole for column-parallel linears; its grad is summed over the axis."""
-        source = [Shard(SEQUENCE_DIM)] if sequence_sharded else [Replicate()]
+        source = [Shard(_positions_dim(x))] if sequence_sharded else [Replicate()]
         dtensor = DTensor.from_local(x, self.mesh, source, run_check=False)
         if sequence_sharded:
             dtensor = dtensor.redistribute(self.mesh, [Replicate()])
@@ -57,8 +63,8 @@ class ActivationLayout:
     def reduce_partial(self, y: torch.Tensor, sequence_sharded: bool) -> torch.Tensor:
         """The sum over ranks of partial ``y``: sequence-sharded, or whole."""
         if sequence_sharded:
-            _check_sequence(y, self.size, self.axis)
-            return self._local(y, [Partial()], [Shard(SEQUENCE_DIM)])
+            _check_sequence(y, _positions_dim(y), self.size, self.axis)
+            return self._local(y, [Partial()], [Shard(_positions_dim(y))])
         return self._local(y, [Partial()], [Replicate()])
 
     def gather_last_dim(self, y: torch.Tensor, full: int) -> torch.Tensor:
@@ -85,10 +91,18 @@ class ActivationLayout:
         return dtensor.redistribute(self.mesh, target).to_local()
 
 
-def _check_sequence(x: torch.Tensor, size: int, axis: str) -> None:
-    if x.ndim <= SEQUENCE_DIM or x.shape[SEQUENCE_DIM] % size:
+def _positions_dim(x: torch.Tensor) -> int:
+    """The dim of ``x`` that holds the rank's positions: the sequence of ``[batch, seq, ...]``,
+    or the tokens of ``[tokens, features]``, as a position-wise module flattens them before its
+    shared experts (Qwen2-MoE's): gathered and scattered back in the same rank order, which
+    per-position work does not see."""
+    return 0 if x.ndim == 2 else SEQUENCE_DIM
+
+
+def _check_sequence(x: torch.Tensor, dim: int, size: int, axis: str) -> None:
+    if x.ndim <= dim or x.shape[dim] % size:
         raise IndivisibleError(
-            f"sequence parallelism splits dim {SEQUENCE_DIM} of activations {tuple(x.shape)} "
+            f"sequence parallelism splits dim {dim} of activations {tuple(x.shape)} "
             f"over {size} {axis!r} ranks; use a sequence length divisible by {size}, or "
             "tensor_parallel(..., sequence_parallel=False)"
         )

@@ -295,10 +295,13 @@ def _enter_row(state: _Call, path: str, args: Any, kwargs: Any) -> None:
 def _exit_row(state: _Call, path: str, output: torch.Tensor) -> torch.Tensor:
     output = state.layout.reduce_partial(output, state.sequence_sharded)
     bias = state.stash.pop(path, None)
-    if bias is not None:
-        state.modules[path]._parameters["bias"] = bias
-        output = output + bias
-    return output
+    if bias is None:
+        # DTensor's to_local returns a view made in a custom autograd Function, which model
+        # code may not modify in place (Llama-4's MoE adds its routed experts' output into
+        # its shared expert's with out.add_): hand it a tensor of its own, as nn.Linear does.
+        return output.clone()
+    state.modules[path]._parameters["bias"] = bias
+    return output + bias
 
 
 def _exit_head(state: _Call, path: str, output: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import IndivisibleError, PlanError
-from ._layout import ActivationLayout
+from ._layout import PARTIAL_GRAD_AXES, ActivationLayout
 from ._runtime import TensorParallelRuntime
 
 if TYPE_CHECKING:
@@ -39,6 +39,8 @@ DEFAULT_RULES: Mapping[str, str | None] = {
     "vocab": "tp",
     "embed": None,
     "head_dim": None,
+    "latent": None,  # latent attention's down-projections (MLA's q_a/kv_a): feed the rank's heads
+    "mlp_scale": None,  # an activation's scalars on the mlp's hidden width (xIELU's alpha)
     "experts": None,  # MoE routed experts and router: replicated over tp (shared experts: mlp)
     "expert_mlp": None,
 }
@@ -47,7 +49,6 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 _HEAD_AXES = ("heads", "kv_heads")
 # What a param gets when no rule names its dims: nothing (None), or nn.Linear's defaults.
 _UNNAMED = (None, "out", "in")
-_PER_HEAD_AXES = ("head_dim",)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class TensorParallel(Transform):
                 f"to {self.axis!r}; a param is sharded over one dim: map only one to it"
             )
         if not dims:
-            per_head = any(name in _PER_HEAD_AXES for name in entry.axes)
+            per_head = any(name in PARTIAL_GRAD_AXES for name in entry.axes)
             partial = self.sequence_parallel or per_head
             return entry.with_axis(
                 index,
@@ -163,7 +164,10 @@ def _unnamed_message(entry: ParamPlan, name: str | None) -> str:
         "cannot tell whether to shard it. To keep it whole on every tp rank (a norm or scale "
         "over the hidden size, or a projection run replicated), pass "
         f"d9d.functionalize(module, axes={{r'\\.{suffix}$': {whole}}}) (tensor_parallel "
-        "refuses that by name where it would be inexact); to shard it, name the split dim "
+        "refuses a weight kept whole beside column-parallel linears by name), or, for a param "
+        "only the rank's heads or mlp shard read (a per-head norm, an activation's scalar), "
+        "name it 'head_dim' or 'mlp_scale' so that its grads are summed over tp; to shard it, "
+        "name the split dim "
         "'heads', 'kv_heads' or 'mlp' (dim 0 of a column-parallel weight, dim 1 of a "
         "row-parallel one) and the other 'embed'"
     )
