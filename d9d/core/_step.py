@@ -262,8 +262,9 @@ class TransformedStep:
         drivers = [t for t, r in runtimes if r.drives_differentiation]
         if len(drivers) > 1:
             raise PlanError(
-                f"{drivers[0]} and {drivers[1]} both run d9d.value_and_grad over microbatches "
-                "of their own; keep the microbatches of one of them"
+                f"{drivers[0]} and {drivers[1]} both run d9d.value_and_grad themselves (over "
+                "microbatches of their own, or across replica groups); keep one of them, or "
+                "drop the other's microbatches"
             )
         traits = {name: (t, how) for t, r in runtimes for name, how in r.traits().items()}
         for holder, runtime in runtimes:

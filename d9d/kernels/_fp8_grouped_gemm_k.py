@@ -24,6 +24,8 @@ def _block(recipe: str, scale: Tensor, cols: int) -> tuple[int, int]:
 
 
 def dequantize_by_expert(data: Tensor, scale: Tensor, group_sizes: Tensor, recipe: str) -> Tensor:
+    """``[T, cols]`` float32: ``data`` times its scales, quantized by expert along the rows
+    (``fp8_quantize(..., group_sizes=)``'s layout)."""
     rows, cols = data.shape
     block = _block(recipe, scale, cols)
     return data.float() * expert_scales.expand(scale, group_sizes, recipe, block, rows, cols)
@@ -115,7 +117,13 @@ def _check(a, a_scale, b, b_scale, group_sizes, recipe, out_dtype) -> None:
             f"fp8_grouped_gemm_k: group_sizes must be an [E] int32 or int64 tensor, got "
             f"{group_sizes.shape=}, {group_sizes.dtype=}"
         )
-    devices = {"a_data": a.device, "b_data": b.device, "group_sizes": group_sizes.device}
+    devices = {
+        "a_data": a.device,
+        "a_scale": a_scale.device,
+        "b_data": b.device,
+        "b_scale": b_scale.device,
+        "group_sizes": group_sizes.device,
+    }
     if len(set(devices.values())) > 1:
         raise KernelInputError(f"fp8_grouped_gemm_k: tensors on different devices: {devices}")
     _check_scale("a_scale", a_scale, a, group_sizes.shape[0], recipe)

@@ -61,12 +61,15 @@ class FaultTolerantRuntime(Runtime):
             reduced = _all_reduce(self.manager, [*pieces, value.reshape(1)], ReduceOp.AVG)
             value = reduced[-1].reshape(())
         else:
-            totals = torch.stack([value * weight, weight]).to(value.dtype)
+            # float32 at least: a bfloat16 loss would round token counts above 256.
+            wide = torch.promote_types(value.dtype, torch.float32)
+            totals = torch.stack([value.to(wide) * weight.to(wide), weight.to(wide)])
             reduced = _all_reduce(self.manager, [*pieces, totals], ReduceOp.SUM)
             total_value, count = reduced[-1].unbind()
             count = count.clamp(min=1)
-            value = total_value / count
-            reduced = [*(r / count.to(r.dtype) for r in reduced[:-1]), reduced[-1]]
+            value = (total_value / count).to(value.dtype)
+            # A 0-d count keeps each grad's dtype, and divides at its full precision.
+            reduced = [*(r / count for r in reduced[:-1]), reduced[-1]]
         out = [_like(r, g) for r, g in zip(reduced[:-1], grads, strict=True)]
         self._log_change()
         return value, aux, out

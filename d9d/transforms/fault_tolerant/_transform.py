@@ -76,7 +76,9 @@ def fault_tolerant(manager: Any, *, mesh: DeviceMesh | None = None) -> FaultTole
     group, each rank all-reduces its grad shards with the same rank of every live replica
     group through the manager's process group; after the step body, ``manager.should_commit()``
     decides: True keeps the update, False (a replica group failed during the step) returns the
-    params and optimizer state the step was called with, and the step is run again.
+    params and optimizer state the step was called with, its metrics those of the dropped
+    step. ``d9d train`` then runs the step again on the same batch; a loop of your own tells a
+    dropped step by ``manager.current_step()``, which advances only on a commit.
 
     The loss stays the token mean over the live replicas' batches: each group's grads and loss
     are weighed by its valid-token count (:func:`d9d.losses.token_mean`), and the weighted

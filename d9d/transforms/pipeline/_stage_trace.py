@@ -99,6 +99,14 @@ def run_sampled(
         contextlib.suppress(ScheduleSampled),
     ):
         schedule.step(mb=torch.arange(count))
+    missing = sorted(needed - units.keys())
+    if missing:  # a schedule whose first actions differ from its later ones is not sampled
+        raise errors.DryRunError(
+            f"the dry run of pipeline schedule {layout.schedule!r} on rank {layout.rank} "
+            f"never ran (stage, action) {missing}, so it cannot count the schedule from its "
+            "first microbatch; plan this layout with the last stage on this rank or without "
+            "aux outputs"
+        )
     for unit in units.values():
         add_counts(unit, count)
     last = layout.split.count - 1

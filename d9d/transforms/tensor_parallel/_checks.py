@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 from ...core._param_plan import ParamPlan
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
-from ._layout import PARTIAL_GRAD_AXES, ActivationLayout
+from ._layout import HEAD_AXES, PARTIAL_GRAD_AXES, ActivationLayout
 
 __all__ = [
     "check_embedding",
@@ -26,8 +26,6 @@ __all__ = [
     "check_region",
     "check_router_logits",
 ]
-
-_HEAD_AXES = ("heads", "kv_heads")
 
 
 def check_embedding(path: str, module: nn.Embedding) -> None:
@@ -201,7 +199,7 @@ def _check_sharded(
             case nn.Embedding(), "weight", 0:
                 continue
         path = slot.key.rpartition(".")[0]
-        if len(entry.shape) == 1 and entry.axes[0] in _HEAD_AXES and holds_column_linears(path):
+        if len(entry.shape) == 1 and entry.axes[0] in HEAD_AXES and holds_column_linears(path):
             continue
         raise PlanError(
             f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ...errors import IndivisibleError
 
-__all__ = ["PARTIAL_GRAD_AXES", "SEQUENCE_DIM", "ActivationLayout"]
+__all__ = ["HEAD_AXES", "PARTIAL_GRAD_AXES", "SEQUENCE_DIM", "ActivationLayout"]
 
 SEQUENCE_DIM = 1
 
@@ -20,6 +20,7 @@ SEQUENCE_DIM = 1
 # activation on the mlp's hidden width): their grads, and the input grads through them, are
 # partial sums over the axis, in both modes.
 PARTIAL_GRAD_AXES = ("head_dim", "latent", "mlp_scale")
+HEAD_AXES = ("heads", "kv_heads")  # attention's head counts, split over tp
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import IndivisibleError, PlanError
-from ._layout import PARTIAL_GRAD_AXES, ActivationLayout
+from ._layout import HEAD_AXES, PARTIAL_GRAD_AXES, ActivationLayout
 from ._runtime import TensorParallelRuntime
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ DEFAULT_RULES: Mapping[str, str | None] = {
 }
 """Logical axis -> mesh axis (``"tp"`` stands for the transform's axis; None: replicated)."""
 
-_HEAD_AXES = ("heads", "kv_heads")
 # What a param gets when no rule names its dims: nothing (None), or nn.Linear's defaults.
 _UNNAMED = (None, "out", "in")
 
@@ -133,7 +132,7 @@ class TensorParallel(Transform):
             )
         dim, size = dims[0], self.mesh.shape[index]
         name = entry.axes[dim]
-        if name in _HEAD_AXES and entry.shape[dim] % size:
+        if name in HEAD_AXES and entry.shape[dim] % size:
             raise IndivisibleError(
                 f"param {entry.path!r}: dim {dim} ({name}, {entry.shape[dim]}) does not divide "
                 f"over {size} {self.axis!r} ranks; each rank must hold whole heads"
