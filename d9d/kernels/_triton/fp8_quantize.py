@@ -41,6 +41,19 @@ def _round_to_fp8(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 
 @triton.jit
+def scaled_to_fp8(
+    x, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr
+):
+    """``(x / scale saturated and rounded onto the fp8 grid, x's sign bit as uint8)``: the
+    caller ORs the sign into the fp8 bits, so that what rounds to zero keeps its sign
+    (compiled for an H200, e4m3 data of a negative value that rounded to zero came out +0.0
+    without it)."""
+    y = tl.div_rn(x, scale)
+    y = _round_to_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANTISSA, MIN_EXPONENT)
+    return y, ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+
+
+@triton.jit
 def _quantize_kernel(
     X, DATA, SCALE, AMAX, R, C, group_cols,
     stride_xb, stride_xr, stride_xc, stride_db, stride_dr, stride_dc,
@@ -62,17 +75,13 @@ def _quantize_kernel(
     ).to(tl.float32)  # fmt: skip
     if GIVEN_AMAX:
         scale = tl.div_rn(tl.maximum(tl.load(AMAX + matrix), EPS), FP8_MAX)
-        y = tl.div_rn(x, scale)
+        y, sign = scaled_to_fp8(x, scale, FP8_MAX, MANTISSA, MIN_EXPONENT)
     elif ROWS_SHARE:
         scale = tl.div_rn(tl.maximum(row_max(row_max(tl.abs(x), axis=1), axis=0), EPS), FP8_MAX)
-        y = tl.div_rn(x, scale)
+        y, sign = scaled_to_fp8(x, scale, FP8_MAX, MANTISSA, MIN_EXPONENT)
     else:
         scale = tl.div_rn(tl.maximum(row_max(tl.abs(x), axis=1), EPS), FP8_MAX)
-        y = tl.div_rn(x, scale[:, None])
-    y = _round_to_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANTISSA, MIN_EXPONENT)
-    # x's sign bit set on the fp8 bits: what rounds to zero keeps its sign (compiled for an
-    # H200, e4m3 data of a negative value that rounded to zero came out +0.0 without it).
-    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        y, sign = scaled_to_fp8(x, scale[:, None], FP8_MAX, MANTISSA, MIN_EXPONENT)
     data = y.to(DATA.dtype.element_ty).to(tl.uint8, bitcast=True) | sign
     tl.store(
         DATA + matrix.to(tl.int64) * stride_db + rows[:, None].to(tl.int64) * stride_dr

@@ -8,8 +8,7 @@
   rows twice, for the columns' amax and then to scale and cast; tensorwise takes each
   expert's amax from torch first (a max over all columns needs a pass of its own).
 
-Division and rounding as in ``fp8_quantize``'s kernel (``_round_to_fp8``, the sign bit set by
-hand).
+Division, rounding and the sign bit by ``fp8_quantize``'s own ``scaled_to_fp8``.
 """
 
 from __future__ import annotations
@@ -20,21 +19,13 @@ import triton.language as tl
 
 from .._fp8_expert_scales import TILE_ROWS, expert_scale_shape
 from .._fp8_recipes import AMAX_EPS, fp8_max
-from .fp8_quantize import _MANTISSA, _MIN_EXPONENT, _round_to_fp8
+from .fp8_quantize import _MANTISSA, _MIN_EXPONENT, scaled_to_fp8
 from .grouped_gemm import _find_tile
 from .launch import row_max
 
 __all__ = ["quantize_by_expert"]
 
 _BLOCK_C, _BLOCK_R = 64, 64  # columns per program (per-column groups), rows per step
-
-
-@triton.jit
-def _cast(x, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """``x / scale`` saturated and rounded onto the fp8 grid, its sign bit kept, as uint8."""
-    y = tl.div_rn(x, scale)
-    y = _round_to_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANTISSA, MIN_EXPONENT)
-    return y, ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
 
 
 @triton.jit
@@ -57,11 +48,11 @@ def _tiles_kernel(
     amax = row_max(tl.abs(x), axis=0)
     if ONE_SCALE:  # a 128x128 block
         scale = tl.div_rn(tl.maximum(row_max(amax, axis=0), EPS), FP8_MAX)
-        y, sign = _cast(x, scale, FP8_MAX, MANTISSA, MIN_EXPONENT)
+        y, sign = scaled_to_fp8(x, scale, FP8_MAX, MANTISSA, MIN_EXPONENT)
         tl.store(SCALE + tile * stride_sr + col_block, scale)
     else:  # 128x1 tiles: a scale per column
         scale = tl.div_rn(tl.maximum(amax, EPS), FP8_MAX)
-        y, sign = _cast(x, scale[None, :], FP8_MAX, MANTISSA, MIN_EXPONENT)
+        y, sign = scaled_to_fp8(x, scale[None, :], FP8_MAX, MANTISSA, MIN_EXPONENT)
         tl.store(SCALE + tile * stride_sr + cols, scale, mask=cols < C)
     data = y.to(DATA.dtype.element_ty).to(tl.uint8, bitcast=True) | sign
     out = DATA + rows[:, None].to(tl.int64) * C + cols[None, :]
@@ -107,7 +98,7 @@ def _columns_kernel(
             mask=mask,
             other=0.0,
         ).to(tl.float32)
-        y, sign = _cast(x, scale[None, :], FP8_MAX, MANTISSA, MIN_EXPONENT)
+        y, sign = scaled_to_fp8(x, scale[None, :], FP8_MAX, MANTISSA, MIN_EXPONENT)
         data = y.to(DATA.dtype.element_ty).to(tl.uint8, bitcast=True) | sign
         out = DATA + rows[:, None].to(tl.int64) * C + cols[None, :]
         tl.store(out, data.to(DATA.dtype.element_ty, bitcast=True), mask=mask)

@@ -16,6 +16,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
+from ...core._collectives import local_like
 from ...core._runtime import Differentiation, Runtime
 
 __all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]
@@ -70,7 +71,10 @@ class FaultTolerantRuntime(Runtime):
             value = (total_value / count).to(value.dtype)
             # A 0-d count keeps each grad's dtype, and divides at its full precision.
             reduced = [*(r / count for r in reduced[:-1]), reduced[-1]]
-        out = [_like(r, g) for r, g in zip(reduced[:-1], grads, strict=True)]
+        out = [
+            local_like(r, g) if isinstance(g, DTensor) else r
+            for r, g in zip(reduced[:-1], grads, strict=True)
+        ]
         self._log_change()
         return value, aux, out
 
@@ -107,17 +111,3 @@ def _all_reduce(manager: Any, tensors: list[torch.Tensor], op: ReduceOp) -> list
             out[i] = flat[offset : offset + n].view(tensors[i].shape)
             offset += n
     return [t for t in out if t is not None]
-
-
-def _like(local: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``local`` laid out as ``grad`` (a DTensor's local piece, or a plain tensor)."""
-    if not isinstance(grad, DTensor):
-        return local
-    return DTensor.from_local(
-        local,
-        grad.device_mesh,
-        grad.placements,
-        run_check=False,
-        shape=grad.shape,
-        stride=grad.stride(),
-    )
