@@ -51,6 +51,10 @@ def test_tensorboard_of_a_resumed_run_holds_each_step_once(tmp_path: Path) -> No
     run = tmp_path / "run"
     assert main(_args(run, "--save-every", "2")) == 0
     shutil.rmtree(run / "checkpoints" / "step_4")
+    # The first run's file, named as if opened a second from now by a host that sorts last:
+    # the resumed file must still be read after it, or its purge hides nothing.
+    (first,) = (run / "tensorboard").glob("*tfevents*")
+    first.rename(first.with_name(f"events.out.tfevents.{int(time.time()) + 1:010d}.~.0.0"))
     assert main(_args(run, "--save-every", "2", "--resume")) == 0
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -84,5 +86,36 @@ def _tensorboard_writer(directory: Path, first_step: int) -> Any:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
+    if first_step:
+        _wait_to_sort_last(directory)
     # purge_step: TensorBoard drops an earlier run's events from the resumed step on.
     return SummaryWriter(str(directory), purge_step=first_step + 1 if first_step else None)
+
+
+_EVENT_FILE_SECOND = re.compile(r"tfevents\.(\d+)\.")
+_LONGEST_WAIT_S = 5
+
+
+def _wait_to_sort_last(directory: Path) -> None:
+    """Waits until the clock is past the second in every event file's name in ``directory``.
+
+    TensorBoard reads a run's event files in name order, and a ``purge_step`` hides only
+    the earlier events it has read before: the resumed run's file must sort last. Its name
+    starts with the second it was opened in; within one second, host, pid and a counter
+    (compared as text: 10 before 9) decide, so a run resumed within the second of the last
+    file could show each step twice. A newest file stamped more than a few seconds ahead
+    (a clock set back) is said, not waited for.
+    """
+    seconds = [int(m.group(1)) for f in directory.glob("*tfevents*")
+               if (m := _EVENT_FILE_SECOND.search(f.name))]  # fmt: skip
+    if not seconds:
+        return
+    newest = max(seconds)
+    if newest - time.time() > _LONGEST_WAIT_S:
+        say(
+            f"TensorBoard: an event file in {directory} is stamped {newest - time.time():.0f} s "
+            "in the future (a clock set back?); the resumed steps may show twice there"
+        )
+        return
+    while int(time.time()) <= newest:
+        time.sleep(0.05)
