@@ -42,6 +42,7 @@ class TrainConfig:
     microbatches: int | None = None  # pipeline microbatches per step; None: 2 x pp
     dtype: str = "float32"  # "bfloat16": blocks compute in bf16 over float32 master weights
     opt_state_dtype: str = "float32"  # "bfloat16": AdamW's moments stored in bf16 (math in fp32)
+    master_weights: bool = False  # params stored in bf16, float32 masters in the optimizer state
     zero: int = 3  # over --fsdp: 3 params, grads, state sharded; 2 grads, state; 1 state only
     fp8: str | None = None  # fp8 recipe of the linears and routed experts (d9d.fp8); None: off
     grad_accum: int = 1  # gradient-accumulation microbatches per step (not with --pp)

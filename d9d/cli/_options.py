@@ -57,6 +57,17 @@ def add_opt_state_dtype(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def add_master_weights(parser: argparse.ArgumentParser) -> None:
+    """``--master-weights``: bfloat16 params, float32 masters in the optimizer state."""
+    parser.add_argument(
+        "--master-weights",
+        action="store_true",
+        help="store the params in bfloat16 and keep float32 master copies in the optimizer "
+        "state (d9d.optim.master_weights), sharded with it: with --zero 1 or 2 the whole params "
+        "take half the bytes (needs --dtype bfloat16 in d9d train)",
+    )
+
+
 def add_debug(parser: argparse.ArgumentParser) -> None:
     """``--debug``: raise errors with their traceback."""
     parser.add_argument(

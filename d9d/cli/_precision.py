@@ -1,8 +1,9 @@
 """``d9d train --dtype`` and ``--grad-accum``: what they ask of ``shard_params``, which keeps
 float32 master weights while blocks gather and compute in ``param_dtype``, and accumulates the
 grads of ``microbatches`` slices of the batch before reducing them once; ``--opt-state-dtype``:
-the dtype AdamW stores its moments in; ``--zero N``: what ``shard_params`` shards
-(``ZERO_SHARDS``)."""
+the dtype AdamW stores its moments in; ``--master-weights``: the params stored in bfloat16
+(``stored_params``) with float32 masters in the optimizer state; ``--zero N``: what
+``shard_params`` shards (``ZERO_SHARDS``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from ._config import TrainConfig
 
-__all__ = ["ZERO_SHARDS", "opt_state_dtype", "shard_options"]
+__all__ = ["ZERO_SHARDS", "opt_state_dtype", "shard_options", "stored_params"]
 
 _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -35,3 +36,11 @@ def opt_state_dtype(config: TrainConfig) -> torch.dtype | None:
     """``adamw``'s ``mu_dtype`` and ``nu_dtype`` for ``config``: None (the params' float32)
     unless ``--opt-state-dtype bfloat16``."""
     return _DTYPES[config.opt_state_dtype]
+
+
+def stored_params(config: TrainConfig, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` as the step stores them: in bfloat16 with ``--master-weights`` (their float32
+    masters are the optimizer's state, ``d9d.optim.master_weights``), else as they are."""
+    if not config.master_weights:
+        return params
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in params.items()}

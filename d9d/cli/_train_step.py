@@ -80,7 +80,7 @@ def _optimizer(config: TrainConfig) -> optim.GradientTransformation:
         end_value=config.lr / 10,
     )
     moments = opt_state_dtype(config)
-    return optim.chain(
+    opt = optim.chain(
         optim.clip_by_global_norm(config.clip),
         optim.adamw(
             schedule,
@@ -91,6 +91,7 @@ def _optimizer(config: TrainConfig) -> optim.GradientTransformation:
             nu_dtype=moments,
         ),
     )
+    return optim.master_weights(opt) if config.master_weights else opt
 
 
 def _decays(path: str, param: torch.Tensor) -> bool:

@@ -15,6 +15,8 @@ from ._lion import scale_by_lion as scale_by_lion
 from ._masking import Mask as Mask
 from ._masking import MaskedState as MaskedState
 from ._masking import masked as masked
+from ._master_weights import MasterWeightsState as MasterWeightsState
+from ._master_weights import master_weights as master_weights
 from ._momentum import TraceState as TraceState
 from ._momentum import trace as trace
 from ._scaling import AddDecayedWeightsState as AddDecayedWeightsState
@@ -41,6 +43,7 @@ __all__ = [
     "GradientTransformation",
     "Mask",
     "MaskedState",
+    "MasterWeightsState",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "ScaleByLionState",
@@ -61,6 +64,7 @@ __all__ = [
     "linear_warmup",
     "lion",
     "masked",
+    "master_weights",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",

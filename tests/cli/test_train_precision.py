@@ -50,6 +50,10 @@ def test_grad_accum_and_bf16_equal_the_runs_they_stand_for(tmp_path: Path) -> No
         (["--grad-accum", "2", "--pp", "2"], r"--grad-accum does not combine with --pp"),
         (["--dtype", "float16"], r"invalid choice: 'float16'"),
         (["--opt-state-dtype", "int8"], r"--opt-state-dtype: invalid choice: 'int8'"),
+        (
+            ["--master-weights"],
+            r"--master-weights stores the params in bfloat16 .* --dtype bfloat16",
+        ),
     ],
 )
 def test_bad_precision_flags_are_one_line_errors(
@@ -73,6 +77,24 @@ def test_opt_state_dtype_stores_bfloat16_moments(tmp_path: Path) -> None:
     moments = {leaf["dtype"] for path, leaf in leaves.items() if re.search(r"\.(mu|nu)\.", path)}
     params = {leaf["dtype"] for path, leaf in leaves.items() if path.startswith("params.")}
     assert moments == {"bfloat16"} and params == {"float32"}
+
+
+def test_master_weights_store_bfloat16_params_over_float32_masters(tmp_path: Path) -> None:
+    """``--master-weights``: the checkpoint's params are bf16 and its optimizer state holds
+    their float32 masters; the losses follow ``--dtype bfloat16``'s (float32 params: bf16
+    compute over float32 master weights there too) to 1e-4."""
+    bf16 = _run(tmp_path / "bf16", "--dtype", "bfloat16")
+    losses = _run(tmp_path / "mw", "--dtype", "bfloat16", "--master-weights", "--save-every", "3")
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(bf16, losses, strict=True))
+    leaves = json.loads((tmp_path / "mw/checkpoints/step_3/metadata.json").read_text())["leaves"]
+    params = {leaf["dtype"] for path, leaf in leaves.items() if path.startswith("params.")}
+    masters = {
+        p.split(".master.")[1]: leaf["dtype"] for p, leaf in leaves.items() if ".master." in p
+    }
+    assert params == {"bfloat16"}
+    assert set(masters.values()) == {"float32"} and len(masters) == len(
+        [p for p in leaves if p.startswith("params.")]
+    )
 
 
 def test_plan_shows_the_bytes_of_each_zero_stage() -> None:
@@ -118,3 +140,23 @@ def test_plan_shows_the_optimizer_state_of_bfloat16_moments() -> None:
         "memory on rank 0 (AdamW, float32, bfloat16 moments):",
         human(4 * n // 2 + 20).split(),
     )
+
+
+def test_plan_shows_the_mixed_precision_adam_of_master_weights() -> None:
+    """``d9d plan --master-weights --zero N`` over fsdp=2: bfloat16 params and grads (2 bytes
+    a param, sharded as the stage shards them) and 12 bytes a param of float32 masters and
+    moments, sharded (plus the counters)."""
+    from d9d.cli.plan._report import human
+    from d9d.cli.plan._show import show_plan
+    from d9d.models import LlamaConfig
+
+    n = LlamaConfig.tiny().num_params
+    whole, half = human(2 * n).split(), human(n).split()
+    for zero, (params, grads) in {1: (whole, whole), 2: (whole, half), 3: (half, half)}.items():
+        report = show_plan("tiny", fsdp=2, seq=64, max_rows=2, zero=zero, master_weights=True)
+        lines = report.splitlines()
+        head = next(line for line in lines if line.startswith("memory on rank 0"))
+        assert head.startswith("memory on rank 0 (AdamW, bfloat16 params, float32 masters")
+        value = {line.split()[0]: line.split()[-2:] for line in lines if line.startswith("  ")}
+        assert (value["params"], value["grads"]) == (params, grads)
+        assert value["optimizer"] == human(12 * n // 2 + 20).split()

@@ -20,7 +20,8 @@ STEPS = 5
 
 
 def optimizer(kind: str = "adamw") -> d9d.optim.GradientTransformation:
-    """AdamW with a schedule, or SGD with momentum; both after global-norm clipping."""
+    """AdamW with a schedule, or SGD with momentum; both after global-norm clipping. AdamW may
+    run on float64 master copies of the params (``"adamw_master"``)."""
     match kind:
         case "adamw":
             inner = d9d.optim.adamw(
@@ -28,6 +29,8 @@ def optimizer(kind: str = "adamw") -> d9d.optim.GradientTransformation:
             )
         case "sgd":
             inner = d9d.optim.sgd(0.5, momentum=0.9, weight_decay=0.1)
+        case "adamw_master":  # float64 masters of narrower params (d9d.optim.master_weights)
+            return d9d.optim.master_weights(optimizer("adamw"), torch.float64)
         case _:
             raise ValueError(f"unknown optimizer {kind!r}")
     return d9d.optim.chain(d9d.optim.clip_by_global_norm(0.5), inner)

@@ -375,3 +375,78 @@ def test_hsdp_reduces_each_block_over_dp_in_one_all_reduce() -> None:
     assert count[("reduce_scatter", "fsdp")] == 1 + 2
     assert count[("all_gather", "fsdp")] == 1
     assert ("all_gather", "dp") not in count
+
+
+SHARDS = {"zero1": "opt_state", "zero2": "grads", "zero3": "params"}
+
+
+def _halves() -> list[dict]:
+    return batches(256, global_batch=4, steps=3)
+
+
+def _master_run(shard: str | None):
+    """bfloat16 params under ``master_weights(adamw)`` for 3 steps: on fsdp=2 (``shard``) fed
+    each half batch twice, so that each rank computes what one device (None) computes on
+    the half, and the mean of the two ranks' grads is exact."""
+    model = llama(torch.bfloat16)()
+    opt = d9d.optim.master_weights(d9d.optim.adamw(1e-2, weight_decay=0.1))
+    step = train_step(model, opt)
+    if shard is not None:
+        step = d9d.shard_params(d9d.make_mesh("cpu", fsdp=2), shard=shard)(step)
+        params, state = step.place(model.params, opt.init(model.params))
+    else:
+        params, state = model.params, opt.init(model.params)
+    losses = []
+    for half in _halves():
+        batch = {k: torch.cat([v, v]) for k, v in half.items()} if shard else half
+        params, state, metrics = step(params, state, step.shard_batch(batch) if shard else batch)
+        losses.append(metrics["loss"])
+    if shard is not None:
+        params = {k: v.full_tensor() for k, v in params.items()}
+        state = d9d.tree.map(lambda x: x.full_tensor() if x.ndim else x, state)
+    return torch.stack(losses), params, state.master
+
+
+@functools.cache
+def _master_reference():
+    return _master_run(None)
+
+
+@pytest.mark.parametrize("zero", list(SHARDS))
+def test_master_weights_shard_with_the_state_and_equal_one_device_bitwise(zero: str) -> None:
+    """bfloat16 params with float32 masters (``master_weights``), which are optimizer state
+    and so sharded as the moments are: losses, params and masters bit for bit one device's
+    over 3 AdamW steps."""
+    losses, params, masters = _master_reference()
+    for rank in run_on_ranks(_master_run, 2, SHARDS[zero]):
+        assert torch.equal(rank[0], losses)
+        for path in params:
+            assert torch.equal(rank[1][path], params[path]), path
+            assert torch.equal(rank[2][path], masters[path]), path
+        assert {p.dtype for p in rank[1].values()} == {torch.bfloat16}
+
+
+def _master_memory(shard: str):
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model = llama(torch.bfloat16)()
+    opt = d9d.optim.master_weights(optimizer())
+    step = d9d.shard_params(mesh, shard=shard)(train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params))
+    memory = step.memory(params, state)
+    counters = sum(x.numel() * x.element_size() for x in d9d.tree.leaves(state) if x.ndim == 0)
+    masters = {tuple(m.placements) for m in state.master.values()}
+    return memory, counters, masters
+
+
+def test_master_weights_memory_per_rank_is_the_mixed_precision_adam_of_zero() -> None:
+    """bfloat16 params with float32 masters and AdamW moments, fsdp=2: per rank 2Ψ of
+    params and grads when whole, and 12Ψ/N of state (Rajbhandari et al.: ZeRO-1 4Ψ + 12Ψ/N,
+    ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N), each master sharded as its param's moments."""
+    psi = sum(p.numel() for p in llama()().params.values())
+    whole, half = 2 * psi, psi
+    expected = {"opt_state": (whole, whole), "grads": (whole, half), "params": (half, half)}
+    for shard, (params, grads) in expected.items():
+        for memory, counters, masters in run_on_ranks(_master_memory, 2, shard):
+            assert (memory.params, memory.grads) == (params, grads), shard
+            assert memory.opt_state == 12 * psi // 2 + counters, shard
+            assert masters == {(Shard(0),)}, shard

@@ -13,7 +13,7 @@ sends and receives complete at once on the simulated world). Activations: the fo
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from ...transforms import remat as remat_transform
 from ...transforms import shard_params
 from ...transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from .._config import TrainConfig
+from .._precision import stored_params
 from .._train_step import _optimizer, _parallel, make_train_step
 from ._activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
 from ._checks import check_layout as _check
@@ -39,6 +40,16 @@ from ._models import build_model
 from ._report import human, render_comms, render_plan
 
 __all__ = ["show_plan"]
+
+
+@dataclass(frozen=True)
+class _OptimizerFlags:
+    """``d9d train``'s flags of the optimizer's state: ``--opt-state-dtype``, ``--zero``,
+    ``--master-weights``."""
+
+    opt_state_dtype: str = "float32"
+    zero: int = 3
+    master_weights: bool = False
 
 
 def show_plan(
@@ -60,6 +71,7 @@ def show_plan(
     microbatches: int | None = None,
     opt_state_dtype: str = "float32",
     zero: int = 3,
+    master_weights: bool = False,
     max_rows: int | None = 24,
 ) -> str:
     """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
@@ -82,6 +94,8 @@ def show_plan(
             train --opt-state-dtype``).
         zero: What ``fsdp`` shards (``d9d train --zero``): 3 params, grads and optimizer
             state; 2 grads and optimizer state; 1 optimizer state only.
+        master_weights: Params stored in bfloat16 with float32 masters in the optimizer
+            state (``d9d train --master-weights``).
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
@@ -118,17 +132,16 @@ def show_plan(
                 getattr(functional.module, "config", None), "max_position_embeddings", None
             )
             seq = min(4096, longest or 4096)
-        step, opt = _step(
-            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype, zero
-        )
-        params, state = step.place(functional.params, opt.init(functional.params), model=functional)
+        flags = _OptimizerFlags(opt_state_dtype, zero, master_weights)
+        step, opt = _step(functional, sizes, model, hf_config, remat, schedule, chunks, flags)
+        params, state = _placed(step, opt, functional, flags)
         memory = step.memory(params, state)
         tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
         data = {"tokens": tokens, "labels": tokens}
         layout = _pipeline_layout(step)
         measured = _measure(
             functional, step, params, state, data, config, model, preset, hf_config,
-            sizes, remat, schedule, chunks, zero=zero,
+            sizes, remat, schedule, chunks, flags=flags,
         )  # fmt: skip
         if measured.comms is not None:
             comms = render_comms(measured.comms)
@@ -159,7 +172,8 @@ def show_plan(
     lines = [
         title,
         render_plan(plan, title="", max_rows=max_rows),
-        "memory on rank 0 (AdamW, float32"
+        "memory on rank 0 (AdamW, "
+        + ("bfloat16 params, float32 masters" if master_weights else "float32")
         + ("" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments")
         + ("):" if zero == 3 or sizes["fsdp"] == 1 else f", ZeRO-{zero} over fsdp):"),
         f"  params       {human(memory.params):>12}",
@@ -205,8 +219,7 @@ def _step(
     remat: str,
     schedule: str,
     microbatches: int,
-    opt_state_dtype: str = "float32",
-    zero: int = 3,
+    flags: _OptimizerFlags = _OptimizerFlags(),
     *,
     split: tuple[str, ...] | None = None,
 ) -> tuple[Any, Any]:
@@ -216,8 +229,10 @@ def _step(
         model=family,
         schedule=schedule,
         microbatches=microbatches,
-        opt_state_dtype=opt_state_dtype,
-        zero=zero,
+        opt_state_dtype=flags.opt_state_dtype,
+        zero=flags.zero,
+        master_weights=flags.master_weights,
+        dtype="bfloat16" if flags.master_weights else "float32",
         **sizes,
     )
     opt = _optimizer(config)
@@ -241,6 +256,13 @@ def _step(
     if remat != "none":
         step = remat_transform(remat, mesh=step.mesh)(step)
     return step, opt
+
+
+def _placed(step: TransformedStep, opt: Any, model: Model, flags: _OptimizerFlags) -> Any:
+    """``step.place`` of ``model``'s params as ``d9d train`` stores them, and their state."""
+    config = TrainConfig(master_weights=flags.master_weights)
+    params = stored_params(config, model.params)
+    return step.place(params, opt.init(params), model=model)
 
 
 def _pipeline_layout(step: TransformedStep) -> PipelineLayout | None:
@@ -288,7 +310,7 @@ def _measure(
     schedule: str,
     microbatches: int,
     *,
-    zero: int = 3,
+    flags: _OptimizerFlags = _OptimizerFlags(),
 ) -> DryRun:
     """The collectives of one step on rank 0 and the bytes its forward keeps: measured on
     the model itself, or, past a few blocks, on two small ones and extrapolated
@@ -302,7 +324,7 @@ def _measure(
             return dry_run(step, params, state, batch)
         return _per_block(
             config, model, preset, sizes, remat, schedule, microbatches, batch,
-            hf_config=hf_config, n_layers=n_layers, known=step, zero=zero,
+            hf_config=hf_config, n_layers=n_layers, known=step, flags=flags,
         )  # fmt: skip
     held = {s: layout.split.blocks[s][1] - layout.split.blocks[s][0] for s in layout.local_stages}
     # The small models have one block a stage, then grow one: an MoE's first block may be
@@ -312,7 +334,7 @@ def _measure(
         return dry_run(step, params, state, batch)
     return _per_block(
         config, model, preset, sizes, remat, schedule, microbatches, batch,
-        hf_config=hf_config, pipeline=held, known=step, zero=zero,
+        hf_config=hf_config, pipeline=held, known=step, flags=flags,
     )  # fmt: skip
 
 
@@ -344,7 +366,7 @@ def _per_block(
     n_layers: int | None = None,
     pipeline: dict[int, int] | None = None,
     known: TransformedStep | None = None,
-    zero: int = 3,
+    flags: _OptimizerFlags = _OptimizerFlags(),
 ) -> DryRun:
     """The collectives of the whole model, and the bytes its forward keeps, from steps of
     ``base`` and ``base + 1`` blocks: every further block is identical, so moves and keeps
@@ -360,7 +382,7 @@ def _per_block(
     how many blocks a stage holds.
 
     ``n_layers``: the model's blocks (default ``config.n_layers``). ``known``: a step built
-    before these on the same mesh layout (``dry_run``). ``zero``: ``d9d train --zero``."""
+    before these on the same mesh layout (``dry_run``). ``flags``: the optimizer's."""
     if pipeline is None:
         base = _base_blocks(config)
         total = n_layers if n_layers is not None else config.n_layers
@@ -376,9 +398,9 @@ def _per_block(
             paths = [b.path for b in small.structure.blocks]  # in stage ``grown``
             split = tuple(paths[i + (grown is not None and i > grown)] for i in range(1, blocks))
         step, opt = _step(
-            small, sizes, model, hf_config, remat, schedule, microbatches, zero=zero, split=split
+            small, sizes, model, hf_config, remat, schedule, microbatches, flags, split=split
         )
-        params, state = step.place(small.params, opt.init(small.params), model=small)
+        params, state = _placed(step, opt, small, flags)
         run = dry_run(step, params, state, batch, known=labels)
         labels.update(group_labels(step))
         return run

@@ -45,6 +45,11 @@ def check_flags(config: TrainConfig) -> None:
         )
     if config.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {config.dtype!r}")
+    if config.master_weights and config.dtype != "bfloat16":
+        raise ValueError(
+            "--master-weights stores the params in bfloat16 and computes in it: pass --dtype "
+            "bfloat16 with it"
+        )
     if config.model not in ("llama", "moe"):
         raise ValueError(f"--model must be llama or moe, got {config.model!r}")
     if (config.ep or 1) > 1 and config.model != "moe":

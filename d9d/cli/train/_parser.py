@@ -12,6 +12,7 @@ from .._config import TrainConfig
 from .._options import (
     SCHEDULE_NAMES,
     add_debug,
+    add_master_weights,
     add_microbatches,
     add_opt_state_dtype,
     add_preset,
@@ -158,6 +159,7 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_zero(run, defaults.zero)
     add_opt_state_dtype(run, defaults.opt_state_dtype)
+    add_master_weights(run)
     run.add_argument(
         "--fp8",
         choices=FP8_RECIPES,

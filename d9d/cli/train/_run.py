@@ -28,7 +28,7 @@ from ...models import Llama, LlamaConfig, MoE, MoEConfig
 from ...models.moe import make_train_step as make_moe_train_step
 from .._config import TrainConfig
 from .._flops import train_flops_per_token
-from .._precision import shard_options
+from .._precision import shard_options, stored_params
 from .._train_step import _AXES, _optimizer, _parallel, make_train_step
 from . import _resume as resume
 from ._checkpoints import Checkpointer, check_finite
@@ -206,7 +206,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     )
     if replica is not None:
         step = replica.wrap(step)
-    params = {k: v.clone() for k, v in model.params.items()}
+    params = stored_params(config, {k: v.clone() for k, v in model.params.items()})
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep):
         params, opt_state = step.place(params, opt_state, model=model)
