@@ -117,10 +117,17 @@ class _Gather(torch.autograd.Function):
         ctx.mesh, ctx.entry = mesh, entry
         ctx.shape, ctx.stride, ctx.dtype = stored.shape, stored.stride(), stored.dtype
         ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, _deferring()
-        if entry.codec is not None:
-            stored = local_like(entry.codec.encode(stored.to_local()), stored)
+        if entry.codec is None:
+            return stored.redistribute(mesh, entry.compute).to_local()
+        local = stored.to_local()
+        axes = [
+            i for i, (s, c) in enumerate(zip(entry.storage, entry.compute, strict=True)) if s != c
+        ]
+        names = [mesh.get_group(i).group_name for i in axes]
+        (statistic,) = _statistics(entry.codec, [local], names)
+        stored = local_like(entry.codec.encode(local, statistic), stored)
         gathered = stored.redistribute(mesh, entry.compute).to_local()
-        return gathered if entry.codec is None else entry.codec.decode(gathered)
+        return entry.codec.decode(gathered, statistic)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, ...]:
@@ -138,6 +145,21 @@ def _scaled(grad: torch.Tensor, entry: ParamPlan) -> torch.Tensor:
     return grad if entry.grad_scale == 1 else grad * entry.grad_scale
 
 
+def _statistics(
+    codec: Any, shards: list[torch.Tensor], groups: list[str]
+) -> list[torch.Tensor | None]:
+    """Each shard's ``codec.statistic``, all-reduced with ``codec.statistic_op`` over the
+    process ``groups`` (the gathering axes) in one collective per group for all of them;
+    None each when there is no codec or it has no statistic (a cast)."""
+    if codec is None or codec.statistic_op is None:
+        return [None] * len(shards)
+    own = [codec.statistic(shard).float().reshape(-1) for shard in shards]
+    flat = torch.cat(own)
+    for group in groups:
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, codec.statistic_op, group))
+    return list(flat.split([s.numel() for s in own]))
+
+
 @dataclass(frozen=True)
 class IssuedGather:
     """The all-gathers :func:`gather_params` would run for ``paths``, issued and not waited for.
@@ -146,10 +168,13 @@ class IssuedGather:
         paths: The params they gather, in the order given to :func:`issue_gather`.
         buffers: ``{group key: all-gather output}`` per coalesced group; each output is valid
             only once waited for (``gather_params(..., issued=self)`` or :meth:`wait`).
+        statistics: ``{group key: each param's all-reduced codec statistic}`` (None each
+            for a cast), which decoding the buffer takes.
     """
 
     paths: tuple[str, ...]
     buffers: dict[tuple, torch.Tensor]
+    statistics: dict[tuple, list[torch.Tensor | None]]
 
     def wait(self) -> None:
         """Wait for the all-gathers (to drop them unused)."""
@@ -200,7 +225,7 @@ def gather_params(
             continue
         stored = [params[p] for p in members]
         entries = [plan.entries[p] for p in members]
-        buffer = None if issued is None else issued.buffers[key]
+        buffer = None if issued is None else (issued.buffers[key], issued.statistics[key])
         gathered = gather_many(stored, plan.mesh, entries, key[0], plan.group_names, issued=buffer)
         out.update(zip(members, gathered, strict=True))
     return {p: out[p] for p in paths}
@@ -213,19 +238,21 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
 
     Every rank must issue the same gathers in the same order, as for any collective."""
     _, groups = _grouped(plan, paths, params)
-    buffers = {}
+    buffers, statistics = {}, {}
     with torch.no_grad():
         for key, members in groups.items():
             if len(members) == 1:
                 continue
-            axis = key[0]
+            axis, group = key[0], plan.group_names[key[0]]
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
-            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], key[1], key[2])
-            buffers[key] = _c10d.all_gather_into_tensor(
-                flat, plan.mesh.shape[axis], plan.group_names[axis]
+            locals_ = [t.to_local() for t in stored]
+            statistics[key] = _statistics(key[1], locals_, [group])
+            flat = _flat_shards(
+                stored, entries, axis, plan.mesh.shape[axis], key[1], key[2], statistics[key]
             )
-    return IssuedGather(tuple(paths), buffers)
+            buffers[key] = _c10d.all_gather_into_tensor(flat, plan.mesh.shape[axis], group)
+    return IssuedGather(tuple(paths), buffers, statistics)
 
 
 def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
@@ -276,7 +303,7 @@ def gather_many(
     axis: int,
     groups: tuple[str, ...],
     *,
-    issued: torch.Tensor | None = None,
+    issued: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None,
 ) -> list[torch.Tensor]:
     """Like :func:`gather` for several params sharded over the same mesh ``axis``, with one
     all-gather for all of them (and one reduce-scatter of their grads in the backward, then
@@ -289,7 +316,9 @@ def gather_many(
     ``groups`` are the names of the mesh axes' process groups (looked up once, outside any
     graph).
     ``issued``: the all-gather of these shards, already issued (:func:`issue_gather`), to
-    wait for instead of gathering.
+    wait for instead of gathering, and the codec statistics it was encoded with. A codec
+    with a statistic (``Cast``'s doc) has its statistics all-reduced over ``axis`` in one
+    collective for all the entries before the all-gather.
     """
     return list(_GatherMany.apply(mesh, axis, groups, tuple(entries), issued, *stored))
 
@@ -336,14 +365,17 @@ def _flat_shards(
     ranks: int,
     codec: Cast | None,
     dtype: torch.dtype,
+    statistics: list[torch.Tensor | None],
 ) -> torch.Tensor:
-    """The all-gather input: each shard encoded by ``codec`` (None: as ``dtype``), its sharded
-    dim moved first and padded to the largest shard's rows, flattened and concatenated."""
+    """The all-gather input: each shard encoded by ``codec`` with its all-reduced statistic
+    (None: as ``dtype``), its sharded dim moved first and padded to the largest shard's
+    rows, flattened and concatenated."""
     pieces = []
-    for tensor, entry in zip(stored, entries, strict=True):
+    for tensor, entry, statistic in zip(stored, entries, statistics, strict=True):
         dim = entry.storage[axis].dim
         local = tensor.to_local()
-        rows = (local.to(dtype) if codec is None else codec.encode(local)).movedim(dim, 0)
+        encoded = local.to(dtype) if codec is None else codec.encode(local, statistic)
+        rows = encoded.movedim(dim, 0)
         pieces.append(_padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
     return torch.cat(pieces)
 
@@ -356,7 +388,7 @@ class _GatherMany(torch.autograd.Function):
         axis: int,
         groups: tuple[str, ...],
         entries: tuple,
-        issued: torch.Tensor | None,
+        issued: tuple[torch.Tensor, list[torch.Tensor | None]] | None,
         *stored: DTensor,
     ) -> Any:
         ranks = mesh.shape[axis]
@@ -374,11 +406,16 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.defer = _deferring()
         if issued is None:
-            flat = _flat_shards(list(stored), list(entries), axis, ranks, codec, dtype)
-            issued = _c10d.all_gather_into_tensor(flat, ranks, group)
-        gathered = _c10d.wait_tensor(issued).view(ranks, -1)
+            statistics = _statistics(codec, [t.to_local() for t in stored], [group])
+            flat = _flat_shards(list(stored), list(entries), axis, ranks, codec, dtype, statistics)
+            buffer = _c10d.all_gather_into_tensor(flat, ranks, group)
+        else:
+            buffer, statistics = issued
+        gathered = _c10d.wait_tensor(buffer).view(ranks, -1)
         outs, offset = [], 0
-        for entry, (dim, chunk, rest, _, _) in zip(entries, layouts, strict=True):
+        for entry, (dim, chunk, rest, _, _), statistic in zip(
+            entries, layouts, statistics, strict=True
+        ):
             size = chunk * math.prod(rest)
             part = gathered[:, offset : offset + size].reshape(ranks * chunk, *rest)
             out = part[: entry.shape[dim]].movedim(0, dim)
@@ -394,7 +431,7 @@ class _GatherMany(torch.autograd.Function):
                 out = out.contiguous()
             elif viewed:
                 out = out.clone()
-            outs.append(out if codec is None else codec.decode(out))
+            outs.append(out if codec is None else codec.decode(out, statistic))
             offset += size
         return tuple(outs)
 
