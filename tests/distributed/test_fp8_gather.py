@@ -141,3 +141,17 @@ def test_fp8_gather_without_shard_params_refused():
     step = d9d.fp8(recipe="tensorwise", gather_in_fp8=True)(lambda p, s, b: (p, s, {}))
     with pytest.raises(PlanError, match=r"gather_in_fp8=True\) found no fp8 linear.*shard_params"):
         step.place(model.params, (), model=model)
+
+
+def test_fp8_gather_under_jit_refused():
+    def compile_step(mesh):
+        model = llama()()
+        step = lambda p, s, b: (p, s, {})  # noqa: E731
+        for transform in _fp8_step(True)(mesh):
+            step = transform(step)
+        step = d9d.jit(step, backend="aot_eager")
+        params, _ = step.place(model.params, (), model=model)
+        with pytest.raises(PlanError, match=r"d9d.jit does not compile fp8\(gather_in_fp8=True\)"):
+            step(params, (), step.shard_batch(DATA[0]))
+
+    run_on_ranks(lambda: compile_step(d9d.make_mesh("cpu", fsdp=2)), 2)

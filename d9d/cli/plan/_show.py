@@ -13,6 +13,7 @@ sends and receives complete at once on the simulated world). Activations: the fo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from ...transforms import remat as remat_transform
 from ...transforms import shard_params
 from ...transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from .._config import TrainConfig
-from .._train_step import _optimizer, _parallel, make_train_step
+from .._options import check_fp8_flags
+from .._train_step import _optimizer, _parallel, make_train_step, with_fp8
 from ._activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
 from ._checks import check_layout as _check
 from ._dry_run import DryRun, dry_run, group_labels
@@ -60,6 +62,10 @@ def show_plan(
     microbatches: int | None = None,
     opt_state_dtype: str = "float32",
     zero: int = 3,
+    fp8: str | None = None,
+    fp8_include: Sequence[str] = (),
+    fp8_exclude: Sequence[str] = (),
+    fp8_gather: bool = False,
     max_rows: int | None = 24,
 ) -> str:
     """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
@@ -82,6 +88,8 @@ def show_plan(
             train --opt-state-dtype``).
         zero: What ``fsdp`` shards (``d9d train --zero``): 3 params, grads and optimizer
             state; 2 grads and optimizer state; 1 optimizer state only.
+        fp8: ``d9d train --fp8``'s recipe (None: off); ``fp8_include``, ``fp8_exclude``:
+            its ``--fp8-include``/``--fp8-exclude`` regexes; ``fp8_gather``: ``--fp8-gather``.
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
@@ -93,7 +101,8 @@ def show_plan(
         ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
             not multiply to ``world``, ``ep > 1`` without ``model="moe"``, an unknown ``model``, ``preset`` or
             ``remat``, a dim that does not split, or a schedule that cannot run
-            ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks.
+            ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks; an fp8 option
+            without ``fp8``.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -104,6 +113,13 @@ def show_plan(
     )
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
+    check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
+    fp8_options = {
+        "fp8": fp8,
+        "fp8_include": tuple(fp8_include),
+        "fp8_exclude": tuple(fp8_exclude),
+        "fp8_gather": fp8_gather,
+    }
     for name, value in (("batch", batch), ("seq", seq), ("microbatches", microbatches)):
         if name != "batch" and value is None:
             continue
@@ -119,8 +135,9 @@ def show_plan(
             )
             seq = min(4096, longest or 4096)
         step, opt = _step(
-            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype, zero
-        )
+            functional, sizes, model, hf_config, remat, schedule, chunks, opt_state_dtype, zero,
+            fp8=fp8_options,
+        )  # fmt: skip
         params, state = step.place(functional.params, opt.init(functional.params), model=functional)
         memory = step.memory(params, state)
         tokens = torch.zeros(batch * chunks, seq, dtype=torch.long, device="meta")
@@ -128,7 +145,7 @@ def show_plan(
         layout = _pipeline_layout(step)
         measured = _measure(
             functional, step, params, state, data, config, model, preset, hf_config,
-            sizes, remat, schedule, chunks, zero=zero,
+            sizes, remat, schedule, chunks, zero=zero, fp8=fp8_options,
         )  # fmt: skip
         if measured.comms is not None:
             comms = render_comms(measured.comms)
@@ -209,15 +226,18 @@ def _step(
     zero: int = 3,
     *,
     split: tuple[str, ...] | None = None,
+    fp8: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """``d9d train``'s step and optimizer for the layout; ``split``: the block paths that
-    begin pipeline stages 1, 2, ... (None: ``pipeline`` balances them, as ``d9d train``)."""
+    begin pipeline stages 1, 2, ... (None: ``pipeline`` balances them, as ``d9d train``);
+    ``fp8``: the ``TrainConfig`` fields of ``--fp8`` and its options."""
     config = TrainConfig(
         model=family,
         schedule=schedule,
         microbatches=microbatches,
         opt_state_dtype=opt_state_dtype,
         zero=zero,
+        **(fp8 or {}),
         **sizes,
     )
     opt = _optimizer(config)
@@ -230,7 +250,8 @@ def _step(
     else:
         fn = make_train_step(model, opt, grad_norm=True)
     if math.prod(sizes.values()) == 1:  # d9d train runs one process untransformed
-        step = shard_params(make_mesh("cpu", dp=1), None, replicate_axis="dp")(fn)
+        mesh = make_mesh("cpu", dp=1)
+        step = with_fp8(config, mesh, shard_params(mesh, None, replicate_axis="dp")(fn))
     else:
         step = _parallel(config, fn)
     if split is not None:
@@ -289,6 +310,7 @@ def _measure(
     microbatches: int,
     *,
     zero: int = 3,
+    fp8: dict[str, Any] | None = None,
 ) -> DryRun:
     """The collectives of one step on rank 0 and the bytes its forward keeps: measured on
     the model itself, or, past a few blocks, on two small ones and extrapolated
@@ -302,7 +324,7 @@ def _measure(
             return dry_run(step, params, state, batch)
         return _per_block(
             config, model, preset, sizes, remat, schedule, microbatches, batch,
-            hf_config=hf_config, n_layers=n_layers, known=step, zero=zero,
+            hf_config=hf_config, n_layers=n_layers, known=step, zero=zero, fp8=fp8,
         )  # fmt: skip
     held = {s: layout.split.blocks[s][1] - layout.split.blocks[s][0] for s in layout.local_stages}
     # The small models have one block a stage, then grow one: an MoE's first block may be
@@ -312,7 +334,7 @@ def _measure(
         return dry_run(step, params, state, batch)
     return _per_block(
         config, model, preset, sizes, remat, schedule, microbatches, batch,
-        hf_config=hf_config, pipeline=held, known=step, zero=zero,
+        hf_config=hf_config, pipeline=held, known=step, zero=zero, fp8=fp8,
     )  # fmt: skip
 
 
@@ -345,6 +367,7 @@ def _per_block(
     pipeline: dict[int, int] | None = None,
     known: TransformedStep | None = None,
     zero: int = 3,
+    fp8: dict[str, Any] | None = None,
 ) -> DryRun:
     """The collectives of the whole model, and the bytes its forward keeps, from steps of
     ``base`` and ``base + 1`` blocks: every further block is identical, so moves and keeps
@@ -360,7 +383,8 @@ def _per_block(
     how many blocks a stage holds.
 
     ``n_layers``: the model's blocks (default ``config.n_layers``). ``known``: a step built
-    before these on the same mesh layout (``dry_run``). ``zero``: ``d9d train --zero``."""
+    before these on the same mesh layout (``dry_run``). ``zero``: ``d9d train --zero``;
+    ``fp8``: ``--fp8`` and its options (``_step``)."""
     if pipeline is None:
         base = _base_blocks(config)
         total = n_layers if n_layers is not None else config.n_layers
@@ -376,8 +400,9 @@ def _per_block(
             paths = [b.path for b in small.structure.blocks]  # in stage ``grown``
             split = tuple(paths[i + (grown is not None and i > grown)] for i in range(1, blocks))
         step, opt = _step(
-            small, sizes, model, hf_config, remat, schedule, microbatches, zero=zero, split=split
-        )
+            small, sizes, model, hf_config, remat, schedule, microbatches, zero=zero, split=split,
+            fp8=fp8,
+        )  # fmt: skip
         params, state = step.place(small.params, opt.init(small.params), model=small)
         run = dry_run(step, params, state, batch, known=labels)
         labels.update(group_labels(step))
