@@ -52,8 +52,9 @@ class Fp8Gather:
 
     @property
     def wire_dtype(self) -> torch.dtype:
-        """The dtype all-gathered: float8_e4m3fn."""
-        return E4M3
+        """The dtype all-gathered: the e4m3 bits as uint8 (gloo gathers no fp8 dtype:
+        "Invalid scalar type"; NCCL moves fp8 as uint8 too)."""
+        return torch.uint8
 
     def _wide(self, shard: Tensor) -> Tensor:
         return shard.detach().to(self.compute_dtype).float()
@@ -71,10 +72,11 @@ class Fp8Gather:
         return amax / torch.full_like(amax, fp8_max(E4M3))  # fp8_quantize's own division
 
     def encode(self, shard: Tensor, statistic: Tensor | None = None) -> Tensor:
-        """The shard's e4m3 data under the whole weight's scale."""
+        """The shard's e4m3 data under the whole weight's scale, its bits as uint8."""
         limit = fp8_max(E4M3)
-        return (self._wide(shard) / self._scale(statistic)).clamp(-limit, limit).to(E4M3)
+        data = (self._wide(shard) / self._scale(statistic)).clamp(-limit, limit).to(E4M3)
+        return data.view(self.wire_dtype)
 
     def decode(self, gathered: Tensor, statistic: Tensor | None = None) -> Fp8Weight:
         """The gathered data with its scale, as the weight to compute with."""
-        return Fp8Weight(gathered, self._scale(statistic), self.compute_dtype)
+        return Fp8Weight(gathered.view(E4M3), self._scale(statistic), self.compute_dtype)
