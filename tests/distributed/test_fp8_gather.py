@@ -116,20 +116,17 @@ def test_fp8_gather_bytes_counted(param_dtype):
     width = (param_dtype or torch.float32).itemsize
     elements = sum(numel[p] for p in paths)
     assert len(paths) == 2 * 7  # each block's 7 linears; the head stays in high precision
-    # Each block's params are gathered twice (the forward, and again for the backward); its
-    # fp8 weights take one all-gather and its norm another (their codecs differ), and one
-    # all-reduce of the 7 weights' float32 amaxes goes before the fp8 one.
+    # Each block's params are gathered twice (the forward, and again for the backward), its
+    # fp8 weights in one all-gather with its norms (as bytes), after one all-reduce of the 7
+    # weights' float32 amaxes; the grads are reduce-scattered together as before.
     gathers = 2 * 2
     saved = gathers // 2 * elements * (width - 1)
     assert plain.total_bytes("all_gather") - fp8.total_bytes("all_gather") == saved
-    # The norms' gathers are their own now: one more per gather of a block where the norm is
-    # gathered with its linears (the backward regathers only what it saved: a bfloat16
-    # norm saves no gathered weight).
-    extra = fp8.total_count("all_gather") - plain.total_count("all_gather")
-    assert extra == (gathers if param_dtype is None else gathers // 2)
+    assert fp8.count[("all_gather", "fsdp")] == plain.count[("all_gather", "fsdp")]
     assert fp8.count[("all_reduce", "fsdp")] == gathers
     assert fp8.bytes[("all_reduce", "fsdp")] == gathers * 7 * 4
     assert ("all_reduce", "fsdp") not in plain.count
+    assert fp8.count[("reduce_scatter", "fsdp")] == plain.count[("reduce_scatter", "fsdp")]
     assert fp8.bytes[("reduce_scatter", "fsdp")] == plain.bytes[("reduce_scatter", "fsdp")]
     assert fp8_memory == plain_memory
 
