@@ -77,10 +77,13 @@ class Fp8(Transform):
     def lay_out(self, plan: Plan, model: Model | None) -> Plan:
         entries = dict(plan.entries)
         gathered = 0
+        # A weight tied to another module's param (an embedding) is used by more than the
+        # fp8 linear: it is gathered as the others take it.
+        tied = set(model.structure.tied.values()) if model is not None else set()
         for choice in self.choices(plan, model):
             entry = entries[choice.weight]
             reasons = (*entry.reasons, self._reason(choice))
-            if self._gathers_in_fp8(choice, entry):
+            if self._gathers_in_fp8(choice, entry) and choice.weight not in tied:
                 codec = Fp8Gather(entry.compute_dtype or entry.dtype)
                 entry, gathered = replace(entry, codec=codec), gathered + 1
                 reasons = (*reasons, f"{self}: all-gathered as float8_e4m3fn data + its scale")
