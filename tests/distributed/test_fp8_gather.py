@@ -26,27 +26,28 @@ pytestmark = pytest.mark.distributed
 DATA = batches(256, global_batch=4, seq_len=16, steps=3)
 
 
-def _fp8_step(gather: bool, param_dtype: torch.dtype | None = None):
+def _fp8_step(gather: bool, param_dtype: torch.dtype | None = None, microbatches: int = 1):
     def transforms(mesh):
         layout = [d9d.tensor_parallel(mesh)] if "tp" in mesh.mesh_dim_names else []
-        storage = d9d.shard_params(mesh, param_dtype=param_dtype)
+        storage = d9d.shard_params(mesh, param_dtype=param_dtype, microbatches=microbatches)
         return [*layout, storage, d9d.fp8(mesh, "tensorwise", gather_in_fp8=gather)]
 
     return transforms
 
 
 @pytest.mark.parametrize(
-    ("axes", "param_dtype", "method"),
+    ("axes", "param_dtype", "microbatches", "method"),
     [
-        ({"fsdp": 2}, None, "thread"),
+        ({"fsdp": 2}, None, 1, "thread"),
         # Processes on gloo, which all-gathers no fp8 dtype: the codec sends the bits as uint8.
-        ({"fsdp": 2}, torch.bfloat16, "fork"),
-        ({"fsdp": 2, "tp": 2}, None, "thread"),
+        ({"fsdp": 2}, torch.bfloat16, 1, "fork"),
+        ({"fsdp": 2}, None, 2, "thread"),  # grads accumulated unreduced, reduced once
+        ({"fsdp": 2, "tp": 2}, None, 1, "thread"),
     ],
 )
-def test_fp8_gather_bitwise_the_fp8_step_without_it(axes, param_dtype, method):
-    want = run(llama(), _fp8_step(False, param_dtype), axes, DATA, method=method)
-    got = run(llama(), _fp8_step(True, param_dtype), axes, DATA, method=method)
+def test_fp8_gather_bitwise_the_fp8_step_without_it(axes, param_dtype, microbatches, method):
+    want = run(llama(), _fp8_step(False, param_dtype, microbatches), axes, DATA, method=method)
+    got = run(llama(), _fp8_step(True, param_dtype, microbatches), axes, DATA, method=method)
     for (losses, params), (want_losses, want_params) in zip(got, want, strict=True):
         assert torch.equal(losses, want_losses), (losses, want_losses)
         for path, value in params.items():
