@@ -119,12 +119,12 @@ class _Gather(torch.autograd.Function):
         ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, _deferring()
         if entry.codec is None:
             return stored.redistribute(mesh, entry.compute).to_local()
-        local = stored.to_local()
-        axes = [
-            i for i, (s, c) in enumerate(zip(entry.storage, entry.compute, strict=True)) if s != c
-        ]
-        names = [mesh.get_group(i).group_name for i in axes]
-        (statistic,) = _statistics([entry.codec], [local], names)
+        local, statistic = stored.to_local(), None
+        if entry.codec.statistic_op is not None:  # over the gathering axes (no cast has one:
+            # a jitted step never looks a group up here)
+            pairs = zip(entry.storage, entry.compute, strict=True)
+            names = [mesh.get_group(i).group_name for i, (s, c) in enumerate(pairs) if s != c]
+            (statistic,) = _statistics([entry.codec], [local], names)
         stored = local_like(entry.codec.encode(local, statistic), stored)
         gathered = stored.redistribute(mesh, entry.compute).to_local()
         return entry.codec.decode(gathered, statistic)

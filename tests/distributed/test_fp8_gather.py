@@ -158,3 +158,40 @@ def test_fp8_gather_under_jit_refused():
             step(params, (), step.shard_batch(DATA[0]))
 
     run_on_ranks(lambda: compile_step(d9d.make_mesh("cpu", fsdp=2)), 2)
+
+
+def _gather_directly(mesh_size: int) -> None:
+    """The core's two gathers with the fp8 codec: one param alone (``gather``), and one in a
+    group with a float32 param of another wire dtype (``gather_many``: a byte buffer, the
+    fp8 piece of 6 bytes a rank padded to 8), on uneven shards."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from d9d.core._collectives import gather, gather_many
+    from d9d.core._param_plan import ParamPlan
+    from d9d.kernels import fp8_quantize
+    from d9d.transforms.fp8._gather import Fp8Gather
+
+    mesh = d9d.make_mesh("cpu", fsdp=mesh_size)
+    torch.manual_seed(0)
+    weight, other = torch.randn(3, 3) * 5, torch.randn(5)
+
+    def entry(path, tensor, codec):
+        return ParamPlan(
+            path, tuple(tensor.shape), tensor.dtype, None, (Shard(0),), (Replicate(),),
+            (Partial("avg"),), codec=codec,
+        )  # fmt: skip
+
+    fp8 = entry("w", weight, Fp8Gather(torch.float32))
+    plain = entry("b", other, None)
+    stored = [d9d.core._collectives.distribute(t, mesh, (Shard(0),)) for t in (weight, other)]
+    data, scale = fp8_quantize(weight, "tensorwise")
+    alone = gather(stored[0], mesh, fp8)
+    together, whole = gather_many(stored, mesh, [fp8, plain], 0, (mesh.get_group(0).group_name,))
+    for got in (alone, together):
+        assert torch.equal(got.fp8_data.view(torch.uint8), data.view(torch.uint8))
+        assert torch.equal(got.fp8_scale, scale)
+    assert torch.equal(whole, other)
+
+
+def test_the_core_gathers_the_fp8_codec_alone_and_beside_another_wire_dtype():
+    run_on_ranks(_gather_directly, 2, 2)
