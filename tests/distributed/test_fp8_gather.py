@@ -146,6 +146,7 @@ def test_fp8_gather_without_shard_params_refused():
         step.place(model.params, (), model=model)
 
 
+@pytest.mark.compile  # refused before tracing; the cost is d9d.jit's first import (~7 s)
 def test_fp8_gather_under_jit_refused():
     def compile_step(mesh):
         model = llama()()
