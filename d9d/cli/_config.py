@@ -45,6 +45,9 @@ class TrainConfig:
     master_weights: bool = False  # params stored in bf16, float32 masters in the optimizer state
     zero: int = 3  # over --fsdp: 3 params, grads, state sharded; 2 grads, state; 1 state only
     fp8: str | None = None  # fp8 recipe of the linears and routed experts (d9d.fp8); None: off
+    fp8_include: tuple[str, ...] = ()  # regexes: only the modules one matches compute in fp8
+    fp8_exclude: tuple[str, ...] = ()  # regexes: the modules one matches stay high precision
+    fp8_gather: bool = False  # fp8 weights all-gathered as fp8 data + scale (tensorwise, fsdp)
     grad_accum: int = 1  # gradient-accumulation microbatches per step (not with --pp)
     dist_timeout: float = 600.0  # seconds a collective or store wait may block under torchrun
     fault_tolerant: bool = False  # a torchft replica group: train on when another group fails

@@ -12,6 +12,68 @@ from typing import Any
 SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 """``d9d.transforms.pipeline.SCHEDULES``' names."""
 
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+"""``d9d.transforms.fp8._linear.GRAD_DTYPES``' recipes."""
+
+
+def add_fp8(parser: argparse.ArgumentParser) -> None:
+    """``--fp8 RECIPE`` and what it chooses: ``--fp8-include``, ``--fp8-exclude`` (regexes of
+    module paths, ``d9d.fp8``'s ``include``/``exclude``), ``--fp8-gather``."""
+    parser.add_argument(
+        "--fp8",
+        choices=FP8_RECIPES,
+        default=None,
+        metavar="RECIPE",
+        help="compute the blocks' linears and routed experts in fp8 (d9d.fp8): tensorwise, "
+        "rowwise or blockwise; params and optimizer state keep their dtype (default: off)",
+    )
+    for name, what in (
+        ("include", "only the linears and experts modules whose path one of them matches"),
+        ("exclude", "not the linears and experts modules whose path one of them matches"),
+    ):
+        parser.add_argument(
+            f"--fp8-{name}",
+            nargs="+",
+            default=(),
+            metavar="PATTERN",
+            help=f"with --fp8: {what} (regexes, re.search; e.g. 'mlp.experts' "
+            "'layers.0.'): d9d.fp8's {name}= (default: none)".replace("{name}", name),
+        )
+    parser.add_argument(
+        "--fp8-gather",
+        action="store_true",
+        help="with --fp8 tensorwise over --fsdp (ZeRO-3): all-gather the fp8 linears' weights "
+        "as fp8 data + scale (1 byte per element; d9d.fp8's gather_in_fp8=True)",
+    )
+
+
+def fp8_pattern(patterns: tuple[str, ...] | list[str]) -> str | None:
+    """One regex matching what any of ``patterns`` matches (None for none)."""
+    if not patterns:
+        return None
+    return "|".join(f"(?:{p})" for p in patterns)
+
+
+def check_fp8_flags(fp8: str | None, include: Any, exclude: Any, gather: bool) -> None:
+    """Raise ``ValueError`` naming the flag when an fp8 option is given without ``--fp8``,
+    or ``--fp8-gather`` with another recipe than tensorwise."""
+    given = [
+        flag
+        for flag, value in (
+            ("--fp8-include", include),
+            ("--fp8-exclude", exclude),
+            ("--fp8-gather", gather),
+        )
+        if value
+    ]
+    if fp8 is None and given:
+        raise ValueError(f"{given[0]} chooses what --fp8 computes in fp8; pass --fp8 RECIPE too")
+    if gather and fp8 != "tensorwise":
+        raise ValueError(
+            f"--fp8-gather all-gathers tensorwise fp8 weights only, got --fp8 {fp8}; use "
+            "--fp8 tensorwise or drop --fp8-gather"
+        )
+
 
 def add_preset(parser: argparse.ArgumentParser, default: str) -> None:
     """``--preset``: a model family's named size."""

@@ -25,9 +25,10 @@ from ..transforms import (
 )
 from ..transforms.pipeline import SCHEDULES
 from ._config import TrainConfig
+from ._options import fp8_pattern
 from ._precision import ZERO_SHARDS, opt_state_dtype, shard_options
 
-__all__ = ["make_train_step"]
+__all__ = ["make_train_step", "with_fp8"]
 
 
 def make_train_step(
@@ -101,6 +102,20 @@ def _decays(path: str, param: torch.Tensor) -> bool:
 _AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
 
 
+def with_fp8(config: TrainConfig, mesh: Any, step: Any) -> Any:
+    """``step`` under ``d9d.fp8`` as ``--fp8``, ``--fp8-include``, ``--fp8-exclude`` and
+    ``--fp8-gather`` say (as it is without ``--fp8``)."""
+    if config.fp8 is None:
+        return step
+    return fp8(
+        mesh,
+        config.fp8,
+        include=fp8_pattern(config.fp8_include),
+        exclude=fp8_pattern(config.fp8_exclude),
+        gather_in_fp8=config.fp8_gather,
+    )(step)
+
+
 def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     """``step`` under the transforms of the job's ``pp x dp x fsdp x cp x tp`` mesh (``fsdp``:
     the ranks the others leave), or as it is outside a job."""
@@ -146,8 +161,7 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
         step = context_parallel(mesh)(step)
     if sizes["ep"] > 1:
         step = expert_parallel(mesh)(step)
-    if config.fp8 is not None:
-        step = fp8(mesh, config.fp8)(step)
+    step = with_fp8(config, mesh, step)
     if sizes["pp"] > 1:
         step = pipeline(
             mesh,

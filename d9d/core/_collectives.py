@@ -29,7 +29,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ._context import current
-from ._param_plan import Cast, ParamPlan
+from ._param_plan import ParamPlan
 from ._plan import Plan
 
 __all__ = [
@@ -117,10 +117,17 @@ class _Gather(torch.autograd.Function):
         ctx.mesh, ctx.entry = mesh, entry
         ctx.shape, ctx.stride, ctx.dtype = stored.shape, stored.stride(), stored.dtype
         ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, _deferring()
-        if entry.codec is not None:
-            stored = local_like(entry.codec.encode(stored.to_local()), stored)
+        if entry.codec is None:
+            return stored.redistribute(mesh, entry.compute).to_local()
+        local, statistic = stored.to_local(), None
+        if entry.codec.statistic_op is not None:  # over the gathering axes (no cast has one:
+            # a jitted step never looks a group up here)
+            pairs = zip(entry.storage, entry.compute, strict=True)
+            names = [mesh.get_group(i).group_name for i, (s, c) in enumerate(pairs) if s != c]
+            (statistic,) = _statistics([entry.codec], [local], names)
+        stored = local_like(entry.codec.encode(local, statistic), stored)
         gathered = stored.redistribute(mesh, entry.compute).to_local()
-        return gathered if entry.codec is None else entry.codec.decode(gathered)
+        return entry.codec.decode(gathered, statistic)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, ...]:
@@ -138,6 +145,25 @@ def _scaled(grad: torch.Tensor, entry: ParamPlan) -> torch.Tensor:
     return grad if entry.grad_scale == 1 else grad * entry.grad_scale
 
 
+def _statistics(
+    codecs: list[Any], shards: list[torch.Tensor], groups: list[str]
+) -> list[torch.Tensor | None]:
+    """Each shard's ``codec.statistic``, all-reduced with its ``statistic_op`` over the
+    process ``groups`` (the gathering axes): one collective per group and op for all of
+    them; None for a shard with no codec or a codec without statistic (a cast)."""
+    out: list[torch.Tensor | None] = [None] * len(shards)
+    ops = dict.fromkeys(c.statistic_op for c in codecs if c is not None)
+    for op in (op for op in ops if op is not None):
+        members = [i for i, c in enumerate(codecs) if c is not None and c.statistic_op == op]
+        own = [codecs[i].statistic(shards[i]).float().reshape(-1) for i in members]
+        flat = torch.cat(own)
+        for group in groups:
+            flat = _c10d.wait_tensor(_c10d.all_reduce(flat, op, group))
+        for i, value in zip(members, flat.split([s.numel() for s in own]), strict=True):
+            out[i] = value
+    return out
+
+
 @dataclass(frozen=True)
 class IssuedGather:
     """The all-gathers :func:`gather_params` would run for ``paths``, issued and not waited for.
@@ -146,10 +172,13 @@ class IssuedGather:
         paths: The params they gather, in the order given to :func:`issue_gather`.
         buffers: ``{group key: all-gather output}`` per coalesced group; each output is valid
             only once waited for (``gather_params(..., issued=self)`` or :meth:`wait`).
+        statistics: ``{group key: each param's all-reduced codec statistic}`` (None each
+            for a cast), which decoding the buffer takes.
     """
 
     paths: tuple[str, ...]
     buffers: dict[tuple, torch.Tensor]
+    statistics: dict[tuple, list[torch.Tensor | None]]
 
     def wait(self) -> None:
         """Wait for the all-gathers (to drop them unused)."""
@@ -161,8 +190,10 @@ def _grouped(
     plan: Plan, paths: list[str], params: Mapping[str, Any]
 ) -> tuple[list[str], dict[tuple, list[str]]]:
     """``(alone, groups)``: the stored DTensors of ``paths`` that cannot share a collective,
-    and ``{(axis, codec, compute dtype, reduce dtype, grad placement): paths}`` of those gathered from
-    ``Shard`` to ``Replicate`` over one mesh axis (a group of one takes a collective alone)."""
+    and ``{(axis, compute dtype, reduce dtype, grad placement): paths}`` of those gathered
+    from ``Shard`` to ``Replicate`` over one mesh axis (a group of one takes a collective
+    alone). Their codecs may differ: an fp8 weight shares its block's all-gather with the
+    block's norms (``_flat_shards``)."""
     alone: list[str] = []
     groups: dict[tuple, list[str]] = {}
     for path in paths:
@@ -174,7 +205,7 @@ def _grouped(
             alone.append(path)
             continue
         axis = found[0]
-        key = (axis, e.codec, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
+        key = (axis, e.compute_dtype or e.dtype, e.reduce_dtype or e.dtype, e.grad[axis])
         groups.setdefault(key, []).append(path)
     return alone, groups
 
@@ -200,7 +231,7 @@ def gather_params(
             continue
         stored = [params[p] for p in members]
         entries = [plan.entries[p] for p in members]
-        buffer = None if issued is None else issued.buffers[key]
+        buffer = None if issued is None else (issued.buffers[key], issued.statistics[key])
         gathered = gather_many(stored, plan.mesh, entries, key[0], plan.group_names, issued=buffer)
         out.update(zip(members, gathered, strict=True))
     return {p: out[p] for p in paths}
@@ -213,19 +244,19 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
 
     Every rank must issue the same gathers in the same order, as for any collective."""
     _, groups = _grouped(plan, paths, params)
-    buffers = {}
+    buffers, statistics = {}, {}
     with torch.no_grad():
         for key, members in groups.items():
             if len(members) == 1:
                 continue
-            axis = key[0]
+            axis, group = key[0], plan.group_names[key[0]]
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
-            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], key[1], key[2])
-            buffers[key] = _c10d.all_gather_into_tensor(
-                flat, plan.mesh.shape[axis], plan.group_names[axis]
-            )
-    return IssuedGather(tuple(paths), buffers)
+            locals_ = [t.to_local() for t in stored]
+            statistics[key] = _statistics([e.codec for e in entries], locals_, [group])
+            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], statistics[key])
+            buffers[key] = _c10d.all_gather_into_tensor(flat, plan.mesh.shape[axis], group)
+    return IssuedGather(tuple(paths), buffers, statistics)
 
 
 def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
@@ -276,7 +307,7 @@ def gather_many(
     axis: int,
     groups: tuple[str, ...],
     *,
-    issued: torch.Tensor | None = None,
+    issued: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None,
 ) -> list[torch.Tensor]:
     """Like :func:`gather` for several params sharded over the same mesh ``axis``, with one
     all-gather for all of them (and one reduce-scatter of their grads in the backward, then
@@ -285,11 +316,14 @@ def gather_many(
 
     Each shard is padded to the largest shard's size along its sharded dim (as DTensor and
     FSDP2 lay uneven shards out), flattened and concatenated; the gathered buffer is cut
-    back into params. Entries must share the codec, reduce dtype and grad placements.
+    back into params. Entries must share the compute dtype, reduce dtype and grad
+    placements; their codecs may differ (the buffer is then bytes).
     ``groups`` are the names of the mesh axes' process groups (looked up once, outside any
     graph).
     ``issued``: the all-gather of these shards, already issued (:func:`issue_gather`), to
-    wait for instead of gathering.
+    wait for instead of gathering, and the codec statistics it was encoded with. A codec
+    with a statistic (``Cast``'s doc) has its statistics all-reduced over ``axis`` in one
+    collective for all the entries before the all-gather.
     """
     return list(_GatherMany.apply(mesh, axis, groups, tuple(entries), issued, *stored))
 
@@ -329,22 +363,52 @@ def _layouts(
     return layouts
 
 
+def _wire(entry: ParamPlan) -> torch.dtype:
+    """The dtype ``entry``'s shard is all-gathered in."""
+    return entry.compute_dtype or entry.dtype if entry.codec is None else entry.codec.wire_dtype
+
+
+def _piece_sizes(entries: Sequence[ParamPlan], numels: Sequence[int]) -> tuple[bool, list[int]]:
+    """``(in bytes, sizes)``: whether the group's all-gather moves bytes (its wire dtypes
+    differ: fp8 weights beside bfloat16 norms), and each shard's size in the buffer, in
+    elements or, in bytes, rounded up to the widest wire dtype's size (so each piece views
+    back as its dtype)."""
+    wires = [_wire(e) for e in entries]
+    if len(set(wires)) == 1:
+        return False, list(numels)
+    align = max(w.itemsize for w in wires)
+    return True, [-(-n * w.itemsize // align) * align for n, w in zip(numels, wires, strict=True)]
+
+
 def _flat_shards(
     stored: list[DTensor],
     entries: list[ParamPlan],
     axis: int,
     ranks: int,
-    codec: Cast | None,
-    dtype: torch.dtype,
+    statistics: list[torch.Tensor | None],
 ) -> torch.Tensor:
-    """The all-gather input: each shard encoded by ``codec`` (None: as ``dtype``), its sharded
-    dim moved first and padded to the largest shard's rows, flattened and concatenated."""
+    """The all-gather input: each shard encoded by its codec with its all-reduced statistic
+    (no codec: in its compute dtype), its sharded dim moved first and padded to the largest
+    shard's rows, flattened and concatenated; as bytes where the wire dtypes differ, each
+    piece padded to :func:`_piece_sizes`' size."""
     pieces = []
-    for tensor, entry in zip(stored, entries, strict=True):
+    for tensor, entry, statistic in zip(stored, entries, statistics, strict=True):
         dim = entry.storage[axis].dim
         local = tensor.to_local()
-        rows = (local.to(dtype) if codec is None else codec.encode(local)).movedim(dim, 0)
+        codec = entry.codec
+        encoded = (
+            local.to(entry.compute_dtype or entry.dtype)
+            if codec is None
+            else codec.encode(local, statistic)
+        )
+        rows = encoded.movedim(dim, 0)
         pieces.append(_padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
+    in_bytes, sizes = _piece_sizes(entries, [p.numel() for p in pieces])
+    if in_bytes:
+        pieces = [
+            _padded(p.contiguous().view(torch.uint8), size)
+            for p, size in zip(pieces, sizes, strict=True)
+        ]
     return torch.cat(pieces)
 
 
@@ -356,12 +420,10 @@ class _GatherMany(torch.autograd.Function):
         axis: int,
         groups: tuple[str, ...],
         entries: tuple,
-        issued: torch.Tensor | None,
+        issued: tuple[torch.Tensor, list[torch.Tensor | None]] | None,
         *stored: DTensor,
     ) -> Any:
         ranks = mesh.shape[axis]
-        first = entries[0]
-        codec, dtype = first.codec, first.compute_dtype or stored[0].dtype
         layouts = _layouts(list(stored), list(entries), axis, ranks)
         group = groups[axis]
         ctx.mesh, ctx.axis, ctx.groups, ctx.entries, ctx.layouts = (
@@ -374,13 +436,24 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.defer = _deferring()
         if issued is None:
-            flat = _flat_shards(list(stored), list(entries), axis, ranks, codec, dtype)
-            issued = _c10d.all_gather_into_tensor(flat, ranks, group)
-        gathered = _c10d.wait_tensor(issued).view(ranks, -1)
+            codecs = [e.codec for e in entries]
+            statistics = _statistics(codecs, [t.to_local() for t in stored], [group])
+            flat = _flat_shards(list(stored), list(entries), axis, ranks, statistics)
+            buffer = _c10d.all_gather_into_tensor(flat, ranks, group)
+        else:
+            buffer, statistics = issued
+        gathered = _c10d.wait_tensor(buffer).view(ranks, -1)
+        numels = [chunk * math.prod(rest) for _, chunk, rest, _, _ in layouts]
+        in_bytes, sizes = _piece_sizes(entries, numels)
         outs, offset = [], 0
-        for entry, (dim, chunk, rest, _, _) in zip(entries, layouts, strict=True):
-            size = chunk * math.prod(rest)
-            part = gathered[:, offset : offset + size].reshape(ranks * chunk, *rest)
+        for entry, (dim, chunk, rest, _, _), statistic, numel, size in zip(
+            entries, layouts, statistics, numels, sizes, strict=True
+        ):
+            part = gathered[:, offset : offset + size]
+            if in_bytes:
+                wire = _wire(entry)
+                part = part[:, : numel * wire.itemsize].view(wire)
+            part = part.reshape(ranks * chunk, *rest)
             out = part[: entry.shape[dim]].movedim(0, dim)
             # `part` is a view of the buffer (no copy) with one rank, one param or one row
             # per rank; an output still viewing it then gets its own storage: the regather
@@ -394,7 +467,7 @@ class _GatherMany(torch.autograd.Function):
                 out = out.contiguous()
             elif viewed:
                 out = out.clone()
-            outs.append(out if codec is None else codec.decode(out))
+            outs.append(out if entry.codec is None else entry.codec.decode(out, statistic))
             offset += size
         return tuple(outs)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,22 +29,41 @@ class Cast:
 
     A gather codec says how a stored shard becomes what is all-gathered (``encode``), and
     how the gathered buffer becomes the tensor blocks compute with (``decode``); params
-    with equal codecs share one all-gather. ``wire_dtype`` is the dtype on the wire.
+    with equal codecs share one all-gather. ``wire_dtype`` is the dtype on the wire,
+    ``compute_dtype`` the dtype of what ``decode`` returns (and of the grad that comes
+    back to it). A codec with a ``statistic_op`` (``"max"``, ``"sum"``) first computes a
+    small float32 ``statistic(shard)`` per param, which the gather all-reduces over the
+    gathering ranks (one all-reduce for the params gathered together) and passes to
+    ``encode`` and ``decode``: a scale taken from the whole param's amax, for data in a
+    narrower format (the fp8 package's codec). A cast has none.
     """
 
     dtype: torch.dtype
+    statistic_op: ClassVar[str | None] = None
 
     @property
     def wire_dtype(self) -> torch.dtype:
         """The dtype all-gathered."""
         return self.dtype
 
-    def encode(self, shard: torch.Tensor) -> torch.Tensor:
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype blocks compute with."""
+        return self.dtype
+
+    def statistic(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """What is all-reduced over the gathering ranks before encoding: none for a cast."""
+        del shard
+        return None
+
+    def encode(self, shard: torch.Tensor, statistic: torch.Tensor | None = None) -> torch.Tensor:
         """What is all-gathered for ``shard``."""
+        del statistic
         return shard.to(self.dtype)
 
-    def decode(self, gathered: torch.Tensor) -> torch.Tensor:
+    def decode(self, gathered: torch.Tensor, statistic: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor to compute with, from the gathered buffer."""
+        del statistic
         return gathered
 
 
@@ -63,8 +82,9 @@ class ParamPlan:
         grad: Placement per mesh axis of the grad where it is computed (``Partial`` on the
             data-parallel axes: each rank holds the grad of its own batch).
         reasons: One line per transform that set a placement, for ``Plan.explain``.
-        codec: How a stored shard becomes what is gathered and computed with (:class:`Cast`),
-            or None: as stored.
+        codec: How a stored shard becomes what is gathered and computed with (:class:`Cast`,
+            or another object with its members: the fp8 package's data and scale), or None:
+            as stored.
         reduce_dtype: The dtype its grad is reduced in (None: the param's own).
         grad_storage: Placement per mesh axis its grad is reduced to and kept in (None: as
             the param is stored).
@@ -86,7 +106,7 @@ class ParamPlan:
     compute: tuple[Placement, ...]
     grad: tuple[Placement, ...]
     reasons: tuple[str, ...] = ()
-    codec: Cast | None = None
+    codec: Any = None  # a Cast or another gather codec (Cast's members)
     reduce_dtype: torch.dtype | None = None
     grad_storage: tuple[Placement, ...] | None = None
     state: tuple[Placement, ...] | None = None
@@ -98,7 +118,7 @@ class ParamPlan:
     @property
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype blocks compute with (None: the param's own)."""
-        return None if self.codec is None else self.codec.wire_dtype
+        return None if self.codec is None else self.codec.compute_dtype
 
     @property
     def grad_kept(self) -> tuple[Placement, ...]:

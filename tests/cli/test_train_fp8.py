@@ -4,6 +4,7 @@ the losses stay near the float32 run's and the checkpointed params stay float32.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from d9d.cli import main
+from d9d.cli.plan._show import show_plan
 
 
 @pytest.fixture(autouse=True)
@@ -52,3 +54,56 @@ def test_unknown_recipe_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
         main(["train", "--out", str(tmp_path / "run"), "--fp8", "mxfp8"])
     assert exit_.value.code == 2
     assert "argument --fp8: invalid choice: 'mxfp8'" in capsys.readouterr().err
+
+
+def test_fp8_exclude_keeps_the_matched_linears_in_high_precision(tmp_path: Path) -> None:
+    """``--fp8-exclude attn mlp`` (either pattern) leaves no linear of the blocks in fp8: the
+    run is the plain run, bitwise; with ``--fp8-exclude mlp`` the attention computes in fp8."""
+    plain = _run(tmp_path / "plain", "--steps", "2")
+    args = ("--steps", "2", "--fp8", "rowwise", "--fp8-exclude")
+    assert _run(tmp_path / "none", *args, "attn", "mlp") == plain
+    assert _run(tmp_path / "attn", *args, "mlp") != plain
+    config = json.loads((tmp_path / "none/config.json").read_text())
+    assert config["fp8_exclude"] == ["attn", "mlp"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fp8-exclude", "attn"], r"--fp8-exclude chooses what --fp8 computes in fp8; pass"),
+        (["--fp8-gather"], r"--fp8-gather chooses what --fp8 computes in fp8; pass --fp8"),
+        (["--fp8", "rowwise", "--fp8-gather"], r"--fp8-gather all-gathers tensorwise .*rowwise"),
+    ],
+)
+def test_fp8_options_without_their_recipe_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main(["train", "--out", str(tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_plan_takes_the_fp8_flags() -> None:
+    """``d9d plan --fp8 tensorwise --fp8-exclude wo``: the fp8 column shows the choice; with
+    ``--fp8-gather`` the attention weights' amaxes are all-reduced before their gathers."""
+    options = {"fsdp": 2, "seq": 32, "max_rows": None, "fp8": "tensorwise"}
+    text = show_plan("tiny", **options, fp8_exclude=("wo",))
+    cells = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in text.splitlines()
+        if line.count("│") > 3
+    }
+    assert cells["layers.0.attn.wq.weight"] == "tensorwise"
+    assert cells["layers.0.attn.wo.weight"] == "-"
+    gathered = show_plan("tiny", **options, fp8_exclude=("wo",), fp8_gather=True)
+    # One all-reduce of amaxes per gather of a block's fp8 weights: 2 blocks, each gathered
+    # for the forward and again for the backward.
+    assert _count(gathered, "all_reduce") - _count(text, "all_reduce") == 2 * 2
+    with pytest.raises(ValueError, match=r"--fp8-exclude chooses what --fp8 computes"):
+        show_plan("tiny", fsdp=2, fp8_exclude=("wo",))
+
+
+def _count(text: str, kind: str) -> int:
+    """The count column of ``kind``'s row in the plan's collectives table."""
+    (row,) = [line for line in text.splitlines() if line.startswith(f"│ {kind} ")]
+    return int(row.split("│")[3])

@@ -11,6 +11,7 @@ from pathlib import Path
 from .._options import (
     SCHEDULE_NAMES,
     add_debug,
+    add_fp8,
     add_master_weights,
     add_microbatches,
     add_opt_state_dtype,
@@ -81,5 +82,6 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     add_zero(show, 3)
     add_opt_state_dtype(show, "float32")
     add_master_weights(show)
+    add_fp8(show)
     show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
     add_debug(show)

@@ -13,7 +13,7 @@ sends and receives complete at once on the simulated world). Activations: the fo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,9 @@ from ...transforms import remat as remat_transform
 from ...transforms import shard_params
 from ...transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from .._config import TrainConfig
+from .._options import check_fp8_flags
 from .._precision import stored_params
-from .._train_step import _optimizer, _parallel, make_train_step
+from .._train_step import _optimizer, _parallel, make_train_step, with_fp8
 from ._activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
 from ._checks import check_layout as _check
 from ._dry_run import DryRun, dry_run, group_labels
@@ -43,13 +44,15 @@ __all__ = ["show_plan"]
 
 
 @dataclass(frozen=True)
-class _OptimizerFlags:
-    """``d9d train``'s flags of the optimizer's state: ``--opt-state-dtype``, ``--zero``,
-    ``--master-weights``."""
+class _StepFlags:
+    """``d9d train``'s flags that shape the step besides its layout: ``--opt-state-dtype``,
+    ``--zero``, ``--master-weights``, and ``--fp8`` with its options (``fp8``: those
+    ``TrainConfig`` fields)."""
 
     opt_state_dtype: str = "float32"
     zero: int = 3
     master_weights: bool = False
+    fp8: dict[str, Any] = field(default_factory=dict)
 
 
 def show_plan(
@@ -72,6 +75,10 @@ def show_plan(
     opt_state_dtype: str = "float32",
     zero: int = 3,
     master_weights: bool = False,
+    fp8: str | None = None,
+    fp8_include: Sequence[str] = (),
+    fp8_exclude: Sequence[str] = (),
+    fp8_gather: bool = False,
     max_rows: int | None = 24,
 ) -> str:
     """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
@@ -96,6 +103,8 @@ def show_plan(
             state; 2 grads and optimizer state; 1 optimizer state only.
         master_weights: Params stored in bfloat16 with float32 masters in the optimizer
             state (``d9d train --master-weights``).
+        fp8: ``d9d train --fp8``'s recipe (None: off); ``fp8_include``, ``fp8_exclude``:
+            its ``--fp8-include``/``--fp8-exclude`` regexes; ``fp8_gather``: ``--fp8-gather``.
         max_rows: Rows of the table to show (the middle is elided); None shows all.
 
     Returns:
@@ -107,7 +116,8 @@ def show_plan(
         ValueError: A size (``batch``, ``seq``, ``microbatches`` too) is below 1, the axes do
             not multiply to ``world``, ``ep > 1`` without ``model="moe"``, an unknown ``model``, ``preset`` or
             ``remat``, a dim that does not split, or a schedule that cannot run
-            ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks.
+            ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks; an fp8 option
+            without ``fp8``.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -118,6 +128,13 @@ def show_plan(
     )
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
+    check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
+    fp8_options = {
+        "fp8": fp8,
+        "fp8_include": tuple(fp8_include),
+        "fp8_exclude": tuple(fp8_exclude),
+        "fp8_gather": fp8_gather,
+    }
     for name, value in (("batch", batch), ("seq", seq), ("microbatches", microbatches)):
         if name != "batch" and value is None:
             continue
@@ -132,7 +149,7 @@ def show_plan(
                 getattr(functional.module, "config", None), "max_position_embeddings", None
             )
             seq = min(4096, longest or 4096)
-        flags = _OptimizerFlags(opt_state_dtype, zero, master_weights)
+        flags = _StepFlags(opt_state_dtype, zero, master_weights, fp8_options)
         step, opt = _step(functional, sizes, model, hf_config, remat, schedule, chunks, flags)
         params, state = _placed(step, opt, functional, flags)
         memory = step.memory(params, state)
@@ -219,7 +236,7 @@ def _step(
     remat: str,
     schedule: str,
     microbatches: int,
-    flags: _OptimizerFlags = _OptimizerFlags(),
+    flags: _StepFlags = _StepFlags(),
     *,
     split: tuple[str, ...] | None = None,
 ) -> tuple[Any, Any]:
@@ -233,6 +250,7 @@ def _step(
         zero=flags.zero,
         master_weights=flags.master_weights,
         dtype="bfloat16" if flags.master_weights else "float32",
+        **flags.fp8,
         **sizes,
     )
     opt = _optimizer(config)
@@ -245,7 +263,8 @@ def _step(
     else:
         fn = make_train_step(model, opt, grad_norm=True)
     if math.prod(sizes.values()) == 1:  # d9d train runs one process untransformed
-        step = shard_params(make_mesh("cpu", dp=1), None, replicate_axis="dp")(fn)
+        mesh = make_mesh("cpu", dp=1)
+        step = with_fp8(config, mesh, shard_params(mesh, None, replicate_axis="dp")(fn))
     else:
         step = _parallel(config, fn)
     if split is not None:
@@ -258,7 +277,7 @@ def _step(
     return step, opt
 
 
-def _placed(step: TransformedStep, opt: Any, model: Model, flags: _OptimizerFlags) -> Any:
+def _placed(step: TransformedStep, opt: Any, model: Model, flags: _StepFlags) -> Any:
     """``step.place`` of ``model``'s params as ``d9d train`` stores them, and their state."""
     config = TrainConfig(master_weights=flags.master_weights)
     params = stored_params(config, model.params)
@@ -310,7 +329,7 @@ def _measure(
     schedule: str,
     microbatches: int,
     *,
-    flags: _OptimizerFlags = _OptimizerFlags(),
+    flags: _StepFlags = _StepFlags(),
 ) -> DryRun:
     """The collectives of one step on rank 0 and the bytes its forward keeps: measured on
     the model itself, or, past a few blocks, on two small ones and extrapolated
@@ -366,7 +385,7 @@ def _per_block(
     n_layers: int | None = None,
     pipeline: dict[int, int] | None = None,
     known: TransformedStep | None = None,
-    flags: _OptimizerFlags = _OptimizerFlags(),
+    flags: _StepFlags = _StepFlags(),
 ) -> DryRun:
     """The collectives of the whole model, and the bytes its forward keeps, from steps of
     ``base`` and ``base + 1`` blocks: every further block is identical, so moves and keeps

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ...errors import ConfigError, DataError
 from .._config import TrainConfig
+from .._options import check_fp8_flags
 
 __all__ = ["check_flags"]
 
@@ -35,6 +36,7 @@ def check_flags(config: TrainConfig) -> None:
             "--grad-accum does not combine with --pp: a pipeline step already accumulates its "
             "--microbatches; drop --grad-accum and pass --microbatches"
         )
+    check_fp8_flags(config.fp8, config.fp8_include, config.fp8_exclude, config.fp8_gather)
     if config.zero not in (1, 2, 3):
         raise ValueError(f"--zero must be 1, 2 or 3, got {config.zero!r}")
     if config.zero != 3 and (config.jit or (config.pp or 1) > 1):

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from .._config import TrainConfig
 from .._options import (
+    FP8_RECIPES,
     SCHEDULE_NAMES,
     add_debug,
+    add_fp8,
     add_master_weights,
     add_microbatches,
     add_opt_state_dtype,
@@ -20,9 +22,6 @@ from .._options import (
 )
 
 __all__ = ["FP8_RECIPES", "add_train_parser"]
-
-FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
-"""``d9d.transforms.fp8._linear.GRAD_DTYPES``' recipes."""
 
 
 def add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -160,14 +159,7 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
     add_zero(run, defaults.zero)
     add_opt_state_dtype(run, defaults.opt_state_dtype)
     add_master_weights(run)
-    run.add_argument(
-        "--fp8",
-        choices=FP8_RECIPES,
-        default=None,
-        metavar="RECIPE",
-        help="compute the blocks' linears and routed experts in fp8 (d9d.fp8): tensorwise, "
-        "rowwise or blockwise; params and optimizer state keep their dtype (default: off)",
-    )
+    add_fp8(run)
     run.add_argument(
         "--grad-accum",
         type=int,

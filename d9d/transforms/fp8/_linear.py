@@ -20,7 +20,9 @@ blockwise   e4m3                   e4m3 (DeepSeek-V3)     ``a`` 1x128 tiles alon
 =========== ====================== ====================== ================================
 
 The weight grad's ``b`` operand (``x``) is in 128x128 blocks under blockwise, as the GEMM
-takes ``b``; DeepSeek-V3 tiles it 1x128 along the tokens. The forward saves ``x`` and ``w`` in
+takes ``b``; DeepSeek-V3 tiles it 1x128 along the tokens. A weight all-gathered in fp8
+(``_gather``: tensorwise data and scale) is the output's and the input grad's ``b`` as it
+is: tensorwise quantizes ``w`` and ``w.T`` alike. The forward saves ``x`` and ``w`` in
 their own dtype (not fp8). The bias is added in high precision; the output has ``x``'s dtype.
 """
 
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...kernels import fp8_gemm, fp8_quantize
+from ._weight import Fp8Weight
 
 __all__ = ["E4M3", "GRAD_DTYPES", "MULTIPLE", "fp8_linear"]
 
@@ -54,11 +57,25 @@ def _as_b(x: Tensor, recipe: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def _matmul(
-    a: Tensor, b: Tensor, recipe: str, a_dtype: torch.dtype, out_dtype: torch.dtype
+    a: Tensor,
+    b: tuple[Tensor, Tensor],
+    recipe: str,
+    a_dtype: torch.dtype,
+    out_dtype: torch.dtype,
 ) -> Tensor:
-    """``a [M, K] @ b [K, N]`` with both operands quantized along ``K`` (``a`` in ``a_dtype``,
-    ``b`` in e4m3), in ``out_dtype``."""
-    return fp8_gemm(*_as_a(a, recipe, a_dtype), *_as_b(b, recipe, E4M3), recipe, out_dtype)
+    """``a [M, K] @ b [K, N]`` with ``a`` quantized along ``K`` in ``a_dtype`` and ``b``
+    given quantized (``(data, scale)``), in ``out_dtype``."""
+    return fp8_gemm(*_as_a(a, recipe, a_dtype), *b, recipe, out_dtype)
+
+
+def _weight_as_b(weight: Tensor, recipe: str, *, transposed: bool) -> tuple[Tensor, Tensor]:
+    """``weight.T [K, N]`` (the output's ``b``) or ``weight [N, K]`` (the input grad's)
+    quantized along its rows; a weight gathered in fp8 (:class:`Fp8Weight`, tensorwise) is
+    that quantization already, its data and scale used as they are."""
+    if isinstance(weight, Fp8Weight):
+        data, scale = weight.fp8_data, weight.fp8_scale
+        return (data.t(), scale.t()) if transposed else (data, scale)
+    return _as_b(weight.t() if transposed else weight, recipe, E4M3)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -68,7 +85,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, recipe: str) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.recipe = recipe
-        return _matmul(x, weight.t(), recipe, E4M3, x.dtype)
+        return _matmul(x, _weight_as_b(weight, recipe, transposed=True), recipe, E4M3, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
@@ -76,11 +93,13 @@ class _Fp8Linear(torch.autograd.Function):
         recipe, grad_dtype = ctx.recipe, GRAD_DTYPES[ctx.recipe]
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = _matmul(grad, weight, recipe, grad_dtype, x.dtype)
+            b = _weight_as_b(weight, recipe, transposed=False)
+            grad_x = _matmul(grad, b, recipe, grad_dtype, x.dtype)
         if ctx.needs_input_grad[1]:
             pad = -x.shape[0] % MULTIPLE
             grad_t, x_padded = F.pad(grad.t(), (0, pad)), F.pad(x, (0, 0, 0, pad))
-            grad_w = _matmul(grad_t, x_padded, recipe, grad_dtype, weight.dtype)
+            b = _as_b(x_padded, recipe, E4M3)
+            grad_w = _matmul(grad_t, b, recipe, grad_dtype, weight.dtype)
         return grad_x, grad_w, None
 
 

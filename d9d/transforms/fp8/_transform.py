@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ...core._collectives import coalescible
 from ...core._param_plan import ParamPlan
 from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import PlanError
+from ._gather import Fp8Gather
 from ._linear import GRAD_DTYPES
 from ._runtime import Fp8Runtime
 from ._select import Choice, choose, compiled_pattern
@@ -33,11 +35,21 @@ class Fp8(Transform):
     recipe: str = "tensorwise"
     include: str | None = None
     exclude: str | None = None
+    gather_in_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.recipe not in GRAD_DTYPES:
             raise PlanError(
                 f"fp8(recipe={self.recipe!r}) is not a recipe; use one of {list(GRAD_DTYPES)}"
+            )
+        if not isinstance(self.gather_in_fp8, bool):
+            raise PlanError(f"fp8 needs gather_in_fp8=True or False, got {self.gather_in_fp8=}")
+        if self.gather_in_fp8 and self.recipe != "tensorwise":
+            raise PlanError(
+                f"fp8(recipe={self.recipe!r}, gather_in_fp8=True): the fp8 all-gather is built "
+                "for tensorwise only (rowwise quantizes a weight along K in the forward and "
+                "along N in the input grad, two copies; blockwise's 128x128 blocks straddle "
+                "the shards); use recipe='tensorwise' or drop gather_in_fp8"
             )
         compiled_pattern("include", self.include)
         compiled_pattern("exclude", self.exclude)
@@ -64,12 +76,45 @@ class Fp8(Transform):
 
     def lay_out(self, plan: Plan, model: Model | None) -> Plan:
         entries = dict(plan.entries)
+        gathered = 0
+        # A weight tied to another module's param (an embedding) is used by more than the
+        # fp8 linear: it is gathered as the others take it.
+        tied = set(model.structure.tied.values()) if model is not None else set()
         for choice in self.choices(plan, model):
             entry = entries[choice.weight]
-            entries[choice.weight] = replace(
-                entry.annotate(choice), reasons=(*entry.reasons, self._reason(choice))
-            )
+            reasons = (*entry.reasons, self._reason(choice))
+            if self._gathers_in_fp8(choice, entry) and choice.weight not in tied:
+                codec = Fp8Gather(entry.compute_dtype or entry.dtype)
+                entry, gathered = replace(entry, codec=codec), gathered + 1
+                reasons = (*reasons, f"{self}: all-gathered as float8_e4m3fn data + its scale")
+            entries[choice.weight] = replace(entry.annotate(choice), reasons=reasons)
+        if self.gather_in_fp8:
+            self._check_gathered(plan, gathered)
         return replace(plan, entries=entries)
+
+    def _gathers_in_fp8(self, choice: Choice, entry: ParamPlan) -> bool:
+        """Whether ``choice``'s weight is all-gathered as fp8 data and scale: a linear in
+        fp8 whose plan gathers it over one mesh axis (``shard_params``' ZeRO-3)."""
+        return (
+            self.gather_in_fp8
+            and choice.kind == "linear"
+            and choice.recipe is not None
+            and coalescible(entry) is not None
+        )
+
+    def _check_gathered(self, plan: Plan, gathered: int) -> None:
+        """Refuse ``gather_in_fp8`` where it gathers nothing, or under ``pipeline``."""
+        if plan.stage_group is not None:
+            raise PlanError(
+                "fp8(gather_in_fp8=True) does not compose with pipeline yet (a stage gathers "
+                "its params once per step, in their compute dtype); drop gather_in_fp8"
+            )
+        if not gathered:
+            raise PlanError(
+                "fp8(gather_in_fp8=True) found no fp8 linear whose weight is all-gathered: it "
+                "needs shard_params(mesh, axis='fsdp') (ZeRO-3, shard='params') in the step; "
+                "drop gather_in_fp8 or add shard_params"
+            )
 
     def _reason(self, choice: Choice) -> str:
         """What ``explain`` says of ``choice``'s weight."""
@@ -93,7 +138,7 @@ class Fp8(Transform):
         chosen = [c for c in self.choices(plan, model) if c.recipe is not None]
         paths = tuple(c.path for c in chosen if c.kind == "linear")
         experts = tuple(dict.fromkeys(c.path for c in chosen if c.kind == "experts"))
-        return Fp8Runtime(paths, self.recipe, experts)
+        return Fp8Runtime(paths, self.recipe, experts, gather_in_fp8=self.gather_in_fp8)
 
 
 def fp8(
@@ -102,6 +147,7 @@ def fp8(
     *,
     include: str | None = None,
     exclude: str | None = None,
+    gather_in_fp8: bool = False,
 ) -> Fp8:
     """Compute the matched linears' matmuls in fp8, with dynamic scaling.
 
@@ -128,13 +174,20 @@ def fp8(
             (``re.search``).
         exclude: A regex: linears and experts modules whose module path it matches stay in
             high precision.
+        gather_in_fp8: Under ``shard_params`` (ZeRO-3), all-gather the weights of the
+            linears in fp8 as float8_e4m3fn data (1 byte per element) plus a scale from the
+            whole weight's amax (one all-reduce of a float32 per weight, per unit gathered),
+            which the fp8 GEMMs take as they are; the step equals the one without it
+            bitwise (``docs/fp8.md``). Tensorwise only; default False.
 
     Returns:
         The transform: decorate a step with it.
 
     Raises:
-        PlanError: An unknown recipe or a pattern that is no regex; when placed, a pattern
-            that matches no linear or experts module, or no model given to ``place``.
+        PlanError: An unknown recipe or a pattern that is no regex; ``gather_in_fp8`` with
+            another recipe than tensorwise; when placed, a pattern that matches no linear or
+            experts module, no model given to ``place``, or ``gather_in_fp8`` where no fp8
+            weight is all-gathered or under ``pipeline``.
 
     Example:
         >>> import d9d, torch
@@ -148,4 +201,4 @@ def fp8(
         >>> step(params, (), torch.zeros(2, 8, dtype=torch.long))[2].shape
         torch.Size([])
     """
-    return Fp8(mesh, recipe, include, exclude)
+    return Fp8(mesh, recipe, include, exclude, gather_in_fp8)

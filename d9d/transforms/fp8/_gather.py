@@ -1,0 +1,82 @@
+"""The fp8 all-gather of a weight: ``shard_params`` gathers its tensorwise e4m3 data, and
+the fp8 linear multiplies that data with its scale; no high-precision copy of the weight
+crosses the wire, and the weight is not quantized a second time.
+
+[Note: the scale of a sharded weight] Tensorwise fp8 scales a weight by its amax over the
+whole matrix as a block computes with it (``fp8_quantize``: ``amax / 448``). Each rank holds
+a shard, so the gather first all-reduces the shards' amaxes (``max``, over the gathering
+axis: one float32 per weight, one all-reduce for the weights a unit gathers together), then
+quantizes its shard with that scale, all-gathers the fp8 data (1 byte per element) and
+rebuilds the weight as :class:`Fp8Weight` (data and the scale every rank holds already).
+Each element is quantized from the value the block would compute with (the stored shard
+cast to ``shard_params``' ``param_dtype`` first), by the same division as the reference
+``fp8_quantize``, so the data and scale equal those the fp8 linear takes of the gathered
+high-precision weight: the step is bitwise the fp8 step without the fp8 gather. Under
+``tensor_parallel`` the amax is reduced over the gathering axis only: the scale of the
+rank's tensor-parallel shard, as without the fp8 gather. torchao's float8 all-gather
+(``fsdp_pre_all_gather``) is the model; it quantizes the float32 master weight instead.
+
+Tensorwise only: rowwise scales the weight along ``K`` in the forward and along ``N`` in the
+input grad (two quantizations of one weight, so one gathered copy serves only one of them),
+and blockwise's 128x128 blocks straddle the shards' rows; both are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ...kernels._fp8_recipes import AMAX_EPS, fp8_max
+from ._linear import E4M3
+from ._weight import Fp8Weight
+
+__all__ = ["Fp8Gather"]
+
+
+@dataclass(frozen=True)
+class Fp8Gather:
+    """The gather codec of a weight the fp8 linear computes with in tensorwise fp8: its
+    shard cast to ``compute_dtype``, quantized to e4m3 with the scale of the whole weight's
+    amax (the all-reduced ``statistic``), gathered, and decoded as :class:`Fp8Weight`.
+
+    Attributes:
+        compute_dtype: The dtype the weight is computed with and its grad comes back in
+            (``shard_params``' ``param_dtype``, else the param's own).
+    """
+
+    compute_dtype: torch.dtype
+    statistic_op: ClassVar[str] = "max"
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype all-gathered: the e4m3 bits as uint8 (gloo gathers no fp8 dtype:
+        "Invalid scalar type"; NCCL moves fp8 as uint8 too)."""
+        return torch.uint8
+
+    def _wide(self, shard: Tensor) -> Tensor:
+        return shard.detach().to(self.compute_dtype).float()
+
+    def statistic(self, shard: Tensor) -> Tensor:
+        """``[1]``: the shard's amax, as the block would compute with it."""
+        if shard.numel() == 0:  # an uneven shard with no rows
+            return shard.new_zeros(1, dtype=torch.float32)
+        return self._wide(shard).abs().amax().reshape(1)
+
+    def _scale(self, amax: Tensor | None) -> Tensor:
+        if amax is None:
+            raise ValueError("the fp8 gather codec needs the all-reduced amax of the weight")
+        amax = amax.reshape(1, 1).clamp(min=AMAX_EPS)
+        return amax / torch.full_like(amax, fp8_max(E4M3))  # fp8_quantize's own division
+
+    def encode(self, shard: Tensor, statistic: Tensor | None = None) -> Tensor:
+        """The shard's e4m3 data under the whole weight's scale, its bits as uint8."""
+        limit = fp8_max(E4M3)
+        data = (self._wide(shard) / self._scale(statistic)).clamp(-limit, limit).to(E4M3)
+        return data.view(self.wire_dtype)
+
+    def decode(self, gathered: Tensor, statistic: Tensor | None = None) -> Fp8Weight:
+        """The gathered data with its scale, as the weight to compute with."""
+        return Fp8Weight(gathered.view(E4M3), self._scale(statistic), self.compute_dtype)
