@@ -13,6 +13,7 @@ sends and receives complete at once on the simulated world). Activations: the fo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
