@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,9 +17,32 @@ from torch.distributed.tensor import Placement, Shard
 
 from ._structure import Axes
 
-__all__ = ["Cast", "ParamPlan", "with_placement"]
+__all__ = ["Cast", "GatherCodec", "ParamPlan", "with_placement"]
 
 _A = TypeVar("_A")
+
+
+class GatherCodec(Protocol):
+    """How a stored shard is all-gathered and computed with: :class:`Cast`'s members (see
+    its docstring), which the core's gathers call without knowing the format."""
+
+    statistic_op: ClassVar[str | None]
+
+    @property
+    def wire_dtype(self) -> torch.dtype: ...
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def statistic(self, shard: torch.Tensor) -> torch.Tensor | None: ...
+
+    def encode(
+        self, shard: torch.Tensor, statistic: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def decode(
+        self, gathered: torch.Tensor, statistic: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -106,7 +129,7 @@ class ParamPlan:
     compute: tuple[Placement, ...]
     grad: tuple[Placement, ...]
     reasons: tuple[str, ...] = ()
-    codec: Any = None  # a Cast or another gather codec (Cast's members)
+    codec: GatherCodec | None = None
     reduce_dtype: torch.dtype | None = None
     grad_storage: tuple[Placement, ...] | None = None
     state: tuple[Placement, ...] | None = None
