@@ -3,7 +3,7 @@
 The params outside blocks are gathered when ``apply`` starts; a block's params when the
 block's forward starts, and its slots get the module's own tensors back when it ends: the
 core's interception of each block, the innermost one. Both gathers go through the call's
-``gather`` (:func:`_collectives.gather_params` unless a runtime put its own in). Before the
+``gather`` (:func:`_gather.gather_params` unless a runtime put its own in). Before the
 forward every runtime's ``enter_apply`` sees the :class:`~d9d.core._runtime.ApplyCall` (it may
 change the inputs, stand modules in, intercept modules and blocks, take the gathers over,
 add contexts around the forward); the forward runs in the call's environment, inside those
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ._collectives import gather_params
 from ._context import StepContext
+from ._gather import gather_params
 from ._runtime import ApplyCall, Interception
 from ._structure import Block, Slot, Structure
 

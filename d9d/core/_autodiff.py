@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor
 from .. import tree
 from ..errors import IndivisibleError
 from ._backward_region import backward_region
-from ._collectives import reduce_to
 from ._context import count_tokens, current
 from ._embedding_ids import named_inputs
+from ._grad_reduce import reduce_to
 from ._plan import Plan
 from ._runtime import Differentiation, Inputs
 

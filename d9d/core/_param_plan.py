@@ -1,7 +1,7 @@
 """One param's plan: how it is stored, computed and reduced, and why; pure data.
 
 A transform's rule rewrites a :class:`ParamPlan`; the step gathers, reduces, places and
-checks from it (``_collectives``, ``_placed_trees``), counts its memory from it (``_step``);
+checks from it (``_gather``, ``_grad_reduce``, ``_placed_trees``), counts its memory from it (``_step``);
 ``_plan`` holds every param's plan and prints them.
 """
 

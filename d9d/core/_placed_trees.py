@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import tree
 from ..errors import ParamShapeError, PlanError
-from ._collectives import distribute
+from ._gather import distribute
 from ._plan import Plan
 
 __all__ = ["check_placed", "place_state", "without"]

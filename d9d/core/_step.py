@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from .. import tree
 from ..errors import IndivisibleError, PlanError
 from ._batch_check import BatchSignature, batch_signature, check_batch
-from ._collectives import distribute
 from ._comm_count import CollectiveCounter, CommStats
 from ._context import StepContext, running
+from ._gather import distribute
 from ._mesh import make_mesh
 from ._param_plan import ParamPlan
 from ._phase import Phase

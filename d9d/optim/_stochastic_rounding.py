@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from d9d import tree
-from d9d.core._collectives import local_like
+from d9d.core._gather import local_like
 from d9d.optim._transform import GradientTransformation, check_same_layout, zero_count
 
 __all__ = ["StochasticRoundState", "stochastic_round", "stochastic_round_to_bfloat16"]

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d import tree
-from d9d.core._collectives import local_like
+from d9d.core._gather import local_like
 from d9d.errors import OptimTreeMismatchError
 
 __all__ = [

@@ -167,7 +167,7 @@ def _gather_directly(mesh_size: int) -> None:
     fp8 piece of 6 bytes a rank padded to 8), on uneven shards."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from d9d.core._collectives import gather, gather_many
+    from d9d.core._gather import gather, gather_many
     from d9d.core._param_plan import ParamPlan
     from d9d.kernels import fp8_quantize
     from d9d.transforms.fp8._gather import Fp8Gather
@@ -184,7 +184,7 @@ def _gather_directly(mesh_size: int) -> None:
 
     fp8 = entry("w", weight, Fp8Gather(torch.float32))
     plain = entry("b", other, None)
-    stored = [d9d.core._collectives.distribute(t, mesh, (Shard(0),)) for t in (weight, other)]
+    stored = [d9d.core._gather.distribute(t, mesh, (Shard(0),)) for t in (weight, other)]
     data, scale = fp8_quantize(weight, "tensorwise")
     alone = gather(stored[0], mesh, fp8)
     together, whole = gather_many(stored, mesh, [fp8, plain], 0, (mesh.get_group(0).group_name,))

@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import d9d
 import d9d.core._apply
-import d9d.core._collectives
+import d9d.core._gather
 from d9d.cli._train_step import make_train_step
 from d9d.errors import IndivisibleError, MeshError, PlanError
 from d9d.models import Llama, LlamaConfig
@@ -171,7 +171,7 @@ def test_uneven_dims_are_padded_and_reported() -> None:
 def _peak_gathered_bytes(reshard: bool, prefetch: bool = False) -> tuple[int, int, int]:
     """The most bytes of gathered params alive at once during one fsdp=2 step, counting the
     buffers of all-gathers issued ahead (prefetch) from when they are issued."""
-    gather, issue = d9d.core._collectives.gather_params, d9d.core._collectives.issue_gather
+    gather, issue = d9d.core._gather.gather_params, d9d.core._gather.issue_gather
     watched: dict[int, tuple[list[tuple[StorageWeakRef, int]], list[int]]] = {}
 
     def watch(plan: Any, tensors: list[torch.Tensor]) -> None:

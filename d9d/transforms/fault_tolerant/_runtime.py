@@ -16,7 +16,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
-from ...core._collectives import local_like
+from ...core._gather import local_like
 from ...core._runtime import Differentiation, Runtime
 
 __all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...core._collectives import coalescible
+from ...core._gather import coalescible
 from ...core._param_plan import ParamPlan
 from ...core._phase import Phase
 from ...core._plan import Plan

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from ... import tree
 from ...core._autodiff import stack_aux
-from ...core._collectives import distribute, gather_params, local_like
 from ...core._comm_count import recording_into
 from ...core._context import count_tokens
+from ...core._gather import distribute, gather_params, local_like
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
 from ...errors import PlanError

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor
 
-from ...core._collectives import IssuedGather, issue_gather
+from ...core._gather import IssuedGather, issue_gather
 from ...core._plan import Plan
 from ...core._structure import Block
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ...core._collectives import IssuedGather, gather_params, issue_gather
+from ...core._gather import IssuedGather, gather_params, issue_gather
 from ...core._plan import Plan
 
 __all__ = ["Regather"]

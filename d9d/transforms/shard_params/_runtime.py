@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...core._collectives import gather_params
+from ...core._gather import gather_params
 from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Differentiation, Runtime
 from ...core._structure import Block

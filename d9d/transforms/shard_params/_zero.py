@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ...core._collectives import coalescible, gather_many, gather_params, reducible
+from ...core._gather import coalescible, gather_many, gather_params
+from ...core._grad_reduce import reducible
 from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
 from ...errors import PlanError

@@ -1,7 +1,7 @@
 """ZeRO-1/2's boundary in one block: whole params in, their grads reduced together out.
 
 A block's ZeRO params compute with their whole stored tensors (no all-gather), and in the
-backward their grads are reduced by the core's :func:`~d9d.core._collectives.reduce_many`,
+backward their grads are reduced by the core's :func:`~d9d.core._grad_reduce.reduce_many`,
 in one collective over the sharding axis, as FSDP reduces a unit: one reduce-scatter of
 their padded rows (ZeRO-2: each rank keeps the rows of its shard) or one all-reduce (ZeRO-1:
 each rank keeps the whole grad and the step body reads its shard's slice of it), then one
@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ...core._collectives import local_like, reduce_many, reduce_to, unreduced
 from ...core._context import current
+from ...core._gather import local_like
+from ...core._grad_reduce import reduce_many, reduce_to, unreduced
 from ...core._param_plan import ParamPlan
 
 __all__ = ["gather_wholes"]

@@ -1,12 +1,12 @@
-"""The collectives of a plan: gathering stored params for compute, reducing grads to storage.
+"""Laying params out, and gathering stored params for compute.
 
 :func:`gather_params` is what a block runs when it starts: the params it uses, gathered from
 their stored placement to their compute placement (one all-gather for all those sharded
 alike, as FSDP2 gathers a unit). :func:`issue_gather` starts those all-gathers ahead of
 their use without waiting (prefetch); ``gather_params(..., issued=...)`` then waits for them
 instead of gathering. In the backward each grad, ``Partial`` on the data-parallel axes, is
-reduced back to the stored placement (one reduce-scatter for those gathered together),
-unless the running step defers reductions (microbatch accumulation).
+reduced back to the stored placement (one reduce-scatter for those gathered together) by
+``_grad_reduce``, unless the running step defers reductions (microbatch accumulation).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
-    Placement,
     Replicate,
     Shard,
     distribute_tensor,
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ._context import current
+from ._grad_reduce import deferring, nested, padded, reduce_many, reduce_to, scaled_grad, unreduced
 from ._param_plan import ParamPlan
 from ._plan import Plan
 
@@ -41,10 +40,6 @@ __all__ = [
     "gather_params",
     "issue_gather",
     "local_like",
-    "reduce_many",
-    "reduce_to",
-    "reducible",
-    "unreduced",
 ]
 
 # The functional collective ops themselves (what DTensor issues, Dynamo traces and
@@ -82,22 +77,6 @@ def gather(stored: DTensor, mesh: DeviceMesh, entry: ParamPlan) -> torch.Tensor:
     return _Gather.apply(stored, mesh, entry)
 
 
-def reduce_to(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
-    """``grad`` redistributed to ``placements``, over the sharded axes first.
-
-    Reduce-scattering before all-reducing moves ``1/n`` of the bytes over the replicated
-    axes; DTensor left alone all-reduces the whole grad first (HSDP: 2x the bytes).
-    """
-    for want_shard in (True, False):
-        current = list(grad.placements)
-        for i, target in enumerate(placements):
-            if isinstance(target, Shard) == want_shard and current[i] != target:
-                current[i] = target
-        if tuple(current) != tuple(grad.placements):
-            grad = grad.redistribute(grad.device_mesh, current)
-    return grad
-
-
 def local_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local``, a shard computed from ``like``'s (same shape), as a DTensor laid out like
     ``like``: no check, no communication."""
@@ -116,7 +95,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx: Any, stored: DTensor, mesh: DeviceMesh, entry: ParamPlan) -> torch.Tensor:
         ctx.mesh, ctx.entry = mesh, entry
         ctx.shape, ctx.stride, ctx.dtype = stored.shape, stored.stride(), stored.dtype
-        ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, _deferring()
+        ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, deferring()
         if entry.codec is None:
             return stored.redistribute(mesh, entry.compute).to_local()
         local, statistic = stored.to_local(), None
@@ -132,17 +111,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, ...]:
         entry = ctx.entry
-        local = _scaled(grad.to(ctx.reduce_dtype), entry)
+        local = scaled_grad(grad.to(ctx.reduce_dtype), entry)
         out = DTensor.from_local(
             local, ctx.mesh, entry.grad, run_check=False, shape=ctx.shape, stride=ctx.stride
         )
         if not ctx.defer:
             out = reduce_to(out, entry.grad_kept).to(ctx.dtype)
         return out, None, None
-
-
-def _scaled(grad: torch.Tensor, entry: ParamPlan) -> torch.Tensor:
-    return grad if entry.grad_scale == 1 else grad * entry.grad_scale
 
 
 def _statistics(
@@ -263,11 +238,6 @@ def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
     return gather(stored, plan.mesh, entry)
 
 
-def _deferring() -> bool:
-    step = current()
-    return step is not None and step.defer_reduction
-
-
 def coalescible(entry: ParamPlan) -> tuple[int, int] | None:
     """``(mesh axis, tensor dim)`` when ``entry`` is gathered over exactly one mesh axis from a
     plain ``Shard(dim)`` to ``Replicate`` (so its gather can share one collective with others),
@@ -283,21 +253,7 @@ def coalescible(entry: ParamPlan) -> tuple[int, int] | None:
         return None
     if not isinstance(entry.grad[axis], Partial):
         return None
-    return None if _nested(entry.storage, axis, stored.dim) else (axis, stored.dim)
-
-
-def reducible(entry: ParamPlan, axis: int, kept: Placement) -> bool:
-    """Whether ``entry``'s grad can share :func:`reduce_many`'s collective over mesh ``axis``
-    to ``kept``: a ``Replicate`` (all-reduced) or a ``Shard(dim)`` of a dim that no other
-    axis shards (DTensor splits nested shards over the mesh's axes in order, not as rows of
-    the local grad)."""
-    return not isinstance(kept, Shard) or not _nested(entry.grad, axis, kept.dim)
-
-
-def _nested(placements: tuple[Placement, ...], axis: int, dim: int) -> bool:
-    """Whether an axis other than ``axis`` shards ``dim``."""
-    others = (*placements[:axis], *placements[axis + 1 :])
-    return any(isinstance(p, Shard) and p.dim == dim for p in others)
+    return None if nested(entry.storage, axis, stored.dim) else (axis, stored.dim)
 
 
 def gather_many(
@@ -326,27 +282,6 @@ def gather_many(
     collective for all the entries before the all-gather.
     """
     return list(_GatherMany.apply(mesh, axis, groups, tuple(entries), issued, *stored))
-
-
-def _reduced_together(entries: tuple[ParamPlan, ...], axis: int) -> tuple[int, ...]:
-    """The mesh axes other than ``axis`` over which every entry's grad is ``Partial`` (with
-    one reduce op) and kept ``Replicate``: their grads can share one all-reduce per axis."""
-    first = entries[0]
-    return tuple(
-        i
-        for i, p in enumerate(first.grad)
-        if i != axis
-        and isinstance(p, Partial)
-        and all(e.grad[i] == p and isinstance(e.grad_kept[i], Replicate) for e in entries)
-    )
-
-
-def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:
-    if rows.shape[0] == count:
-        return rows
-    out = rows.new_zeros((count, *rows.shape[1:]))
-    out[: rows.shape[0]] = rows
-    return out
 
 
 def _layouts(
@@ -402,11 +337,11 @@ def _flat_shards(
             else codec.encode(local, statistic)
         )
         rows = encoded.movedim(dim, 0)
-        pieces.append(_padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
+        pieces.append(padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
     in_bytes, sizes = _piece_sizes(entries, [p.numel() for p in pieces])
     if in_bytes:
         pieces = [
-            _padded(p.contiguous().view(torch.uint8), size)
+            padded(p.contiguous().view(torch.uint8), size)
             for p, size in zip(pieces, sizes, strict=True)
         ]
     return torch.cat(pieces)
@@ -434,7 +369,7 @@ class _GatherMany(torch.autograd.Function):
             layouts,
         )
         ctx.dtypes = [t.dtype for t in stored]
-        ctx.defer = _deferring()
+        ctx.defer = deferring()
         if issued is None:
             codecs = [e.codec for e in entries]
             statistics = _statistics(codecs, [t.to_local() for t in stored], [group])
@@ -482,104 +417,3 @@ class _GatherMany(torch.autograd.Function):
             list(grads), ctx.mesh, entries, ctx.axis, ctx.groups, kept, mine, strides
         )
         return (None,) * 5 + tuple(g.to(d) for g, d in zip(reduced, ctx.dtypes, strict=True))
-
-
-def unreduced(
-    grads: list[torch.Tensor],
-    mesh: DeviceMesh,
-    entries: Sequence[ParamPlan],
-    strides: Sequence[tuple[int, ...]],
-) -> list[DTensor]:
-    """``grads`` (local, laid out as their entries' ``grad``) cast to the reduce dtype,
-    scaled, and returned as those ``Partial`` DTensors, for the step to reduce once
-    (microbatch accumulation)."""
-    return [
-        DTensor.from_local(
-            _scaled(g.to(e.reduce_dtype or e.dtype), e),
-            mesh,
-            e.grad,
-            run_check=False,
-            shape=torch.Size(e.shape),
-            stride=stride,
-        )
-        for g, e, stride in zip(grads, entries, strides, strict=True)
-    ]
-
-
-def reduce_many(
-    grads: list[torch.Tensor],
-    mesh: DeviceMesh,
-    entries: Sequence[ParamPlan],
-    axis: int,
-    groups: tuple[str, ...],
-    kept: Sequence[Placement],
-    mine: Sequence[int],
-    strides: Sequence[tuple[int, ...]],
-) -> list[DTensor]:
-    """``grads`` (local, laid out as their entries' ``grad``: ``Partial`` on mesh ``axis``)
-    reduced over ``axis`` in one collective to ``kept``, their placements on ``axis``: all
-    ``Shard(dim)``, one reduce-scatter of their rows padded to equal chunks (as DTensor lays
-    uneven shards out); all ``Replicate``, one all-reduce. Then one all-reduce per other axis
-    over which every grad is ``Partial`` and kept whole (HSDP's replicate axis), after the
-    sharded axis (1/n of the bytes), and each to its entry's ``grad_kept``
-    (:func:`reduce_to`), in the reduce dtype. Grads are cast to the reduce dtype and scaled
-    by ``grad_scale`` first.
-
-    Entries must share the reduce dtype and the grad's placement on ``axis``, and no other
-    axis may shard a ``kept`` dim (nested shards are split over the mesh's axes in order,
-    not as rows of a local grad): :func:`reducible` says which can. ``groups``: the mesh
-    axes' process group names; ``mine``: the rows of each grad's ``kept`` dim this rank
-    keeps (unused for ``Replicate``); ``strides``: the params' global strides.
-    """
-    first = entries[0]
-    scaled = [
-        _scaled(g.to(first.reduce_dtype or first.dtype), e)
-        for g, e in zip(grads, entries, strict=True)
-    ]
-    ranks, group = mesh.shape[axis], groups[axis]
-    if isinstance(kept[0], Shard):
-        pieces, layouts = [], []
-        for grad, where in zip(scaled, kept, strict=True):
-            rows = grad.movedim(where.dim, 0)
-            chunk = -(-rows.shape[0] // ranks)
-            layouts.append((where.dim, chunk, rows.shape[1:]))
-            pieces.append(_padded(rows, ranks * chunk).reshape(ranks, -1))
-        flat = torch.cat(pieces, dim=1).reshape(-1)
-        flat = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
-    else:
-        flat = torch.cat([g.reshape(-1) for g in scaled])
-        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group))
-        layouts = None
-    if first.grad[axis].reduce_op == "avg":
-        flat = flat / ranks
-    over = _reduced_together(tuple(entries), axis)
-    for other in over:
-        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", groups[other]))
-        if first.grad[other].reduce_op == "avg":
-            flat = flat / mesh.shape[other]
-    out, offset = [], 0
-    for n, (grad, entry, where, stride) in enumerate(
-        zip(scaled, entries, kept, strides, strict=True)
-    ):
-        if layouts is None:
-            local = flat[offset : offset + grad.numel()].view(grad.shape)
-            offset += grad.numel()
-        else:
-            dim, chunk, rest = layouts[n]
-            size = chunk * math.prod(rest)
-            local = flat[offset : offset + size].view(chunk, *rest)[: mine[n]].movedim(0, dim)
-            offset += size
-        placements = tuple(
-            where if i == axis else Replicate() if i in over else p
-            for i, p in enumerate(entry.grad)
-        )
-        grad = DTensor.from_local(
-            local.contiguous(),
-            mesh,
-            placements,
-            run_check=False,
-            shape=torch.Size(entry.shape),
-            stride=stride,
-        )
-        out.append(reduce_to(grad, entry.grad_kept))
-    return out
