@@ -126,8 +126,9 @@ def test_a_rejoining_group_steps_on_from_the_peers_state_bitwise():
     new_params, new_state, metrics = step2(params, state, data[2])
     _, _, want_params, want_state, want_loss = runs[2]
     assert metrics["loss"].item() == want_loss.item()
-    for got, want in zip(_flat((new_params, new_state)), _flat((want_params, want_state))):
-        assert torch.equal(got, want)
+    got, want = _flat((new_params, new_state)), _flat((want_params, want_state))
+    assert len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert len(_flat(new_state)) > len(new_params)  # the moments and count came along
 
 

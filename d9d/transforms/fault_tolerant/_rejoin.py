@@ -85,7 +85,7 @@ def adopt(state: dict[str, list[Any]], params: Any, opt_state: Any) -> tuple[Any
     ours = [_leaf_layout(path, leaf) for path, leaf in leaves]
     theirs = list(state["layout"])
     if ours != theirs:
-        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
         if at is None:
             at = min(len(ours), len(theirs))
             differs = f"the peer holds {len(theirs)} leaves, this rank {len(ours)}"
