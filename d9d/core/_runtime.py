@@ -4,7 +4,8 @@ A transform's :meth:`~d9d.transforms.Transform.runtime` may return a :class:`Run
 core calls every runtime, in transform order, at these places and never names a transform:
 
 - on the params and optimizer state the step was called with, before anything else
-  (:meth:`Runtime.start_step`: a runtime may hand in others, e.g. a peer's live state);
+  (:meth:`Runtime.start_step`: a runtime may hand in others, e.g. a peer's live state),
+  and on those it returns (:meth:`Runtime.end_step`);
 - on the batch, before the step body runs (:meth:`Runtime.on_batch`);
 - on the params, as the step body sees them and as the step returns them
   (:meth:`Runtime.enter_step`, :meth:`Runtime.exit_step`), and whether the step keeps its
@@ -305,6 +306,10 @@ class Runtime:
         with (as stored); first of a step's hooks. A refused commit returns these. Default:
         the same; ``fault_tolerant`` returns a live peer's when its replica group rejoins."""
         return params, opt_state
+
+    def end_step(self, params: Any, opt_state: Any) -> None:
+        """Sees the params and optimizer state the step returns (as stored), after the
+        commit vote; last of a step's hooks."""
 
     def on_batch(self, batch: Any) -> Any:
         """The batch the step body sees (this rank's part of it)."""

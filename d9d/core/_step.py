@@ -316,6 +316,8 @@ class TransformedStep:
         # Every runtime is asked, also after a refusal: its asking may be a collective.
         if not all([runtime.commit() for runtime in self._runtimes]):
             params, opt_state = given
+        for runtime in self._runtimes:
+            runtime.end_step(params, opt_state)
         return params, opt_state, self._mean_over_ranks(metrics)
 
     def _mean_over_ranks(self, metrics: Any) -> Any:

@@ -49,7 +49,7 @@ class FaultTolerantRuntime(Runtime):
         self.manager = manager
         self.starts_quorum = starts_quorum
         self.participants: int | None = None
-        self.live: tuple[Any, Any] | None = None  # what the step was called with: served
+        self.live: tuple[Any, Any] | None = None  # what the step is called with: served
         self.received: dict[str, list[Any]] | None = None  # a peer's, taken at the next step
         manager.register_state_dict_fn(STATE_KEY, self._receive, self._serve)
 
@@ -88,8 +88,12 @@ class FaultTolerantRuntime(Runtime):
                 "params and optimizer state",
                 self.manager.current_step(),
             )
-            self.live = (params, opt_state)
         return params, opt_state
+
+    def end_step(self, params: Any, opt_state: Any) -> None:
+        # What the next step will be called with: served to a peer that rejoins at its
+        # quorum, which a caller may start before the call (``starts_quorum=False``).
+        self.live = (params, opt_state)
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         value, aux, grads, weight = job.run(job.args, job.kwargs, True)
