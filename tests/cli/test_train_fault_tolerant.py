@@ -77,7 +77,11 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
         ({"lighthouse": "x"}, ValueError, r"--lighthouse only apply with --fault-tolerant"),
         ({**FT, "replica_group_id": 2}, ValueError, r"--replica-group-id must be in 0 \.\."),
         ({**FT, "replica_group_id": 0, "jit": True}, ConfigError, r"not run with --jit yet"),
-        ({**FT, "replica_group_id": 1, "save_every": 5}, ConfigError, r"cannot rejoin yet"),
+        (
+            {**FT, "replica_group_id": 1, "save_every": 5},
+            ConfigError,
+            r"takes its state from a live peer",
+        ),
     ],
 )
 def test_fault_tolerant_flags_are_checked(fields: dict, error: type, match: str) -> None:
