@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,88 @@ def test_each_replica_group_reads_its_own_rows() -> None:
     config = TrainConfig(**FT, replica_group_id=1)
     assert _data_rank(InGroup(), object(), config) == (3, 4)
     assert _data_rank(InGroup(), None, config) == (1, 2)
+
+
+def _wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen]) -> None:
+    """Poll until ``ready()`` (a file a process writes), failing early if one exits."""
+    deadline = time.monotonic() + 240
+    while not ready():
+        dead = [p.args[-1] for p in procs if p.poll() is not None]
+        assert not dead and time.monotonic() < deadline, f"no {what}; exited: {dead}"
+        time.sleep(0.05)
+
+
+def _steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.open()] if path.exists() else []
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_killed_replica_group_restarts_and_rejoins(tmp_path: Path) -> None:
+    # The survivor is frozen (SIGSTOP) before the other group is killed, and thawed once the
+    # restarted group waits at the lighthouse: the survivor never commits a step alone, so
+    # every step of both groups has the losses of one process fed the whole batch: the
+    # restarted group must have taken the survivor's params, optimizer state and data
+    # position to give them.
+    torchft = pytest.importorskip("torchft.coordination")
+    steps = 8
+    args = [*ARGS[:2], str(steps), *ARGS[3:], "--log-every", "1"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    lighthouse = torchft.LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=60_000,
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=2_000,
+    )
+    outs = [tmp_path / f"group{g}" for g in (0, 1)]
+
+    def start(group: int, log: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "d9d", *args, "--fault-tolerant"),
+                *(f"--lighthouse={lighthouse.address()}", "--replica-groups=2"),
+                f"--replica-group-id={group}",
+                f"--out={outs[group]}",
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=(tmp_path / log).open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    procs: list[subprocess.Popen] = []
+    try:
+        survivor, victim = start(0, "group0.log"), start(1, "group1.log")
+        procs = [survivor, victim]
+        _wait_for("second step", lambda: 2 in _steps(outs[1]), procs)
+        survivor.send_signal(signal.SIGSTOP)
+        victim.kill()
+        assert victim.wait(timeout=60) == -signal.SIGKILL
+        restarted = start(1, "group1b.log")
+        procs = [restarted]
+        _wait_for(
+            "wait at the lighthouse",
+            lambda: "waiting for the others" in (tmp_path / "group1b.log").read_text(),
+            procs,
+        )
+        survivor.send_signal(signal.SIGCONT)
+        codes = [survivor.wait(timeout=240), restarted.wait(timeout=240)]
+    finally:
+        for proc in (*procs, survivor):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+        lighthouse.shutdown()
+    for code, log in zip(codes, ("group0.log", "group1b.log"), strict=True):
+        assert code == 0, (tmp_path / log).read_text()[-3000:]
+    assert "rejoined at step" in (tmp_path / "group1b.log").read_text()
+    assert _steps(outs[0]) == list(range(1, steps + 1))  # consecutive, none repeated
+    # The killed run's records, then the restarted run's from the step after it rejoined.
+    logged = _steps(outs[1])
+    assert logged == sorted(set(logged)) and logged[-1] == steps and 2 in logged
+    want = dict(enumerate(_losses(tmp_path / "one"), start=1))
+    for out in outs:
+        for line in (out / "metrics.jsonl").open():
+            record = json.loads(line)
+            assert record["loss"] == pytest.approx(want[record["step"]], rel=1e-5)

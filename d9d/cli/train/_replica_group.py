@@ -12,6 +12,7 @@ part, beside them in torchft's state dict), and its step count jumps to the peer
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from ...transforms.fault_tolerant import fault_tolerant
 from .._config import TrainConfig
 
 __all__ = ["ReplicaGroup", "join_replica_group"]
+
+_log = logging.getLogger("d9d.fault_tolerant")
 
 
 DATA_KEY = "d9d.train.data"
@@ -129,11 +132,20 @@ def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:
     heartbeating or not, holds none up for long: the lighthouse then answers with the
     groups that asked); a quorum only this group takes part in runs no step."""
     deadline = time.monotonic() + timeout_s
+    told = False
     while True:
         manager.start_quorum()
         joined = manager.num_participants()
         if joined >= groups or manager.current_step() > 0:
             return
+        if not told:
+            _log.warning(
+                "d9d train: %d of --replica-groups %d replica groups in the quorum; waiting "
+                "for the others",
+                joined,
+                groups,
+            )
+            told = True
         if time.monotonic() > deadline:
             raise ConfigError(
                 f"only {joined} of --replica-groups {groups} replica groups reached the "
