@@ -12,6 +12,10 @@ watched (polled every 10 ms):
   restart_to_step_s     restart -> the restarted group's first committed step
   served_mib            the params and AdamW state one rank receives (fp32)
 
+Each time is the median of ``--repeats`` runs (a fresh lighthouse and groups each); every
+run's times are kept beside it. The machine's 1-minute load average is recorded: on a shared
+machine the restart (process start, imports) varies most.
+
     python benchmarks/ft_rejoin.py --out benchmarks/results/ft_rejoin-cpu.json
 """
 
@@ -21,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,7 +80,21 @@ def _served_mib(preset: str) -> float:
     return round(3 * 4 * n / 2**20, 2)  # fp32 params, AdamW's two moments
 
 
+_TIMES = ("kill_to_next_step_s", "restart_to_rejoin_s", "restart_to_step_s")
+
+
+def median_row(args: argparse.Namespace, preset: str, work: Path) -> dict[str, Any]:
+    """``run_preset`` ``--repeats`` times: the median of each time, and every run's."""
+    runs = [run_preset(args, preset, work / f"run{i}") for i in range(args.repeats)]
+    row = dict(runs[0])
+    for key in (*_TIMES, "step_time_s", "load_1min"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["runs"] = [{k: r[k] for k in (*_TIMES, "load_1min")} for r in runs]
+    return row
+
+
 def run_preset(args: argparse.Namespace, preset: str, work: Path) -> dict[str, Any]:
+    work.mkdir(parents=True)
     lighthouse = LighthouseServer(
         bind="[::]:0",
         min_replicas=1,
@@ -131,12 +150,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per group")
     parser.add_argument("--heartbeat-ms", type=int, default=2000)
     parser.add_argument("--warm", type=int, default=3, help="steps group 1 logs before the kill")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ft_rejoin-cpu.json"))
     args = parser.parse_args()
     header = provenance("ft_rejoin", args, device_name(), backend="gloo")
     header |= {"cpus": os.cpu_count(), "load_1min_before": round(os.getloadavg()[0], 2)}
     with tempfile.TemporaryDirectory() as work:
-        rows = [run_preset(args, p, Path(work)) for p in args.presets.split(",")]
+        rows = [median_row(args, p, Path(work) / p) for p in args.presets.split(",")]
     write_report(args.out, {**header, "rows": rows})
 
 
