@@ -4,6 +4,7 @@ its flags are checked and what it does not run with is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -119,14 +120,34 @@ def _steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.open()] if path.exists() else []
 
 
+def _signal_all(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``proc`` and every process under it (torchrun starts its workers in
+    sessions of their own, which a process group signal would miss)."""
+    pids = [proc.pid]
+    for pid in pids:  # grows as children are found: a breadth-first walk
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError):  # exited meanwhile
+                pids += [int(child) for child in (task / "children").read_text().split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+TORCHRUN_FSDP2 = [
+    *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "d9d"),
+    "--fsdp=2",
+]
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_a_killed_replica_group_restarts_and_rejoins(tmp_path: Path) -> None:
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("launch", [["-m", "d9d"], TORCHRUN_FSDP2], ids=["one_rank", "fsdp2"])
+def test_a_killed_replica_group_restarts_and_rejoins(tmp_path: Path, launch: list[str]) -> None:
     # The survivor is frozen (SIGSTOP) before the other group is killed, and thawed once the
     # restarted group waits at the lighthouse: the survivor never commits a step alone, so
     # every step of both groups has the losses of one process fed the whole batch: the
     # restarted group must have taken the survivor's params, optimizer state and data
-    # position to give them.
+    # position (each rank its own shard under fsdp=2) to give them.
     torchft = pytest.importorskip("torchft.coordination")
     steps = 8
     args = [*ARGS[:2], str(steps), *ARGS[3:], "--log-every", "1"]
@@ -139,11 +160,12 @@ def test_a_killed_replica_group_restarts_and_rejoins(tmp_path: Path) -> None:
         heartbeat_timeout_ms=2_000,
     )
     outs = [tmp_path / f"group{g}" for g in (0, 1)]
+    runner, layout = launch[: launch.index("d9d") + 1], launch[launch.index("d9d") + 1 :]
 
     def start(group: int, log: str) -> subprocess.Popen:
         return subprocess.Popen(
             [
-                *(sys.executable, "-m", "d9d", *args, "--fault-tolerant"),
+                *(sys.executable, *runner, *args, *layout, "--fault-tolerant"),
                 *(f"--lighthouse={lighthouse.address()}", "--replica-groups=2"),
                 f"--replica-group-id={group}",
                 f"--out={outs[group]}",
@@ -158,23 +180,23 @@ def test_a_killed_replica_group_restarts_and_rejoins(tmp_path: Path) -> None:
         survivor, victim = start(0, "group0.log"), start(1, "group1.log")
         procs = [survivor, victim]
         _wait_for("second step", lambda: 2 in _steps(outs[1]), procs)
-        survivor.send_signal(signal.SIGSTOP)
-        victim.kill()
+        _signal_all(survivor, signal.SIGSTOP)
+        _signal_all(victim, signal.SIGKILL)
         assert victim.wait(timeout=60) == -signal.SIGKILL
         restarted = start(1, "group1b.log")
-        procs = [restarted]
+        procs = [survivor, restarted]
         _wait_for(
             "wait at the lighthouse",
             lambda: "waiting for the others" in (tmp_path / "group1b.log").read_text(),
-            procs,
+            [restarted],
         )
-        survivor.send_signal(signal.SIGCONT)
+        _signal_all(survivor, signal.SIGCONT)
         codes = [survivor.wait(timeout=240), restarted.wait(timeout=240)]
     finally:
-        for proc in (*procs, survivor):
+        for proc in procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
+                _signal_all(proc, signal.SIGCONT)
+                _signal_all(proc, signal.SIGKILL)
         lighthouse.shutdown()
     for code, log in zip(codes, ("group0.log", "group1b.log"), strict=True):
         assert code == 0, (tmp_path / log).read_text()[-3000:]
