@@ -117,7 +117,10 @@ def _wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen
 
 def _steps(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.open()] if path.exists() else []
+    if not path.exists():
+        return []
+    # A line being written while it is read is not a whole record yet (records are flat).
+    return [json.loads(line)["step"] for line in path.open() if line.rstrip().endswith("}")]
 
 
 def _signal_all(proc: subprocess.Popen, sig: int) -> None:
