@@ -8,7 +8,8 @@ waits for ``go``; with ``--pause-after K,L,...`` it prints ``paused`` after comm
 of those steps and waits for ``go`` again; with ``--die-after K`` it SIGKILLs itself after
 committing step K; with ``--wait-at K`` it asks for quorums before step K until one holds
 two groups (the lighthouse forms a quorum of the groups that were in the last one at once,
-without waiting for a group that asks for the first time). Each attempted step goes to ``--out`` as a JSON line; the final params and
+without waiting for a group that asks for the first time), once; ``--axis dp`` names its
+mesh axis ``dp`` instead of ``fsdp`` (another layout). Each attempted step goes to ``--out`` as a JSON line; the final params and
 optimizer state are saved beside it.
 
 It starts each step's quorum itself, before it picks the step's batch: a group started
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--pause-after", default="")
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--wait-at", type=int, default=-1)
+    parser.add_argument("--axis", default="fsdp")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -85,11 +87,11 @@ def main() -> None:
         timeout=timedelta(seconds=60),
         quorum_timeout=timedelta(seconds=120),
     )
-    mesh = d9d.make_mesh("cpu", fsdp=1)
+    mesh = d9d.make_mesh("cpu", **{args.axis: 1})
     torch.manual_seed(0)
     model, opt = llama(torch.float64, n_layers=1)(), optimizer("adamw")
     ft = d9d.fault_tolerant(manager, starts_quorum=False)
-    step = ft(d9d.shard_params(mesh, "fsdp")(train_step(model, opt)))
+    step = ft(d9d.shard_params(mesh, args.axis)(train_step(model, opt)))
     pauses = {int(k) for k in args.pause_after.split(",") if k}
     params, state = step.place(model.params, opt.init(model.params), model=model)
     _wait_for_go()
@@ -98,6 +100,8 @@ def main() -> None:
             manager.start_quorum()  # a restarted group rejoins here: its step jumps
             while manager.current_step() == args.wait_at and manager.num_participants() < 2:
                 manager.start_quorum()  # no other group takes part in these: no step runs
+            if manager.current_step() == args.wait_at:  # two groups: wait only this once
+                args.wait_at = -1
             at = manager.current_step()
             params, state, metrics = step(params, state, batch_of(args.group, at))
             committed = manager.current_step() == at + 1

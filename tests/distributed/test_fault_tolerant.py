@@ -6,6 +6,7 @@ restart, its committed steps consecutive and none repeated, and its params equal
 fed both batches up to the kill and the survivor's alone after it. (c) The killed group is
 restarted and rejoins: it takes the survivor's live params and optimizer state at its first
 quorum, both step on together, and their params and optimizer state end bitwise equal.
+(d) A group of another layout that joins late is refused by name, and the survivor goes on.
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep: see
 ``ft_replica.py``.
@@ -211,3 +212,41 @@ def test_a_killed_group_restarts_and_rejoins_bitwise(tmp_path: Path) -> None:
     _, params = _reference(data)
     got = torch.load(tmp_path / "group1b.jsonl.params.pt")
     assert_trees_all_close(got, params, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_a_late_group_of_another_layout_is_refused_and_the_survivor_goes_on(
+    tmp_path: Path,
+) -> None:
+    steps = 4
+    lighthouse = _lighthouse()
+    try:
+        survivor = _start(
+            lighthouse, 0, tmp_path / "group0.jsonl", "--pause-after=1", "--wait-at=2", steps=steps
+        )
+        _expect(survivor, "ready")
+        _go(survivor)
+        _expect(survivor, "paused")  # steps 0-1 committed alone
+        late = subprocess.Popen(
+            [
+                *(sys.executable, str(HERE / "ft_replica.py"), "--group=1", "--axis=dp"),
+                *(f"--lighthouse={lighthouse.address()}", f"--steps={steps}"),
+                f"--out={tmp_path / 'group1.jsonl'}",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=HERE,
+        )
+        _expect(late, "ready")
+        _go(late, survivor)
+        _, err = late.communicate(timeout=240)
+        assert late.returncode != 0
+        assert "PlanError: this replica group cannot rejoin: its live peer's params" in err
+        assert "on mesh (fsdp=1)" in err and "on mesh (dp=1)" in err
+        _finish(survivor)
+    finally:
+        lighthouse.shutdown()
+    log = _log(tmp_path / "group0.jsonl")
+    assert [r["step"] for r in log if r["committed"]] == list(range(steps))
