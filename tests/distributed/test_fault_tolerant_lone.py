@@ -149,6 +149,14 @@ def test_a_peer_of_another_layout_is_refused_by_name():
         step2(params2, state2, batches(128, global_batch=2, steps=1)[0])
 
 
+def test_nothing_is_served_before_a_step_ran():
+    manager = LoneManager([])
+    model, opt, step = _build(manager)
+    step.place(model.params, opt.init(model.params), model=model)
+    with pytest.raises(PlanError, match=r"a peer asked for live state before any step ran"):
+        manager.state_fns["d9d.fault_tolerant"][1]()
+
+
 def test_fault_tolerant_refuses_what_is_not_a_manager():
     with pytest.raises(PlanError, match=r"needs a torchft\.Manager, got object without"):
         d9d.fault_tolerant(object())
