@@ -213,3 +213,16 @@ def test_a_killed_replica_group_restarts_and_rejoins(tmp_path: Path, launch: lis
         for line in (out / "metrics.jsonl").open():
             record = json.loads(line)
             assert record["loss"] == pytest.approx(want[record["step"]], rel=1e-5)
+
+
+def test_a_replica_group_continues_only_in_its_own_out(tmp_path: Path) -> None:
+    from d9d.cli.train._out import check_fresh_out
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"fault_tolerant": True, "replica_group_id": 1})
+    )
+    check_fresh_out(tmp_path, resuming=False, replica_group=1)  # its run before a restart
+    with pytest.raises(ConfigError, match=r"already holds a run \(config\.json\)"):
+        check_fresh_out(tmp_path, resuming=False, replica_group=0)  # another group's
+    with pytest.raises(ConfigError, match=r"already holds a run"):
+        check_fresh_out(tmp_path, resuming=False)  # a run without --fault-tolerant

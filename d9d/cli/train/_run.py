@@ -137,9 +137,11 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
     replica = None
     try:
         replica = join_replica_group(config) if config.fault_tolerant else None
-        # A replica group's --out may hold its run before a restart: it rejoins there.
-        continuing = config.resume or config.resume_from is not None or config.fault_tolerant
-        check_fresh_out(config.out, resuming=continuing)
+        check_fresh_out(
+            config.out,
+            resuming=config.resume or config.resume_from is not None,
+            replica_group=config.replica_group_id if config.fault_tolerant else None,
+        )
         run = _train(config, console, replica)
     except BaseException:
         if replica is not None:
