@@ -3,6 +3,9 @@
 A transform's :meth:`~d9d.transforms.Transform.runtime` may return a :class:`Runtime`. The
 core calls every runtime, in transform order, at these places and never names a transform:
 
+- on the params and optimizer state the step was called with, before anything else
+  (:meth:`Runtime.start_step`: a runtime may hand in others, e.g. a peer's live state),
+  and on those it returns (:meth:`Runtime.end_step`);
 - on the batch, before the step body runs (:meth:`Runtime.on_batch`);
 - on the params, as the step body sees them and as the step returns them
   (:meth:`Runtime.enter_step`, :meth:`Runtime.exit_step`), and whether the step keeps its
@@ -297,6 +300,16 @@ class Runtime:
         """``{trait: why}``: the traits of other runtimes this one cannot run with, each
         with the words that say why; the step refuses the pair by name when placed."""
         return {}
+
+    def start_step(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The params and optimizer state the step starts from, given those it was called
+        with (as stored); first of a step's hooks. A refused commit returns these. Default:
+        the same; ``fault_tolerant`` returns a live peer's when its replica group rejoins."""
+        return params, opt_state
+
+    def end_step(self, params: Any, opt_state: Any) -> None:
+        """Sees the params and optimizer state the step returns (as stored), after the
+        commit vote; last of a step's hooks."""
 
     def on_batch(self, batch: Any) -> Any:
         """The batch the step body sees (this rank's part of it)."""

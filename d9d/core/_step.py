@@ -304,6 +304,8 @@ class TransformedStep:
     def run(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         """One step, inputs checked and the step running (``d9d.jit`` does both outside its
         graph)."""
+        for runtime in self._runtimes:
+            params, opt_state = runtime.start_step(params, opt_state)
         given = params, opt_state
         for runtime in self._runtimes:
             batch = runtime.on_batch(batch)
@@ -314,6 +316,8 @@ class TransformedStep:
         # Every runtime is asked, also after a refusal: its asking may be a collective.
         if not all([runtime.commit() for runtime in self._runtimes]):
             params, opt_state = given
+        for runtime in self._runtimes:
+            runtime.end_step(params, opt_state)
         return params, opt_state, self._mean_over_ranks(metrics)
 
     def _mean_over_ranks(self, metrics: Any) -> Any:

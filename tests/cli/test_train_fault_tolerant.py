@@ -4,10 +4,14 @@ its flags are checked and what it does not run with is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,7 +81,11 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
         ({"lighthouse": "x"}, ValueError, r"--lighthouse only apply with --fault-tolerant"),
         ({**FT, "replica_group_id": 2}, ValueError, r"--replica-group-id must be in 0 \.\."),
         ({**FT, "replica_group_id": 0, "jit": True}, ConfigError, r"not run with --jit yet"),
-        ({**FT, "replica_group_id": 1, "save_every": 5}, ConfigError, r"cannot rejoin yet"),
+        (
+            {**FT, "replica_group_id": 1, "save_every": 5},
+            ConfigError,
+            r"takes its state from a live peer",
+        ),
     ],
 )
 def test_fault_tolerant_flags_are_checked(fields: dict, error: type, match: str) -> None:
@@ -96,3 +104,125 @@ def test_each_replica_group_reads_its_own_rows() -> None:
     config = TrainConfig(**FT, replica_group_id=1)
     assert _data_rank(InGroup(), object(), config) == (3, 4)
     assert _data_rank(InGroup(), None, config) == (1, 2)
+
+
+def _wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen]) -> None:
+    """Poll until ``ready()`` (a file a process writes), failing early if one exits."""
+    deadline = time.monotonic() + 240
+    while not ready():
+        dead = [p.args[-1] for p in procs if p.poll() is not None]
+        assert not dead and time.monotonic() < deadline, f"no {what}; exited: {dead}"
+        time.sleep(0.05)
+
+
+def _steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    # A line being written while it is read is not a whole record yet (records are flat).
+    return [json.loads(line)["step"] for line in path.open() if line.rstrip().endswith("}")]
+
+
+def _signal_all(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``proc`` and every process under it (torchrun starts its workers in
+    sessions of their own, which a process group signal would miss)."""
+    pids = [proc.pid]
+    for pid in pids:  # grows as children are found: a breadth-first walk
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError):  # exited meanwhile
+                pids += [int(child) for child in (task / "children").read_text().split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+TORCHRUN_FSDP2 = [
+    *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "d9d"),
+    "--fsdp=2",
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("launch", [["-m", "d9d"], TORCHRUN_FSDP2], ids=["one_rank", "fsdp2"])
+def test_a_killed_replica_group_restarts_and_rejoins(tmp_path: Path, launch: list[str]) -> None:
+    # The survivor is frozen (SIGSTOP) before the other group is killed, and thawed once the
+    # restarted group waits at the lighthouse: the survivor never commits a step alone, so
+    # every step of both groups has the losses of one process fed the whole batch: the
+    # restarted group must have taken the survivor's params, optimizer state and data
+    # position (each rank its own shard under fsdp=2) to give them.
+    torchft = pytest.importorskip("torchft.coordination")
+    steps = 8
+    args = [*ARGS[:2], str(steps), *ARGS[3:], "--log-every", "1"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    lighthouse = torchft.LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=60_000,
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=2_000,
+    )
+    outs = [tmp_path / f"group{g}" for g in (0, 1)]
+    runner, layout = launch[: launch.index("d9d") + 1], launch[launch.index("d9d") + 1 :]
+
+    def start(group: int, log: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                *(sys.executable, *runner, *args, *layout, "--fault-tolerant"),
+                *(f"--lighthouse={lighthouse.address()}", "--replica-groups=2"),
+                f"--replica-group-id={group}",
+                f"--out={outs[group]}",
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=(tmp_path / log).open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    procs: list[subprocess.Popen] = []
+    try:
+        survivor, victim = start(0, "group0.log"), start(1, "group1.log")
+        procs = [survivor, victim]
+        _wait_for("second step", lambda: 2 in _steps(outs[1]), procs)
+        _signal_all(survivor, signal.SIGSTOP)
+        _signal_all(victim, signal.SIGKILL)
+        assert victim.wait(timeout=60) == -signal.SIGKILL
+        restarted = start(1, "group1b.log")
+        procs = [survivor, restarted]
+        _wait_for(
+            "wait at the lighthouse",
+            lambda: "waiting for the others" in (tmp_path / "group1b.log").read_text(),
+            [restarted],
+        )
+        _signal_all(survivor, signal.SIGCONT)
+        codes = [survivor.wait(timeout=240), restarted.wait(timeout=240)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _signal_all(proc, signal.SIGCONT)
+                _signal_all(proc, signal.SIGKILL)
+        lighthouse.shutdown()
+    for code, log in zip(codes, ("group0.log", "group1b.log"), strict=True):
+        assert code == 0, (tmp_path / log).read_text()[-3000:]
+    assert "rejoined at step" in (tmp_path / "group1b.log").read_text()
+    assert _steps(outs[0]) == list(range(1, steps + 1))  # consecutive, none repeated
+    # The killed run's records, then the restarted run's from the step after it rejoined.
+    logged = _steps(outs[1])
+    assert logged == sorted(set(logged)) and logged[-1] == steps and 2 in logged
+    want = dict(enumerate(_losses(tmp_path / "one"), start=1))
+    for out in outs:
+        for line in (out / "metrics.jsonl").open():
+            record = json.loads(line)
+            assert record["loss"] == pytest.approx(want[record["step"]], rel=1e-5)
+
+
+def test_a_replica_group_continues_only_in_its_own_out(tmp_path: Path) -> None:
+    from d9d.cli.train._out import check_fresh_out
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"fault_tolerant": True, "replica_group_id": 1})
+    )
+    check_fresh_out(tmp_path, resuming=False, replica_group=1)  # its run before a restart
+    with pytest.raises(ConfigError, match=r"already holds a run \(config\.json\)"):
+        check_fresh_out(tmp_path, resuming=False, replica_group=0)  # another group's
+    with pytest.raises(ConfigError, match=r"already holds a run"):
+        check_fresh_out(tmp_path, resuming=False)  # a run without --fault-tolerant

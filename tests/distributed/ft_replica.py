@@ -4,9 +4,17 @@ process: a torchft Manager on the test's lighthouse, the tiny Llama in float64 u
 
 It talks to the test on stdin/stdout, one line each way, so that every ordering the test
 relies on is an event and not a delay: it prints ``ready`` once its manager heartbeats and
-waits for ``go``; with ``--pause-after K`` it prints ``paused`` after committing step K and
-waits for ``go`` again; with ``--die-after K`` it SIGKILLs itself after committing step K.
-Each attempted step goes to ``--out`` as a JSON line; the final params are saved beside it.
+waits for ``go``; with ``--pause-after K,L,...`` it prints ``paused`` after committing each
+of those steps and waits for ``go`` again; with ``--die-after K`` it SIGKILLs itself after
+committing step K; with ``--wait-at K`` it asks for quorums before step K until one holds
+two groups (the lighthouse forms a quorum of the groups that were in the last one at once,
+without waiting for a group that asks for the first time), once; ``--axis dp`` names its
+mesh axis ``dp`` instead of ``fsdp`` (another layout). Each attempted step goes to ``--out`` as a JSON line; the final params and
+optimizer state are saved beside it.
+
+It starts each step's quorum itself, before it picks the step's batch: a group started
+behind the others (a restart) rejoins at that quorum, where its step count jumps to the
+live groups', and then reads the batch of that step.
 """
 
 from __future__ import annotations
@@ -23,7 +31,6 @@ from equivalence import llama, optimizer, train_step
 from torchft import Manager, ProcessGroupGloo
 
 import d9d
-from d9d.cli.train._replica_group import _refuse_rejoin
 
 VOCAB = 128
 
@@ -55,16 +62,18 @@ def main() -> None:
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--pause-after", type=int, default=-1)
+    parser.add_argument("--pause-after", default="")
     parser.add_argument("--die-after", type=int, default=-1)
+    parser.add_argument("--wait-at", type=int, default=-1)
+    parser.add_argument("--axis", default="fsdp")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=60)),
-        load_state_dict=_refuse_rejoin,  # as d9d train does: rejoining is not built
-        state_dict=dict,
+        load_state_dict=None,  # fault_tolerant registers the params and optimizer state
+        state_dict=None,
         min_replica_size=1,
         use_async_quorum=False,
         rank=0,
@@ -78,14 +87,21 @@ def main() -> None:
         timeout=timedelta(seconds=60),
         quorum_timeout=timedelta(seconds=120),
     )
-    mesh = d9d.make_mesh("cpu", fsdp=1)
+    mesh = d9d.make_mesh("cpu", **{args.axis: 1})
     torch.manual_seed(0)
     model, opt = llama(torch.float64, n_layers=1)(), optimizer("adamw")
-    step = d9d.fault_tolerant(manager)(d9d.shard_params(mesh, "fsdp")(train_step(model, opt)))
+    ft = d9d.fault_tolerant(manager, starts_quorum=False)
+    step = ft(d9d.shard_params(mesh, args.axis)(train_step(model, opt)))
+    pauses = {int(k) for k in args.pause_after.split(",") if k}
     params, state = step.place(model.params, opt.init(model.params), model=model)
     _wait_for_go()
     with open(args.out, "w") as log:
         while manager.current_step() < args.steps:
+            manager.start_quorum()  # a restarted group rejoins here: its step jumps
+            while manager.current_step() == args.wait_at and manager.num_participants() < 2:
+                manager.start_quorum()  # no other group takes part in these: no step runs
+            if manager.current_step() == args.wait_at:  # two groups: wait only this once
+                args.wait_at = -1
             at = manager.current_step()
             params, state, metrics = step(params, state, batch_of(args.group, at))
             committed = manager.current_step() == at + 1
@@ -94,9 +110,12 @@ def main() -> None:
             log.flush()
             if committed and at == args.die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if committed and at == args.pause_after:
+            if committed and at in pauses:
                 _wait_for_go()
     torch.save({k: v.full_tensor() for k, v in params.items()}, args.out + ".params.pt")
+    leaves = d9d.tree.leaves(state)
+    kept = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in leaves]
+    torch.save([x for x in kept if torch.is_tensor(x)], args.out + ".opt_state.pt")
     manager.shutdown(wait=False)
 
 

@@ -3,7 +3,10 @@
 (a) Two replica groups, no failure: equal to one device fed both groups' batches (float64,
 AdamW). (b) One group SIGKILLs itself after a step: the survivor keeps stepping without a
 restart, its committed steps consecutive and none repeated, and its params equal one device
-fed both batches up to the kill and the survivor's alone after it.
+fed both batches up to the kill and the survivor's alone after it. (c) The killed group is
+restarted and rejoins: it takes the survivor's live params and optimizer state at its first
+quorum, both step on together, and their params and optimizer state end bitwise equal.
+(d) A group of another layout that joins late is refused by name, and the survivor goes on.
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep: see
 ``ft_replica.py``.
@@ -46,13 +49,15 @@ def _lighthouse() -> LighthouseServer:
     )
 
 
-def _start(lighthouse: LighthouseServer, group: int, out: Path, *extra: str) -> subprocess.Popen:
+def _start(
+    lighthouse: LighthouseServer, group: int, out: Path, *extra: str, steps: int = STEPS
+) -> subprocess.Popen:
     command = [
         sys.executable,
         str(HERE / "ft_replica.py"),
         f"--lighthouse={lighthouse.address()}",
         f"--group={group}",
-        f"--steps={STEPS}",
+        f"--steps={steps}",
         f"--out={out}",
         *extra,
     ]
@@ -153,22 +158,79 @@ def test_survivor_keeps_stepping_after_a_replica_group_is_killed(tmp_path: Path)
 
 
 @pytest.mark.timeout(300)
-def test_a_group_started_behind_the_others_is_refused_by_name(tmp_path: Path) -> None:
-    # Rejoining (the live params copied from a peer) is not built: a late group must fail,
-    # not train on its initial params beside the others.
+def test_a_killed_group_restarts_and_rejoins_bitwise(tmp_path: Path) -> None:
+    # Steps 0-1 on both groups, step 2 on the survivor alone, steps 3-4 on both again.
+    steps = 5
     lighthouse = _lighthouse()
     try:
-        early = _start(lighthouse, 0, tmp_path / "group0.jsonl", "--pause-after=1")
-        _expect(early, "ready")
-        _go(early)
-        _expect(early, "paused")  # two steps committed alone
+        survivor = _start(
+            lighthouse,
+            0,
+            tmp_path / "group0.jsonl",
+            "--pause-after=1,2",
+            "--wait-at=3",
+            steps=steps,
+        )
+        victim = _start(lighthouse, 1, tmp_path / "group1.jsonl", "--die-after=1", steps=steps)
+        for proc in (survivor, victim):
+            _expect(proc, "ready")
+        _go(survivor, victim)
+        _expect(survivor, "paused")  # step 1 committed
+        assert victim.wait(timeout=240) == -9
+        _go(survivor)
+        _expect(survivor, "paused")  # step 2 committed alone
+        restarted = _start(lighthouse, 1, tmp_path / "group1b.jsonl", steps=steps)
+        _expect(restarted, "ready")
+        restart = time.perf_counter()
+        _go(survivor, restarted)
+        _finish(restarted)
+        print(
+            f"restart to the rejoined group's end ({steps - 3} steps): "
+            f"{time.perf_counter() - restart:.2f} s"
+        )
+        _finish(survivor)
+    finally:
+        lighthouse.shutdown()
+    log = _log(tmp_path / "group0.jsonl")
+    assert [r["step"] for r in log if r["committed"]] == list(range(steps))
+    assert [r["participants"] for r in log if r["committed"]] == [2, 2, 1, 2, 2]
+    rejoined = _log(tmp_path / "group1b.jsonl")
+    assert [(r["step"], r["committed"], r["participants"]) for r in rejoined] == [
+        (3, True, 2),
+        (4, True, 2),
+    ]
+    for suffix in (".params.pt", ".opt_state.pt"):
+        a = torch.load(tmp_path / f"group0.jsonl{suffix}")
+        b = torch.load(tmp_path / f"group1b.jsonl{suffix}")
+        pairs = (
+            zip(a.values(), b.values(), strict=True)
+            if isinstance(a, dict)
+            else zip(a, b, strict=True)
+        )
+        assert all(torch.equal(x, y) for x, y in pairs), suffix
+    data = [_both(0), _both(1), batch_of(0, 2), _both(3), _both(4)]
+    _, params = _reference(data)
+    got = torch.load(tmp_path / "group1b.jsonl.params.pt")
+    assert_trees_all_close(got, params, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_a_late_group_of_another_layout_is_refused_and_the_survivor_goes_on(
+    tmp_path: Path,
+) -> None:
+    steps = 4
+    lighthouse = _lighthouse()
+    try:
+        survivor = _start(
+            lighthouse, 0, tmp_path / "group0.jsonl", "--pause-after=1", "--wait-at=2", steps=steps
+        )
+        _expect(survivor, "ready")
+        _go(survivor)
+        _expect(survivor, "paused")  # steps 0-1 committed alone
         late = subprocess.Popen(
             [
-                sys.executable,
-                str(HERE / "ft_replica.py"),
-                f"--lighthouse={lighthouse.address()}",
-                "--group=1",
-                f"--steps={STEPS}",
+                *(sys.executable, str(HERE / "ft_replica.py"), "--group=1", "--axis=dp"),
+                *(f"--lighthouse={lighthouse.address()}", f"--steps={steps}"),
                 f"--out={tmp_path / 'group1.jsonl'}",
             ],
             stdin=subprocess.PIPE,
@@ -178,14 +240,13 @@ def test_a_group_started_behind_the_others_is_refused_by_name(tmp_path: Path) ->
             cwd=HERE,
         )
         _expect(late, "ready")
-        _go(late, early)  # the late group's first quorum holds both
+        _go(late, survivor)
         _, err = late.communicate(timeout=240)
         assert late.returncode != 0
-        assert (
-            "rejoining (the live params and optimizer state copied from a peer) is not built" in err
-        )
-        _finish(early)
+        assert "PlanError: this replica group cannot rejoin: its live peer's params" in err
+        assert "on mesh (fsdp=1)" in err and "on mesh (dp=1)" in err
+        _finish(survivor)
     finally:
         lighthouse.shutdown()
     log = _log(tmp_path / "group0.jsonl")
-    assert [r["step"] for r in log if r["committed"]] == list(range(STEPS))
+    assert [r["step"] for r in log if r["committed"]] == list(range(steps))

@@ -27,6 +27,14 @@ class LoneManager:
     def __init__(self, votes: list[bool]) -> None:
         self.votes = list(votes)
         self.calls: list[str] = []
+        self.state_fns: dict[str, tuple] = {}  # key: (load_state_dict, state_dict)
+        self.step = 0
+
+    def register_state_dict_fn(self, key: str, load: object, save: object) -> None:
+        self.state_fns[key] = (load, save)
+
+    def current_step(self) -> int:
+        return self.step
 
     def start_quorum(self) -> None:
         self.calls.append("start_quorum")
@@ -43,7 +51,9 @@ class LoneManager:
 
     def should_commit(self) -> bool:
         self.calls.append("should_commit")
-        return self.votes.pop(0)
+        kept = self.votes.pop(0)
+        self.step += kept
+        return kept
 
 
 def _run(model, opt, step, data):
@@ -56,11 +66,11 @@ def _run(model, opt, step, data):
     return out
 
 
-def _build(manager=None, **shard):
+def _build(manager=None, axis="fsdp", **shard):
     torch.manual_seed(0)
     model, opt = llama(F64, n_layers=1)(), optimizer("adamw")
-    mesh = d9d.make_mesh("cpu", fsdp=1)
-    step = d9d.shard_params(mesh, "fsdp", **shard)(train_step(model, opt))
+    mesh = d9d.make_mesh("cpu", **{axis: 1})
+    step = d9d.shard_params(mesh, axis, **shard)(train_step(model, opt))
     return model, opt, step if manager is None else d9d.fault_tolerant(manager)(step)
 
 
@@ -92,6 +102,59 @@ def test_a_lone_replica_group_equals_the_plain_step_and_a_refused_commit_keeps_t
         "should_commit",
     ]
     assert len(manager.calls) == 9
+
+
+def _flat(tree: object) -> list[torch.Tensor]:
+    leaves = d9d.tree.leaves(tree)
+    return [x.to_local() if hasattr(x, "to_local") else x for x in leaves if torch.is_tensor(x)]
+
+
+def test_a_rejoining_group_steps_on_from_the_peers_state_bitwise():
+    # A peer runs 2 steps and serves what its third step will be called with; a fresh group
+    # (initial params of another seed) takes it at its first step: both third steps give
+    # bitwise equal params and optimizer state.
+    data = batches(128, global_batch=2, steps=3)
+    peer = LoneManager([True] * 3)
+    model, opt, step = _build(peer)
+    runs = _run(model, opt, step, data[:2])
+    served = peer.state_fns["d9d.fault_tolerant"][1]()  # as torchft asks, at a quorum
+    want_params, want_state, want_metrics = step(runs[-1][2], runs[-1][3], data[2])
+    late = LoneManager([True])
+    torch.manual_seed(1)
+    model2, opt2, step2 = _build(late)
+    params, state = step2.place(model2.params, opt2.init(model2.params), model=model2)
+    late.state_fns["d9d.fault_tolerant"][0](served)  # torchft hands it over at the quorum
+    new_params, new_state, metrics = step2(params, state, data[2])
+    assert metrics["loss"].item() == want_metrics["loss"].item()
+    got, want = _flat((new_params, new_state)), _flat((want_params, want_state))
+    assert len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len(_flat(new_state)) > len(new_params)  # the moments and count came along
+
+
+def test_a_peer_of_another_layout_is_refused_by_name():
+    peer = LoneManager([True])
+    model, opt, step = _build(peer)  # mesh (fsdp=1)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    step(params, state, batches(128, global_batch=2, steps=1)[0])
+    late = LoneManager([True])
+    model2, opt2, step2 = _build(late, axis="dp")  # mesh (dp=1)
+    params2, state2 = step2.place(model2.params, opt2.init(model2.params), model=model2)
+    late.state_fns["d9d.fault_tolerant"][0](peer.state_fns["d9d.fault_tolerant"][1]())
+    with pytest.raises(
+        PlanError,
+        match=r"cannot rejoin: .*laid out otherwise \(the peer holds 'params\.\S+: torch\.float64 "
+        r".*on mesh \(fsdp=1\).*this rank '.*on mesh \(dp=1\).*restart it with the mesh",
+    ):
+        step2(params2, state2, batches(128, global_batch=2, steps=1)[0])
+
+
+def test_nothing_is_served_before_a_step_ran():
+    manager = LoneManager([])
+    model, opt, step = _build(manager)
+    step.place(model.params, opt.init(model.params), model=model)
+    with pytest.raises(PlanError, match=r"a peer asked for live state before any step ran"):
+        manager.state_fns["d9d.fault_tolerant"][1]()
 
 
 def test_fault_tolerant_refuses_what_is_not_a_manager():

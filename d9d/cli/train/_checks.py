@@ -116,7 +116,10 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
         )
     if importlib.util.find_spec("torchft") is None:
         raise ValueError("--fault-tolerant needs the torchft package: pip install 'd9d[ft]'")
-    rejoin = "a group restarted from a checkpoint or a peer cannot rejoin yet (issue 30)"
+    rejoin = (
+        "a restarted replica group takes its state from a live peer, and a checkpoint of "
+        "the replica groups together (to restart them all from) is not built"
+    )
     refused = {
         "--jit": (config.jit, "the quorum and commit vote are host calls each step"),
         "--pp": ((config.pp or 1) > 1, "the pipeline executor drives the backward itself"),

@@ -33,12 +33,23 @@ def _kept(path: Path, last_step: int) -> list[str]:
 
 
 class MetricsLog:
-    """The metrics file of a run starting after ``first_step`` (``None``: write nothing)."""
+    """The metrics file of a run starting after ``first_step`` (``path`` None: write
+    nothing; ``first_step`` None: not known yet, :meth:`keep_through` tells it)."""
 
-    def __init__(self, path: Path | None, first_step: int) -> None:
+    def __init__(self, path: Path | None, first_step: int | None) -> None:
         self._file = None
+        self._path = path
+        if path is not None and first_step is not None:
+            self.keep_through(first_step)
+
+    def keep_through(self, first_step: int) -> None:
+        """Keep the records up to ``first_step`` (a torchft replica group learns where it
+        starts at its first quorum: 0, or the live groups' step when it rejoins them)."""
+        path = self._path
         if path is None:
             return
+        if self._file is not None:
+            self._file.close()
         if path.exists():
             kept = _kept(path, first_step) if first_step > 0 else []
             tmp = path.with_name(f"{path.name}.tmp")

@@ -7,10 +7,14 @@ then fail at the first save of a step the old run had committed (issue 23). We r
 than move the old run aside, so that no run's gigabytes of checkpoints pile up unnoticed and
 every command line means one thing. Under a process group rank 0 looks and tells the others
 (one broadcast), so no rank sees a folder rank 0 has begun to write.
+
+A torchft replica group restarted with its command (``--fault-tolerant``) continues in its
+``--out``: a folder whose ``config.json`` is that of the same replica group is not refused.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch.distributed as dist
@@ -31,17 +35,31 @@ def _run_files(out: Path) -> list[str]:
     return found
 
 
-def check_fresh_out(out: Path, *, resuming: bool) -> None:
+def _replica_group_of(out: Path) -> int | None:
+    """The ``replica_group_id`` of the fault-tolerant run in ``out``, if it holds one."""
+    try:
+        saved = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("fault_tolerant") is not True:
+        return None
+    group = saved.get("replica_group_id")
+    return group if isinstance(group, int) else None
+
+
+def check_fresh_out(out: Path, *, resuming: bool, replica_group: int | None = None) -> None:
     """Refuse to start a fresh run in ``out`` when it holds another run (collective
     under a process group: every rank calls it, before rank 0 writes into ``out``).
 
     Args:
         out: The run's folder (``--out``).
         resuming: ``--resume`` or ``--resume-from`` was given: continuing there is the point.
+        replica_group: This run's ``--replica-group-id`` under ``--fault-tolerant``: ``out``
+            may hold that same replica group's run, which a restart continues.
 
     Raises:
-        ConfigError: ``out`` holds a run and ``resuming`` is false; the message names what
-            was found, ``--resume`` and a new ``--out``.
+        ConfigError: ``out`` holds a run and ``resuming`` is false (nor is it this replica
+            group's); the message names what was found, ``--resume`` and a new ``--out``.
 
     Example:
         >>> import tempfile
@@ -50,6 +68,8 @@ def check_fresh_out(out: Path, *, resuming: bool) -> None:
     if resuming:
         return
     found = _run_files(out)
+    if found and replica_group is not None and _replica_group_of(out) == replica_group:
+        found = []  # this replica group's run before a restart: it rejoins there
     if dist.is_initialized() and dist.get_world_size() > 1:
         verdict = [found]
         dist.broadcast_object_list(verdict, src=0)

@@ -3,14 +3,19 @@
 The group's ranks (one ``torchrun``, or one process) each build a torchft ``Manager`` on the
 group's store (torchrun's, or one this process serves) and the lighthouse; the step is wrapped
 in :func:`d9d.fault_tolerant`, and the group reads its share of every global batch.
+
+The loop starts each step's quorum itself (:meth:`ReplicaGroup.start_step`), before it reads
+the step's batch: a group restarted behind the others rejoins there, taking a live peer's
+params and optimizer state (the transform's part) and data loader position (this module's
+part, beside them in torchft's state dict), and its step count jumps to the peer's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,22 +28,61 @@ from .._config import TrainConfig
 
 __all__ = ["ReplicaGroup", "join_replica_group"]
 
+_log = logging.getLogger("d9d.fault_tolerant")
 
-@dataclass(frozen=True)
+
+DATA_KEY = "d9d.train.data"
+"""The key of the data loader's position in torchft's state dict of a replica group."""
+
+
 class ReplicaGroup:
     """This rank's part of a replica group.
 
     Attributes:
         manager: Its torchft ``Manager``.
         store: The group's store, when this process serves it (no torchrun), else None.
+        groups: How many replica groups the job starts (``--replica-groups``).
+        timeout_s: How long the first step waits for all of them (``--dist-timeout``).
     """
 
-    manager: Any
-    store: Any = None
+    def __init__(self, manager: Any, store: Any, groups: int, timeout_s: float) -> None:
+        self.manager = manager
+        self.store = store
+        self.groups = groups
+        self.timeout_s = timeout_s
+        self.loader: Any = None
+        self.position: dict[str, int] | None = None  # that of the batch in hand, if one is
+        self.rejoined = False
+        self._started = False
 
     def wrap(self, step: Callable[..., Any]) -> Any:
-        """``step`` as a fault-tolerant step of this group."""
-        return fault_tolerant(self.manager)(step)
+        """``step`` as a fault-tolerant step of this group (whose quorum this starts)."""
+        return fault_tolerant(self.manager, starts_quorum=False)(step)
+
+    def follow(self, loader: Any) -> None:
+        """Serve ``loader``'s position to a rejoining peer, and take a peer's on a rejoin."""
+        self.loader = loader
+        self.manager.register_state_dict_fn(DATA_KEY, self._receive, self._serve)
+
+    def _serve(self) -> dict[str, int]:
+        return self.position if self.position is not None else self.loader.state_dict()
+
+    def _receive(self, position: dict[str, int]) -> None:
+        self.loader.load_state_dict(position)
+        self.position = None
+        self.rejoined = True
+
+    def start_step(self) -> bool:
+        """Start the next step's quorum; whether this group rejoined at it (its step count,
+        params, optimizer state and data position are then a live peer's). The first waits
+        until every group takes part, or this group rejoins groups already training."""
+        self.rejoined = False
+        if self._started:
+            self.manager.start_quorum()
+        else:
+            _wait_for_every_group(self.manager, self.groups, self.timeout_s)
+            self._started = True
+        return self.rejoined
 
     def commits(self) -> int:
         """Steps committed so far (a step a failure interrupted is not)."""
@@ -63,8 +107,8 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
     group = ProcessGroupNCCL(timeout) if torch.cuda.is_available() else ProcessGroupGloo(timeout)
     manager = Manager(
         pg=group,
-        load_state_dict=_refuse_rejoin,
-        state_dict=dict,  # what a peer serves a group that asks to rejoin: nothing yet
+        load_state_dict=None,  # fault_tolerant and ReplicaGroup.follow register theirs
+        state_dict=None,
         min_replica_size=1,
         use_async_quorum=False,
         rank=rank,
@@ -77,35 +121,34 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         timeout=timeout,
         quorum_timeout=timeout,
     )
-    _wait_for_every_group(manager, config.replica_groups or 1, config.dist_timeout)
-    return ReplicaGroup(manager, store)
+    return ReplicaGroup(manager, store, config.replica_groups or 1, config.dist_timeout)
 
 
 def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:
-    """Ask the lighthouse for quorums until one holds all ``groups``, so that no group
-    trains ahead while another is still starting: a group behind the others would have to
-    rejoin, which is not built. Each ask is one round trip to the lighthouse, which answers
-    once a quorum forms (a group still starting, heartbeating or not, holds none up for
-    long: the lighthouse then answers with the groups that asked)."""
+    """Ask the lighthouse for quorums until one holds all ``groups``, or this group rejoins
+    groups past step 0 (a restart), so that at the start no group trains ahead while
+    another is still starting. The last quorum is the first step's. Each ask is one round
+    trip to the lighthouse, which answers once a quorum forms (a group still starting,
+    heartbeating or not, holds none up for long: the lighthouse then answers with the
+    groups that asked); a quorum only this group takes part in runs no step."""
     deadline = time.monotonic() + timeout_s
+    told = False
     while True:
         manager.start_quorum()
         joined = manager.num_participants()
-        if joined >= groups:
+        if joined >= groups or manager.current_step() > 0:
             return
+        if not told:
+            _log.warning(
+                "d9d train: %d of --replica-groups %d replica groups in the quorum; waiting "
+                "for the others",
+                joined,
+                groups,
+            )
+            told = True
         if time.monotonic() > deadline:
             raise ConfigError(
                 f"only {joined} of --replica-groups {groups} replica groups reached the "
                 f"lighthouse within --dist-timeout {timeout_s:g} s; start them all"
             )
         time.sleep(0.1)  # a lone group's quorum comes back at once: ask ten times a second
-
-
-def _refuse_rejoin(state: object) -> None:
-    """torchft asks a group that joins behind the others to load their live state."""
-    del state
-    raise ConfigError(
-        "this replica group joined while the others were past step 0, and rejoining (the "
-        "live params and optimizer state copied from a peer) is not built yet (issue 30); "
-        "start every replica group together, and restart them all after a failure"
-    )

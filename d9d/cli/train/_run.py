@@ -137,7 +137,11 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
     replica = None
     try:
         replica = join_replica_group(config) if config.fault_tolerant else None
-        check_fresh_out(config.out, resuming=config.resume or config.resume_from is not None)
+        check_fresh_out(
+            config.out,
+            resuming=config.resume or config.resume_from is not None,
+            replica_group=config.replica_group_id if config.fault_tolerant else None,
+        )
         run = _train(config, console, replica)
     except BaseException:
         if replica is not None:
@@ -211,6 +215,8 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     if isinstance(step, TransformedStep):
         params, opt_state = step.place(params, opt_state, model=model)
         loader = _loader(config, loader.tokens, *_data_rank(step, replica, config))
+    if replica is not None:
+        replica.follow(loader)
     evaluator = None
     if config.eval_every:
         evaluator = Evaluator(
@@ -251,6 +257,8 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         (config.out / "config.json").write_text(json.dumps(_config_json(config), indent=2) + "\n")
     saver = Checkpointer(config.out / "checkpoints", config.save_every, config.keep)
     log_path = config.out / "metrics.jsonl" if rank0 else None
+    # A replica group learns the step it starts at from its first quorum.
+    log_from = None if replica is not None else first_step
     rank = dist.get_rank() if dist.is_initialized() else 0
     speed = SpeedMeter(
         config.batch_size * config.seq_len,
@@ -262,16 +270,15 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     try:
         with (
             Preemption() as preemption,
-            MetricsLog(log_path, first_step) as log,
+            MetricsLog(log_path, log_from) as log,
             Dashboards(config, _config_json(config), first_step, rank0) as dashboards,
             TrainProgress(console or Console(), config.steps, first_step, show=rank0) as progress,
             StepProfiler(
                 config.out / "profile" / f"rank{rank}.json", first_step, profile_steps
             ) as profiler,
         ):
-            commits = replica.commits if replica is not None else None
             watch = _Watch(
-                log, dashboards, progress, speed, evaluator, profiler, preemption, commits
+                log, dashboards, progress, speed, evaluator, profiler, preemption, replica
             )
             records = _loop(
                 config, step, params, opt_state, loader, device, first_step, saver, watch
@@ -309,7 +316,7 @@ class _Watch:
     evaluator: Evaluator | None
     profiler: StepProfiler
     preemption: Preemption
-    commits: Callable[[], int] | None = None  # steps a replica group committed (torchft)
+    replica: ReplicaGroup | None = None  # this rank's torchft replica group
 
 
 def _loop(
@@ -327,16 +334,28 @@ def _loop(
     start = time.perf_counter()
     last, last_step = start, first_step
     i, batch = first_step, None
+    replica, started = watch.replica, False
     while i < config.steps:
+        if replica is not None and (replica.start_step() or not started):
+            # The first quorum says where this group starts: at 0, or where the live
+            # groups are when it rejoins them (their data position too: the batch is read
+            # after the quorum).
+            batch, i, last_step, started = None, replica.commits(), replica.commits(), True
+            watch.log.keep_through(i)
+            if i >= config.steps:
+                break
         if batch is None:
+            if replica is not None:
+                replica.position = loader.state_dict()
             batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
         watch.profiler.before(i)
-        committed = watch.commits() if watch.commits is not None else 0
         params, opt_state, metrics = step(params, opt_state, batch)
         watch.profiler.after(i)
-        if watch.commits is not None and watch.commits() == committed:
+        if replica is not None and replica.commits() == i:
             continue  # a replica group failed during the step: it runs again on this batch
         batch, i = None, i + 1
+        if replica is not None:
+            replica.position = None
         n, saving = i, saver.due(i)
         stopping = watch.preemption.agreed() and n < config.steps  # SIGTERM on some rank
         evaluating = watch.evaluator is not None and n % config.eval_every == 0

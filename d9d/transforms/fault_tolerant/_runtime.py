@@ -5,6 +5,10 @@ The grads come out of the backward reduced inside the replica group (laid out as
 group's plan keeps them: a shard per rank under fsdp). Each rank all-reduces its local
 pieces with the same rank of every other live group, as torchft's ``Manager.allreduce``
 pairs them; every live group holds the same layout, so the pieces line up.
+
+A group whose step is behind the quorum's (restarted after a failure) is healed by torchft
+at the quorum: the runtime registers its state dict with the manager, serving the params and
+optimizer state the step was called with, and takes a peer's in their place (``_rejoin``).
 """
 
 from __future__ import annotations
@@ -18,10 +22,19 @@ from torch.distributed.tensor import DTensor
 
 from ...core._gather import local_like
 from ...core._runtime import Differentiation, Runtime
+from ...errors import PlanError
+from ._rejoin import STATE_KEY, adopt, served
 
 __all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]
 
-MANAGER_METHODS = ("start_quorum", "allreduce", "should_commit", "num_participants")
+MANAGER_METHODS = (
+    "start_quorum",
+    "allreduce",
+    "should_commit",
+    "num_participants",
+    "register_state_dict_fn",
+    "current_step",
+)
 """The ``torchft.Manager`` methods the runtime calls."""
 
 _log = logging.getLogger("d9d.fault_tolerant")
@@ -32,9 +45,23 @@ class FaultTolerantRuntime(Runtime):
 
     drives_differentiation = True
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: Any, *, starts_quorum: bool = True) -> None:
         self.manager = manager
+        self.starts_quorum = starts_quorum
         self.participants: int | None = None
+        self.live: tuple[Any, Any] | None = None  # what the step is called with: served
+        self.received: dict[str, list[Any]] | None = None  # a peer's, taken at the next step
+        manager.register_state_dict_fn(STATE_KEY, self._receive, self._serve)
+
+    def _serve(self) -> dict[str, list[Any]]:
+        """Called by torchft (its quorum thread) when a peer group rejoins."""
+        if self.live is None:
+            raise PlanError("fault_tolerant: a peer asked for live state before any step ran")
+        return served(*self.live)
+
+    def _receive(self, state: dict[str, list[Any]]) -> None:
+        """Called by torchft when this group rejoins, in ``start_quorum``."""
+        self.received = state
 
     def jit_refusal(self) -> str | None:
         return (
@@ -49,9 +76,24 @@ class FaultTolerantRuntime(Runtime):
             "count the step without d9d.fault_tolerant"
         )
 
-    def enter_step(self, params: Any) -> Any:
-        self.manager.start_quorum()
-        return params
+    def start_step(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        self.live = (params, opt_state)
+        if self.starts_quorum:
+            self.manager.start_quorum()
+        if self.received is not None:
+            state, self.received = self.received, None
+            params, opt_state = adopt(state, params, opt_state)
+            _log.warning(
+                "fault_tolerant: this replica group rejoined at step %d with a live peer's "
+                "params and optimizer state",
+                self.manager.current_step(),
+            )
+        return params, opt_state
+
+    def end_step(self, params: Any, opt_state: Any) -> None:
+        # What the next step will be called with: served to a peer that rejoins at its
+        # quorum, which a caller may start before the call (``starts_quorum=False``).
+        self.live = (params, opt_state)
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         value, aux, grads, weight = job.run(job.args, job.kwargs, True)

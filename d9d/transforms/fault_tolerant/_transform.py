@@ -38,6 +38,7 @@ class FaultTolerant(Transform):
     phase: ClassVar[Phase] = Phase.RECOMPUTATION
     manager: Any
     mesh: DeviceMesh | None = None
+    starts_quorum: bool = True
 
     def __post_init__(self) -> None:
         missing = [m for m in MANAGER_METHODS if not callable(getattr(self.manager, m, None))]
@@ -64,10 +65,12 @@ class FaultTolerant(Transform):
                 f"{self} does not compose with pipeline yet: the pipeline executor drives "
                 "d9d.value_and_grad, and so does the replica groups' reduction; drop one"
             )
-        return FaultTolerantRuntime(self.manager)
+        return FaultTolerantRuntime(self.manager, starts_quorum=self.starts_quorum)
 
 
-def fault_tolerant(manager: Any, *, mesh: DeviceMesh | None = None) -> FaultTolerant:
+def fault_tolerant(
+    manager: Any, *, mesh: DeviceMesh | None = None, starts_quorum: bool = True
+) -> FaultTolerant:
     """Average the step's grads over torchft replica groups, which may fail and leave.
 
     Each replica group (a ``torchrun`` job of its own, any layout inside) runs the same
@@ -85,14 +88,29 @@ def fault_tolerant(manager: Any, *, mesh: DeviceMesh | None = None) -> FaultTole
     sums and counts are all-reduced together, one collective per dtype. A loss that counts no
     tokens gives every live group the same weight.
 
+    Rejoin: a group whose step is behind the quorum's (restarted after a failure, or
+    started late) is healed by torchft at that quorum: rank ``r`` of a live peer group
+    serves the params and optimizer state its step was called with (its local pieces)
+    through the manager's checkpoint transport, and rank ``r`` here runs its step from them
+    instead of its own, after checking that the peer's layout is its own (else
+    ``PlanError``); its ``manager.current_step()`` jumps to the peer's. The transform
+    registers that state with the manager when the step is placed (key
+    ``"d9d.fault_tolerant"``): place one step per manager. A loop whose batches follow the
+    step count (a data loader's position) starts the quorum itself, before it reads the
+    step's batch (``starts_quorum=False``), and registers its own state with
+    ``manager.register_state_dict_fn``, as ``d9d train`` does.
+
     Not yet: microbatches (``shard_params(microbatches=k)``), ``pipeline`` and ``d9d.jit``
-    are refused by name; ``step.comms`` does not count the manager's traffic; a restarted
-    group cannot rejoin (the manager is asked for no state dict).
+    are refused by name; ``step.comms`` does not count the manager's traffic.
 
     Args:
         manager: A ``torchft.Manager`` of this rank (its ``pg`` a ``ProcessGroupGloo`` or
             ``ProcessGroupNCCL``, ``rank``/``world_size`` this rank's in its replica group).
         mesh: The group's mesh, when no other transform of the step gives it.
+        starts_quorum: Each call of the step starts the manager's quorum (default). False:
+            the caller calls ``manager.start_quorum()`` before each call, and before it
+            reads the call's batch, so that a rejoining group reads the batch of the step
+            it joins at.
 
     Returns:
         The transform: decorate a step with it.
@@ -108,4 +126,4 @@ def fault_tolerant(manager: Any, *, mesh: DeviceMesh | None = None) -> FaultTole
         ...
         d9d.errors.PlanError: fault_tolerant needs a torchft.Manager, got object without ...
     """
-    return FaultTolerant(manager, mesh)
+    return FaultTolerant(manager, mesh, starts_quorum)
