@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ... import tree
-from ...core._collectives import local_like
+from ...core._gather import local_like
 from ...errors import PlanError
 
 __all__ = ["STATE_KEY", "adopt", "served"]
