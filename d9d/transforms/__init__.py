@@ -26,6 +26,7 @@ from .context_parallel import ContextParallel as ContextParallel
 from .context_parallel import context_parallel as context_parallel
 from .diloco import DiLoCo as DiLoCo
 from .diloco import DiLoCoState as DiLoCoState
+from .diloco import DiLoCoStep as DiLoCoStep
 from .diloco import diloco as diloco
 from .expert_parallel import ExpertParallel as ExpertParallel
 from .expert_parallel import expert_parallel as expert_parallel
@@ -65,6 +66,7 @@ __all__ = [
     "ContextParallel",
     "DiLoCo",
     "DiLoCoState",
+    "DiLoCoStep",
     "Differentiation",
     "ExpertParallel",
     "FaultTolerant",
