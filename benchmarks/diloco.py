@@ -1,11 +1,13 @@
-"""Final loss of ``d9d.diloco`` (H inner steps, outer Nesterov) against synchronous training.
+"""Final loss of ``d9d.diloco`` (H inner steps, an outer SGD) against synchronous training.
 
 Two replica groups (one process each, ``shard_params(fsdp=1)``) train the tiny Llama with
-AdamW on their halves of every global batch of the Python standard library's bytes, under
-``d9d.diloco(manager, inner_steps=H)`` on a real torchft lighthouse (the default outer
-optimizer: Nesterov SGD, lr 0.7, momentum 0.9). The synchronous baseline is one device fed
-both halves (what data parallelism over the two groups computes) with the same AdamW. Both
-runs start from the same seeded params and are scored on the same held-out windows. JSON out:
+``d9d train``'s optimizer (AdamW, warmup and cosine decay, clipping) on their halves of every
+global batch of the Python standard library's bytes, under ``d9d.diloco(manager,
+inner_steps=H, outer=sgd(lr, momentum, nesterov=momentum > 0))`` on a real torchft
+lighthouse, once per ``--outer LR:MOMENTUM`` (default: the DiLoCo paper's Nesterov, 0.7:0.9,
+and plain averaging, 1:0). The synchronous baseline is one device fed both halves (what data
+parallelism over the two groups computes) with the same optimizer. Every run starts from the
+same seeded params and is scored on the same held-out windows. JSON out:
 
     python benchmarks/diloco.py --steps 200 --inner-steps 8 --out benchmarks/results/diloco-cpu.json
 """
@@ -28,7 +30,8 @@ import torch
 from report import provenance, write_report
 
 import d9d
-from d9d.cli._train_step import make_train_step
+from d9d.cli._config import TrainConfig
+from d9d.cli._train_step import _optimizer, make_train_step
 from d9d.models import Llama, LlamaConfig
 
 GROUPS = 2
@@ -62,8 +65,9 @@ def _model() -> d9d.Model:
     return d9d.functionalize(Llama(LlamaConfig.tiny()))
 
 
-def _optimizer(args: argparse.Namespace) -> d9d.optim.GradientTransformation:
-    return d9d.optim.adamw(args.lr, weight_decay=0.1)
+def _inner(args: argparse.Namespace) -> d9d.optim.GradientTransformation:
+    """``d9d train``'s optimizer for this run's steps and learning rate."""
+    return _optimizer(TrainConfig(steps=args.steps, lr=args.lr))
 
 
 def _half(batch: dict, group: int) -> dict:
@@ -81,7 +85,7 @@ def _eval_loss(model: d9d.Model, params: dict, held_out: list[dict]) -> float:
 
 def _synchronous(args: argparse.Namespace) -> dict:
     train, held_out = _data(args)
-    model, opt = _model(), _optimizer(args)
+    model, opt = _model(), _inner(args)
     step = make_train_step(model, opt)
     params, state = dict(model.params), opt.init(model.params)
     losses = []
@@ -114,12 +118,11 @@ def _group(args: argparse.Namespace) -> None:
         timeout=timedelta(seconds=120),
         quorum_timeout=timedelta(seconds=300),
     )
-    model, opt = _model(), _optimizer(args)
+    model, opt = _model(), _inner(args)
     mesh = d9d.make_mesh("cpu", fsdp=1)
     inner = d9d.shard_params(mesh, "fsdp")(make_train_step(model, opt))
-    outer = d9d.optim.sgd(
-        args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_momentum > 0
-    )
+    lr, momentum = _outer(args.outer[0])
+    outer = d9d.optim.sgd(lr, momentum=momentum, nesterov=momentum > 0)
     step = d9d.diloco(manager, inner_steps=args.inner_steps, outer=outer)(inner)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     print("ready", flush=True)
@@ -138,7 +141,13 @@ def _group(args: argparse.Namespace) -> None:
     manager.shutdown(wait=False)
 
 
-def _diloco(args: argparse.Namespace) -> list[dict]:
+def _outer(text: str) -> tuple[float, float]:
+    lr, momentum = text.split(":")
+    return float(lr), float(momentum)
+
+
+def _diloco(args: argparse.Namespace, outer: str) -> list[dict]:
+    """Both groups' results of one run with the outer optimizer ``outer`` (``LR:MOMENTUM``)."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000)
@@ -147,33 +156,45 @@ def _diloco(args: argparse.Namespace) -> list[dict]:
             procs, results = [], [Path(folder) / f"group{g}.json" for g in range(GROUPS)]
             for group in range(GROUPS):
                 command = [
-                    sys.executable,
-                    __file__,
-                    *_options(args),
+                    *(sys.executable, __file__, *_options(args), f"--outer={outer}"),
                     f"--lighthouse={lighthouse.address()}",
                     f"--group={group}",
                     f"--result={results[group]}",
                 ]
+                # torchft's log lines into a file: a pipe nobody reads would fill and stop it.
+                log = open(Path(folder) / f"group{group}.log", "w")  # noqa: SIM115
                 procs.append(
                     subprocess.Popen(
-                        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
                     )
                 )
             for proc in procs:
-                assert proc.stdout.readline().strip() == "ready", proc.poll()
+                line = proc.stdout.readline().strip()
+                if line != "ready":
+                    raise SystemExit(f"a replica group said {line!r} (rc={proc.poll()})")
             for proc in procs:
                 proc.stdin.write("go\n")
                 proc.stdin.close()
-            for proc in procs:
+            for group, proc in enumerate(procs):
                 if proc.wait() != 0:
-                    raise SystemExit(f"a replica group failed (rc={proc.returncode})")
+                    tail = (Path(folder) / f"group{group}.log").read_text()[-3000:]
+                    raise SystemExit(
+                        f"replica group {group} failed (rc={proc.returncode}):\n{tail}"
+                    )
             return [json.loads(r.read_text()) for r in results]
     finally:
         lighthouse.shutdown()
 
 
+KEYS = ("steps", "inner_steps", "batch_size", "seq_len", "lr", "corpus_bytes", "eval_batches")
+
+
 def _options(args: argparse.Namespace) -> list[str]:
-    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _keys()]
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in KEYS]
 
 
 def _tail_mean(losses: list[float], n: int = 10) -> float:
@@ -185,10 +206,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--inner-steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8, help="rows per group and step")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's")
-    parser.add_argument("--outer-lr", type=float, default=0.7)
-    parser.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov's; 0: none")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak, as d9d train's --lr")
+    parser.add_argument(
+        "--outer", nargs="+", default=["0.7:0.9", "1:0"], help="LR:MOMENTUM of each outer SGD"
+    )
     parser.add_argument("--corpus-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/diloco-cpu.json"))
@@ -199,43 +221,33 @@ def main() -> None:
     if args.group is not None:
         _group(args)
         return
-    started = time.perf_counter()
-    groups = _diloco(args)
-    diloco_s = time.perf_counter() - started
     sync = _synchronous(args)
-    gap = groups[0]["eval_loss"] / sync["eval_loss"] - 1
-    public = argparse.Namespace(**{k: getattr(args, k) for k in (*_keys(), "out")})
+    runs = {}
+    for outer in args.outer:
+        started = time.perf_counter()
+        groups = _diloco(args, outer)
+        runs[outer] = {
+            "eval_loss": groups[0]["eval_loss"],
+            "eval_gap": groups[0]["eval_loss"] / sync["eval_loss"] - 1,
+            "groups_equal": len({g["eval_loss"] for g in groups}) == 1,
+            "rounds_committed": [g["rounds_committed"] for g in groups],
+            "train_loss_last10": [_tail_mean(g["train_loss"]) for g in groups],
+            "wall_s": round(time.perf_counter() - started, 1),
+            "train_loss": [g["train_loss"] for g in groups],
+        }
+        print(outer, {k: v for k, v in runs[outer].items() if k != "train_loss"}, flush=True)
+    public = argparse.Namespace(**{k: getattr(args, k) for k in (*KEYS, "outer", "out")})
+    public.outer = " ".join(args.outer)
     report: dict[str, Any] = {
         **provenance("diloco", public, "cpu", torchft=version("torchft")),
-        "eval_loss": {"synchronous": sync["eval_loss"], "diloco": [g["eval_loss"] for g in groups]},
-        "eval_gap": gap,
-        "train_loss_last10": {
-            "synchronous": _tail_mean(sync["train_loss"]),
-            "diloco_groups": [_tail_mean(g["train_loss"]) for g in groups],
+        "synchronous": {
+            "eval_loss": sync["eval_loss"],
+            "train_loss_last10": _tail_mean(sync["train_loss"]),
+            "train_loss": sync["train_loss"],
         },
-        "rounds_committed": [g["rounds_committed"] for g in groups],
-        "diloco_wall_s": round(diloco_s, 1),
-        "train_loss": {
-            "synchronous": sync["train_loss"],
-            "diloco": [g["train_loss"] for g in groups],
-        },
+        "diloco": runs,
     }
     write_report(args.out, report)
-    print(json.dumps({k: v for k, v in report.items() if k != "train_loss"}, indent=2))
-
-
-def _keys() -> tuple[str, ...]:
-    return (
-        "steps",
-        "inner_steps",
-        "batch_size",
-        "seq_len",
-        "lr",
-        "outer_lr",
-        "outer_momentum",
-        "corpus_bytes",
-        "eval_batches",
-    )
 
 
 if __name__ == "__main__":

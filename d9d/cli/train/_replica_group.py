@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
+from ...transforms.diloco import diloco
 from ...transforms.fault_tolerant import fault_tolerant
 from .._config import TrainConfig
 
@@ -31,13 +32,17 @@ class ReplicaGroup:
     Attributes:
         manager: Its torchft ``Manager``.
         store: The group's store, when this process serves it (no torchrun), else None.
+        diloco: Inner steps per DiLoCo outer round; None: grads averaged every step.
     """
 
     manager: Any
     store: Any = None
+    diloco: int | None = None
 
     def wrap(self, step: Callable[..., Any]) -> Any:
-        """``step`` as a fault-tolerant step of this group."""
+        """``step`` as a step of this group: fault-tolerant, or DiLoCo's inner step."""
+        if self.diloco is not None:
+            return diloco(self.manager, inner_steps=self.diloco)(step)
         return fault_tolerant(self.manager)(step)
 
     def commits(self) -> int:
@@ -78,7 +83,7 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         quorum_timeout=timeout,
     )
     _wait_for_every_group(manager, config.replica_groups or 1, config.dist_timeout)
-    return ReplicaGroup(manager, store)
+    return ReplicaGroup(manager, store, config.diloco)
 
 
 def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:

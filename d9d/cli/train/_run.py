@@ -26,6 +26,7 @@ from ...errors import DataError
 from ...launch._process_group import init_process_group
 from ...models import Llama, LlamaConfig, MoE, MoEConfig
 from ...models.moe import make_train_step as make_moe_train_step
+from ...transforms.diloco import DiLoCoStep
 from .._config import TrainConfig
 from .._flops import train_flops_per_token
 from .._precision import shard_options
@@ -208,7 +209,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         step = replica.wrap(step)
     params = {k: v.clone() for k, v in model.params.items()}
     opt_state = opt.init(params)
-    if isinstance(step, TransformedStep):
+    if isinstance(step, TransformedStep | DiLoCoStep):
         params, opt_state = step.place(params, opt_state, model=model)
         loader = _loader(config, loader.tokens, *_data_rank(step, replica, config))
     evaluator = None
@@ -269,7 +270,9 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
                 config.out / "profile" / f"rank{rank}.json", first_step, profile_steps
             ) as profiler,
         ):
-            commits = replica.commits if replica is not None else None
+            # A DiLoCo step is never run again: a round a failure interrupted is dropped.
+            retried = replica is not None and replica.diloco is None
+            commits = replica.commits if retried else None
             watch = _Watch(
                 log, dashboards, progress, speed, evaluator, profiler, preemption, commits
             )

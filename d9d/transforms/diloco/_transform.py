@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...core._step import OutermostStep, TransformedStep
 from ...errors import ConfigError, PlanError
 from ...optim import GradientTransformation, sgd
 from ._step import DiLoCoStep
@@ -61,12 +62,8 @@ class DiLoCo:
     def __call__(self, step: Any) -> DiLoCoStep:
         if isinstance(step, DiLoCoStep):
             raise PlanError("diloco was applied twice to one step; apply it once")
-        if not callable(getattr(step, "place", None)):
-            raise PlanError(
-                f"diloco wraps a transformed step (one with place()), got "
-                f"{type(step).__name__}; decorate the step with its group's layout first, "
-                "e.g. @d9d.shard_params(d9d.make_mesh(fsdp=1), 'fsdp') for a group of one rank"
-            )
+        if not isinstance(step, TransformedStep | OutermostStep):
+            step = TransformedStep(step, ())  # a step of one device, its params placed as given
         return DiLoCoStep(step, self.manager, self.inner_steps, self.outer)
 
 
@@ -98,15 +95,14 @@ def diloco(
             paper's.
 
     Returns:
-        The wrapper: apply it to a transformed step (above every transform, and above
-        ``d9d.jit``). The wrapped step's ``place(params, opt_state)`` returns
+        The wrapper: apply it to a step (above every transform, and above ``d9d.jit``). The wrapped step's ``place(params, opt_state)`` returns
         ``(params, DiLoCoState)``; call it with that state in place of the optimizer state.
 
     Raises:
         ConfigError: ``manager`` is not a torchft ``Manager``, ``inner_steps`` is not an
             int >= 1, or ``outer`` is not a ``GradientTransformation``.
-        PlanError: the step has no ``place`` (not transformed), is already under ``diloco``,
-            or (when placed) votes on each step's commit (``d9d.fault_tolerant``).
+        PlanError: the step is already under ``diloco``, or (when placed) votes on each
+            step's commit (``d9d.fault_tolerant``).
 
     Example:
         >>> import d9d
