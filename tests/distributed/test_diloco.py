@@ -6,7 +6,7 @@ both groups' batches (float64, inner SGD with momentum and weight decay, linear 
 ``torch.optim.SGD(nesterov=True)`` as the outer optimizer; both groups end bitwise equal, and
 the manager saw one all-reduce of every param element per round (counted outside d9d).
 (c) A group SIGKILLed inside an outer round: the survivor's round is not committed, it goes
-on from the last synced params, and its next round runs alone.
+on from the last synced params, and its next round runs alone; it logs one line for each.
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep.
 """
@@ -63,11 +63,18 @@ def _run_groups(tmp_path: Path, steps: int, inner_steps: int, outer: str, die: i
                 f"--out={tmp_path / f'group{group}.jsonl'}",
                 *([f"--die-in-round={die}"] if group == 1 else []),
             ]
-            procs.append(
-                subprocess.Popen(
-                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE
+            # stderr into a file: a pipe nobody reads would fill with torchft's log lines.
+            with (tmp_path / f"group{group}.err").open("w") as err:
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                        cwd=HERE,
+                    )
                 )
-            )
         for proc in procs:
             line = proc.stdout.readline().strip()
             assert line == "ready", f"replica group said {line!r} (rc={proc.poll()})"
@@ -176,3 +183,11 @@ def test_a_round_a_group_dies_in_is_dropped_and_the_survivor_goes_on(tmp_path: P
     assert counts["participants"] == [2, 2, 1]
     expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), None, (0,)])
     assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+    said = [
+        line for line in (tmp_path / "group0.err").read_text().splitlines() if "diloco:" in line
+    ]
+    assert said == [
+        "diloco: a replica group failed during the outer round after inner step 4; round "
+        "dropped, this group goes on from the last synced params",
+        "diloco: 1 replica group(s) left; outer rounds continue on 1",
+    ]
