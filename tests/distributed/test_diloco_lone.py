@@ -1,7 +1,8 @@
 """``d9d.diloco`` in one process, against a stand-in for a torchft Manager of a lone replica
 group (its all-reduce over one participant is the identity): rounds come every H steps with
-one all-reduce each, a refused round goes back to the last synced params, the state's memory
-is counted, and what is not supported is refused by name. The real lighthouse and replica
+one all-reduce each (of each rank's shard in a group of fsdp=2, which equals one rank), a
+refused round goes back to the last synced params, the state's memory is counted, a jitted
+inner step equals the eager one, and what is not supported is refused by name. The real lighthouse and replica
 groups: tests/distributed/test_diloco.py."""
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class LoneManager:
         return self.votes.pop(0)
 
 
-def _build(manager, inner_steps=2, outer=None, jit=False):
+def _build(manager, inner_steps=2, outer=None, jit=False, fsdp=1):
     torch.manual_seed(0)
     model, opt = llama(F64, n_layers=1)(), d9d.optim.adamw(1e-2)
-    inner = d9d.shard_params(d9d.make_mesh("cpu", fsdp=1), "fsdp")(train_step(model, opt))
+    inner = d9d.shard_params(d9d.make_mesh("cpu", fsdp=fsdp), "fsdp")(train_step(model, opt))
     if jit:
         inner = d9d.jit(inner, backend="aot_eager")
     step = d9d.diloco(manager, inner_steps=inner_steps, outer=outer)(inner)
@@ -80,6 +81,36 @@ def test_a_round_every_h_steps_and_a_refused_one_goes_back_to_the_last_synced_pa
         assert torch.equal(v, seen[1][1][k]), k
     assert not torch.equal(seen[2][1]["head.weight"], seen[1][1]["head.weight"])
     assert int(state.inner_step) == 4
+
+
+def _sharded_run() -> tuple[dict, list[str]]:
+    manager = LoneManager(votes=[True, True])
+    step, params, state = _build(manager, inner_steps=2, fsdp=2)
+    rank = torch.distributed.get_rank()
+    for i in range(4):  # this rank's rows of the batch of 4
+        params, state, _ = step(params, state, {k: v.chunk(2)[rank] for k, v in _four(i).items()})
+    return _whole(params), manager.calls
+
+
+def _four(i: int) -> dict:
+    return {k: torch.cat([_batch(i)[k], _batch(10 + i)[k]]) for k in ("tokens", "labels")}
+
+
+def test_a_group_of_two_fsdp_ranks_reduces_its_shards_and_equals_one_rank() -> None:
+    ranks = d9d.testing.run_on_ranks(_sharded_run, 2, method="fork")
+    manager = LoneManager(votes=[True, True])
+    step, params, state = _build(manager, inner_steps=2)
+    for i in range(4):
+        params, state, _ = step(params, state, _four(i))
+    expected = _whole(params)
+    for rank, (got, calls) in enumerate(ranks):
+        d9d.testing.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+        # each rank all-reduces its own shard (dim 0 cut as torch.chunk cuts it), per round
+        shard = sum(
+            v[0].numel() * len(torch.arange(v.shape[0]).chunk(2)[rank]) for v in expected.values()
+        )
+        round_calls = ["start_quorum", f"allreduce torch.float64 {shard}", "should_commit"]
+        assert calls == round_calls * 2
 
 
 def test_memory_counts_the_anchor_and_the_outer_momentum() -> None:
