@@ -43,6 +43,7 @@ __all__ = [  # kept literal for type checkers; tests/core/test_public_names.py h
     "context_parallel",
     "core",
     "data",
+    "diloco",
     "errors",
     "expert_parallel",
     "fault_tolerant",
@@ -115,6 +116,7 @@ if TYPE_CHECKING:
     from .launch import init_process_group
     from .transforms import (
         context_parallel,
+        diloco,
         expert_parallel,
         fault_tolerant,
         fp8,

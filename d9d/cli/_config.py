@@ -54,6 +54,7 @@ class TrainConfig:
     lighthouse: str | None = None  # the torchft lighthouse's address, with fault_tolerant
     replica_group_id: int | None = None  # this group's index, 0 .. replica_groups - 1
     replica_groups: int | None = None  # how many groups the global batch is split over
+    diloco: int | None = None  # with fault_tolerant: DiLoCo, an outer round every N steps
     tensorboard: bool = True  # event files in out/tensorboard, if tensorboard is installed
     wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline: to out/wandb only)
     wandb_project: str = "d9d"

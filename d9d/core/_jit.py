@@ -75,6 +75,13 @@ class Jitted(OutermostStep):
         self.traces += 1
         return compiled
 
+    def refusal_of(self, name: str) -> str:
+        return (
+            f"{name} was applied to a step already compiled by d9d.jit; jit must wrap "
+            f"every transform: put @d9d.jit above the @d9d.{name}(...) decorator, or "
+            f"write d9d.jit(d9d.{name}(...)(step))"
+        )
+
     def __getattr__(self, name: str) -> Any:
         step = self.__dict__.get("step")
         if step is None:
@@ -188,6 +195,8 @@ def jit(
     options = {"fullgraph": fullgraph, "mode": mode, "dynamic": dynamic}
 
     def build(fn: Callable[..., Any]) -> Jitted:
+        if isinstance(fn, OutermostStep) and not isinstance(fn, Jitted):
+            raise PlanError(fn.refusal_of("jit"))
         return Jitted(
             fn,
             donate=donate,

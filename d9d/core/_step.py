@@ -6,6 +6,7 @@ transforms' runtimes, which the batch, ``d9d.value_and_grad`` and ``Model.apply`
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -73,9 +74,14 @@ class StepTransform(Protocol):
     def runtime(self, plan: Plan, model: Model | None) -> Runtime | None: ...
 
 
-class OutermostStep:
-    """Base of the step wrappers that must wrap every transform (``d9d.jit``): a transform
-    refuses to apply to one, since it would rewrite a step already compiled for one layout."""
+class OutermostStep(abc.ABC):
+    """Base of the step wrappers that must wrap every transform (``d9d.jit``, ``d9d.diloco``):
+    a transform refuses to apply to one, since it would rewrite a step already compiled for one
+    layout, or run its own calls around it."""
+
+    @abc.abstractmethod
+    def refusal_of(self, name: str) -> str:
+        """The message refusing ``d9d.<name>`` applied to this step."""
 
 
 class TransformedStep:

@@ -71,11 +71,7 @@ class Transform(abc.ABC):
 
     def __call__(self, step: Callable[..., Any]) -> TransformedStep:
         if isinstance(step, OutermostStep):
-            raise PlanError(
-                f"{self.name} was applied to a step already compiled by d9d.jit; jit must wrap "
-                f"every transform: put @d9d.jit above the @d9d.{self.name}(...) decorator, or "
-                f"write d9d.jit(d9d.{self.name}(...)(step))"
-            )
+            raise PlanError(step.refusal_of(self.name))
         if isinstance(step, TransformedStep):
             return step.with_transform(self)
         return TransformedStep(step, (self,))

@@ -2,7 +2,7 @@
 
 Each transform is a package holding its rule (how it rewrites a param's plan) and its runtime
 (what it does while the step runs): ``shard_params``, ``tensor_parallel``,
-``context_parallel``, ``expert_parallel``, ``fault_tolerant``, ``fp8``, ``pipeline``, ``remat``. Here too are the protocol they implement
+``context_parallel``, ``expert_parallel``, ``fault_tolerant``, ``diloco`` (a step wrapper), ``fp8``, ``pipeline``, ``remat``. Here too are the protocol they implement
 (:class:`Transform`, its :class:`Phase`, :class:`Runtime`) and the types a transformed step hands back: its
 :class:`Plan` of :class:`ParamPlan` entries, :class:`Memory`, :class:`CommStats`, and the
 :class:`Jitted` step of ``d9d.jit``.
@@ -24,6 +24,10 @@ from ..core._step import TransformedStep as TransformedStep
 from ..core._transform import Transform as Transform
 from .context_parallel import ContextParallel as ContextParallel
 from .context_parallel import context_parallel as context_parallel
+from .diloco import DiLoCo as DiLoCo
+from .diloco import DiLoCoState as DiLoCoState
+from .diloco import DiLoCoStep as DiLoCoStep
+from .diloco import diloco as diloco
 from .expert_parallel import ExpertParallel as ExpertParallel
 from .expert_parallel import expert_parallel as expert_parallel
 from .fault_tolerant import FaultTolerant as FaultTolerant
@@ -60,6 +64,9 @@ __all__ = [
     "Cast",
     "CommStats",
     "ContextParallel",
+    "DiLoCo",
+    "DiLoCoState",
+    "DiLoCoStep",
     "Differentiation",
     "ExpertParallel",
     "FaultTolerant",
@@ -78,6 +85,7 @@ __all__ = [
     "Transform",
     "TransformedStep",
     "context_parallel",
+    "diloco",
     "expert_parallel",
     "fault_tolerant",
     "fp8",

@@ -101,8 +101,16 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
         "--replica-group-id": config.replica_group_id,
         "--replica-groups": config.replica_groups,
     }
+    if config.diloco is not None and config.diloco < 1:
+        raise ValueError(
+            f"--diloco H must be >= 1 inner steps per outer round, got {config.diloco}"
+        )
     if not config.fault_tolerant:
-        given = [flag for flag, value in ft_flags.items() if value is not None]
+        given = [
+            flag
+            for flag, value in {**ft_flags, "--diloco": config.diloco}.items()
+            if value is not None
+        ]
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --fault-tolerant; add it")
         return

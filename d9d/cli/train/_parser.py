@@ -193,6 +193,13 @@ def _add_fault_tolerance(run: argparse.ArgumentParser) -> None:
         type=int,
         help="how many replica groups the job starts (each reads its share of the batch)",
     )
+    run.add_argument(
+        "--diloco",
+        type=int,
+        metavar="H",
+        help="with --fault-tolerant: DiLoCo, the groups train apart and average their params "
+        "every H steps (outer Nesterov SGD, lr 0.7, momentum 0.9; docs/fault_tolerance.md)",
+    )
 
 
 def _add_watch(run: argparse.ArgumentParser, defaults: TrainConfig) -> None:

@@ -2,7 +2,8 @@
 
 The group's ranks (one ``torchrun``, or one process) each build a torchft ``Manager`` on the
 group's store (torchrun's, or one this process serves) and the lighthouse; the step is wrapped
-in :func:`d9d.fault_tolerant`, and the group reads its share of every global batch.
+in :func:`d9d.fault_tolerant` (or, with ``--diloco H``, :func:`d9d.diloco`, whose outer
+rounds start their own quorums), and the group reads its share of every global batch.
 
 The loop starts each step's quorum itself (:meth:`ReplicaGroup.start_step`), before it reads
 the step's batch: a group restarted behind the others rejoins there, taking a live peer's
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
+from ...transforms.diloco import diloco
 from ...transforms.fault_tolerant import fault_tolerant
 from .._config import TrainConfig
 
@@ -43,20 +45,28 @@ class ReplicaGroup:
         store: The group's store, when this process serves it (no torchrun), else None.
         groups: How many replica groups the job starts (``--replica-groups``).
         timeout_s: How long the first step waits for all of them (``--dist-timeout``).
+        diloco: Inner steps per DiLoCo outer round (``--diloco``); None: grads averaged
+            every step.
     """
 
-    def __init__(self, manager: Any, store: Any, groups: int, timeout_s: float) -> None:
+    def __init__(
+        self, manager: Any, store: Any, groups: int, timeout_s: float, diloco: int | None = None
+    ) -> None:
         self.manager = manager
         self.store = store
         self.groups = groups
         self.timeout_s = timeout_s
+        self.diloco = diloco
         self.loader: Any = None
         self.position: dict[str, int] | None = None  # that of the batch in hand, if one is
         self.rejoined = False
         self._started = False
 
     def wrap(self, step: Callable[..., Any]) -> Any:
-        """``step`` as a fault-tolerant step of this group (whose quorum this starts)."""
+        """``step`` as a step of this group: fault-tolerant (whose quorum this starts), or
+        DiLoCo's inner step (whose outer rounds start their own)."""
+        if self.diloco is not None:
+            return diloco(self.manager, inner_steps=self.diloco)(step)
         return fault_tolerant(self.manager, starts_quorum=False)(step)
 
     def follow(self, loader: Any) -> None:
@@ -68,6 +78,12 @@ class ReplicaGroup:
         return self.position if self.position is not None else self.loader.state_dict()
 
     def _receive(self, position: dict[str, int]) -> None:
+        if self.diloco is not None:
+            raise ConfigError(
+                "this DiLoCo replica group joined groups already training, and rejoining them "
+                "(the anchor and outer optimizer state copied from a peer) is not built yet; "
+                "start every replica group together, and restart them all after a failure"
+            )
         self.loader.load_state_dict(position)
         self.position = None
         self.rejoined = True
@@ -75,10 +91,12 @@ class ReplicaGroup:
     def start_step(self) -> bool:
         """Start the next step's quorum; whether this group rejoined at it (its step count,
         params, optimizer state and data position are then a live peer's). The first waits
-        until every group takes part, or this group rejoins groups already training."""
+        until every group takes part, or this group rejoins groups already training. Under
+        DiLoCo only the first: its outer rounds start their own quorums."""
         self.rejoined = False
         if self._started:
-            self.manager.start_quorum()
+            if self.diloco is None:
+                self.manager.start_quorum()
         else:
             _wait_for_every_group(self.manager, self.groups, self.timeout_s)
             self._started = True
@@ -121,7 +139,9 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         timeout=timeout,
         quorum_timeout=timeout,
     )
-    return ReplicaGroup(manager, store, config.replica_groups or 1, config.dist_timeout)
+    return ReplicaGroup(
+        manager, store, config.replica_groups or 1, config.dist_timeout, config.diloco
+    )
 
 
 def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:

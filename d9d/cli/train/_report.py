@@ -18,6 +18,7 @@ from ... import checkpoint
 from ...core._model import Model
 from ...core._step import TransformedStep
 from ...models import LlamaConfig, MoEConfig
+from ...transforms.diloco import DiLoCoStep
 from .._config import TrainConfig
 
 __all__ = ["header_lines", "print_header", "written_files"]
@@ -59,7 +60,7 @@ def header_lines(
         ('batch', '16 sequences x 128 tokens = 2,048 tokens per step')
     """
     num_params = sum(p.numel() for p in model.params.values())
-    mesh = step.mesh if isinstance(step, TransformedStep) else None
+    mesh = step.mesh if isinstance(step, TransformedStep | DiLoCoStep) else None
     per_step = config.batch_size * config.seq_len
     data = f"{_source(config.data)}: {tokens:,} tokens"
     if held_out:

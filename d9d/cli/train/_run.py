@@ -26,6 +26,7 @@ from ...errors import DataError
 from ...launch._process_group import init_process_group
 from ...models import Llama, LlamaConfig, MoE, MoEConfig
 from ...models.moe import make_train_step as make_moe_train_step
+from ...transforms.diloco import DiLoCoStep
 from .._config import TrainConfig
 from .._flops import train_flops_per_token
 from .._precision import shard_options, stored_params
@@ -212,7 +213,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         step = replica.wrap(step)
     params = stored_params(config, {k: v.clone() for k, v in model.params.items()})
     opt_state = opt.init(params)
-    if isinstance(step, TransformedStep):
+    if isinstance(step, TransformedStep | DiLoCoStep):
         params, opt_state = step.place(params, opt_state, model=model)
         loader = _loader(config, loader.tokens, *_data_rank(step, replica, config))
     if replica is not None:
@@ -351,7 +352,7 @@ def _loop(
         watch.profiler.before(i)
         params, opt_state, metrics = step(params, opt_state, batch)
         watch.profiler.after(i)
-        if replica is not None and replica.commits() == i:
+        if replica is not None and replica.diloco is None and replica.commits() == i:
             continue  # a replica group failed during the step: it runs again on this batch
         batch, i = None, i + 1
         if replica is not None:

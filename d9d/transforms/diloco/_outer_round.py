@@ -1,0 +1,69 @@
+"""One outer round of ``diloco``: the pseudo-gradients averaged over the live replica groups
+through the torchft ``Manager``, the outer optimizer applied to the anchor, and the vote.
+
+Each rank works on its local pieces (a shard per rank under fsdp): every live group holds the
+same layout, and ``Manager.allreduce`` pairs rank ``r`` of each group, so the pieces line up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+
+from ... import tree
+from ...core._collectives import local_like
+from ...optim import GradientTransformation, apply_updates
+
+__all__ = ["outer_round"]
+
+
+def outer_round(
+    manager: Any, outer: GradientTransformation, anchor: Any, outer_state: Any, params: Any
+) -> tuple[Any, Any, bool]:
+    """``(anchor, outer_state, committed)`` after one outer round from ``params``.
+
+    The pseudo-gradient is ``anchor - params``, averaged over the live groups with equal
+    weight (as in DiLoCo and torchft); the outer optimizer takes it as the anchor's grad.
+    When ``manager.should_commit()`` says no (a group failed during the round), the anchor and
+    the outer state come back as they were.
+    """
+    manager.start_quorum()
+    anchor_leaves, spec = tree.flatten(anchor)
+    pseudo = [
+        _local(a) - _local(p) for a, p in zip(anchor_leaves, tree.leaves(params), strict=True)
+    ]
+    averaged = _average(manager, pseudo)
+    if not manager.should_commit():
+        return anchor, outer_state, False
+    grads = tree.unflatten(
+        spec,
+        [
+            local_like(g, a) if isinstance(a, DTensor) else g
+            for g, a in zip(averaged, anchor_leaves, strict=True)
+        ],
+    )
+    updates, outer_state = outer.update(grads, outer_state, anchor)
+    return apply_updates(anchor, updates), outer_state, True
+
+
+def _local(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.to_local() if isinstance(leaf, DTensor) else leaf
+
+
+def _average(manager: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` averaged over the live replica groups, one all-reduce per dtype.
+
+    ``Manager.allreduce`` divides the sum by the number of live groups. On a failed
+    all-reduce the values are garbage, and ``should_commit`` then says no.
+    """
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in which])
+        manager.allreduce(flat, reduce_op=ReduceOp.AVG).wait()
+        for i, piece in zip(which, flat.split([tensors[i].numel() for i in which]), strict=True):
+            out[i] = piece.view(tensors[i].shape)
+    return [t for t in out if t is not None]

@@ -1,0 +1,139 @@
+"""``DiLoCoStep``: a step run as DiLoCo's inner step, with an outer round every H calls."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ... import tree
+from ...core._runtime import Runtime
+from ...core._step import Memory, OutermostStep
+from ...errors import PlanError
+from ...optim import GradientTransformation
+from ._outer_round import outer_round
+from ._state import DiLoCoState
+
+__all__ = ["DiLoCoStep"]
+
+_log = logging.getLogger("d9d.diloco")
+
+
+class DiLoCoStep(OutermostStep):
+    """A step under :func:`d9d.diloco`; call it like the step it wraps, with a
+    :class:`DiLoCoState` (from ``place``) in place of the optimizer state.
+
+    Attributes other than its own (``plan``, ``mesh``) are read from the wrapped step.
+    """
+
+    def __init__(
+        self, step: Any, manager: Any, inner_steps: int, outer: GradientTransformation
+    ) -> None:
+        self.step = step
+        self.manager = manager
+        self.inner_steps = inner_steps
+        self.outer = outer
+        self._participants: int | None = None
+        functools.update_wrapper(self, step, updated=())
+
+    def refusal_of(self, name: str) -> str:
+        if name == "jit":
+            return (
+                "jit was applied to a step under d9d.diloco, whose outer round is host calls "
+                "into the torchft Manager; compile the inner step instead: "
+                "d9d.diloco(manager, inner_steps=H)(d9d.jit(step))"
+            )
+        return (
+            f"{name} was applied to a step already under d9d.diloco; diloco must wrap every "
+            f"transform: put @d9d.diloco(...) above the @d9d.{name}(...) decorator"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        step = self.__dict__.get("step")
+        if step is None:
+            raise AttributeError(name)
+        return getattr(step, name)
+
+    def place(self, params: Any, opt_state: Any, **kwargs: Any) -> tuple[Any, DiLoCoState]:
+        """The wrapped step's ``place``, and the outer state beside its optimizer state.
+
+        Returns:
+            ``(params, DiLoCoState(inner=opt_state, anchor=a copy of params, outer=
+            outer.init(params), inner_step=0))``, every tree laid out like the placed params.
+        """
+        params, opt_state = self.step.place(params, opt_state, **kwargs)
+        voting = [type(r).__name__ for r in self.step.runtimes if _votes(r)]
+        if voting:
+            raise PlanError(
+                f"diloco wraps a step whose runtimes {voting} vote on every step's commit "
+                "(d9d.fault_tolerant): the replica groups would exchange grads every step "
+                "and params every round; drop d9d.fault_tolerant from the inner step, diloco's "
+                "outer round is the only exchange between replica groups"
+            )
+        anchor = tree.map(torch.clone, params)
+        inner_step = torch.zeros((), dtype=torch.int64)
+        return params, DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step)
+
+    def __call__(self, params: Any, state: DiLoCoState, batch: Any) -> tuple[Any, Any, Any]:
+        if not isinstance(state, DiLoCoState):
+            raise TypeError(
+                f"a diloco step takes a DiLoCoState as its optimizer state, got "
+                f"{type(state).__name__}; build it with step.place(params, opt.init(params))"
+            )
+        params, inner, metrics = self.step(params, state.inner, batch)
+        inner_step = state.inner_step + 1
+        anchor, outer_state = state.anchor, state.outer
+        if int(inner_step) % self.inner_steps == 0:
+            anchor, outer_state, committed = outer_round(
+                self.manager, self.outer, anchor, outer_state, params
+            )
+            self._log_round(committed, int(inner_step))
+            # Copies: a jitted inner step updates its params in place, and the anchor must
+            # stay as the round left it.
+            params = tree.map(torch.clone, anchor)
+        return params, DiLoCoState(inner, anchor, outer_state, inner_step), metrics
+
+    def memory(self, params: Any, state: DiLoCoState) -> Memory:
+        """The wrapped step's ``memory``, its optimizer state counting the anchor, the outer
+        state and the step counter too (bytes per rank)."""
+        inner = self.step.memory(params, state.inner)
+        extra = sum(_local_bytes(leaf) for leaf in tree.leaves(state[1:]))
+        return Memory(params=inner.params, grads=inner.grads, opt_state=inner.opt_state + extra)
+
+    def comms(self, params: Any, state: DiLoCoState, batch: Any) -> Any:
+        """The collectives of one inner step (inside the replica group; it runs one, with no
+        outer round). An outer round adds one all-reduce per dtype over the replica groups,
+        of each rank's local params, every ``inner_steps`` steps."""
+        return self.step.comms(params, state.inner, batch)
+
+    def _log_round(self, committed: bool, inner_step: int) -> None:
+        if not committed:
+            _log.warning(
+                "diloco: a replica group failed during the outer round after inner step %d; "
+                "round dropped, this group goes on from the last synced params",
+                inner_step,
+            )
+            return
+        now = int(self.manager.num_participants())
+        if self._participants is not None and now != self._participants:
+            verb = "left" if now < self._participants else "joined"
+            _log.warning(
+                "diloco: %d replica group(s) %s; outer rounds continue on %d",
+                abs(now - self._participants),
+                verb,
+                now,
+            )
+        self._participants = now
+
+
+def _votes(runtime: Runtime) -> bool:
+    return type(runtime).commit is not Runtime.commit
+
+
+def _local_bytes(leaf: Any) -> int:
+    if isinstance(leaf, DTensor):
+        leaf = leaf.to_local()
+    return leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else 0

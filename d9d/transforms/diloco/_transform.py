@@ -1,0 +1,116 @@
+"""``diloco``: replica groups that train apart for H steps, then meet in an outer round.
+
+Why a step wrapper and not a transform or an optimizer: DiLoCo keeps state beside the inner
+optimizer's (the params at the last round, the outer optimizer's momentum) and replaces the
+params at each round. A transform's runtime sees neither the optimizer state nor the returned
+params as a whole, and an optimizer (``d9d.optim``) returns updates, so a group would end a
+round at ``params + (anchor - params)``, which rounds differently on each group: the groups
+would no longer hold bitwise equal params. Wrapping the step, DiLoCo threads its state through
+the optimizer state (:class:`DiLoCoState`, saved by ``d9d.checkpoint`` like any other) and
+hands every group the same tensor values. It wraps every transform, as ``d9d.jit`` does, and
+composes with any layout inside the group: the pseudo-gradients are all-reduced per local
+shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...core._step import OutermostStep, TransformedStep
+from ...errors import ConfigError, PlanError
+from ...optim import GradientTransformation, sgd
+from ._step import DiLoCoStep
+
+__all__ = ["DiLoCo", "diloco"]
+
+MANAGER_METHODS = ("start_quorum", "allreduce", "should_commit", "num_participants")
+"""The ``torchft.Manager`` methods an outer round calls."""
+
+
+@dataclass(frozen=True)
+class DiLoCo:
+    """The ``diloco`` wrapper; build it with :func:`diloco`, apply it to a step."""
+
+    manager: Any
+    inner_steps: int
+    outer: GradientTransformation
+
+    def __post_init__(self) -> None:
+        missing = [m for m in MANAGER_METHODS if not callable(getattr(self.manager, m, None))]
+        if missing:
+            raise ConfigError(
+                f"diloco needs a torchft.Manager, got {type(self.manager).__name__} without "
+                f"{missing}; build one with torchft.Manager(pg=ProcessGroupGloo(), ...) "
+                "(pip install 'd9d[ft]')"
+            )
+        if (
+            isinstance(self.inner_steps, bool)
+            or not isinstance(self.inner_steps, int)
+            or self.inner_steps < 1
+        ):
+            raise ConfigError(
+                f"diloco(inner_steps={self.inner_steps!r}) must be an int >= 1: the number of "
+                "inner steps between outer rounds (the DiLoCo paper uses 500)"
+            )
+        if not isinstance(self.outer, GradientTransformation):
+            raise ConfigError(
+                f"diloco(outer={self.outer!r}) must be a d9d.optim GradientTransformation, "
+                "such as d9d.optim.sgd(0.7, momentum=0.9, nesterov=True)"
+            )
+
+    def __call__(self, step: Any) -> DiLoCoStep:
+        if isinstance(step, DiLoCoStep):
+            raise PlanError("diloco was applied twice to one step; apply it once")
+        if not isinstance(step, TransformedStep | OutermostStep):
+            step = TransformedStep(step, ())  # a step of one device, its params placed as given
+        return DiLoCoStep(step, self.manager, self.inner_steps, self.outer)
+
+
+def diloco(
+    manager: Any, *, inner_steps: int, outer: GradientTransformation | None = None
+) -> DiLoCo:
+    """Run a step as DiLoCo's inner step: replica groups meet every ``inner_steps`` steps.
+
+    Each replica group (a ``torchrun`` job of its own, any layout inside) runs the wrapped
+    step on its own batches with its own (inner) optimizer, without talking to the other
+    groups. After every ``inner_steps`` calls comes an outer round: the manager's quorum
+    starts; each rank all-reduces its pseudo-gradient ``anchor - params`` (``anchor``: the
+    params at the last round) with the same rank of every live group, averaged with equal
+    weight per group, one collective per dtype; if ``manager.should_commit()``, the outer
+    optimizer steps the anchor with it, and every group goes on from the new anchor (bitwise
+    equal on all of them). A round that does not commit (a group failed during it) leaves the
+    anchor and the outer state as they were, and the group goes on from the last synced
+    params; the inner optimizer's state is kept, as torchft's ``DiLoCo`` does.
+
+    The step's loss is the group's own (inner steps do not communicate); the manager's step
+    (``manager.current_step()``) counts committed rounds.
+
+    Args:
+        manager: A ``torchft.Manager`` of this rank (``rank``/``world_size`` this rank's in
+            its replica group).
+        inner_steps: H, the inner steps between outer rounds, >= 1.
+        outer: The outer optimizer, applied to the averaged pseudo-gradient as the anchor's
+            grad. Default ``d9d.optim.sgd(0.7, momentum=0.9, nesterov=True)``, the DiLoCo
+            paper's.
+
+    Returns:
+        The wrapper: apply it to a step (above every transform, and above ``d9d.jit``). The wrapped step's ``place(params, opt_state)`` returns
+        ``(params, DiLoCoState)``; call it with that state in place of the optimizer state.
+
+    Raises:
+        ConfigError: ``manager`` is not a torchft ``Manager``, ``inner_steps`` is not an
+            int >= 1, or ``outer`` is not a ``GradientTransformation``.
+        PlanError: the step is already under ``diloco``, or (when placed) votes on each
+            step's commit (``d9d.fault_tolerant``).
+
+    Example:
+        >>> import d9d
+        >>> d9d.diloco(object(), inner_steps=8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        d9d.errors.ConfigError: diloco needs a torchft.Manager, got object without ...
+    """
+    return DiLoCo(
+        manager, inner_steps, sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
+    )

@@ -1,0 +1,80 @@
+"""``d9d train --fault-tolerant --diloco H``: two replica groups (one process each) on a torchft
+lighthouse in this process train apart between outer rounds; its flags are checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from d9d.cli import main
+from d9d.cli._config import TrainConfig
+from d9d.cli.train._checks import check_flags
+
+ARGS = ["train", "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-tensorboard"]
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").open()]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
+    torchft = pytest.importorskip("torchft.coordination")
+    assert main([*ARGS, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
+    lighthouse = torchft.LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50
+    )
+    logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
+    groups: list[subprocess.Popen] = []
+    try:
+        # Into files, not pipes: a pipe nobody reads fills with torchft's log lines.
+        groups = [
+            subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "d9d", *ARGS, "--log-every=1"),
+                    *("--fault-tolerant", f"--lighthouse={lighthouse.address()}", "--diloco=2"),
+                    *(f"--replica-group-id={g}", "--replica-groups=2"),
+                    f"--out={tmp_path / f'group{g}'}",
+                ],
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+            )
+            for g, log in enumerate(logs)
+        ]
+        codes = [group.wait(timeout=240) for group in groups]
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+        lighthouse.shutdown()
+    for code, log in zip(codes, logs, strict=True):
+        assert code == 0, log.read_text()[-3000:]
+    one = _losses(tmp_path / "one")
+    first, second = (_losses(tmp_path / f"group{g}") for g in (0, 1))
+    assert len(first) == len(second) == 3
+    # Step 1 runs the same initial params on each group's own rows (no exchange before the
+    # round after step 2): different losses, whose mean is the one-process loss of all rows.
+    assert first[0] != pytest.approx(second[0], rel=1e-3)
+    assert (first[0] + second[0]) / 2 == pytest.approx(one[0], rel=1e-5)
+
+
+FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_groups": 2}
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"diloco": 8}, r"--diloco only apply with --fault-tolerant"),
+        ({**FT, "replica_group_id": 0, "diloco": 0}, r"--diloco H must be >= 1 inner steps"),
+    ],
+)
+def test_diloco_flags_are_checked(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_flags(TrainConfig(**fields))

@@ -1,0 +1,193 @@
+"""``d9d.diloco`` on a real torchft lighthouse: replica groups as processes of their own.
+
+(a) H=1 with a plain outer SGD of lr 1 equals synchronous data parallelism: one device fed
+both groups' batches (float64, inner SGD with momentum and weight decay, linear in the grads).
+(b) H=3 with the default outer Nesterov equals DiLoCo simulated in one process with
+``torch.optim.SGD(nesterov=True)`` as the outer optimizer; both groups end bitwise equal, and
+the manager saw one all-reduce of every param element per round (counted outside d9d).
+(c) A group SIGKILLed inside an outer round: the survivor's round is not committed, it goes
+on from the last synced params, and its next round runs alone; it logs one line for each.
+
+Every ordering is an event (a line on a pipe, a process's exit), none a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from equivalence import llama, train_step
+
+from d9d import tree
+from d9d.testing import assert_trees_all_close
+
+torchft = pytest.importorskip("torchft")
+from diloco_replica import batch_of, inner_optimizer  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+HERE = Path(__file__).parent
+
+
+def _lighthouse() -> LighthouseServer:
+    # As test_fault_tolerant.py: a quorum waits for every heartbeating group to ask; a dead
+    # group stops counting 2 s after its last heartbeat.
+    return LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=60_000,
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=2_000,
+    )
+
+
+def _run_groups(tmp_path: Path, steps: int, inner_steps: int, outer: str, die: int = -1) -> list:
+    """Both groups' runs, group 1 dying inside round ``die`` (>= 0); their return codes."""
+    lighthouse = _lighthouse()
+    try:
+        procs = []
+        for group in (0, 1):
+            command = [
+                sys.executable,
+                str(HERE / "diloco_replica.py"),
+                f"--lighthouse={lighthouse.address()}",
+                f"--group={group}",
+                f"--steps={steps}",
+                f"--inner-steps={inner_steps}",
+                f"--outer={outer}",
+                f"--out={tmp_path / f'group{group}.jsonl'}",
+                *([f"--die-in-round={die}"] if group == 1 else []),
+            ]
+            # stderr into a file: a pipe nobody reads would fill with torchft's log lines.
+            with (tmp_path / f"group{group}.err").open("w") as err:
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                        cwd=HERE,
+                    )
+                )
+        for proc in procs:
+            line = proc.stdout.readline().strip()
+            assert line == "ready", f"replica group said {line!r} (rc={proc.poll()})"
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            proc.stdin.close()
+        return [proc.wait(timeout=240) for proc in procs]
+    finally:
+        lighthouse.shutdown()
+
+
+def _result(tmp_path: Path, group: int) -> tuple[list[dict], dict, dict]:
+    out = tmp_path / f"group{group}.jsonl"
+    log = [json.loads(line) for line in out.read_text().splitlines()]
+    counts = json.loads(Path(f"{out}.counts.json").read_text())
+    return log, counts, torch.load(f"{out}.params.pt")
+
+
+def _fresh() -> tuple:
+    torch.manual_seed(0)
+    model = llama(torch.float64, n_layers=1)()
+    return model, tree.map(torch.clone, model.params)
+
+
+def _simulate(steps: int, inner_steps: int, outer_lr: float, momentum: float, rounds: list):
+    """DiLoCo in one process: each group's inner steps with d9d's step, the outer step with
+    ``torch.optim.SGD`` on the anchor; ``rounds[i]`` the groups averaged in round ``i``, or
+    None for a round that does not commit. Group 0's final params."""
+    model, params = _fresh()
+    opt = inner_optimizer()
+    step = train_step(model, opt)
+    anchor = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    # d9d's schedules give the learning rate as a float32 tensor (0.7 is 0.699999988).
+    lr = torch.tensor(outer_lr, dtype=torch.float32).item()
+    outer = torch.optim.SGD(anchor.values(), lr=lr, momentum=momentum, nesterov=momentum > 0)
+    groups = [[tree.map(torch.clone, params), opt.init(params)] for _ in range(2)]
+    for at in range(steps):
+        for g, (p, s) in enumerate(groups):
+            groups[g][0], groups[g][1], _ = step(p, s, batch_of(g, at))
+        if (at + 1) % inner_steps:
+            continue
+        averaged = rounds[(at + 1) // inner_steps - 1]
+        if averaged is not None:
+            for k, a in anchor.items():
+                a.grad = torch.stack([a.detach() - groups[g][0][k] for g in averaged]).mean(0)
+            outer.step()
+        for group in groups:
+            group[0] = {k: a.detach().clone() for k, a in anchor.items()}
+    return groups[0][0]
+
+
+def _numel() -> int:
+    return sum(v.numel() for v in _fresh()[1].values())
+
+
+@pytest.mark.timeout(300)
+def test_one_inner_step_and_outer_sgd_of_lr_1_is_data_parallelism(tmp_path: Path) -> None:
+    steps = 4
+    assert _run_groups(tmp_path, steps, inner_steps=1, outer="sgd1") == [0, 0]
+    model, params = _fresh()
+    opt = inner_optimizer()
+    step, state, losses = train_step(model, opt), opt.init(params), []
+    for at in range(steps):
+        a, b = batch_of(0, at), batch_of(1, at)
+        params, state, metrics = step(params, state, {k: torch.cat([a[k], b[k]]) for k in a})
+        losses.append(metrics["loss"])
+    logs = [_result(tmp_path, g) for g in (0, 1)]
+    # Each group logs its own loss; with equal token counts their mean is the global one.
+    mean = [(x["loss"] + y["loss"]) / 2 for x, y in zip(logs[0][0], logs[1][0], strict=True)]
+    torch.testing.assert_close(
+        torch.tensor(mean, dtype=torch.float64), torch.stack(losses), rtol=1e-12, atol=0
+    )
+    for log, counts, got in logs:
+        assert [r["rounds"] for r in log] == [1, 2, 3, 4]
+        assert counts == {
+            "allreduces": steps,
+            "elements": steps * _numel(),
+            "participants": [2] * 4,
+        }
+        assert_trees_all_close(got, params, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_outer_nesterov_every_three_steps_matches_a_simulation(tmp_path: Path) -> None:
+    steps, inner_steps = 6, 3
+    assert _run_groups(tmp_path, steps, inner_steps, outer="nesterov") == [0, 0]
+    expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), (0, 1)])
+    (log0, counts0, got0), (log1, counts1, got1) = (_result(tmp_path, g) for g in (0, 1))
+    assert [r["rounds"] for r in log0] == [r["rounds"] for r in log1] == [0, 0, 1, 1, 1, 2]
+    # One all-reduce per round (one dtype), of every local param element.
+    assert counts0 == counts1 == {"allreduces": 2, "elements": 2 * _numel(), "participants": [2, 2]}
+    for k in got0:
+        assert torch.equal(got0[k], got1[k]), k  # every group goes on from the same params
+    assert_trees_all_close(got0, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_a_round_a_group_dies_in_is_dropped_and_the_survivor_goes_on(tmp_path: Path) -> None:
+    steps, inner_steps = 6, 2
+    survivor_rc, victim_rc = _run_groups(tmp_path, steps, inner_steps, outer="nesterov", die=1)
+    assert (survivor_rc, victim_rc) == (0, -9)
+    log, counts, got = _result(tmp_path, 0)
+    assert [r["step"] for r in log] == list(range(steps))  # no restart, none repeated
+    assert [r["rounds"] for r in log] == [0, 1, 1, 1, 1, 2]  # round 1 not committed
+    assert counts["participants"] == [2, 2, 1]
+    expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), None, (0,)])
+    assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+    said = [
+        line for line in (tmp_path / "group0.err").read_text().splitlines() if "diloco:" in line
+    ]
+    assert said == [
+        "diloco: a replica group failed during the outer round after inner step 4; round "
+        "dropped, this group goes on from the last synced params",
+        "diloco: 1 replica group(s) left; outer rounds continue on 1",
+    ]

@@ -1,0 +1,188 @@
+"""``d9d.diloco`` in one process, against a stand-in for a torchft Manager of a lone replica
+group (its all-reduce over one participant is the identity): rounds come every H steps with
+one all-reduce each (of each rank's shard in a group of fsdp=2, which equals one rank), a
+refused round goes back to the last synced params, the state's memory is counted, a jitted
+inner step equals the eager one, and what is not supported is refused by name. The real lighthouse and replica
+groups: tests/distributed/test_diloco.py."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+import torch
+from equivalence import llama, train_step
+
+import d9d
+from d9d.errors import ConfigError, PlanError
+
+F64 = torch.float64
+
+
+class LoneManager:
+    """A torchft Manager's calls for one replica group alone; ``votes`` are what
+    ``should_commit`` answers, round by round."""
+
+    def __init__(self, votes: list[bool] = ()) -> None:
+        self.votes = list(votes)
+        self.calls: list[str] = []
+
+    def start_quorum(self) -> None:
+        self.calls.append("start_quorum")
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> LoneManager:
+        self.calls.append(f"allreduce {tensor.dtype} {tensor.numel()}")
+        return self
+
+    def wait(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 1
+
+    def should_commit(self) -> bool:
+        self.calls.append("should_commit")
+        return self.votes.pop(0)
+
+
+def _build(manager, inner_steps=2, outer=None, jit=False, fsdp=1):
+    torch.manual_seed(0)
+    model, opt = llama(F64, n_layers=1)(), d9d.optim.adamw(1e-2)
+    inner = d9d.shard_params(d9d.make_mesh("cpu", fsdp=fsdp), "fsdp")(train_step(model, opt))
+    if jit:
+        inner = d9d.jit(inner, backend="aot_eager")
+    step = d9d.diloco(manager, inner_steps=inner_steps, outer=outer)(inner)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    return step, params, state
+
+
+def _batch(i: int) -> dict:
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(i))
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def _whole(params: dict) -> dict:
+    return {k: v.full_tensor() for k, v in params.items()}
+
+
+def test_a_round_every_h_steps_and_a_refused_one_goes_back_to_the_last_synced_params() -> None:
+    manager = LoneManager(votes=[True, False])
+    step, params, state = _build(manager, inner_steps=2)
+    numel = sum(v.numel() for v in params.values())
+    seen = []
+    for i in range(4):
+        params, state, _ = step(params, state, _batch(i))
+        seen.append((list(manager.calls), _whole(params)))
+        manager.calls.clear()
+    round_calls = ["start_quorum", f"allreduce torch.float64 {numel}", "should_commit"]
+    assert [calls for calls, _ in seen] == [[], round_calls, [], round_calls]
+    for k, v in seen[3][1].items():  # round 2 refused: the params of round 1, bit for bit
+        assert torch.equal(v, seen[1][1][k]), k
+    assert not torch.equal(seen[2][1]["head.weight"], seen[1][1]["head.weight"])
+    assert int(state.inner_step) == 4
+
+
+def _sharded_run() -> tuple[dict, list[str]]:
+    manager = LoneManager(votes=[True, True])
+    step, params, state = _build(manager, inner_steps=2, fsdp=2)
+    rank = torch.distributed.get_rank()
+    for i in range(4):  # this rank's rows of the batch of 4
+        params, state, _ = step(params, state, {k: v.chunk(2)[rank] for k, v in _four(i).items()})
+    return _whole(params), manager.calls
+
+
+def _four(i: int) -> dict:
+    return {k: torch.cat([_batch(i)[k], _batch(10 + i)[k]]) for k in ("tokens", "labels")}
+
+
+def test_a_group_of_two_fsdp_ranks_reduces_its_shards_and_equals_one_rank() -> None:
+    ranks = d9d.testing.run_on_ranks(_sharded_run, 2, method="fork")
+    manager = LoneManager(votes=[True, True])
+    step, params, state = _build(manager, inner_steps=2)
+    for i in range(4):
+        params, state, _ = step(params, state, _four(i))
+    expected = _whole(params)
+    for rank, (got, calls) in enumerate(ranks):
+        d9d.testing.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+        # each rank all-reduces its own shard (dim 0 cut as torch.chunk cuts it), per round
+        shard = sum(
+            v[0].numel() * len(torch.arange(v.shape[0]).chunk(2)[rank]) for v in expected.values()
+        )
+        round_calls = ["start_quorum", f"allreduce torch.float64 {shard}", "should_commit"]
+        assert calls == round_calls * 2
+
+
+def test_memory_counts_the_anchor_and_the_outer_momentum() -> None:
+    step, params, state = _build(LoneManager())
+    param_bytes = sum(v.numel() for v in params.values()) * 8  # float64
+    inner = step.step.memory(params, state.inner)
+    got = step.memory(params, state)
+    # the anchor and Nesterov's buffer (a copy of the params each), scale_by_learning_rate's
+    # int64 count and float32 learning rate, the inner step counter
+    assert got.opt_state - inner.opt_state == 2 * param_bytes + 8 + 4 + 8
+    assert (got.params, got.grads) == (inner.params, inner.grads)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"inner_steps": 0}, r"diloco\(inner_steps=0\) must be an int >= 1"),
+        ({"inner_steps": True}, r"diloco\(inner_steps=True\) must be an int >= 1"),
+        ({"inner_steps": 8, "outer": 0.7}, r"diloco\(outer=0.7\) must be a d9d.optim Gradient"),
+    ],
+)
+def test_bad_options_are_refused_by_name(options: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        d9d.diloco(LoneManager(), **options)
+
+
+def test_a_manager_without_its_methods_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"diloco needs a torchft.Manager, got object without"):
+        d9d.diloco(object(), inner_steps=8)
+
+
+def test_what_diloco_cannot_wrap_is_refused_by_name() -> None:
+    wrap = d9d.diloco(LoneManager(), inner_steps=2)
+    step, _, _ = _build(LoneManager())
+    with pytest.raises(PlanError, match="diloco was applied twice to one step"):
+        wrap(step)
+    mesh = d9d.make_mesh("cpu", fsdp=1)
+    with pytest.raises(PlanError, match=r"shard_params was applied to a step already under d9d"):
+        d9d.shard_params(mesh, "fsdp")(step)
+    with pytest.raises(PlanError, match=r"jit was applied to a step under d9d.diloco.*d9d.jit\("):
+        d9d.jit(step)
+
+
+def test_fault_tolerant_inside_is_refused_when_placed() -> None:
+    torch.manual_seed(0)
+    model, opt = llama(F64, n_layers=1)(), d9d.optim.adamw(1e-2)
+    mesh = d9d.make_mesh("cpu", fsdp=1)
+    inner = d9d.fault_tolerant(LoneManager())(
+        d9d.shard_params(mesh, "fsdp")(train_step(model, opt))
+    )
+    step = d9d.diloco(LoneManager(), inner_steps=2)(inner)
+    with pytest.raises(PlanError, match=r"vote on every step's commit \(d9d.fault_tolerant\)"):
+        step.place(model.params, opt.init(model.params), model=model)
+
+
+def test_the_step_takes_its_diloco_state() -> None:
+    step, params, state = _build(LoneManager())
+    with pytest.raises(TypeError, match="a diloco step takes a DiLoCoState"):
+        step(params, state.inner, _batch(0))
+
+
+@pytest.mark.compile
+def test_a_jitted_inner_step_equals_the_eager_one() -> None:
+    results = []
+    for jit in (False, True):
+        step, params, state = _build(LoneManager(votes=[True, True]), jit=jit)
+        for i in range(4):
+            params, state, _ = step(params, state, _batch(i))
+        results.append(_whole(params))
+    d9d.testing.assert_trees_all_close(results[1], results[0], rtol=1e-10, atol=1e-12)
+
+
+def test_docstring_example_runs() -> None:
+    module = importlib.import_module("d9d.transforms.diloco._transform")
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0
