@@ -14,7 +14,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from ... import tree
-from ...core._collectives import local_like
+from ...core._gather import local_like
 from ...optim import GradientTransformation, apply_updates
 
 __all__ = ["outer_round"]
