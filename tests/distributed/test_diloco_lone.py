@@ -28,6 +28,12 @@ class LoneManager:
         self.votes = list(votes)
         self.calls: list[str] = []
 
+    def register_state_dict_fn(self, key: str, load: object, save: object) -> None:
+        self.calls.append(f"register {key}")
+
+    def current_step(self) -> int:
+        return 0
+
     def start_quorum(self) -> None:
         self.calls.append("start_quorum")
 
