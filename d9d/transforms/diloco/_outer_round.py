@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from ... import tree
 from ...core._gather import local_like
 from ...optim import GradientTransformation, apply_updates
+from .._replica_groups import all_reduce_over_groups
 
 __all__ = ["outer_round"]
 
@@ -35,7 +36,7 @@ def outer_round(
     pseudo = [
         _local(a) - _local(p) for a, p in zip(anchor_leaves, tree.leaves(params), strict=True)
     ]
-    averaged = _average(manager, pseudo)
+    averaged = all_reduce_over_groups(manager, pseudo, ReduceOp.AVG)
     if not manager.should_commit():
         return anchor, outer_state, False
     grads = tree.unflatten(
@@ -51,19 +52,3 @@ def outer_round(
 
 def _local(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.to_local() if isinstance(leaf, DTensor) else leaf
-
-
-def _average(manager: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` averaged over the live replica groups, one all-reduce per dtype.
-
-    ``Manager.allreduce`` divides the sum by the number of live groups. On a failed
-    all-reduce the values are garbage, and ``should_commit`` then says no.
-    """
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i].reshape(-1) for i in which])
-        manager.allreduce(flat, reduce_op=ReduceOp.AVG).wait()
-        for i, piece in zip(which, flat.split([tensors[i].numel() for i in which]), strict=True):
-            out[i] = piece.view(tensors[i].shape)
-    return [t for t in out if t is not None]

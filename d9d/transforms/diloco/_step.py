@@ -14,6 +14,7 @@ from ...core._runtime import Runtime
 from ...core._step import Memory, OutermostStep
 from ...errors import PlanError
 from ...optim import GradientTransformation
+from .._replica_groups import GroupCount
 from ._outer_round import outer_round
 from ._state import DiLoCoState
 
@@ -36,7 +37,7 @@ class DiLoCoStep(OutermostStep):
         self.manager = manager
         self.inner_steps = inner_steps
         self.outer = outer
-        self._participants: int | None = None
+        self.groups = GroupCount(_log, "diloco", "outer rounds")
         functools.update_wrapper(self, step, updated=())
 
     def refusal_of(self, name: str) -> str:
@@ -117,16 +118,7 @@ class DiLoCoStep(OutermostStep):
                 inner_step,
             )
             return
-        now = int(self.manager.num_participants())
-        if self._participants is not None and now != self._participants:
-            verb = "left" if now < self._participants else "joined"
-            _log.warning(
-                "diloco: %d replica group(s) %s; outer rounds continue on %d",
-                abs(now - self._participants),
-                verb,
-                now,
-            )
-        self._participants = now
+        self.groups.update(self.manager)
 
 
 def _votes(runtime: Runtime) -> bool:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ...core._gather import local_like
 from ...core._runtime import Differentiation, Runtime
 from ...errors import PlanError
+from .._replica_groups import GroupCount, all_reduce_over_groups
 from ._rejoin import STATE_KEY, adopt, served
 
 __all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]
@@ -48,7 +49,7 @@ class FaultTolerantRuntime(Runtime):
     def __init__(self, manager: Any, *, starts_quorum: bool = True) -> None:
         self.manager = manager
         self.starts_quorum = starts_quorum
-        self.participants: int | None = None
+        self.groups = GroupCount(_log, "fault_tolerant", "steps")
         self.live: tuple[Any, Any] | None = None  # what the step is called with: served
         self.received: dict[str, list[Any]] | None = None  # a peer's, taken at the next step
         manager.register_state_dict_fn(STATE_KEY, self._receive, self._serve)
@@ -101,13 +102,15 @@ class FaultTolerantRuntime(Runtime):
         if weight is None:
             # No token count: every live group weighs the same (the manager divides the sums
             # by the number of participants).
-            reduced = _all_reduce(self.manager, [*pieces, value.reshape(1)], ReduceOp.AVG)
+            reduced = all_reduce_over_groups(
+                self.manager, [*pieces, value.reshape(1)], ReduceOp.AVG
+            )
             value = reduced[-1].reshape(())
         else:
             # float32 at least: a bfloat16 loss would round token counts above 256.
             wide = torch.promote_types(value.dtype, torch.float32)
             totals = torch.stack([value.to(wide) * weight.to(wide), weight.to(wide)])
-            reduced = _all_reduce(self.manager, [*pieces, totals], ReduceOp.SUM)
+            reduced = all_reduce_over_groups(self.manager, [*pieces, totals], ReduceOp.SUM)
             total_value, count = reduced[-1].unbind()
             count = count.clamp(min=1)
             value = (total_value / count).to(value.dtype)
@@ -117,7 +120,7 @@ class FaultTolerantRuntime(Runtime):
             local_like(r, g) if isinstance(g, DTensor) else r
             for r, g in zip(reduced[:-1], grads, strict=True)
         ]
-        self._log_change()
+        self.groups.update(self.manager)
         return value, aux, out
 
     def commit(self) -> bool:
@@ -125,31 +128,3 @@ class FaultTolerantRuntime(Runtime):
         if not kept:
             _log.warning("fault_tolerant: a replica group failed during the step; update dropped")
         return kept
-
-    def _log_change(self) -> None:
-        """One line when the number of live replica groups changes (not on the first step)."""
-        now = self.manager.num_participants()
-        if self.participants is not None and now != self.participants:
-            verb = "left" if now < self.participants else "joined"
-            _log.warning(
-                "fault_tolerant: %d replica group(s) %s; steps continue on %d",
-                abs(now - self.participants),
-                verb,
-                now,
-            )
-        self.participants = now
-
-
-def _all_reduce(manager: Any, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
-    """``tensors`` all-reduced over the replica groups by ``op``, one collective per dtype."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i].reshape(-1) for i in which])
-        manager.allreduce(flat, reduce_op=op).wait()
-        offset = 0
-        for i in which:
-            n = tensors[i].numel()
-            out[i] = flat[offset : offset + n].view(tensors[i].shape)
-            offset += n
-    return [t for t in out if t is not None]

@@ -1,0 +1,53 @@
+"""What ``fault_tolerant`` and ``diloco`` share over torchft's replica groups: tensors
+all-reduced through the ``Manager`` one collective per dtype, and the one log line a rank
+writes when the number of live groups changes."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+__all__ = ["GroupCount", "all_reduce_over_groups"]
+
+
+def all_reduce_over_groups(
+    manager: Any, tensors: list[torch.Tensor], op: ReduceOp
+) -> list[torch.Tensor]:
+    """``tensors`` all-reduced over the live replica groups by ``op`` (``AVG`` divides by
+    their number), one ``manager.allreduce`` per dtype. After a failed all-reduce the values
+    are garbage, and the manager's ``should_commit`` then says no."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in which])
+        manager.allreduce(flat, reduce_op=op).wait()
+        for i, piece in zip(which, flat.split([tensors[i].numel() for i in which]), strict=True):
+            out[i] = piece.view(tensors[i].shape)
+    return [t for t in out if t is not None]
+
+
+class GroupCount:
+    """Logs one line to ``log`` when the number of live replica groups changes (not at the
+    first count): ``"<name>: 1 replica group(s) left; <what> continue on 1"``."""
+
+    def __init__(self, log: logging.Logger, name: str, what: str) -> None:
+        self.log, self.name, self.what = log, name, what
+        self.participants: int | None = None
+
+    def update(self, manager: Any) -> None:
+        """Count the groups of ``manager``'s current quorum."""
+        now = int(manager.num_participants())
+        if self.participants is not None and now != self.participants:
+            verb = "left" if now < self.participants else "joined"
+            self.log.warning(
+                "%s: %d replica group(s) %s; %s continue on %d",
+                self.name,
+                abs(now - self.participants),
+                verb,
+                self.what,
+                now,
+            )
+        self.participants = now
