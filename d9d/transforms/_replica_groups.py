@@ -1,5 +1,5 @@
 """What ``fault_tolerant`` and ``diloco`` share over torchft's replica groups: tensors
-all-reduced through the ``Manager`` one collective per dtype, and the one log line a rank
+all-reduced through the ``Manager`` in buckets of one dtype, and the one log line a rank
 writes when the number of live groups changes."""
 
 from __future__ import annotations
@@ -10,22 +10,40 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-__all__ = ["GroupCount", "all_reduce_over_groups"]
+__all__ = ["BUCKET_BYTES", "GroupCount", "all_reduce_over_groups"]
+
+
+BUCKET_BYTES = 25 * 2**20
+"""The most bytes one all-reduce over the groups carries (as DDP's ``bucket_cap_mb``): the
+flat copy each bucket makes is extra memory while it travels."""
 
 
 def all_reduce_over_groups(
-    manager: Any, tensors: list[torch.Tensor], op: ReduceOp
+    manager: Any, tensors: list[torch.Tensor], op: ReduceOp, bucket_bytes: int = BUCKET_BYTES
 ) -> list[torch.Tensor]:
     """``tensors`` all-reduced over the live replica groups by ``op`` (``AVG`` divides by
-    their number), one ``manager.allreduce`` per dtype. After a failed all-reduce the values
-    are garbage, and the manager's ``should_commit`` then says no."""
+    their number): ``manager.allreduce`` of flat buckets of one dtype, each of consecutive
+    tensors of at most ``bucket_bytes`` (a larger tensor alone). After a failed all-reduce
+    the values are garbage, and the manager's ``should_commit`` then says no."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for dtype in dict.fromkeys(t.dtype for t in tensors):
-        which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i].reshape(-1) for i in which])
-        manager.allreduce(flat, reduce_op=op).wait()
-        for i, piece in zip(which, flat.split([tensors[i].numel() for i in which]), strict=True):
-            out[i] = piece.view(tensors[i].shape)
+        buckets: list[list[int]] = [[]]
+        size = 0
+        for i, t in enumerate(tensors):
+            if t.dtype != dtype:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
+            size += nbytes
+        for which in buckets:
+            flat = torch.cat([tensors[i].reshape(-1) for i in which])
+            manager.allreduce(flat, reduce_op=op).wait()
+            pieces = flat.split([tensors[i].numel() for i in which])
+            for i, piece in zip(which, pieces, strict=True):
+                out[i] = piece.view(tensors[i].shape)
     return [t for t in out if t is not None]
 
 

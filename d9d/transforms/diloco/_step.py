@@ -106,7 +106,7 @@ class DiLoCoStep(OutermostStep):
 
     def comms(self, params: Any, state: DiLoCoState, batch: Any) -> Any:
         """The collectives of one inner step (inside the replica group; it runs one, with no
-        outer round). An outer round adds one all-reduce per dtype over the replica groups,
+        outer round). An outer round adds one all-reduce per dtype and 25 MiB over the replica groups,
         of each rank's local params, every ``inner_steps`` steps."""
         return self.step.comms(params, state.inner, batch)
 

@@ -77,7 +77,7 @@ def diloco(
     groups. After every ``inner_steps`` calls comes an outer round: the manager's quorum
     starts; each rank all-reduces its pseudo-gradient ``anchor - params`` (``anchor``: the
     params at the last round) with the same rank of every live group, averaged with equal
-    weight per group, one collective per dtype; if ``manager.should_commit()``, the outer
+    weight per group, one collective per dtype and 25 MiB bucket; if ``manager.should_commit()``, the outer
     optimizer steps the anchor with it, and every group goes on from the new anchor (bitwise
     equal on all of them). A round that does not commit (a group failed during it) leaves the
     anchor and the outer state as they were, and the group goes on from the last synced

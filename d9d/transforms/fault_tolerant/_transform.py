@@ -85,7 +85,7 @@ def fault_tolerant(
 
     The loss stays the token mean over the live replicas' batches: each group's grads and loss
     are weighed by its valid-token count (:func:`d9d.losses.token_mean`), and the weighted
-    sums and counts are all-reduced together, one collective per dtype. A loss that counts no
+    sums and counts are all-reduced together, one collective per dtype and 25 MiB bucket. A loss that counts no
     tokens gives every live group the same weight.
 
     Rejoin: a group whose step is behind the quorum's (restarted after a failure, or
