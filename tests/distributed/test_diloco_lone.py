@@ -27,9 +27,10 @@ class LoneManager:
     def __init__(self, votes: list[bool] = ()) -> None:
         self.votes = list(votes)
         self.calls: list[str] = []
+        self.state_fns: dict[str, tuple] = {}  # key: (load_state_dict, state_dict)
 
     def register_state_dict_fn(self, key: str, load: object, save: object) -> None:
-        self.calls.append(f"register {key}")
+        self.state_fns[key] = (load, save)
 
     def current_step(self) -> int:
         return 0
@@ -192,3 +193,15 @@ def test_a_jitted_inner_step_equals_the_eager_one() -> None:
 def test_docstring_example_runs() -> None:
     module = importlib.import_module("d9d.transforms.diloco._transform")
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
+
+
+def test_a_group_behind_the_live_ones_is_refused_by_name() -> None:
+    """torchft hands a group that starts behind the live ones their state through the
+    functions registered under each key: diloco's serves nothing and refuses to load, since
+    the anchor and the outer state would have to come too (not built)."""
+    manager = LoneManager()
+    _build(manager)
+    load, save = manager.state_fns["d9d.diloco"]
+    assert save() == {}
+    with pytest.raises(PlanError, match=r"rejoining them \(the anchor and the outer .* not built"):
+        load({})

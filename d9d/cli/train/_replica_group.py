@@ -78,12 +78,6 @@ class ReplicaGroup:
         return self.position if self.position is not None else self.loader.state_dict()
 
     def _receive(self, position: dict[str, int]) -> None:
-        if self.diloco is not None:
-            raise ConfigError(
-                "this DiLoCo replica group joined groups already training, and rejoining them "
-                "(the anchor and outer optimizer state copied from a peer) is not built yet; "
-                "start every replica group together, and restart them all after a failure"
-            )
         self.loader.load_state_dict(position)
         self.position = None
         self.rejoined = True

@@ -74,6 +74,9 @@ class DiLoCoStep(OutermostStep):
                 "and params every round; drop d9d.fault_tolerant from the inner step, diloco's "
                 "outer round is the only exchange between replica groups"
             )
+        # torchft heals a group that starts behind the live ones with their state: the
+        # anchor and outer state would have to come with it, which is not built.
+        self.manager.register_state_dict_fn(STATE_KEY, _refuse_rejoin, dict)
         anchor = tree.map(torch.clone, params)
         inner_step = torch.zeros((), dtype=torch.int64)
         return params, DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step)
@@ -119,6 +122,20 @@ class DiLoCoStep(OutermostStep):
             )
             return
         self.groups.update(self.manager)
+
+
+STATE_KEY = "d9d.diloco"
+"""The key of ``diloco``'s part of torchft's state dict of a replica group (served empty)."""
+
+
+def _refuse_rejoin(state: object) -> None:
+    """What torchft calls to hand a group behind the live ones their state."""
+    del state
+    raise PlanError(
+        "this replica group joined DiLoCo groups already past their first outer round, and "
+        "rejoining them (the anchor and the outer optimizer's state from a peer) is not built "
+        "yet; start every replica group together, and restart them all after a failure"
+    )
 
 
 def _votes(runtime: Runtime) -> bool:

@@ -24,8 +24,15 @@ from ._step import DiLoCoStep
 
 __all__ = ["DiLoCo", "diloco"]
 
-MANAGER_METHODS = ("start_quorum", "allreduce", "should_commit", "num_participants")
-"""The ``torchft.Manager`` methods an outer round calls."""
+MANAGER_METHODS = (
+    "start_quorum",
+    "allreduce",
+    "should_commit",
+    "num_participants",
+    "register_state_dict_fn",
+)
+"""The ``torchft.Manager`` methods ``diloco`` calls: an outer round's, and the refusal of a
+rejoin registered when the step is placed."""
 
 
 @dataclass(frozen=True)
