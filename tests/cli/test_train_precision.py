@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +96,23 @@ def test_master_weights_store_bfloat16_params_over_float32_masters(tmp_path: Pat
     assert set(masters.values()) == {"float32"} and len(masters) == len(
         [p for p in leaves if p.startswith("params.")]
     )
+
+
+def test_master_weights_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The masters are optimizer state: checkpointed and restored with it."""
+    flags = ("--dtype", "bfloat16", "--master-weights", "--save-every", "2")
+    run = tmp_path / "run"
+    argv = ["train", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--out", str(run)]
+
+    def losses() -> list[tuple[int, float, float]]:
+        records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
+
+    assert main([*argv, "--no-tensorboard", *flags]) == 0
+    whole = losses()
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    assert main([*argv, "--no-tensorboard", *flags, "--resume"]) == 0
+    assert losses() == whole and len(whole) == 4
 
 
 def test_plan_shows_the_bytes_of_each_zero_stage() -> None:
