@@ -38,7 +38,8 @@ def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
             subprocess.Popen(
                 [
                     *(sys.executable, "-m", "d9d", *ARGS, "--log-every=1"),
-                    *("--fault-tolerant", f"--lighthouse={lighthouse.address()}", "--diloco=2"),
+                    *("--steps=4", "--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
+                    "--diloco=2",
                     *(f"--replica-group-id={g}", "--replica-groups=2"),
                     f"--out={tmp_path / f'group{g}'}",
                 ],
@@ -58,7 +59,7 @@ def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
         assert code == 0, log.read_text()[-3000:]
     one = _losses(tmp_path / "one")
     first, second = (_losses(tmp_path / f"group{g}") for g in (0, 1))
-    assert len(first) == len(second) == 3
+    assert len(first) == len(second) == 4
     # Step 1 runs the same initial params on each group's own rows (no exchange before the
     # round after step 2): different losses, whose mean is the one-process loss of all rows.
     assert first[0] != pytest.approx(second[0], rel=1e-3)
@@ -73,6 +74,10 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
     [
         ({"diloco": 8}, r"--diloco only apply with --fault-tolerant"),
         ({**FT, "replica_group_id": 0, "diloco": 0}, r"--diloco H must be >= 1 inner steps"),
+        (
+            {**FT, "replica_group_id": 0, "diloco": 8, "steps": 20},
+            r"--steps 20 is not a multiple of --diloco 8: the last 4 steps",
+        ),
     ],
 )
 def test_diloco_flags_are_checked(fields: dict, match: str) -> None:

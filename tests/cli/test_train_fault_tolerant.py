@@ -30,7 +30,9 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_two_replica_groups_train_as_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["--fsdp=2", "--tp=2"])
+def test_two_replica_groups_train_as_one_process(tmp_path: Path, layout: str) -> None:
+    """Each group a torchrun of two ranks, sharded (fsdp=2) or tensor-parallel (tp=2) inside."""
     torchft = pytest.importorskip("torchft.coordination")
     assert main([*ARGS, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
     # min_replicas=1, as a run that survives a failure needs: the groups wait for each other
@@ -47,7 +49,7 @@ def test_two_replica_groups_train_as_one_process(tmp_path: Path) -> None:
             subprocess.Popen(
                 [
                     *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-                    *("--nproc-per-node=2", "-m", "d9d", *ARGS, "--log-every=1", "--fsdp=2"),
+                    *("--nproc-per-node=2", "-m", "d9d", *ARGS, "--log-every=1", layout),
                     *("--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
                     *(f"--replica-group-id={g}", "--replica-groups=2"),
                     f"--out={tmp_path / f'group{g}'}",
@@ -226,3 +228,5 @@ def test_a_replica_group_continues_only_in_its_own_out(tmp_path: Path) -> None:
         check_fresh_out(tmp_path, resuming=False, replica_group=0)  # another group's
     with pytest.raises(ConfigError, match=r"already holds a run"):
         check_fresh_out(tmp_path, resuming=False)  # a run without --fault-tolerant
+    with pytest.raises(ConfigError, match=r"group 1's run .* a DiLoCo group cannot rejoin"):
+        check_fresh_out(tmp_path, resuming=False, replica_group=1, diloco=True)

@@ -105,6 +105,12 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
         raise ValueError(
             f"--diloco H must be >= 1 inner steps per outer round, got {config.diloco}"
         )
+    if config.diloco is not None and config.steps % config.diloco:
+        raise ValueError(
+            f"--steps {config.steps} is not a multiple of --diloco {config.diloco}: the last "
+            f"{config.steps % config.diloco} steps would never be averaged, and the replica "
+            "groups would end with different params; pass a multiple"
+        )
     if not config.fault_tolerant:
         given = [
             flag

@@ -142,6 +142,7 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
             config.out,
             resuming=config.resume or config.resume_from is not None,
             replica_group=config.replica_group_id if config.fault_tolerant else None,
+            diloco=config.diloco is not None,
         )
         run = _train(config, console, replica)
     except BaseException:
