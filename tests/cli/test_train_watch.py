@@ -205,3 +205,28 @@ def test_neither_d9d_nor_its_train_module_imports_tensorboard_or_wandb() -> None
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     )
     assert not {"tensorboard", "wandb", "torch.utils.tensorboard"} & set(loaded.stdout.split())
+
+
+def test_tensorboard_of_a_run_restarted_at_step_0_in_its_out_holds_its_steps_once(
+    tmp_path: Path,
+) -> None:
+    """A replica group restarted into its --out learns at its first quorum where it starts
+    (``Dashboards(..., first_step=None)``, then ``start_at``): at step 0 after all groups
+    restarted, the earlier run's events are dropped from step 1 on."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from d9d.cli._config import TrainConfig
+    from d9d.cli.train._watch import Dashboards
+
+    config = TrainConfig(out=tmp_path / "run")
+    with Dashboards(config, {}, 0, rank0=True) as first:
+        for step in (1, 2, 3):
+            first.write({"step": step, "loss": 10.0 + step})
+    with Dashboards(config, {}, None, rank0=True) as restarted:
+        restarted.start_at(0)
+        for step in (1, 2):
+            restarted.write({"step": step, "loss": float(step)})
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0)]

@@ -273,7 +273,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         with (
             Preemption() as preemption,
             MetricsLog(log_path, log_from) as log,
-            Dashboards(config, _config_json(config), first_step, rank0) as dashboards,
+            Dashboards(config, _config_json(config), log_from, rank0) as dashboards,
             TrainProgress(console or Console(), config.steps, first_step, show=rank0) as progress,
             StepProfiler(
                 config.out / "profile" / f"rank{rank}.json", first_step, profile_steps
@@ -344,6 +344,7 @@ def _loop(
             # after the quorum).
             batch, i, last_step, started = None, replica.commits(), replica.commits(), True
             watch.log.keep_through(i)
+            watch.dashboards.start_at(i)
             if i >= config.steps:
                 break
         if batch is None:

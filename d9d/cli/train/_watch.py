@@ -26,20 +26,26 @@ class Dashboards:
     Args:
         config: The run's options (``out``, ``tensorboard``, ``wandb``, ``wandb_project``).
         config_json: The run's options as ``config.json`` holds them (W&B's run config).
-        first_step: Steps done before this call: a resumed run's TensorBoard events replace
-            the earlier run's from step ``first_step + 1`` on.
+        first_step: Steps done before this call: the TensorBoard events of an earlier run in
+            ``out`` are replaced from step ``first_step + 1`` on. None: learned later
+            (:meth:`start_at`; a torchft replica group learns it at its first quorum).
         rank0: Whether this process writes.
     """
 
     def __init__(
-        self, config: TrainConfig, config_json: dict[str, Any], first_step: int, rank0: bool
+        self,
+        config: TrainConfig,
+        config_json: dict[str, Any],
+        first_step: int | None,
+        rank0: bool,
     ) -> None:
         self._tensorboard = None
         self._wandb = None
+        self._directory = config.out / "tensorboard" if rank0 and config.tensorboard else None
         if not rank0:
             return
-        if config.tensorboard:
-            self._tensorboard = _tensorboard_writer(config.out / "tensorboard", first_step)
+        if first_step is not None:
+            self.start_at(first_step)
         if config.wandb:
             import wandb
 
@@ -49,6 +55,11 @@ class Dashboards:
                 config=config_json,
                 name=config.out.name,
             )
+
+    def start_at(self, first_step: int) -> None:
+        """Open the TensorBoard writer of a run that starts after ``first_step`` steps."""
+        if self._directory is not None and self._tensorboard is None:
+            self._tensorboard = _tensorboard_writer(self._directory, first_step)
 
     def write(self, record: dict[str, float]) -> None:
         """Every value of ``record`` but ``step``, as a scalar at ``record["step"]``."""
@@ -86,10 +97,12 @@ def _tensorboard_writer(directory: Path, first_step: int) -> Any:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    if first_step:
+    earlier = any(directory.glob("*tfevents*"))
+    if earlier:
         _wait_to_sort_last(directory)
-    # purge_step: TensorBoard drops an earlier run's events from the resumed step on.
-    return SummaryWriter(str(directory), purge_step=first_step + 1 if first_step else None)
+    # purge_step: TensorBoard drops an earlier run's events from the step this one starts at
+    # (a resumed run's, or a replica group's that continues in its --out after a restart).
+    return SummaryWriter(str(directory), purge_step=first_step + 1 if earlier else None)
 
 
 _EVENT_FILE_SECOND = re.compile(r"tfevents\.(\d+)\.")
