@@ -62,11 +62,6 @@ def _rank_main(
         dist.barrier()
         try:
             value = fn(*args, **kwargs)
-            # The same race for the groups ``fn`` made (a mesh's axes): a rank that returns
-            # first would close its side while another still connects. Every rank's ``fn``
-            # has returned past this barrier (on success only: a failed rank closes its
-            # connections at once, and the others fail in turn).
-            dist.barrier()
         except BaseException:
             # Taken before destroying the group, which closes this rank's connections and
             # makes the ranks waiting on it fail in turn.
