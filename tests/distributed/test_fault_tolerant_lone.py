@@ -13,47 +13,12 @@ import sys
 import pytest
 import torch
 from equivalence import batches, llama, optimizer, train_step
+from lone_manager import LoneManager
 
 import d9d
 from d9d.errors import PlanError
 
 F64 = torch.float64
-
-
-class LoneManager:
-    """A torchft Manager's calls for one replica group alone; ``votes`` are what
-    ``should_commit`` answers, step by step."""
-
-    def __init__(self, votes: list[bool]) -> None:
-        self.votes = list(votes)
-        self.calls: list[str] = []
-        self.state_fns: dict[str, tuple] = {}  # key: (load_state_dict, state_dict)
-        self.step = 0
-
-    def register_state_dict_fn(self, key: str, load: object, save: object) -> None:
-        self.state_fns[key] = (load, save)
-
-    def current_step(self) -> int:
-        return self.step
-
-    def start_quorum(self) -> None:
-        self.calls.append("start_quorum")
-
-    def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> LoneManager:
-        self.calls.append(f"allreduce {tensor.dtype} {tensor.numel()}")
-        return self
-
-    def wait(self) -> None:
-        pass
-
-    def num_participants(self) -> int:
-        return 1
-
-    def should_commit(self) -> bool:
-        self.calls.append("should_commit")
-        kept = self.votes.pop(0)
-        self.step += kept
-        return kept
 
 
 def _run(model, opt, step, data):
