@@ -62,13 +62,21 @@ def _rank_main(
         dist.barrier()
         try:
             value = fn(*args, **kwargs)
+            # The same race for the groups ``fn`` made (a pipeline's pair of tied stages): a
+            # rank that returns first would close its side while another still connects.
+            # Every rank's ``fn`` has returned past this barrier, on success only: a failed
+            # rank closes its connections at once, and the others fail in turn. An ``fn`` that
+            # plays a rank's exit (a peer blocked on it must fail) ends the group itself.
+            if dist.is_initialized():
+                dist.barrier()
         except BaseException:
             # Taken before destroying the group, which closes this rank's connections and
             # makes the ranks waiting on it fail in turn.
             failed_at = time.time()
             raise
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         payload = pickle.dumps(("ok", value))
     except BaseException as exc:
         detail = "".join(traceback.format_exception(exc))
