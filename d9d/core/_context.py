@@ -48,6 +48,10 @@ class StepContext:
             Unlike ``plan.token_groups`` these ranks all compute the same loss and sum their
             grads: a module sums its statistics over them and returns per-token terms as
             this rank's share (``d9d.moe`` does).
+        codec_statistics: ``{path: all-reduced statistic}`` of the stored params whose gather
+            codec has one (an fp8 weight's amax), taken once as the step starts: a stored
+            shard does not change within a step, so every gather of it in the step (each
+            unit's, the backward's regather, each microbatch's) encodes with the same value.
     """
 
     plan: Plan
@@ -55,6 +59,7 @@ class StepContext:
     defer_reduction: bool = False
     token_counts: list[torch.Tensor] | None = None
     sequence_groups: tuple[tuple[str, int], ...] = ()
+    codec_statistics: dict[str, torch.Tensor] | None = None
 
 
 class _State(threading.local):

@@ -27,6 +27,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ._context import current
 from ._grad_reduce import deferring, nested, padded, reduce_many, reduce_to, scaled_grad, unreduced
 from ._param_plan import ParamPlan
 from ._plan import Plan
@@ -34,6 +35,7 @@ from ._plan import Plan
 __all__ = [
     "IssuedGather",
     "coalescible",
+    "codec_statistics",
     "distribute",
     "gather",
     "gather_many",
@@ -101,9 +103,8 @@ class _Gather(torch.autograd.Function):
         local, statistic = stored.to_local(), None
         if entry.codec.statistic_op is not None:  # over the gathering axes (no cast has one:
             # a jitted step never looks a group up here)
-            pairs = zip(entry.storage, entry.compute, strict=True)
-            names = [mesh.get_group(i).group_name for i, (s, c) in enumerate(pairs) if s != c]
-            (statistic,) = _statistics([entry.codec], [local], names)
+            names = [mesh.get_group(i).group_name for i in _gathering_axes(entry)]
+            (statistic,) = _statistics([entry], [local], names)
         stored = local_like(entry.codec.encode(local, statistic), stored)
         gathered = stored.redistribute(mesh, entry.compute).to_local()
         return entry.codec.decode(gathered, statistic)
@@ -120,21 +121,74 @@ class _Gather(torch.autograd.Function):
         return out, None, None
 
 
+def _gathering_axes(entry: ParamPlan) -> list[int]:
+    """The mesh axes ``entry`` is gathered over (stored and computed laid out differently)."""
+    pairs = zip(entry.storage, entry.compute, strict=True)
+    return [i for i, (stored, used) in enumerate(pairs) if stored != used]
+
+
+def _reduced_statistics(
+    entries: Sequence[ParamPlan], shards: Sequence[torch.Tensor], groups: Sequence[str]
+) -> list[torch.Tensor]:
+    """Each shard's ``codec.statistic``, all-reduced with the codecs' one ``statistic_op``
+    over the process ``groups``: one collective per group for all of them."""
+    own = [
+        e.codec.statistic(shard).float().reshape(-1)
+        for e, shard in zip(entries, shards, strict=True)
+    ]
+    flat = torch.cat(own)
+    for group in groups:
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, entries[0].codec.statistic_op, group))
+    return list(flat.split([s.numel() for s in own]))
+
+
+def codec_statistics(plan: Plan, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``{path: all-reduced codec statistic}`` of every stored param in ``params`` whose codec
+    has one (``Cast``'s doc): one all-reduce per op and gathering axes for all of them.
+
+    A statistic depends only on the stored shard, which does not change within a step, so a
+    step takes them once, before its first gather (``StepContext.codec_statistics``), not
+    once per gather: a unit's forward gather, its regather for the backward, and each
+    microbatch's would each all-reduce the same values.
+    """
+    found: dict[tuple, list[str]] = {}
+    for path, stored in params.items():
+        entry = plan.entries.get(path)
+        if entry is None or entry.codec is None or entry.codec.statistic_op is None:
+            continue
+        if not isinstance(stored, DTensor):
+            continue
+        groups = tuple(plan.group_names[i] for i in _gathering_axes(entry))
+        found.setdefault((entry.codec.statistic_op, groups), []).append(path)
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for (_, groups), paths in found.items():
+            entries = [plan.entries[p] for p in paths]
+            shards = [params[p].to_local() for p in paths]
+            out.update(zip(paths, _reduced_statistics(entries, shards, groups), strict=True))
+    return out
+
+
 def _statistics(
-    codecs: list[Any], shards: list[torch.Tensor], groups: list[str]
+    entries: Sequence[ParamPlan], shards: list[torch.Tensor], groups: list[str]
 ) -> list[torch.Tensor | None]:
-    """Each shard's ``codec.statistic``, all-reduced with its ``statistic_op`` over the
-    process ``groups`` (the gathering axes): one collective per group and op for all of
-    them; None for a shard with no codec or a codec without statistic (a cast)."""
+    """Each shard's all-reduced codec statistic (None for a shard with no codec or a codec
+    without statistic: a cast): the running step's (:func:`codec_statistics`), else
+    all-reduced here over the process ``groups`` (the gathering axes), one collective per
+    group and op for all of them."""
     out: list[torch.Tensor | None] = [None] * len(shards)
-    ops = dict.fromkeys(c.statistic_op for c in codecs if c is not None)
-    for op in (op for op in ops if op is not None):
-        members = [i for i, c in enumerate(codecs) if c is not None and c.statistic_op == op]
-        own = [codecs[i].statistic(shards[i]).float().reshape(-1) for i in members]
-        flat = torch.cat(own)
-        for group in groups:
-            flat = _c10d.wait_tensor(_c10d.all_reduce(flat, op, group))
-        for i, value in zip(members, flat.split([s.numel() for s in own]), strict=True):
+    step = current()
+    known = {} if step is None or step.codec_statistics is None else step.codec_statistics
+    wanted = [i for i, e in enumerate(entries) if e.codec is not None and e.codec.statistic_op]
+    for i in [i for i in wanted if entries[i].path in known]:
+        out[i] = known[entries[i].path]
+    missing = [i for i in wanted if out[i] is None]
+    for op in dict.fromkeys(entries[i].codec.statistic_op for i in missing):
+        members = [i for i in missing if entries[i].codec.statistic_op == op]
+        reduced = _reduced_statistics(
+            [entries[i] for i in members], [shards[i] for i in members], groups
+        )
+        for i, value in zip(members, reduced, strict=True):
             out[i] = value
     return out
 
@@ -228,7 +282,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
             locals_ = [t.to_local() for t in stored]
-            statistics[key] = _statistics([e.codec for e in entries], locals_, [group])
+            statistics[key] = _statistics(entries, locals_, [group])
             flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], statistics[key])
             buffers[key] = _c10d.all_gather_into_tensor(flat, plan.mesh.shape[axis], group)
     return IssuedGather(tuple(paths), buffers, statistics)
@@ -371,8 +425,7 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.defer = deferring()
         if issued is None:
-            codecs = [e.codec for e in entries]
-            statistics = _statistics(codecs, [t.to_local() for t in stored], [group])
+            statistics = _statistics(entries, [t.to_local() for t in stored], [group])
             flat = _flat_shards(list(stored), list(entries), axis, ranks, statistics)
             buffer = _c10d.all_gather_into_tensor(flat, ranks, group)
         else:

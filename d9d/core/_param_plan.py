@@ -55,9 +55,10 @@ class Cast:
     with equal codecs share one all-gather. ``wire_dtype`` is the dtype on the wire,
     ``compute_dtype`` the dtype of what ``decode`` returns (and of the grad that comes
     back to it). A codec with a ``statistic_op`` (``"max"``, ``"sum"``) first computes a
-    small float32 ``statistic(shard)`` per param, which the gather all-reduces over the
-    gathering ranks (one all-reduce for the params gathered together) and passes to
-    ``encode`` and ``decode``: a scale taken from the whole param's amax, for data in a
+    small float32 ``statistic(shard)`` per param, which is all-reduced over the gathering
+    ranks (once a step for all the step's params, as it starts: a step does not change the
+    stored shards; a gather outside a step all-reduces those it gathers together) and
+    passed to ``encode`` and ``decode``: a scale taken from the whole param's amax, for data in a
     narrower format (the fp8 package's codec). A cast has none.
     """
 

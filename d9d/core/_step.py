@@ -22,8 +22,8 @@ from .. import tree
 from ..errors import IndivisibleError, PlanError
 from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._comm_count import CollectiveCounter, CommStats
-from ._context import StepContext, running
-from ._gather import distribute
+from ._context import StepContext, current, running
+from ._gather import codec_statistics, distribute
 from ._mesh import make_mesh
 from ._param_plan import ParamPlan
 from ._phase import Phase
@@ -98,6 +98,7 @@ class TransformedStep:
         _check_claims(self.transforms)
         self._plan: Plan | None = None
         self._runtimes: tuple[Runtime, ...] = ()
+        self._codec_statistics = False  # the plan has a gather codec with a statistic
         self._checked_batch: BatchSignature | None = None
         functools.update_wrapper(self, fn, updated=())
 
@@ -110,6 +111,7 @@ class TransformedStep:
         say) over the params this step placed, with no ``place`` of its own."""
         other = TransformedStep(fn, self.transforms)
         other._mesh, other._plan, other._runtimes = self._mesh, self._plan, self._runtimes
+        other._codec_statistics = self._codec_statistics
         return other
 
     @property
@@ -255,6 +257,9 @@ class TransformedStep:
         plan = self.make_plan(params, axes, model)
         self._runtimes = self._build_runtimes(plan, model)
         self._plan = plan
+        self._codec_statistics = any(
+            e.codec is not None and e.codec.statistic_op is not None for e in plan.entries.values()
+        )
         placed = {p: distribute(params[p], plan.mesh, plan.entries[p].storage) for p in plan.held}
         if len(plan.held) < len(plan.entries):
             opt_state = without(opt_state, set(plan.entries) - set(plan.held))
@@ -313,6 +318,10 @@ class TransformedStep:
         for runtime in self._runtimes:
             params, opt_state = runtime.start_step(params, opt_state)
         given = params, opt_state
+        step = current()
+        # Not traced: no codec with a statistic runs under d9d.jit (its transform refuses it).
+        if self._codec_statistics and step is not None and not torch.compiler.is_compiling():
+            step.codec_statistics = codec_statistics(self.plan, params)
         for runtime in self._runtimes:
             batch = runtime.on_batch(batch)
             params = runtime.enter_step(params)

@@ -86,11 +86,11 @@ def test_fp8_gather_grads_near_one_device_fp8(axes):
         assert worst >= 17, f"{worst:.1f} dB"
 
 
-def _comms(gather: bool, param_dtype: torch.dtype | None):
+def _comms(gather: bool, param_dtype: torch.dtype | None, microbatches: int = 1):
     mesh = d9d.make_mesh("cpu", fsdp=2)
     model = llama()()
     step = lambda p, s, b: (d9d.grad(lambda q, c: model.apply(q, c).float().mean())(p, b), s, {})  # noqa: E731
-    for transform in _fp8_step(gather, param_dtype)(mesh):
+    for transform in _fp8_step(gather, param_dtype, microbatches)(mesh):
         step = transform(step)
     params, _ = step.place(model.params, (), model=model)
     fp8 = [
@@ -106,8 +106,8 @@ def _comms(gather: bool, param_dtype: torch.dtype | None):
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
 def test_fp8_gather_bytes_counted(param_dtype):
     """Each fp8 weight moves 1 byte per element instead of its compute dtype's, plus one
-    float32 amax per weight in one all-reduce per unit; grads are reduce-scattered in the
-    param's dtype as before, and per-rank memory is unchanged."""
+    float32 amax per weight, all in one all-reduce per step; grads are reduce-scattered in
+    the param's dtype as before, and per-rank memory is unchanged."""
 
     def both(param_dtype):
         return _comms(False, param_dtype), _comms(True, param_dtype)
@@ -118,18 +118,27 @@ def test_fp8_gather_bytes_counted(param_dtype):
     elements = sum(numel[p] for p in paths)
     assert len(paths) == 2 * 7  # each block's 7 linears; the head stays in high precision
     # Each block's params are gathered twice (the forward, and again for the backward), its
-    # fp8 weights in one all-gather with its norms (as bytes), after one all-reduce of the 7
-    # weights' float32 amaxes; the grads are reduce-scattered together as before.
+    # fp8 weights in one all-gather with its norms (as bytes); the 14 weights' float32 amaxes
+    # are all-reduced once, as the step starts (a step does not change the stored shards);
+    # the grads are reduce-scattered together as before.
     gathers = 2 * 2
     saved = gathers // 2 * elements * (width - 1)
     assert plain.total_bytes("all_gather") - fp8.total_bytes("all_gather") == saved
     assert fp8.count[("all_gather", "fsdp")] == plain.count[("all_gather", "fsdp")]
-    assert fp8.count[("all_reduce", "fsdp")] == gathers
-    assert fp8.bytes[("all_reduce", "fsdp")] == gathers * 7 * 4
+    assert fp8.count[("all_reduce", "fsdp")] == 1
+    assert fp8.bytes[("all_reduce", "fsdp")] == len(paths) * 4
     assert ("all_reduce", "fsdp") not in plain.count
     assert fp8.count[("reduce_scatter", "fsdp")] == plain.count[("reduce_scatter", "fsdp")]
     assert fp8.bytes[("reduce_scatter", "fsdp")] == plain.bytes[("reduce_scatter", "fsdp")]
     assert fp8_memory == plain_memory
+
+
+def test_fp8_amaxes_all_reduced_once_per_step_whatever_the_microbatches():
+    """Two microbatches gather every unit four times, each with the amaxes the step took as
+    it started: still one all-reduce of one float32 per fp8 weight."""
+    stats, _, paths, _ = run_on_ranks(_comms, 2, True, None, 2)[0]
+    assert stats.count[("all_reduce", "fsdp")] == 1
+    assert stats.bytes[("all_reduce", "fsdp")] == len(paths) * 4
 
 
 def test_fp8_gather_refuses_other_recipes():

@@ -176,7 +176,7 @@ def fp8(
             high precision.
         gather_in_fp8: Under ``shard_params`` (ZeRO-3), all-gather the weights of the
             linears in fp8 as float8_e4m3fn data (1 byte per element) plus a scale from the
-            whole weight's amax (one all-reduce of a float32 per weight, per unit gathered),
+            whole weight's amax (one all-reduce of a float32 per weight, once a step),
             which the fp8 GEMMs take as they are; the step equals the one without it
             bitwise (``docs/fp8.md``). Tensorwise only; default False.
 
