@@ -17,6 +17,7 @@ from lone_manager import LoneManager
 
 import d9d
 from d9d.errors import PlanError
+from d9d.transforms.fault_tolerant import FaultTolerantRuntime
 
 F64 = torch.float64
 
@@ -120,6 +121,39 @@ def test_nothing_is_served_before_a_step_ran():
     step.place(model.params, opt.init(model.params), model=model)
     with pytest.raises(PlanError, match=r"a peer asked for live state before any step ran"):
         manager.state_fns["d9d.fault_tolerant"][1]()
+
+
+def test_a_restored_state_is_served_before_any_step_ran():
+    # A group resumed from its checkpoint serves what it restored to a group behind it.
+    manager = LoneManager([])
+    model, opt, step = _build(manager)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    (runtime,) = [r for r in step.runtimes if isinstance(r, FaultTolerantRuntime)]
+    restored = {k: v + 1 for k, v in params.items()}  # not what place returned
+    runtime.serve(restored, state)
+    served = manager.state_fns["d9d.fault_tolerant"][1]()
+    for piece, leaf in zip(served["pieces"], d9d.tree.leaves(restored), strict=False):
+        assert torch.equal(piece, leaf.to_local())
+
+
+def test_an_eval_step_sharing_the_plan_neither_meets_the_groups_nor_votes():
+    data = batches(128, global_batch=2, steps=1)
+    manager = LoneManager([True])
+    model, opt, step = _build(manager)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    params, state, _ = step(params, state, data[0])
+    calls = list(manager.calls)
+
+    def evaluate(params, opt_state, batch):
+        with torch.no_grad():
+            logits = model.apply(params, batch["tokens"])
+        return params, opt_state, {"loss": d9d.losses.cross_entropy(logits, batch["labels"])}
+
+    _, _, metrics = step.sharing_plan(evaluate)(params, None, data[0])
+    assert manager.calls == calls  # no quorum, no all-reduce, no vote
+    assert torch.isfinite(metrics["loss"])
+    served = manager.state_fns["d9d.fault_tolerant"][1]()  # still the training step's state
+    assert len(served["pieces"]) == len(params) + len(d9d.tree.leaves(state))
 
 
 def test_fault_tolerant_refuses_what_is_not_a_manager():

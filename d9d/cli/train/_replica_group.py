@@ -9,6 +9,11 @@ The loop starts each step's quorum itself (:meth:`ReplicaGroup.start_step`), bef
 the step's batch: a group restarted behind the others rejoins there, taking a live peer's
 params and optimizer state (the transform's part) and data loader position (this module's
 part, beside them in torchft's state dict), and its step count jumps to the peer's.
+
+With ``--resume``, each group first restores its own newest checkpoint and sets its
+manager's step to the checkpoint's (:meth:`ReplicaGroup.resume_at`); at the first quorum,
+which waits for every group, the groups behind the one furthest ahead heal from it the same
+way, so all of them go on from one step.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError
 from ...transforms.diloco import diloco
-from ...transforms.fault_tolerant import fault_tolerant
+from ...transforms.fault_tolerant import FaultTolerantRuntime, fault_tolerant
 from .._config import TrainConfig
 
 __all__ = ["ReplicaGroup", "join_replica_group"]
@@ -61,13 +66,32 @@ class ReplicaGroup:
         self.position: dict[str, int] | None = None  # that of the batch in hand, if one is
         self.rejoined = False
         self._started = False
+        self._start = 0  # the step this process starts at before its first quorum
+        self._step: Any = None  # the wrapped step
 
     def wrap(self, step: Callable[..., Any]) -> Any:
         """``step`` as a step of this group: fault-tolerant (whose quorum this starts), or
         DiLoCo's inner step (whose outer rounds start their own)."""
         if self.diloco is not None:
-            return diloco(self.manager, inner_steps=self.diloco)(step)
-        return fault_tolerant(self.manager, starts_quorum=False)(step)
+            self._step = diloco(self.manager, inner_steps=self.diloco)(step)
+        else:
+            self._step = fault_tolerant(self.manager, starts_quorum=False)(step)
+        return self._step
+
+    def resume_at(self, step: int, params: Any, opt_state: Any, metadata: Any) -> None:
+        """Go on from a restored checkpoint of ``step`` steps: the manager's step count (and
+        its ``state_dict()`` saved in the checkpoint's ``metadata["torchft"]``, if there)
+        and, for a group behind that heals from this one at the first quorum, the params and
+        optimizer state served to it."""
+        state = {"step": step, "batches_committed": 0}
+        saved = metadata.get("torchft") if isinstance(metadata, dict) else None
+        if isinstance(saved, dict):
+            state["batches_committed"] = int(saved.get("batches_committed", 0))
+        self.manager.load_state_dict(state)
+        self._start = step
+        for runtime in self._step.runtimes:
+            if isinstance(runtime, FaultTolerantRuntime):
+                runtime.serve(params, opt_state)
 
     def follow(self, loader: Any) -> None:
         """Serve ``loader``'s position to a rejoining peer, and take a peer's on a rejoin."""
@@ -92,7 +116,7 @@ class ReplicaGroup:
             if self.diloco is None:
                 self.manager.start_quorum()
         else:
-            _wait_for_every_group(self.manager, self.groups, self.timeout_s)
+            _wait_for_every_group(self.manager, self.groups, self.timeout_s, self._start)
             self._started = True
         return self.rejoined
 
@@ -138,10 +162,11 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
     )
 
 
-def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:
-    """Ask the lighthouse for quorums until one holds all ``groups``, or this group rejoins
-    groups past step 0 (a restart), so that at the start no group trains ahead while
-    another is still starting. The last quorum is the first step's. Each ask is one round
+def _wait_for_every_group(manager: Any, groups: int, timeout_s: float, start: int) -> None:
+    """Ask the lighthouse for quorums until one holds all ``groups``, or this group, at step
+    ``start``, rejoins groups ahead of it (a restart: its step count jumps), so that at the
+    start (or a resume of every group) no group trains ahead while another is still
+    starting. The last quorum is the first step's. Each ask is one round
     trip to the lighthouse, which answers once a quorum forms (a group still starting,
     heartbeating or not, holds none up for long: the lighthouse then answers with the
     groups that asked); a quorum only this group takes part in runs no step."""
@@ -150,7 +175,7 @@ def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:
     while True:
         manager.start_quorum()
         joined = manager.num_participants()
-        if joined >= groups or manager.current_step() > 0:
+        if joined >= groups or manager.current_step() != start:
             return
         if not told:
             _log.warning(

@@ -45,6 +45,7 @@ class FaultTolerantRuntime(Runtime):
     """The runtime of ``fault_tolerant`` with ``manager``."""
 
     drives_differentiation = True
+    shared = False  # an eval step sharing the plan neither starts a quorum nor votes
 
     def __init__(self, manager: Any, *, starts_quorum: bool = True) -> None:
         self.manager = manager
@@ -57,7 +58,10 @@ class FaultTolerantRuntime(Runtime):
     def _serve(self) -> dict[str, list[Any]]:
         """Called by torchft (its quorum thread) when a peer group rejoins."""
         if self.live is None:
-            raise PlanError("fault_tolerant: a peer asked for live state before any step ran")
+            raise PlanError(
+                "fault_tolerant: a peer asked for live state before any step ran; a loop that "
+                "restores a checkpoint tells the runtime with runtime.serve(params, opt_state)"
+            )
         return served(*self.live)
 
     def _receive(self, state: dict[str, list[Any]]) -> None:
@@ -94,6 +98,12 @@ class FaultTolerantRuntime(Runtime):
     def end_step(self, params: Any, opt_state: Any) -> None:
         # What the next step will be called with: served to a peer that rejoins at its
         # quorum, which a caller may start before the call (``starts_quorum=False``).
+        self.serve(params, opt_state)
+
+    def serve(self, params: Any, opt_state: Any) -> None:
+        """Serve ``params`` and ``opt_state`` to a group that rejoins before the next step:
+        those the next step will be called with, when the caller replaced what the last step
+        returned (a restored checkpoint, before any step ran)."""
         self.live = (params, opt_state)
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:

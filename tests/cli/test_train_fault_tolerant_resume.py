@@ -1,0 +1,110 @@
+"""``d9d train --fault-tolerant --save-every N --resume``: two replica groups (one process each)
+on a torchft lighthouse in this process save their own checkpoints, are all killed at once
+(a power cut), and resume: the group whose newer saves were lost heals from the one ahead,
+and every loss and eval loss both log equals one process fed the whole batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ft_groups import signal_all, steps_logged, wait_for
+
+from d9d.cli import main
+from d9d.cli.train._out import check_fresh_out
+from d9d.errors import ConfigError
+
+STEPS = 8
+ARGS = [
+    *("train", "--steps", str(STEPS), "--batch-size", "4", "--seq-len", "32"),
+    *("--no-tensorboard", "--log-every", "1", "--eval-every", "2", "--eval-batches", "1"),
+]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
+
+
+def _committed(out: Path, step: int) -> bool:
+    return (out / "checkpoints" / f"step_{step}" / "COMMIT").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_replica_groups_resume_from_their_checkpoints(tmp_path: Path) -> None:
+    torchft = pytest.importorskip("torchft.coordination")
+    assert main([*ARGS, "--out", str(tmp_path / "one")]) == 0
+    lighthouse = torchft.LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=60_000,
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=2_000,
+    )
+    outs = [tmp_path / f"group{g}" for g in (0, 1)]
+
+    def start(group: int, log: str) -> subprocess.Popen:
+        # --resume from the first start: with no checkpoint yet, a group starts at step 1.
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "d9d", *ARGS, "--save-every", "2", "--resume"),
+                *("--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
+                *(f"--replica-group-id={group}", "--replica-groups=2", f"--out={outs[group]}"),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=(tmp_path / log).open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [start(0, "group0.log"), start(1, "group1.log")]
+        wait_for("step 4's checkpoints", lambda: all(_committed(o, 4) for o in outs), procs)
+        # Both frozen before either dies: neither commits a step alone.
+        for proc in procs:
+            signal_all(proc, signal.SIGSTOP)
+        for proc in procs:
+            signal_all(proc, signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+        ahead = max(n for n in (4, 6, 8) if _committed(outs[0], n))
+        # The power cut lost group 1's saves after step 2: it resumes behind group 0.
+        for n in (4, 6, 8):
+            shutil.rmtree(outs[1] / "checkpoints" / f"step_{n}", ignore_errors=True)
+        procs = [start(0, "group0b.log"), start(1, "group1b.log")]
+        codes = [proc.wait(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                signal_all(proc, signal.SIGCONT)
+                signal_all(proc, signal.SIGKILL)
+        lighthouse.shutdown()
+    for code, log in zip(codes, ("group0b.log", "group1b.log"), strict=True):
+        assert code == 0, (tmp_path / log).read_text()[-3000:]
+    behind = (tmp_path / "group1b.log").read_text()
+    assert "step_2' at step 3" in behind  # restored its own newest checkpoint...
+    assert f"rejoined at step {ahead}" in behind  # ...then took group 0's, further ahead
+    assert f"step_{ahead}' at step {ahead + 1}" in (tmp_path / "group0b.log").read_text()
+    want = {r["step"]: r for r in _records(tmp_path / "one")}
+    for out in outs:
+        assert steps_logged(out) == list(range(1, STEPS + 1))  # consecutive, none repeated
+        for record in _records(out):
+            step = record["step"]
+            assert record["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), (out, step)
+            if step % 2 == 0:  # each group evaluates its own params: equal on both
+                assert record["eval_loss"] == pytest.approx(want[step]["eval_loss"], rel=1e-5)
+
+
+def test_a_replica_groups_checkpoints_need_resume(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"fault_tolerant": True, "replica_group_id": 1})
+    )
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"group 1's run with checkpoints; pass --resume"):
+        check_fresh_out(tmp_path, resuming=False, replica_group=1)
+    check_fresh_out(tmp_path, resuming=True, replica_group=1)
