@@ -134,6 +134,12 @@ def test_a_restored_state_is_served_before_any_step_ran():
     served = manager.state_fns["d9d.fault_tolerant"][1]()
     for piece, leaf in zip(served["pieces"], d9d.tree.leaves(restored), strict=False):
         assert torch.equal(piece, leaf.to_local())
+    # Healed from a peer before any step ran: a third group healing from this one gets the
+    # peer's state, not the older restored one.
+    load, serve = manager.state_fns["d9d.fault_tolerant"]
+    peers = {"layout": served["layout"], "pieces": [p * 2 for p in served["pieces"]]}
+    load(peers)
+    assert serve() is peers
 
 
 def test_an_eval_step_sharing_the_plan_neither_meets_the_groups_nor_votes():

@@ -65,8 +65,8 @@ class ReplicaGroup:
         self.loader: Any = None
         self.position: dict[str, int] | None = None  # that of the batch in hand, if one is
         self.rejoined = False
+        self.peer_training = False  # the peer this group healed from had begun stepping
         self._started = False
-        self._start = 0  # the step this process starts at before its first quorum
         self._step: Any = None  # the wrapped step
 
     def wrap(self, step: Callable[..., Any]) -> Any:
@@ -88,7 +88,6 @@ class ReplicaGroup:
         if isinstance(saved, dict):
             state["batches_committed"] = int(saved.get("batches_committed", 0))
         self.manager.load_state_dict(state)
-        self._start = step
         for runtime in self._step.runtimes:
             if isinstance(runtime, FaultTolerantRuntime):
                 runtime.serve(params, opt_state)
@@ -98,13 +97,15 @@ class ReplicaGroup:
         self.loader = loader
         self.manager.register_state_dict_fn(DATA_KEY, self._receive, self._serve)
 
-    def _serve(self) -> dict[str, int]:
-        return self.position if self.position is not None else self.loader.state_dict()
+    def _serve(self) -> dict[str, Any]:
+        position = self.position if self.position is not None else self.loader.state_dict()
+        return {"position": position, "training": self._started}
 
-    def _receive(self, position: dict[str, int]) -> None:
-        self.loader.load_state_dict(position)
+    def _receive(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["position"])
         self.position = None
         self.rejoined = True
+        self.peer_training = bool(state["training"])
 
     def start_step(self) -> bool:
         """Start the next step's quorum; whether this group rejoined at it (its step count,
@@ -116,7 +117,12 @@ class ReplicaGroup:
             if self.diloco is None:
                 self.manager.start_quorum()
         else:
-            _wait_for_every_group(self.manager, self.groups, self.timeout_s, self._start)
+            _wait_for_every_group(
+                self.manager,
+                self.groups,
+                self.timeout_s,
+                lambda: self.rejoined and self.peer_training,
+            )
             self._started = True
         return self.rejoined
 
@@ -162,11 +168,14 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
     )
 
 
-def _wait_for_every_group(manager: Any, groups: int, timeout_s: float, start: int) -> None:
-    """Ask the lighthouse for quorums until one holds all ``groups``, or this group, at step
-    ``start``, rejoins groups ahead of it (a restart: its step count jumps), so that at the
-    start (or a resume of every group) no group trains ahead while another is still
-    starting. The last quorum is the first step's. Each ask is one round
+def _wait_for_every_group(
+    manager: Any, groups: int, timeout_s: float, joined_live: Callable[[], bool]
+) -> None:
+    """Ask the lighthouse for quorums until one holds all ``groups``, or this group rejoined
+    groups already training (``joined_live()``: a restart), so that at the start, or at a
+    resume of every group, no group trains ahead while another is still starting. A group
+    that heals from one still waiting (resumed further ahead) waits on with it. The last
+    quorum is the first step's. Each ask is one round
     trip to the lighthouse, which answers once a quorum forms (a group still starting,
     heartbeating or not, holds none up for long: the lighthouse then answers with the
     groups that asked); a quorum only this group takes part in runs no step."""
@@ -175,7 +184,7 @@ def _wait_for_every_group(manager: Any, groups: int, timeout_s: float, start: in
     while True:
         manager.start_quorum()
         joined = manager.num_participants()
-        if joined >= groups or manager.current_step() != start:
+        if joined >= groups or joined_live():
             return
         if not told:
             _log.warning(

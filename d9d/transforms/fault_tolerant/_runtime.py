@@ -57,6 +57,10 @@ class FaultTolerantRuntime(Runtime):
 
     def _serve(self) -> dict[str, list[Any]]:
         """Called by torchft (its quorum thread) when a peer group rejoins."""
+        if self.received is not None:
+            # Healed from a peer but no step ran since (a group resumed behind another, both
+            # still waiting for the rest): the peer's state is what the next step starts from.
+            return self.received
         if self.live is None:
             raise PlanError(
                 "fault_tolerant: a peer asked for live state before any step ran; a loop that "
