@@ -17,7 +17,7 @@ from d9d.cli.train._checks import check_flags
 
 ARGS = [
     *("train", "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-tensorboard"),
-    *("--eval-every", "2", "--eval-batches", "1"),
+    *("--eval-every", "2", "--eval-batches", "1", "--grad-accum", "2"),
 ]
 
 

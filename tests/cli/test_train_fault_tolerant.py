@@ -28,11 +28,18 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["--fsdp=2", "--tp=2"])
-def test_two_replica_groups_train_as_one_process(tmp_path: Path, layout: str) -> None:
-    """Each group a torchrun of two ranks, sharded (fsdp=2) or tensor-parallel (tp=2) inside."""
+@pytest.mark.parametrize(
+    ("layout", "batch"),
+    [("--fsdp=2", 4), ("--tp=2", 4), ("--fsdp=2 --grad-accum=2", 8)],
+    ids=["fsdp2", "tp2", "fsdp2_grad_accum2"],
+)
+def test_two_replica_groups_train_as_one_process(tmp_path: Path, layout: str, batch: int) -> None:
+    """Each group a torchrun of two ranks, sharded (fsdp=2) or tensor-parallel (tp=2) inside;
+    with --grad-accum 2 (a row per microbatch and rank), the all-reduce over the groups runs
+    once after both microbatches."""
     torchft = pytest.importorskip("torchft.coordination")
-    assert main([*ARGS, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
+    args = [*ARGS, f"--batch-size={batch}"]  # the last --batch-size counts
+    assert main([*args, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
     # min_replicas=1, as a run that survives a failure needs: the groups wait for each other
     # before their first step themselves.
     lighthouse = torchft.LighthouseServer(
@@ -47,7 +54,7 @@ def test_two_replica_groups_train_as_one_process(tmp_path: Path, layout: str) ->
             subprocess.Popen(
                 [
                     *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-                    *("--nproc-per-node=2", "-m", "d9d", *ARGS, "--log-every=1", layout),
+                    *("--nproc-per-node=2", "-m", "d9d", *args, "--log-every=1", *layout.split()),
                     *("--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
                     *(f"--replica-group-id={g}", "--replica-groups=2"),
                     f"--out={tmp_path / f'group{g}'}",
@@ -82,9 +89,9 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
         ({**FT, "replica_group_id": 2}, ValueError, r"--replica-group-id must be in 0 \.\."),
         ({**FT, "replica_group_id": 0, "jit": True}, ConfigError, r"not run with --jit yet"),
         (
-            {**FT, "replica_group_id": 1, "grad_accum": 2},
+            {**FT, "replica_group_id": 1, "pp": 2},
             ConfigError,
-            r"not run with --grad-accum yet: accumulation drives the backward itself",
+            r"not run with --pp yet: the pipeline executor drives the backward itself",
         ),
         (
             {**FT, "replica_group_id": 1, "diloco": 1, "save_every": 5},

@@ -139,11 +139,6 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
     refused = {  # flag: (given, the mode that refuses it, why)
         "--jit": (config.jit, ft, "the quorum and commit vote are host calls each step"),
         "--pp": ((config.pp or 1) > 1, ft, "the pipeline executor drives the backward itself"),
-        "--grad-accum": (
-            config.grad_accum > 1,
-            ft,
-            "accumulation drives the backward itself, as the reduction over replica groups does",
-        ),
         "--save-every": (config.diloco is not None and config.save_every > 0, dl, diloco_rejoin),
         "--resume": (config.diloco is not None and resuming, dl, diloco_rejoin),
     }

@@ -32,6 +32,7 @@ from ...errors import ConfigError
 from ...transforms.diloco import diloco
 from ...transforms.fault_tolerant import FaultTolerantRuntime, fault_tolerant
 from .._config import TrainConfig
+from .._precision import replica_microbatches
 
 __all__ = ["ReplicaGroup", "join_replica_group"]
 
@@ -52,16 +53,25 @@ class ReplicaGroup:
         timeout_s: How long the first step waits for all of them (``--dist-timeout``).
         diloco: Inner steps per DiLoCo outer round (``--diloco``); None: grads averaged
             every step.
+        microbatches: ``--grad-accum`` microbatches per step, accumulated by
+            ``d9d.fault_tolerant`` (1 under DiLoCo, whose inner step accumulates them).
     """
 
     def __init__(
-        self, manager: Any, store: Any, groups: int, timeout_s: float, diloco: int | None = None
+        self,
+        manager: Any,
+        store: Any,
+        groups: int,
+        timeout_s: float,
+        diloco: int | None = None,
+        microbatches: int = 1,
     ) -> None:
         self.manager = manager
         self.store = store
         self.groups = groups
         self.timeout_s = timeout_s
         self.diloco = diloco
+        self.microbatches = microbatches
         self.loader: Any = None
         self.position: dict[str, int] | None = None  # that of the batch in hand, if one is
         self.rejoined = False
@@ -75,7 +85,9 @@ class ReplicaGroup:
         if self.diloco is not None:
             self._step = diloco(self.manager, inner_steps=self.diloco)(step)
         else:
-            self._step = fault_tolerant(self.manager, starts_quorum=False)(step)
+            self._step = fault_tolerant(
+                self.manager, starts_quorum=False, microbatches=self.microbatches
+            )(step)
         return self._step
 
     def resume_at(self, step: int, params: Any, opt_state: Any, metadata: Any) -> None:
@@ -164,7 +176,12 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         quorum_timeout=timeout,
     )
     return ReplicaGroup(
-        manager, store, config.replica_groups or 1, config.dist_timeout, config.diloco
+        manager,
+        store,
+        config.replica_groups or 1,
+        config.dist_timeout,
+        config.diloco,
+        replica_microbatches(config),
     )
 
 
