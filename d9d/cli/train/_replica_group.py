@@ -152,7 +152,9 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
 
     timeout = timedelta(seconds=config.dist_timeout)
     store = None
-    if dist.is_initialized():  # under torchrun: its store, at MASTER_ADDR:MASTER_PORT
+    # Under torchrun: its store, at MASTER_ADDR:MASTER_PORT. One process may have a process
+    # group of its own (--dtype, --grad-accum under --diloco: a one-rank mesh), and no store.
+    if dist.is_initialized() and "MASTER_ADDR" in os.environ:
         rank, world = dist.get_rank(), dist.get_world_size()
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     else:
