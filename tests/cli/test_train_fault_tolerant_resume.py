@@ -1,7 +1,9 @@
 """``d9d train --fault-tolerant --save-every N --resume``: two replica groups (one process each)
 on a torchft lighthouse in this process save their own checkpoints, are all killed at once
 (a power cut), and resume: the group whose newest saves were lost heals from the one ahead,
-and every loss and eval loss both log equals one process fed the whole batch."""
+and every loss and eval loss both log equals one process fed the whole batch. A group saves
+committed steps only (the loop with a scripted vote), and its own ``--out`` with checkpoints
+needs ``--resume``."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from ft_groups import signal_all, steps_logged, wait_for
 
 from d9d.cli import main
@@ -110,3 +113,99 @@ def test_a_replica_groups_checkpoints_need_resume(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"group 1's run with checkpoints; pass --resume"):
         check_fresh_out(tmp_path, resuming=False, replica_group=1)
     check_fresh_out(tmp_path, resuming=True, replica_group=1)
+
+
+class _Group:
+    """A replica group as ``d9d train``'s loop sees it, its commit votes scripted: the step
+    below commits (advancing the count) or not, call by call."""
+
+    diloco = None
+
+    def __init__(self, votes: list[bool]) -> None:
+        self.votes, self.step, self.position, self.manager = list(votes), 0, None, self
+
+    def start_step(self) -> bool:
+        return False
+
+    def commits(self) -> int:
+        return self.step
+
+    def state_dict(self) -> dict[str, int]:  # the manager's
+        return {"step": self.step, "batches_committed": self.step}
+
+
+class _Saver:
+    """Records what the loop saves (every step is due)."""
+
+    every, held, directory = 1, None, Path("unused")
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[int, float, dict]] = []
+
+    def due(self, step: int) -> bool:
+        return True
+
+    def save(self, step, params, opt_state, loader, metadata=None) -> None:
+        self.saved.append((step, float(params["w"]), metadata))
+
+    def vouch(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.read = 0
+
+    def __next__(self) -> dict:
+        self.read += 1
+        return {"tokens": torch.zeros(1, 2, dtype=torch.long)}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"read": self.read}
+
+
+def test_a_replica_group_saves_committed_steps_only(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from d9d import optim
+    from d9d.cli._config import TrainConfig
+    from d9d.cli.train._log import MetricsLog
+    from d9d.cli.train._metrics import SpeedMeter
+    from d9d.cli.train._preempt import Preemption
+    from d9d.cli.train._profile import StepProfiler
+    from d9d.cli.train._progress import TrainProgress
+    from d9d.cli.train._run import _loop, _Watch
+    from d9d.cli.train._watch import Dashboards
+
+    group = _Group([True, False, True, False, False, True])  # steps 2 and 3 run again
+    one = torch.ones(())
+
+    def step(params, opt_state, batch):
+        metrics = {"loss": one, "grad_norm": one}
+        if not group.votes.pop(0):
+            return params, opt_state, metrics  # dropped: the inputs come back
+        group.step += 1
+        return {"w": params["w"] + 1}, opt_state, metrics
+
+    config = TrainConfig(steps=3, save_every=1, log_every=100, out=tmp_path, tensorboard=False)
+    saver, cpu = _Saver(), torch.device("cpu")
+    opt_state = optim.adamw(1e-3).init({"w": torch.zeros(())})
+    with Preemption() as preemption:
+        watch = _Watch(
+            MetricsLog(None, None),
+            Dashboards(config, {}, None, False),
+            TrainProgress(Console(quiet=True), 3, 0, show=False),
+            SpeedMeter(1, 1, cpu, 1),
+            None,
+            StepProfiler(tmp_path / "trace.json", 0, 0),
+            preemption,
+            group,
+        )
+        _loop(config, step, {"w": torch.zeros(())}, opt_state, _Loader(), cpu, 0, saver, watch)
+    assert group.votes == []
+    # Each committed step once, with its own params and the manager's count; none dropped.
+    assert [(n, w) for n, w, _ in saver.saved] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert [m["torchft"]["step"] for _, _, m in saver.saved] == [1, 2, 3]
