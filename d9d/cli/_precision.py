@@ -13,7 +13,13 @@ import torch
 
 from ._config import TrainConfig
 
-__all__ = ["ZERO_SHARDS", "opt_state_dtype", "shard_options", "stored_params"]
+__all__ = [
+    "ZERO_SHARDS",
+    "opt_state_dtype",
+    "replica_microbatches",
+    "shard_options",
+    "stored_params",
+]
 
 _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -23,13 +29,21 @@ ZERO_SHARDS = {1: "opt_state", 2: "grads", 3: "params"}
 
 def shard_options(config: TrainConfig) -> dict[str, Any]:
     """``shard_params`` keyword arguments for ``config``'s dtype and accumulation; empty when
-    it asks for neither (float32, one microbatch)."""
+    it asks for neither (float32, one microbatch). Under ``--fault-tolerant`` (without
+    ``--diloco``) ``d9d.fault_tolerant`` accumulates instead (:func:`replica_microbatches`)."""
     options: dict[str, Any] = {}
     if _DTYPES[config.dtype] is not None:
         options["param_dtype"] = _DTYPES[config.dtype]
-    if config.grad_accum > 1:
+    if config.grad_accum > 1 and not replica_microbatches(config) > 1:
         options["microbatches"] = config.grad_accum
     return options
+
+
+def replica_microbatches(config: TrainConfig) -> int:
+    """``d9d.fault_tolerant``'s ``microbatches`` for ``config``: ``--grad-accum`` under
+    ``--fault-tolerant`` without ``--diloco`` (its all-reduce over the replica groups runs
+    once after the last microbatch), else 1."""
+    return config.grad_accum if config.fault_tolerant and config.diloco is None else 1
 
 
 def opt_state_dtype(config: TrainConfig) -> torch.dtype | None:

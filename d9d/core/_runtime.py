@@ -278,9 +278,13 @@ class Runtime:
     Attributes:
         drives_differentiation: This runtime runs ``d9d.value_and_grad`` itself
             (:meth:`differentiate`); at most one runtime of a step may.
+        shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
+            over the same params) runs this runtime too; False for one whose hooks belong to
+            the training step alone (``fault_tolerant``'s quorum and commit vote).
     """
 
     drives_differentiation: bool = False
+    shared: bool = True
 
     def op(self, name: str) -> Callable[..., Any] | None:
         """The op model code asks the running step for by ``name``

@@ -107,10 +107,12 @@ class TransformedStep:
         return TransformedStep(self.fn, (*self.transforms, transform))
 
     def sharing_plan(self, fn: Callable[..., Any]) -> TransformedStep:
-        """``fn`` under this step's transforms, plan and runtimes: a second step (an eval step,
-        say) over the params this step placed, with no ``place`` of its own."""
+        """``fn`` under this step's transforms, plan and runtimes (those that are ``shared``):
+        a second step (an eval step, say) over the params this step placed, with no ``place``
+        of its own."""
         other = TransformedStep(fn, self.transforms)
-        other._mesh, other._plan, other._runtimes = self._mesh, self._plan, self._runtimes
+        other._mesh, other._plan = self._mesh, self._plan
+        other._runtimes = tuple(r for r in self._runtimes if r.shared)
         other._codec_statistics = self._codec_statistics
         return other
 

@@ -15,11 +15,18 @@ from d9d.cli import main
 from d9d.cli._config import TrainConfig
 from d9d.cli.train._checks import check_flags
 
-ARGS = ["train", "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-tensorboard"]
+ARGS = [
+    *("train", "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-tensorboard"),
+    *("--eval-every", "2", "--eval-batches", "1", "--grad-accum", "2"),
+]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
 
 def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").open()]
+    return [r["loss"] for r in _records(out)]
 
 
 @pytest.mark.distributed
@@ -58,12 +65,18 @@ def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
     for code, log in zip(codes, logs, strict=True):
         assert code == 0, log.read_text()[-3000:]
     one = _losses(tmp_path / "one")
-    first, second = (_losses(tmp_path / f"group{g}") for g in (0, 1))
+    outs = [tmp_path / f"group{g}" for g in (0, 1)]
+    first, second = (_losses(out) for out in outs)
     assert len(first) == len(second) == 4
     # Step 1 runs the same initial params on each group's own rows (no exchange before the
     # round after step 2): different losses, whose mean is the one-process loss of all rows.
     assert first[0] != pytest.approx(second[0], rel=1e-3)
     assert (first[0] + second[0]) / 2 == pytest.approx(one[0], rel=1e-5)
+    # Each group evaluates its own params, which an outer round (after steps 2 and 4) made
+    # the same on both.
+    evals = [{r["step"]: r.get("eval_loss") for r in _records(out)} for out in outs]
+    assert None not in (evals[0][2], evals[0][4])
+    assert (evals[0][2], evals[0][4]) == (evals[1][2], evals[1][4])
 
 
 FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_groups": 2}

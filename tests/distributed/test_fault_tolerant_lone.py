@@ -17,6 +17,7 @@ from lone_manager import LoneManager
 
 import d9d
 from d9d.errors import PlanError
+from d9d.transforms.fault_tolerant import FaultTolerantRuntime
 
 F64 = torch.float64
 
@@ -97,6 +98,55 @@ def test_a_rejoining_group_steps_on_from_the_peers_state_bitwise():
     assert len(_flat(new_state)) > len(new_params)  # the moments and count came along
 
 
+def test_microbatches_equal_the_whole_batch_with_one_all_reduce_per_step():
+    # Uneven ignored labels: the first microbatch (row 0) counts 4 of its 16 tokens.
+    data = batches(128, global_batch=2, steps=2)
+    for batch in data:
+        batch["labels"] = batch["labels"].clone()
+        batch["labels"][0, 4:] = -100
+    manager = LoneManager([True, True])
+    torch.manual_seed(0)
+    model, opt = llama(F64, n_layers=1)(), optimizer("adamw")
+    mesh = d9d.make_mesh("cpu", fsdp=1)
+    rows = []  # the rows of each forward: proof that the batch was split
+
+    def counting_step(params, opt_state, batch):
+        def loss_fn(params, batch):
+            rows.append(batch["tokens"].shape[0])
+            logits = model.apply(params, batch["tokens"])
+            return d9d.losses.cross_entropy(logits, batch["labels"])
+
+        loss, grads = d9d.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return d9d.optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    accumulating = d9d.fault_tolerant(manager, microbatches=2)(
+        d9d.shard_params(mesh, "fsdp")(counting_step)
+    )
+    got = _run(model, opt, accumulating, data)
+    assert rows == [1, 1, 1, 1]
+    want = _run(*_build(), data)  # one device fed the whole batch
+    for (_, _, got_params, _, got_loss), (_, _, want_params, _, want_loss) in zip(
+        got, want, strict=True
+    ):
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+        d9d.testing.assert_trees_all_close(
+            {k: v.full_tensor() for k, v in got_params.items()},
+            {k: v.full_tensor() for k, v in want_params.items()},
+            rtol=1e-10,
+            atol=1e-12,
+        )
+    numel = sum(v.numel() for v in model.params.values())
+    # Once per step, after the last microbatch: the grads and (loss x count, count).
+    per_step = ["start_quorum", f"allreduce torch.float64 {numel + 2}", "should_commit"]
+    assert manager.calls == per_step * 2
+
+
+def test_microbatches_must_be_a_positive_int():
+    with pytest.raises(PlanError, match=r"fault_tolerant needs microbatches >= 1, got microbat"):
+        d9d.fault_tolerant(LoneManager([]), microbatches=0)
+
+
 def test_a_peer_of_another_layout_is_refused_by_name():
     peer = LoneManager([True])
     model, opt, step = _build(peer)  # mesh (fsdp=1)
@@ -120,6 +170,45 @@ def test_nothing_is_served_before_a_step_ran():
     step.place(model.params, opt.init(model.params), model=model)
     with pytest.raises(PlanError, match=r"a peer asked for live state before any step ran"):
         manager.state_fns["d9d.fault_tolerant"][1]()
+
+
+def test_a_restored_state_is_served_before_any_step_ran():
+    # A group resumed from its checkpoint serves what it restored to a group behind it.
+    manager = LoneManager([])
+    model, opt, step = _build(manager)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    (runtime,) = [r for r in step.runtimes if isinstance(r, FaultTolerantRuntime)]
+    restored = {k: v + 1 for k, v in params.items()}  # not what place returned
+    runtime.serve(restored, state)
+    served = manager.state_fns["d9d.fault_tolerant"][1]()
+    for piece, leaf in zip(served["pieces"], d9d.tree.leaves(restored), strict=False):
+        assert torch.equal(piece, leaf.to_local())
+    # Healed from a peer before any step ran: a third group healing from this one gets the
+    # peer's state, not the older restored one.
+    load, serve = manager.state_fns["d9d.fault_tolerant"]
+    peers = {"layout": served["layout"], "pieces": [p * 2 for p in served["pieces"]]}
+    load(peers)
+    assert serve() is peers
+
+
+def test_an_eval_step_sharing_the_plan_neither_meets_the_groups_nor_votes():
+    data = batches(128, global_batch=2, steps=1)
+    manager = LoneManager([True])
+    model, opt, step = _build(manager)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    params, state, _ = step(params, state, data[0])
+    calls = list(manager.calls)
+
+    def evaluate(params, opt_state, batch):
+        with torch.no_grad():
+            logits = model.apply(params, batch["tokens"])
+        return params, opt_state, {"loss": d9d.losses.cross_entropy(logits, batch["labels"])}
+
+    _, _, metrics = step.sharing_plan(evaluate)(params, None, data[0])
+    assert manager.calls == calls  # no quorum, no all-reduce, no vote
+    assert torch.isfinite(metrics["loss"])
+    served = manager.state_fns["d9d.fault_tolerant"][1]()  # still the training step's state
+    assert len(served["pieces"]) == len(params) + len(d9d.tree.leaves(state))
 
 
 def test_fault_tolerant_refuses_what_is_not_a_manager():

@@ -29,7 +29,16 @@ class Checkpointer:
         """Whether ``step`` is saved."""
         return bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, params: Any, opt_state: Any, loader: data.TokenLoader) -> None:
+    def save(
+        self,
+        step: int,
+        params: Any,
+        opt_state: Any,
+        loader: data.TokenLoader,
+        metadata: Any = None,
+    ) -> None:
+        """Save ``step``'s train state (and JSON ``metadata``: a replica group's torchft
+        manager state), held until :meth:`vouch`."""
         self.wait()
         self._pending = checkpoint.save_train_state(
             self.directory,
@@ -37,6 +46,7 @@ class Checkpointer:
             params=params,
             opt_state=opt_state,
             data=loader.state_dict(),
+            metadata=metadata,
             keep=self.keep,
             hold=True,
         )

@@ -130,18 +130,18 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
         )
     if importlib.util.find_spec("torchft") is None:
         raise ValueError("--fault-tolerant needs the torchft package: pip install 'd9d[ft]'")
-    rejoin = (
-        "a restarted replica group takes its state from a live peer, and a checkpoint of "
-        "the replica groups together (to restart them all from) is not built"
+    resuming = config.resume or config.resume_from is not None
+    diloco_rejoin = (
+        "groups resumed at different steps would have to heal from the one ahead, and a "
+        "DiLoCo group's rejoin (the anchor and outer optimizer state from a peer) is not built"
     )
-    refused = {
-        "--jit": (config.jit, "the quorum and commit vote are host calls each step"),
-        "--pp": ((config.pp or 1) > 1, "the pipeline executor drives the backward itself"),
-        "--grad-accum": (config.grad_accum > 1, "accumulation drives the backward itself"),
-        "--save-every": (config.save_every > 0, rejoin),
-        "--resume": (config.resume or config.resume_from is not None, rejoin),
-        "--eval-every": (config.eval_every > 0, "eval is not run through the replica groups"),
+    ft, dl = "--fault-tolerant", "--fault-tolerant --diloco"
+    refused = {  # flag: (given, the mode that refuses it, why)
+        "--jit": (config.jit, ft, "the quorum and commit vote are host calls each step"),
+        "--pp": ((config.pp or 1) > 1, ft, "the pipeline executor drives the backward itself"),
+        "--save-every": (config.diloco is not None and config.save_every > 0, dl, diloco_rejoin),
+        "--resume": (config.diloco is not None and resuming, dl, diloco_rejoin),
     }
-    for flag, (given, why) in refused.items():
+    for flag, (given, mode, why) in refused.items():
         if given:
-            raise ConfigError(f"--fault-tolerant does not run with {flag} yet: {why}; drop {flag}")
+            raise ConfigError(f"{mode} does not run with {flag} yet: {why}; drop {flag}")

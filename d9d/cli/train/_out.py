@@ -9,7 +9,10 @@ every command line means one thing. Under a process group rank 0 looks and tells
 (one broadcast), so no rank sees a folder rank 0 has begun to write.
 
 A torchft replica group restarted with its command (``--fault-tolerant``) continues in its
-``--out``: a folder whose ``config.json`` is that of the same replica group is not refused.
+``--out``: a folder whose ``config.json`` is that of the same replica group is not refused,
+unless it holds checkpoints: those need ``--resume`` (the group restores its newest, and heals
+from the live groups if they are ahead), else the group would start at step 0 and, if every
+group did, fail at its first save of a step the old run had committed.
 """
 
 from __future__ import annotations
@@ -57,14 +60,16 @@ def check_fresh_out(
         out: The run's folder (``--out``).
         resuming: ``--resume`` or ``--resume-from`` was given: continuing there is the point.
         replica_group: This run's ``--replica-group-id`` under ``--fault-tolerant``: ``out``
-            may hold that same replica group's run, which a restart continues.
+            may hold that same replica group's run, which a restart continues (one with
+            checkpoints only with ``resuming``).
         diloco: ``--diloco``: a restarted group would join the live ones out of step (its
             rejoin is not built), so that same group's run is refused too, by name, before
             the group meets any other.
 
     Raises:
         ConfigError: ``out`` holds a run and ``resuming`` is false (nor is it this replica
-            group's); the message names what was found, ``--resume`` and a new ``--out``.
+            group's without checkpoints); the message names what was found, ``--resume`` and
+            a new ``--out``.
 
     Example:
         >>> import tempfile
@@ -80,6 +85,13 @@ def check_fresh_out(
                 "restart, and a DiLoCo group cannot rejoin the live ones yet (their anchor and "
                 "outer optimizer state are not served): restart every group together, each "
                 "with a new --out (nothing was written)"
+            )
+        if "checkpoints/" in found:
+            raise ConfigError(
+                f"--out {str(out)!r} holds replica group {replica_group}'s run with "
+                "checkpoints; pass --resume: the group restores its newest checkpoint, and "
+                "takes the live groups' state instead if they are ahead of it (nothing was "
+                "written)"
             )
         found = []  # this replica group's run before a restart: it rejoins there
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -9,6 +9,11 @@ The loop starts each step's quorum itself (:meth:`ReplicaGroup.start_step`), bef
 the step's batch: a group restarted behind the others rejoins there, taking a live peer's
 params and optimizer state (the transform's part) and data loader position (this module's
 part, beside them in torchft's state dict), and its step count jumps to the peer's.
+
+With ``--resume``, each group first restores its own newest checkpoint and sets its
+manager's step to the checkpoint's (:meth:`ReplicaGroup.resume_at`); at the first quorum,
+which waits for every group, the groups behind the one furthest ahead heal from it the same
+way, so all of them go on from one step.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import torch.distributed as dist
 
 from ...errors import ConfigError
 from ...transforms.diloco import diloco
-from ...transforms.fault_tolerant import fault_tolerant
+from ...transforms.fault_tolerant import FaultTolerantRuntime, fault_tolerant
 from .._config import TrainConfig
+from .._precision import replica_microbatches
 
 __all__ = ["ReplicaGroup", "join_replica_group"]
 
@@ -47,40 +53,71 @@ class ReplicaGroup:
         timeout_s: How long the first step waits for all of them (``--dist-timeout``).
         diloco: Inner steps per DiLoCo outer round (``--diloco``); None: grads averaged
             every step.
+        microbatches: ``--grad-accum`` microbatches per step, accumulated by
+            ``d9d.fault_tolerant`` (1 under DiLoCo, whose inner step accumulates them).
     """
 
     def __init__(
-        self, manager: Any, store: Any, groups: int, timeout_s: float, diloco: int | None = None
+        self,
+        manager: Any,
+        store: Any,
+        groups: int,
+        timeout_s: float,
+        diloco: int | None = None,
+        microbatches: int = 1,
     ) -> None:
         self.manager = manager
         self.store = store
         self.groups = groups
         self.timeout_s = timeout_s
         self.diloco = diloco
+        self.microbatches = microbatches
         self.loader: Any = None
         self.position: dict[str, int] | None = None  # that of the batch in hand, if one is
         self.rejoined = False
+        self.peer_training = False  # the peer this group healed from had begun stepping
         self._started = False
+        self._step: Any = None  # the wrapped step
 
     def wrap(self, step: Callable[..., Any]) -> Any:
         """``step`` as a step of this group: fault-tolerant (whose quorum this starts), or
         DiLoCo's inner step (whose outer rounds start their own)."""
         if self.diloco is not None:
-            return diloco(self.manager, inner_steps=self.diloco)(step)
-        return fault_tolerant(self.manager, starts_quorum=False)(step)
+            self._step = diloco(self.manager, inner_steps=self.diloco)(step)
+        else:
+            self._step = fault_tolerant(
+                self.manager, starts_quorum=False, microbatches=self.microbatches
+            )(step)
+        return self._step
+
+    def resume_at(self, step: int, params: Any, opt_state: Any, metadata: Any) -> None:
+        """Go on from a restored checkpoint of ``step`` steps: the manager's step count (and
+        its ``state_dict()`` saved in the checkpoint's ``metadata["torchft"]``, if there)
+        and, for a group behind that heals from this one at the first quorum, the params and
+        optimizer state served to it."""
+        state = {"step": step, "batches_committed": 0}
+        saved = metadata.get("torchft") if isinstance(metadata, dict) else None
+        if isinstance(saved, dict):
+            state["batches_committed"] = int(saved.get("batches_committed", 0))
+        self.manager.load_state_dict(state)
+        for runtime in self._step.runtimes:
+            if isinstance(runtime, FaultTolerantRuntime):
+                runtime.serve(params, opt_state)
 
     def follow(self, loader: Any) -> None:
         """Serve ``loader``'s position to a rejoining peer, and take a peer's on a rejoin."""
         self.loader = loader
         self.manager.register_state_dict_fn(DATA_KEY, self._receive, self._serve)
 
-    def _serve(self) -> dict[str, int]:
-        return self.position if self.position is not None else self.loader.state_dict()
+    def _serve(self) -> dict[str, Any]:
+        position = self.position if self.position is not None else self.loader.state_dict()
+        return {"position": position, "training": self._started}
 
-    def _receive(self, position: dict[str, int]) -> None:
-        self.loader.load_state_dict(position)
+    def _receive(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["position"])
         self.position = None
         self.rejoined = True
+        self.peer_training = bool(state["training"])
 
     def start_step(self) -> bool:
         """Start the next step's quorum; whether this group rejoined at it (its step count,
@@ -92,7 +129,12 @@ class ReplicaGroup:
             if self.diloco is None:
                 self.manager.start_quorum()
         else:
-            _wait_for_every_group(self.manager, self.groups, self.timeout_s)
+            _wait_for_every_group(
+                self.manager,
+                self.groups,
+                self.timeout_s,
+                lambda: self.rejoined and self.peer_training,
+            )
             self._started = True
         return self.rejoined
 
@@ -110,7 +152,9 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
 
     timeout = timedelta(seconds=config.dist_timeout)
     store = None
-    if dist.is_initialized():  # under torchrun: its store, at MASTER_ADDR:MASTER_PORT
+    # Under torchrun: its store, at MASTER_ADDR:MASTER_PORT. One process may have a process
+    # group of its own (--dtype, --grad-accum under --diloco: a one-rank mesh), and no store.
+    if dist.is_initialized() and "MASTER_ADDR" in os.environ:
         rank, world = dist.get_rank(), dist.get_world_size()
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     else:
@@ -134,14 +178,23 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         quorum_timeout=timeout,
     )
     return ReplicaGroup(
-        manager, store, config.replica_groups or 1, config.dist_timeout, config.diloco
+        manager,
+        store,
+        config.replica_groups or 1,
+        config.dist_timeout,
+        config.diloco,
+        replica_microbatches(config),
     )
 
 
-def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:
-    """Ask the lighthouse for quorums until one holds all ``groups``, or this group rejoins
-    groups past step 0 (a restart), so that at the start no group trains ahead while
-    another is still starting. The last quorum is the first step's. Each ask is one round
+def _wait_for_every_group(
+    manager: Any, groups: int, timeout_s: float, joined_live: Callable[[], bool]
+) -> None:
+    """Ask the lighthouse for quorums until one holds all ``groups``, or this group rejoined
+    groups already training (``joined_live()``: a restart), so that at the start, or at a
+    resume of every group, no group trains ahead while another is still starting. A group
+    that heals from one still waiting (resumed further ahead) waits on with it. The last
+    quorum is the first step's. Each ask is one round
     trip to the lighthouse, which answers once a quorum forms (a group still starting,
     heartbeating or not, holds none up for long: the lighthouse then answers with the
     groups that asked); a quorum only this group takes part in runs no step."""
@@ -150,7 +203,7 @@ def _wait_for_every_group(manager: Any, groups: int, timeout_s: float) -> None:
     while True:
         manager.start_quorum()
         joined = manager.num_participants()
-        if joined >= groups or manager.current_step() > 0:
+        if joined >= groups or joined_live():
             return
         if not told:
             _log.warning(

@@ -223,7 +223,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     if config.eval_every:
         evaluator = Evaluator(
             model,
-            step,
+            step.step if isinstance(step, DiLoCoStep) else step,  # the inner step's plan
             held_out,
             batches=config.eval_batches,
             batch_size=config.batch_size,
@@ -254,6 +254,8 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         params, opt_state, first_step = state.params, state.opt_state, state.step
         loader.load_state_dict(state.data)
         resume.set_aside_newer(directory, first_step)
+        if replica is not None:  # the groups behind the one furthest ahead heal from it
+            replica.resume_at(first_step, params, opt_state, state.metadata)
     if rank0:
         config.out.mkdir(parents=True, exist_ok=True)
         (config.out / "config.json").write_text(json.dumps(_config_json(config), indent=2) + "\n")
@@ -393,7 +395,9 @@ def _loop(
             watch.dashboards.write(record)
         if saving or stopping:
             watch.log.sync()  # the records up to a committed checkpoint are on disk
-            saver.save(n, params, opt_state, loader)
+            # A replica group saves committed steps only (a dropped one ran again above).
+            metadata = {"torchft": replica.manager.state_dict()} if replica is not None else None
+            saver.save(n, params, opt_state, loader, metadata)
         if stopping:
             watch.preemption.stop(n, config.steps, saver.commit_now())
             break

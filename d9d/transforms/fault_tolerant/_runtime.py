@@ -21,6 +21,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from ...core._gather import local_like
+from ...core._microbatches import sum_microbatches
 from ...core._runtime import Differentiation, Runtime
 from ...errors import PlanError
 from .._replica_groups import GroupCount, all_reduce_over_groups
@@ -45,10 +46,12 @@ class FaultTolerantRuntime(Runtime):
     """The runtime of ``fault_tolerant`` with ``manager``."""
 
     drives_differentiation = True
+    shared = False  # an eval step sharing the plan neither starts a quorum nor votes
 
-    def __init__(self, manager: Any, *, starts_quorum: bool = True) -> None:
+    def __init__(self, manager: Any, *, starts_quorum: bool = True, microbatches: int = 1) -> None:
         self.manager = manager
         self.starts_quorum = starts_quorum
+        self.microbatches = microbatches
         self.groups = GroupCount(_log, "fault_tolerant", "steps")
         self.live: tuple[Any, Any] | None = None  # what the step is called with: served
         self.received: dict[str, list[Any]] | None = None  # a peer's, taken at the next step
@@ -56,8 +59,15 @@ class FaultTolerantRuntime(Runtime):
 
     def _serve(self) -> dict[str, list[Any]]:
         """Called by torchft (its quorum thread) when a peer group rejoins."""
+        if self.received is not None:
+            # Healed from a peer but no step ran since (a group resumed behind another, both
+            # still waiting for the rest): the peer's state is what the next step starts from.
+            return self.received
         if self.live is None:
-            raise PlanError("fault_tolerant: a peer asked for live state before any step ran")
+            raise PlanError(
+                "fault_tolerant: a peer asked for live state before any step ran; a loop that "
+                "restores a checkpoint tells the runtime with runtime.serve(params, opt_state)"
+            )
         return served(*self.live)
 
     def _receive(self, state: dict[str, list[Any]]) -> None:
@@ -94,10 +104,16 @@ class FaultTolerantRuntime(Runtime):
     def end_step(self, params: Any, opt_state: Any) -> None:
         # What the next step will be called with: served to a peer that rejoins at its
         # quorum, which a caller may start before the call (``starts_quorum=False``).
+        self.serve(params, opt_state)
+
+    def serve(self, params: Any, opt_state: Any) -> None:
+        """Serve ``params`` and ``opt_state`` to a group that rejoins before the next step:
+        those the next step will be called with, when the caller replaced what the last step
+        returned (a restored checkpoint, before any step ran)."""
         self.live = (params, opt_state)
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
-        value, aux, grads, weight = job.run(job.args, job.kwargs, True)
+        value, aux, grads, weight = self._run(job)
         pieces = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         if weight is None:
             # No token count: every live group weighs the same (the manager divides the sums
@@ -122,6 +138,20 @@ class FaultTolerantRuntime(Runtime):
         ]
         self.groups.update(self.manager)
         return value, aux, out
+
+    def _run(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any], Any]:
+        """``(value, aux, grads, weight)`` of the group's batch: the value a token mean over
+        it, the grads those of ``weight * value`` (a sum over its valid tokens); without a
+        token count, the mean value and grads. Over microbatches, each one's grads are
+        reduced inside the group as its backward ends (not deferred: the all-reduce over the
+        groups then carries each rank's shard once per step, not its unreduced grads)."""
+        if self.microbatches == 1:
+            return job.run(job.args, job.kwargs, True)
+        total, aux, grads, weight = sum_microbatches(job, self.microbatches, defer_reduction=False)
+        if weight is None:
+            k = self.microbatches
+            return total / k, aux, [g / k for g in grads], None
+        return total / weight.clamp(min=1), aux, grads, weight
 
     def commit(self) -> bool:
         kept = bool(self.manager.should_commit())

@@ -39,8 +39,17 @@ class FaultTolerant(Transform):
     manager: Any
     mesh: DeviceMesh | None = None
     starts_quorum: bool = True
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
+        if (
+            not isinstance(self.microbatches, int)
+            or isinstance(self.microbatches, bool)
+            or self.microbatches < 1
+        ):
+            raise PlanError(
+                f"fault_tolerant needs microbatches >= 1, got microbatches={self.microbatches!r}"
+            )
         missing = [m for m in MANAGER_METHODS if not callable(getattr(self.manager, m, None))]
         if missing:
             raise PlanError(
@@ -65,11 +74,17 @@ class FaultTolerant(Transform):
                 f"{self} does not compose with pipeline yet: the pipeline executor drives "
                 "d9d.value_and_grad, and so does the replica groups' reduction; drop one"
             )
-        return FaultTolerantRuntime(self.manager, starts_quorum=self.starts_quorum)
+        return FaultTolerantRuntime(
+            self.manager, starts_quorum=self.starts_quorum, microbatches=self.microbatches
+        )
 
 
 def fault_tolerant(
-    manager: Any, *, mesh: DeviceMesh | None = None, starts_quorum: bool = True
+    manager: Any,
+    *,
+    mesh: DeviceMesh | None = None,
+    starts_quorum: bool = True,
+    microbatches: int = 1,
 ) -> FaultTolerant:
     """Average the step's grads over torchft replica groups, which may fail and leave.
 
@@ -100,8 +115,15 @@ def fault_tolerant(
     step's batch (``starts_quorum=False``), and registers its own state with
     ``manager.register_state_dict_fn``, as ``d9d train`` does.
 
-    Not yet: microbatches (``shard_params(microbatches=k)``), ``pipeline`` and ``d9d.jit``
-    are refused by name; ``step.comms`` does not count the manager's traffic.
+    Gradient accumulation: with ``microbatches=k`` the transform runs the group's batch as
+    ``k`` equal microbatches and all-reduces over the groups once, after the last one, the
+    grads summed over them (each microbatch's grads are reduced inside the group as its
+    backward ends, so that all-reduce carries each rank's shard); the loss and grads stay the
+    token mean over every live group's whole batch. ``shard_params(microbatches=k)`` under
+    this transform is refused (both would drive the backward): give ``k`` here instead.
+
+    Not yet: ``pipeline`` and ``d9d.jit`` are refused by name; ``step.comms`` does not count
+    the manager's traffic.
 
     Args:
         manager: A ``torchft.Manager`` of this rank (its ``pg`` a ``ProcessGroupGloo`` or
@@ -111,13 +133,16 @@ def fault_tolerant(
             the caller calls ``manager.start_quorum()`` before each call, and before it
             reads the call's batch, so that a rejoining group reads the batch of the step
             it joins at.
+        microbatches: Gradient-accumulation microbatches per step (>= 1; the batch's
+            leading dim divisible by it).
 
     Returns:
         The transform: decorate a step with it.
 
     Raises:
-        PlanError: ``manager`` is not a torchft ``Manager``; the step is pipelined or
-            accumulates microbatches (when placed), or is jitted.
+        PlanError: ``manager`` is not a torchft ``Manager``, or ``microbatches`` is not a
+            positive int; the step is pipelined or accumulates microbatches under another
+            transform (when placed), or is jitted.
 
     Example:
         >>> import d9d
@@ -126,4 +151,4 @@ def fault_tolerant(
         ...
         d9d.errors.PlanError: fault_tolerant needs a torchft.Manager, got object without ...
     """
-    return FaultTolerant(manager, mesh, starts_quorum)
+    return FaultTolerant(manager, mesh, starts_quorum, microbatches)
