@@ -1,0 +1,173 @@
+"""``shard_params(opt_state_device="cpu")`` with ``d9d.optim.offloaded``: the optimizer
+state kept on the host, updated there, equal bitwise to the update on the device.
+
+On this CPU machine the host is the mesh's device, so the copies return their inputs; what
+these tests pin down is everything else the GPU path runs: the state placed by the plan on
+its device, the update run on plain shards by the wrapped optimizer and laid back out, its
+bytes counted apart, its checkpoints, and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from equivalence import batches, llama, train_step
+from torch.distributed.tensor import DTensor
+
+import d9d
+from d9d.errors import PlanError, RankFailedError
+from d9d.testing import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 4
+SHARDS = {"zero3": "params", "zero2": "grads", "zero1": "opt_state"}
+
+
+def _optimizer(host: bool) -> d9d.optim.GradientTransformation:
+    adamw = d9d.optim.adamw(d9d.optim.warmup_cosine(1e-2, 1, 10, init_value=1e-3), weight_decay=0.1)
+    inner = d9d.optim.offloaded(adamw) if host else adamw
+    return d9d.optim.chain(d9d.optim.clip_by_global_norm(0.5), inner)
+
+
+def _placed(mesh, shard: str, host: bool):
+    model = llama(torch.float32)()
+    opt = _optimizer(host)
+    device = "cpu" if host else None
+    transform = d9d.shard_params(mesh, "fsdp", shard=shard, opt_state_device=device)
+    step = transform(train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    return model, step, params, state
+
+
+def _run(step, params, state, data):
+    losses = []
+    for batch in data:
+        params, state, metrics = step(params, state, step.shard_batch(batch))
+        losses.append(metrics["loss"])
+    return torch.stack(losses), params, state
+
+
+def _locals(tree):
+    return [
+        leaf.to_local() if isinstance(leaf, DTensor) else leaf for leaf in d9d.tree.leaves(tree)
+    ]
+
+
+def _equal_rank(shard: str):
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    data = batches(256, steps=STEPS)
+    _, device_step, params, state = _placed(mesh, shard, host=False)
+    device_memory = device_step.memory(params, state)
+    device_losses, device_params, device_state = _run(device_step, params, state, data)
+    model, host_step, params, state = _placed(mesh, shard, host=True)
+    entry = host_step.plan.entries["layers.0.attn.wq.weight"]
+    assert entry.state_device == "cpu"
+    for leaf in _locals(state):
+        assert leaf.device.type == "cpu"
+    host_memory = host_step.memory(params, state)
+    host_losses, host_params, host_state = _run(host_step, params, state, data)
+    assert torch.equal(host_losses, device_losses)
+    for a, b in zip(_locals(host_params), _locals(device_params), strict=True):
+        assert torch.equal(a, b)
+    # chain(clip, offloaded(adamw)) -> (clip's, OffloadedState(adamw's)); chain(clip, adamw).
+    host_inner = d9d.tree.leaves(host_state[1].inner_state)
+    device_inner = d9d.tree.leaves(device_state[1])
+    for a, b in zip(host_inner, device_inner, strict=True):
+        assert type(a) is type(b)
+        a, b = (x.to_local() if isinstance(x, DTensor) else x for x in (a, b))
+        assert torch.equal(a, b)
+    elements = sum(p.numel() for p in model.params.values())
+    scalars = d9d.tree.leaves(_optimizer(False).init(model.params))
+    scalar_bytes = sum(x.element_size() for x in scalars if x.ndim == 0)
+    return host_memory, device_memory, elements, scalar_bytes
+
+
+@pytest.mark.parametrize("zero", list(SHARDS))
+def test_host_update_equals_device_update_bitwise(zero: str) -> None:
+    """4 AdamW steps (after global-norm clipping) on fsdp=2, float32: losses, params and
+    state equal bitwise; the state's bytes are on the host, none on the device."""
+    for host, device, elements, scalar_bytes in run_on_ranks(_equal_rank, 2, SHARDS[zero]):
+        # AdamW's two float32 moments of this rank's half of every param (the tiny Llama's
+        # dims split evenly in two), and its 0-d step counts and learning rate.
+        state_bytes = 2 * 4 * elements // 2 + scalar_bytes
+        assert (host.opt_state, host.host_opt_state) == (0, state_bytes)
+        assert (device.opt_state, device.host_opt_state) == (state_bytes, 0)
+        assert (host.params, host.grads) == (device.params, device.grads)
+        assert host.total == device.total - state_bytes
+        assert "optimizer state on the host" in str(host)
+
+
+def _resume_rank(directory: str):
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    data = batches(256, steps=STEPS)
+    _, step, params, state = _placed(mesh, "params", host=True)
+    losses, straight, _ = _run(step, params, state, data)
+    _, step, params, state = _placed(mesh, "params", host=True)
+    first, params, state = _run(step, params, state, data[:2])
+    d9d.checkpoint.save(directory, {"params": params, "opt_state": state}, step=2).wait()
+    _, step, target_params, target_state = _placed(mesh, "params", host=True)
+    restored = d9d.checkpoint.restore(
+        d9d.checkpoint.latest(directory), {"params": target_params, "opt_state": target_state}
+    )
+    for leaf in _locals(restored["opt_state"]):
+        assert leaf.device.type == "cpu"
+    rest, resumed, _ = _run(step, restored["params"], restored["opt_state"], data[2:])
+    assert torch.equal(torch.cat([first, rest]), losses)
+    for a, b in zip(_locals(resumed), _locals(straight), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_restores_host_state_and_continues_as_uninterrupted(tmp_path) -> None:
+    """Save after 2 of 4 steps, restore onto a fresh placement, run 2 more: bitwise the run
+    that never stopped."""
+    run_on_ranks(_resume_rank, 2, str(tmp_path / "ckpt"))
+
+
+def _refusal_rank(case: str):
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model = llama(torch.float32)()
+    opt = _optimizer(host=case != "plain optimizer")
+    step = d9d.shard_params(mesh, "fsdp", opt_state_device="cpu")(train_step(model, opt))
+    if case == "jit":
+        step = d9d.jit(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    step(params, state, batch)
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        (
+            "plain optimizer",
+            r"shard_params\(opt_state_device='cpu'\) keeps .*wrap its elementwise part in "
+            r"d9d.optim.offloaded",
+        ),
+        ("jit", r"shard_params\(opt_state_device='cpu'\) runs eagerly"),
+    ],
+)
+def test_refusals(case: str, match: str) -> None:
+    with pytest.raises(RankFailedError, match="PlanError: " + match):
+        run_on_ranks(_refusal_rank, 2, case)
+
+
+def test_refuses_an_unknown_device() -> None:
+    def rank():
+        d9d.shard_params(d9d.make_mesh("cpu", fsdp=2), opt_state_device="disk")
+
+    with pytest.raises(RankFailedError, match=r"PlanError: .*opt_state_device='disk'; pass 'cpu'"):
+        run_on_ranks(rank, 2)
+
+
+def test_global_norm_inside_offloaded_is_refused() -> None:
+    opt = d9d.optim.offloaded(
+        d9d.optim.chain(d9d.optim.clip_by_global_norm(1.0), d9d.optim.sgd(0.1))
+    )
+    params = {"w": torch.ones(3)}
+    with pytest.raises(
+        PlanError, match=r"global_norm \(clip_by_global_norm\) runs inside d9d.optim.offloaded"
+    ):
+        opt.update({"w": torch.ones(3)}, opt.init(params), params)
+    assert math.isclose(float(d9d.optim.global_norm({"w": torch.ones(4)})), 2.0)
