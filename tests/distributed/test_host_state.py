@@ -153,6 +153,19 @@ def test_refusals(case: str, match: str) -> None:
         run_on_ranks(_refusal_rank, 2, case)
 
 
+def _pipeline_rank():
+    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
+    model, opt = llama()(), _optimizer(host=True)
+    step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
+    step = d9d.shard_params(mesh, opt_state_device="cpu")(step)
+    with pytest.raises(PlanError, match=r"opt_state_device='cpu'\) does not compose with pipeline"):
+        step.place(model.params, opt.init(model.params), model=model)
+
+
+def test_pipeline_is_refused() -> None:
+    run_on_ranks(_pipeline_rank, 4)
+
+
 def test_refuses_an_unknown_device() -> None:
     def rank():
         d9d.shard_params(d9d.make_mesh("cpu", fsdp=2), opt_state_device="disk")
