@@ -8,8 +8,6 @@ bytes counted apart, its checkpoints, and the refusals."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from equivalence import batches, llama, train_step
@@ -172,15 +170,3 @@ def test_refuses_an_unknown_device() -> None:
 
     with pytest.raises(RankFailedError, match=r"PlanError: .*opt_state_device='disk'; pass 'cpu'"):
         run_on_ranks(rank, 2)
-
-
-def test_global_norm_inside_offloaded_is_refused() -> None:
-    opt = d9d.optim.offloaded(
-        d9d.optim.chain(d9d.optim.clip_by_global_norm(1.0), d9d.optim.sgd(0.1))
-    )
-    params = {"w": torch.ones(3)}
-    with pytest.raises(
-        PlanError, match=r"global_norm \(clip_by_global_norm\) runs inside d9d.optim.offloaded"
-    ):
-        opt.update({"w": torch.ones(3)}, opt.init(params), params)
-    assert math.isclose(float(d9d.optim.global_norm({"w": torch.ones(4)})), 2.0)
