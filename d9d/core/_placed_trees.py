@@ -13,7 +13,7 @@ from .. import tree
 from ..errors import ParamShapeError, PlanError
 from ._gather import distribute
 from ._plan import Plan
-from ._state_device import moved_to
+from ._state_device import placed_on
 
 __all__ = ["check_placed", "kept_apart", "place_state", "state_device", "without"]
 
@@ -49,8 +49,9 @@ def place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
             return leaf if entry is None else distribute(leaf, mesh, entry.state_kept)
         if entry is None:
             return leaf.to(device or mesh.device_type)
-        placed = distribute(leaf, mesh, entry.state_kept)
-        return placed if device is None else moved_to(placed, device)
+        if device is None:
+            return distribute(leaf, mesh, entry.state_kept)
+        return placed_on(leaf, mesh, entry.state_kept, device)
 
     return tree.map_with_path(place, opt_state)
 

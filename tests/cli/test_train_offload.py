@@ -4,12 +4,13 @@ the host (``shard_params(opt_state_device="cpu")`` with ``d9d.optim.offloaded``)
 from __future__ import annotations
 
 import io
-import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from d9d.cli._config import TrainConfig
 from d9d.cli.plan._report import human
@@ -19,6 +20,14 @@ from d9d.models import LlamaConfig
 from d9d.testing import run_on_ranks
 
 _RUN = {"steps": 3, "batch_size": 4, "seq_len": 32}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sharding_cache() -> Iterator[None]:
+    """One-process runs place DTensors on a one-rank world of their own: DTensor's sharding
+    cache, keyed by mesh layout, is cleared after them (see ``d9d.testing.fake_world``)."""
+    yield
+    _clear_sharding_prop_cache()
 
 
 def _losses(out: Path, **flags: Any) -> list[float]:
@@ -33,18 +42,12 @@ def _both(out: Path, flags: dict[str, Any]) -> tuple[list[float], list[float]]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [3, 1])
 def test_train_with_the_state_on_the_host_equals_the_run_without(zero: int, tmp_path: Path) -> None:
-    """fsdp=2, 3 steps: the same losses to the bit, and the checkpoint's state the same."""
-    ranks = run_on_ranks(
-        _both, 2, tmp_path, {"fsdp": 2, "zero": zero, "save_every": 3}, method="fork", timeout=300
-    )
+    """fsdp=2, 3 steps: the same losses to the bit. (No checkpoint here: a forked child that
+    writes one aborts once its parent has used tensorstore; tests/distributed/test_host_state.py
+    saves and restores the host state on thread ranks.)"""
+    ranks = run_on_ranks(_both, 2, tmp_path, {"fsdp": 2, "zero": zero}, method="fork", timeout=300)
     for device, host in ranks:
         assert host == device and len(host) == 3
-    leaves = {
-        name: json.loads((tmp_path / name / "checkpoints/step_3/metadata.json").read_text())
-        for name in ("device", "host")
-    }
-    moments = {p.replace(".inner_state", "") for p in leaves["host"]["leaves"] if ".mu." in p}
-    assert moments == {p for p in leaves["device"]["leaves"] if ".mu." in p} and moments
 
 
 def _memory(lines: list[str]) -> dict[str, list[str]]:

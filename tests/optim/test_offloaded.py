@@ -51,6 +51,7 @@ def _run(opt: optim.GradientTransformation, params: dict[str, torch.Tensor], ste
         ),
         ("master weights", lambda: optim.master_weights(optim.adamw(1e-2)), torch.bfloat16),
     ],
+    ids=lambda value: value if isinstance(value, str) else "",
 )
 def test_equals_the_wrapped_optimizer_bitwise(name: str, build, dtype: torch.dtype) -> None:
     expected, expected_state = _run(build(), _params(dtype))
