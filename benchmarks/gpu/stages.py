@@ -116,8 +116,18 @@ STAGES = (
         smoke=f"benchmarks/gpu/profile_step.py {TINY_MODEL} --batch 2 --warmup 1 --steps 1 "
         "--out {out}",
     ),
+    # Not yet run on a GPU: the budget is a guess (1.24 B params: 10 GB of AdamW state on the
+    # host, 15 GB copied per step; its rows print as they come, so a cut keeps them).
+    Stage(
+        "host_state",
+        "AdamW with its state on the host against on the device, Llama 3.2 1B's params",
+        90,
+        gpu="benchmarks/host_state.py --preset 1b --warmup 1 --steps 3 --out {out}",
+        smoke="benchmarks/host_state.py --device cpu --preset tiny --warmup 1 --steps 1 "
+        "--out {out}",
+    ),
 )
 
 # The two calls a GPU window runs (``run.sh OUT --only ...``), back to back on one warm machine
-# (about 9.5 and 3 minutes): the env report in both, so that each call's folder names its device.
-CALLS = (("env", "jit", "kernels", "mfu"), ("env", "moe", "profile"))
+# (about 9.5 and 4.5 minutes): the env report in both, so that each call's folder names its device.
+CALLS = (("env", "jit", "kernels", "mfu"), ("env", "moe", "profile", "host_state"))
