@@ -198,6 +198,7 @@ def show_plan(
         "memory on rank 0 (AdamW, "
         + ("bfloat16 params, float32 masters" if master_weights else "float32")
         + ("" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments")
+        + (", optimizer state on the host" if offload_opt_state else "")
         + ("):" if zero == 3 or sizes["fsdp"] == 1 else f", ZeRO-{zero} over fsdp):"),
         f"  params       {human(memory.params):>12}",
         f"  grads        {human(memory.grads):>12}",
