@@ -12,10 +12,12 @@ import pytest
 import torch
 from equivalence import batches, llama, train_step
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import d9d
 from d9d.errors import PlanError, RankFailedError
-from d9d.testing import run_on_ranks
+from d9d.models import Llama, LlamaConfig
+from d9d.testing import fake_world, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -170,3 +172,23 @@ def test_refuses_an_unknown_device() -> None:
 
     with pytest.raises(RankFailedError, match=r"PlanError: .*opt_state_device='disk'; pass 'cpu'"):
         run_on_ranks(rank, 2)
+
+
+def test_memory_on_a_cuda_mesh_counts_the_host_state_apart() -> None:
+    """What ``d9d plan`` places (meta leaves on simulated ranks), on a mesh typed ``cuda``:
+    the state's bytes on the host, exactly, none on the device."""
+    n = LlamaConfig.tiny().num_params
+    try:
+        with fake_world(2):
+            mesh = d9d.make_mesh("cuda", fsdp=2)
+            model = d9d.functionalize(Llama(LlamaConfig.tiny(), device="meta"))
+            opt = _optimizer(host=True)
+            transform = d9d.shard_params(mesh, "fsdp", opt_state_device="cpu")
+            step = transform(lambda p, s, b: (p, s, {}))
+            memory = step.memory(*step.place(model.params, opt.init(model.params), model=model))
+    finally:
+        _clear_sharding_prop_cache()
+    # float32: 4 bytes a param and a grad, AdamW's 8 of state, over two ranks; the counters
+    # (adam's and the schedule's int64, the learning rate's float32) on the host too.
+    assert (memory.params, memory.grads, memory.opt_state) == (4 * n // 2, 4 * n // 2, 0)
+    assert memory.host_opt_state == 8 * n // 2 + 8 + 8 + 4
