@@ -35,8 +35,12 @@ def _placed(mesh, shard: str, host: bool):
     model = llama(torch.float32)()
     opt = _optimizer(host)
     device = "cpu" if host else None
-    transform = d9d.shard_params(mesh, "fsdp", shard=shard, opt_state_device=device)
+    names = mesh.mesh_dim_names
+    replicate = "dp" if "dp" in names else None
+    transform = d9d.shard_params(mesh, "fsdp", replicate, shard=shard, opt_state_device=device)
     step = transform(train_step(model, opt))
+    if "tp" in names:
+        step = d9d.tensor_parallel(mesh)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     return model, step, params, state
 
@@ -55,8 +59,8 @@ def _locals(tree):
     ]
 
 
-def _equal_rank(shard: str):
-    mesh = d9d.make_mesh("cpu", fsdp=2)
+def _equal_rank(shard: str, axes: dict[str, int] | None = None):
+    mesh = d9d.make_mesh("cpu", **(axes or {"fsdp": 2}))
     data = batches(256, steps=STEPS)
     _, device_step, params, state = _placed(mesh, shard, host=False)
     device_memory = device_step.memory(params, state)
@@ -97,6 +101,20 @@ def test_host_update_equals_device_update_bitwise(zero: str) -> None:
         assert (host.params, host.grads) == (device.params, device.grads)
         assert host.total == device.total - state_bytes
         assert "optimizer state on the host" in str(host)
+
+
+@pytest.mark.parametrize(
+    ("zero", "axes"),
+    [("zero3", {"dp": 2, "fsdp": 2}), ("zero2", {"fsdp": 2, "tp": 2})],
+    ids=["dp=2 x fsdp=2, zero3", "fsdp=2 x tp=2, zero2"],
+)
+def test_host_update_equals_device_update_bitwise_on_wider_meshes(
+    zero: str, axes: dict[str, int]
+) -> None:
+    """The state replicated over dp, and sharded over fsdp on the dim tp leaves whole (wq's
+    ``(fsdp: Shard(1), tp: Shard(0))`` under ZeRO-2): cut on the host as DTensor cuts it."""
+    for host, device, _, _ in run_on_ranks(_equal_rank, 4, SHARDS[zero], axes):
+        assert host.host_opt_state == device.opt_state > 0 and host.opt_state == 0
 
 
 def _resume_rank(directory: str):
