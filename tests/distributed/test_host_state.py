@@ -8,6 +8,10 @@ bytes counted apart, its checkpoints, and the refusals."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
 import pytest
 import torch
 from equivalence import batches, llama, train_step
@@ -18,6 +22,7 @@ import d9d
 from d9d.errors import PlanError, RankFailedError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
+from d9d.transforms import ParamPlan, Phase, Transform
 
 pytestmark = pytest.mark.distributed
 
@@ -210,3 +215,32 @@ def test_memory_on_a_cuda_mesh_counts_the_host_state_apart() -> None:
     # (adam's and the schedule's int64, the learning rate's float32) on the host too.
     assert (memory.params, memory.grads, memory.opt_state) == (4 * n // 2, 4 * n // 2, 0)
     assert memory.host_opt_state == 8 * n // 2 + 8 + 8 + 4
+
+
+@dataclass(frozen=True)
+class _StateOnHost(Transform):
+    """Keeps the state of the params matching ``pattern`` on the host (a transform of this
+    test's own: ``shard_params`` keeps every param's there)."""
+
+    name: ClassVar[str] = "state_on_host"
+    phase: ClassVar[Phase] = Phase.COMPUTE_FORM
+    mesh: Any
+    pattern: str
+
+    def claimed_axes(self) -> tuple[str, ...]:
+        return ()
+
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        return replace(entry, state_device="cpu") if re.search(self.pattern, entry.path) else entry
+
+
+def _two_devices_rank():
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model, opt = llama()(), _optimizer(host=True)
+    step = _StateOnHost(mesh, r"^layers\.0\.")(d9d.shard_params(mesh)(train_step(model, opt)))
+    step.place(model.params, opt.init(model.params), model=model)
+
+
+def test_state_on_two_devices_is_refused() -> None:
+    with pytest.raises(RankFailedError, match=r"keeps optimizer state on several devices"):
+        run_on_ranks(_two_devices_rank, 2)
