@@ -5,8 +5,9 @@ Every stage is one command of this interpreter that writes one JSON report to ``
 prints each result row as a JSON line as soon as it has it, so a stage cut off by its budget
 still leaves the rows it measured in the suite's record. The budgets come from the runs on an
 H100 (2026-11-25: 495 s in one call cut four stages short) and an H200 (2026-11-26: env 11 s,
-jit 137 s, kernels cut at 170 s, mfu 117 s, moe 26 s, profile 65 s). They add up to 645 s, run
-as the two calls of ``CALLS``: 510 s and 155 s of stages, which with the machine's start, the
+jit 137 s, kernels cut at 170 s, mfu 117 s, moe 26 s, profile 65 s; host_state not yet run).
+They add up to 720 s, run as the two calls of ``CALLS``: 510 s and 230 s of stages (env in
+both), which with the machine's start, the
 wheels' install and the summary fit the 15 minutes of device time a session is lent.
 """
 
@@ -116,8 +117,18 @@ STAGES = (
         smoke=f"benchmarks/gpu/profile_step.py {TINY_MODEL} --batch 2 --warmup 1 --steps 1 "
         "--out {out}",
     ),
+    # Not yet run on a GPU: the budget is a guess (1.24 B params: 10 GB of AdamW state on the
+    # host, 15 GB copied per step; its rows print as they come, so a cut keeps them).
+    Stage(
+        "host_state",
+        "AdamW with its state on the host against on the device, Llama 3.2 1B's params",
+        75,
+        gpu="benchmarks/host_state.py --preset 1b --warmup 1 --steps 2 --out {out}",
+        smoke="benchmarks/host_state.py --device cpu --preset tiny --warmup 1 --steps 1 "
+        "--out {out}",
+    ),
 )
 
 # The two calls a GPU window runs (``run.sh OUT --only ...``), back to back on one warm machine
-# (about 9.5 and 3 minutes): the env report in both, so that each call's folder names its device.
-CALLS = (("env", "jit", "kernels", "mfu"), ("env", "moe", "profile"))
+# (about 9.5 and 4 minutes): the env report in both, so that each call's folder names its device.
+CALLS = (("env", "jit", "kernels", "mfu"), ("env", "moe", "profile", "host_state"))

@@ -212,6 +212,36 @@ def _profile(report: dict) -> str:
     return text
 
 
+def _host_state(report: dict) -> str:
+    config = report.get("config", {})
+    rows = []
+    for name, r in report["results"].items():
+        memory = r["memory_bytes"]
+        rows.append(
+            [
+                name,
+                r["median_step_ms"],
+                r.get("ratio_to_device", 1.0),
+                round(memory["opt_state_on_device"] / 2**30, 3),
+                round(memory["opt_state_on_host"] / 2**30, 3),
+                r.get("copied_gb_per_s_of_step", ""),
+            ]
+        )
+    header = [
+        "state on",
+        "median step ms",
+        "ratio",
+        "state GiB device",
+        "state GiB host",
+        "GB/s copied",
+    ]
+    return (
+        f"AdamW update of {config.get('params')} {config.get('dtype')} params "
+        f"({config.get('preset')}); max |param difference| "
+        f"{report.get('max_abs_param_difference')}\n\n" + _table(header, rows)
+    )
+
+
 def _partial(report: dict) -> str:
     rows = report.get("partial_rows", [])
     if not rows:
@@ -228,6 +258,7 @@ _SECTIONS: dict[str, Callable[[dict], str]] = {
     "mfu": _mfu,
     "moe": _moe,
     "profile": _profile,
+    "host_state": _host_state,
 }
 
 

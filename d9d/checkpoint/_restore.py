@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from .. import tree as tree_lib
+from ..core._state_device import kept_on
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from . import _format
 from ._chunk_read import check_array, read_box
@@ -223,10 +224,15 @@ def _read(path: Path, saved: dict[str, Any], wants: dict[str, _Want]) -> dict[st
 
 def as_leaf(local: torch.Tensor, want: _Want) -> torch.Tensor:
     """``local`` (this rank's piece, on the CPU) moved to the wanted device, as a DTensor of
-    the wanted layout when it has a mesh."""
+    the wanted layout when it has a mesh; a target DTensor whose shard is on another device
+    than its mesh's (optimizer state on the host) gets its shard there."""
     local, layout = local.to(want.device), want.layout
     if layout.mesh is None:
         return local
+    if local.device.type != layout.mesh.device_type:  # optimizer state kept on the host
+        shape = torch.Size(layout.shape)
+        stride = torch.empty(layout.shape, device="meta").stride()
+        return kept_on(local, layout.mesh, layout.placements, shape, stride)
     return DTensor.from_local(
         local,
         layout.mesh,

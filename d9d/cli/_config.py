@@ -43,6 +43,7 @@ class TrainConfig:
     dtype: str = "float32"  # "bfloat16": blocks compute in bf16 over float32 master weights
     opt_state_dtype: str = "float32"  # "bfloat16": AdamW's moments stored in bf16 (math in fp32)
     master_weights: bool = False  # params stored in bf16, float32 masters in the optimizer state
+    offload_opt_state: bool = False  # AdamW's state in host memory, updated there
     zero: int = 3  # over --fsdp: 3 params, grads, state sharded; 2 grads, state; 1 state only
     fp8: str | None = None  # fp8 recipe of the linears and routed experts (d9d.fp8); None: off
     fp8_include: tuple[str, ...] = ()  # regexes: only the modules one matches compute in fp8

@@ -54,6 +54,32 @@ def fp8_pattern(patterns: tuple[str, ...] | list[str]) -> str | None:
     return "|".join(f"(?:{p})" for p in patterns)
 
 
+def check_offload_flags(
+    offload: bool, *, jit: bool = False, pp: int = 1, master_weights: bool = False
+) -> None:
+    """Raise unless ``--offload-opt-state`` composes with the other flags.
+
+    Raises:
+        ValueError: with ``--jit``, ``--pp`` above 1 or ``--master-weights``.
+    """
+    if not offload:
+        return
+    for flag, on, why in (
+        ("--jit", jit, "the host update runs eagerly"),
+        ("--pp", pp > 1, "a pipeline stage's host update is not built"),
+        (
+            "--master-weights",
+            master_weights,
+            "the float32 masters would be updated on the host after a clipping on the "
+            "device, which master_weights runs inside its own update: not built",
+        ),
+    ):
+        if on:
+            raise ValueError(
+                f"--offload-opt-state does not combine with {flag} yet ({why}); drop one of them"
+            )
+
+
 def check_fp8_flags(fp8: str | None, include: Any, exclude: Any, gather: bool) -> None:
     """Raise ``ValueError`` naming the flag when an fp8 option is given without ``--fp8``,
     or ``--fp8-gather`` with another recipe than tensorwise."""
@@ -127,6 +153,17 @@ def add_master_weights(parser: argparse.ArgumentParser) -> None:
         help="store the params in bfloat16 and keep float32 master copies in the optimizer "
         "state (d9d.optim.master_weights), sharded with it: with --zero 1 or 2 the whole params "
         "take half the bytes (needs --dtype bfloat16 in d9d train)",
+    )
+
+
+def add_offload_opt_state(parser: argparse.ArgumentParser) -> None:
+    """``--offload-opt-state``: the optimizer state in host memory, updated there."""
+    parser.add_argument(
+        "--offload-opt-state",
+        action="store_true",
+        help="keep AdamW's state in (pinned) host memory and run its update there, the grads "
+        "copied to the host and the updates back (shard_params' opt_state_device='cpu' with "
+        "d9d.optim.offloaded); not with --jit, --pp or --master-weights",
     )
 
 

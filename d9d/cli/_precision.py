@@ -3,7 +3,8 @@ float32 master weights while blocks gather and compute in ``param_dtype``, and a
 grads of ``microbatches`` slices of the batch before reducing them once; ``--opt-state-dtype``:
 the dtype AdamW stores its moments in; ``--master-weights``: the params stored in bfloat16
 (``stored_params``) with float32 masters in the optimizer state; ``--zero N``: what
-``shard_params`` shards (``ZERO_SHARDS``)."""
+``shard_params`` shards (``ZERO_SHARDS``); ``--offload-opt-state``: where it keeps the
+optimizer state."""
 
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ ZERO_SHARDS = {1: "opt_state", 2: "grads", 3: "params"}
 
 
 def shard_options(config: TrainConfig) -> dict[str, Any]:
-    """``shard_params`` keyword arguments for ``config``'s dtype and accumulation; empty when
-    it asks for neither (float32, one microbatch). Under ``--fault-tolerant`` (without
-    ``--diloco``) ``d9d.fault_tolerant`` accumulates instead (:func:`replica_microbatches`)."""
+    """``shard_params`` keyword arguments for ``config``'s dtype, accumulation and
+    ``--offload-opt-state``; empty when it asks for none (float32, one microbatch, state on
+    the device). Under ``--fault-tolerant`` (without ``--diloco``) ``d9d.fault_tolerant``
+    accumulates instead (:func:`replica_microbatches`)."""
     options: dict[str, Any] = {}
     if _DTYPES[config.dtype] is not None:
         options["param_dtype"] = _DTYPES[config.dtype]
     if config.grad_accum > 1 and not replica_microbatches(config) > 1:
         options["microbatches"] = config.grad_accum
+    if config.offload_opt_state:
+        options["opt_state_device"] = "cpu"
     return options
 
 

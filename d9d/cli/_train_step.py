@@ -81,16 +81,19 @@ def _optimizer(config: TrainConfig) -> optim.GradientTransformation:
         end_value=config.lr / 10,
     )
     moments = opt_state_dtype(config)
+    adamw = optim.adamw(
+        schedule,
+        b2=0.95,
+        weight_decay=config.weight_decay,
+        mask=_decays,
+        mu_dtype=moments,
+        nu_dtype=moments,
+    )
+    # --offload-opt-state: AdamW updates on the host, where shard_params keeps its state; the
+    # clipping's global norm stays on the device (a collective over every rank's grads).
     opt = optim.chain(
         optim.clip_by_global_norm(config.clip),
-        optim.adamw(
-            schedule,
-            b2=0.95,
-            weight_decay=config.weight_decay,
-            mask=_decays,
-            mu_dtype=moments,
-            nu_dtype=moments,
-        ),
+        optim.offloaded(adamw) if config.offload_opt_state else adamw,
     )
     return optim.master_weights(opt) if config.master_weights else opt
 

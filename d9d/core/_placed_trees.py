@@ -13,8 +13,9 @@ from .. import tree
 from ..errors import ParamShapeError, PlanError
 from ._gather import distribute
 from ._plan import Plan
+from ._state_device import placed_on
 
-__all__ = ["check_placed", "place_state", "without"]
+__all__ = ["check_placed", "kept_apart", "place_state", "state_device", "without"]
 
 
 def without(state: Any, paths: set[str]) -> Any:
@@ -30,32 +31,63 @@ def without(state: Any, paths: set[str]) -> Any:
 
 def place_state(opt_state: Any, plan: Plan, mesh: DeviceMesh) -> Any:
     """``opt_state`` with each leaf shaped like a param whose path ends with that param's
-    path laid out as the param's plan keeps its state; other tensors (step counts) moved to
-    the mesh's device.
+    path laid out as the param's plan keeps its state, on the plan's state device (a DTensor
+    whose shard is on the host under ``state_device="cpu"``: ``_state_device``'s note);
+    other tensors (step counts) moved to that device, or the mesh's.
 
     Raises:
-        PlanError: A param's plan keeps its state on another device than the mesh's (not
-            built yet).
+        PlanError: The plan keeps optimizer state on more than one device.
     """
     by_length = sorted(plan.entries, key=len, reverse=True)
+    device = state_device(plan)
 
     def place(path: str, leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        for param in by_length:
-            entry = plan.entries[param]
-            if (path == param or path.endswith("." + param)) and tuple(leaf.shape) == entry.shape:
-                if entry.state_device not in (None, mesh.device_type):
-                    raise PlanError(
-                        f"the plan keeps the optimizer state of {param!r} on "
-                        f"{entry.state_device!r}, but the mesh is on {mesh.device_type!r}: "
-                        "optimizer state on another device is not built yet; keep it on the "
-                        "mesh's device (state_device=None)"
-                    )
-                return distribute(leaf, mesh, entry.state_kept)
-        return leaf.to(mesh.device_type) if leaf.device.type != "meta" else leaf
+        entry = _entry_of(path, leaf, plan, by_length)
+        if leaf.device.type == "meta":
+            return leaf if entry is None else distribute(leaf, mesh, entry.state_kept)
+        if entry is None:
+            return leaf.to(device or mesh.device_type)
+        if device is None:
+            return distribute(leaf, mesh, entry.state_kept)
+        return placed_on(leaf, mesh, entry.state_kept, device)
 
     return tree.map_with_path(place, opt_state)
+
+
+def state_device(plan: Plan) -> torch.device | None:
+    """The device the plan keeps optimizer state on, None for the mesh's.
+
+    Raises:
+        PlanError: Its params keep their state on different devices.
+    """
+    devices = {e.state_device for e in plan.entries.values()}
+    if len(devices) > 1:
+        raise PlanError(
+            f"the plan keeps optimizer state on several devices ({sorted(map(str, devices))}); "
+            "one optimizer's state (and its step count) lives on one: keep every param's "
+            "state on the same device"
+        )
+    (kept,) = devices or {None}
+    return None if kept is None else torch.device(kept)
+
+
+def kept_apart(opt_state: Any, plan: Plan) -> list[bool]:
+    """Per leaf of ``opt_state`` (``tree.leaves`` order): whether ``place_state`` keeps it on
+    the plan's state device rather than the mesh's."""
+    if state_device(plan) is None:
+        return [False] * len(tree.leaves(opt_state))
+    return [isinstance(leaf, torch.Tensor) for leaf in tree.leaves(opt_state)]
+
+
+def _entry_of(path: str, leaf: torch.Tensor, plan: Plan, by_length: list[str]) -> Any:
+    """The plan entry of the param whose state ``leaf`` (at ``path``) is, or None."""
+    for param in by_length:
+        entry = plan.entries[param]
+        if (path == param or path.endswith("." + param)) and tuple(leaf.shape) == entry.shape:
+            return entry
+    return None
 
 
 def check_placed(params: Any, plan: Plan) -> None:

@@ -27,7 +27,7 @@ from ._gather import codec_statistics, distribute
 from ._mesh import make_mesh
 from ._param_plan import ParamPlan
 from ._phase import Phase
-from ._placed_trees import check_placed, place_state, without
+from ._placed_trees import check_placed, kept_apart, place_state, without
 from ._plan import Plan
 from ._runtime import Runtime
 from ._structure import Axes
@@ -40,21 +40,28 @@ __all__ = ["Memory", "OutermostStep", "TransformedStep", "order_transforms"]
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one rank holds for params, grads and optimizer state."""
+    """Bytes one rank holds for params, grads and optimizer state on the mesh's device, and
+    optimizer state kept on the host (``shard_params(opt_state_device="cpu")``)."""
 
     params: int
     grads: int
     opt_state: int
+    host_opt_state: int = 0
 
     @property
     def total(self) -> int:
-        """Sum of the three."""
+        """Bytes on the mesh's device: params, grads and the optimizer state kept there."""
         return self.params + self.grads + self.opt_state
 
     def __str__(self) -> str:
+        host = (
+            f"; optimizer state on the host {self.host_opt_state:,} B"
+            if self.host_opt_state
+            else ""
+        )
         return (
             f"params {self.params:,} B, grads {self.grads:,} B, optimizer state "
-            f"{self.opt_state:,} B: {self.total:,} B per rank"
+            f"{self.opt_state:,} B: {self.total:,} B per rank{host}"
         )
 
 
@@ -369,7 +376,8 @@ class TransformedStep:
 
     def memory(self, params: Any, opt_state: Any) -> Memory:
         """Bytes this rank holds: params, grads (laid out as each param's plan keeps its
-        grad) and optimizer state."""
+        grad) and optimizer state, the state kept on the plan's state device (the host)
+        counted apart."""
         plan = self.plan
         param_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(params))
         grad_bytes = 0
@@ -380,8 +388,13 @@ class TransformedStep:
             else:
                 local = entry.local_shape(plan.mesh, entry.grad_kept)
                 grad_bytes += math.prod(local) * entry.dtype.itemsize
-        state_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(opt_state))
-        return Memory(params=param_bytes, grads=grad_bytes, opt_state=state_bytes)
+        on_device = on_host = 0
+        for leaf, apart in zip(tree.leaves(opt_state), kept_apart(opt_state, plan), strict=True):
+            if apart:
+                on_host += _local_bytes(leaf)
+            else:
+                on_device += _local_bytes(leaf)
+        return Memory(param_bytes, grad_bytes, on_device, on_host)
 
 
 def _bytes_by_dtype(state: Any) -> dict[str, int]:

@@ -19,6 +19,8 @@ from ._master_weights import MasterWeightsState as MasterWeightsState
 from ._master_weights import master_weights as master_weights
 from ._momentum import TraceState as TraceState
 from ._momentum import trace as trace
+from ._offloaded import OffloadedState as OffloadedState
+from ._offloaded import offloaded as offloaded
 from ._scaling import AddDecayedWeightsState as AddDecayedWeightsState
 from ._scaling import ScaleByLearningRateState as ScaleByLearningRateState
 from ._scaling import ScaleState as ScaleState
@@ -44,6 +46,7 @@ __all__ = [
     "Mask",
     "MaskedState",
     "MasterWeightsState",
+    "OffloadedState",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "ScaleByLionState",
@@ -65,6 +68,7 @@ __all__ = [
     "lion",
     "masked",
     "master_weights",
+    "offloaded",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",

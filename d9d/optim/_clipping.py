@@ -21,6 +21,7 @@ from d9d import tree
 from d9d.core._context import current
 from d9d.core._plan import Plan
 from d9d.optim._checks import check_positive
+from d9d.optim._offloaded import check_not_offloaded
 from d9d.optim._transform import GradientTransformation, by_kind
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
@@ -46,6 +47,7 @@ def global_norm(updates: Any) -> torch.Tensor:
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
         tensor(5.)
     """
+    check_not_offloaded("global_norm (clip_by_global_norm)")
     leaves = tree.leaves(updates)
     dtype = torch.float64 if any(leaf.dtype == torch.float64 for leaf in leaves) else torch.float32
     square = _squared_norm(leaves, dtype)

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
-STAGES = ["env", "jit", "kernels", "mfu", "moe", "profile"]
+STAGES = ["env", "jit", "kernels", "mfu", "moe", "profile", "host_state"]
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +51,12 @@ def test_smoke_run_writes_every_stage_a_summary_and_the_log(tmp_path: Path) -> N
         "layer", "grouped_gemm", "permute"
     }  # fmt: skip
     assert reports["profile"]["top"] and reports["profile"]["timeline"] is None  # no GPU
+    host = reports["host_state"]["results"]
+    assert host["host"]["memory_bytes"]["opt_state_on_device"] == 0
+    assert (
+        host["host"]["memory_bytes"]["opt_state_on_host"]
+        == (host["device"]["memory_bytes"]["opt_state_on_device"])
+    )
     text = (out / "summary.md").read_text()
     for stage in STAGES:
         assert f"## {stage} — cpu" in text

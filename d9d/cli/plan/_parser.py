@@ -14,6 +14,7 @@ from .._options import (
     add_fp8,
     add_master_weights,
     add_microbatches,
+    add_offload_opt_state,
     add_opt_state_dtype,
     add_preset,
     add_zero,
@@ -82,6 +83,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     add_zero(show, 3)
     add_opt_state_dtype(show, "float32")
     add_master_weights(show)
+    add_offload_opt_state(show)
     add_fp8(show)
     show.add_argument("--rows", type=int, default=24, help="table rows to show (default 24)")
     add_debug(show)

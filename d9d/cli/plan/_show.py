@@ -32,7 +32,7 @@ from ...transforms import remat as remat_transform
 from ...transforms import shard_params
 from ...transforms.pipeline import Pipeline, PipelineLayout, PipelineRuntime
 from .._config import TrainConfig
-from .._options import check_fp8_flags
+from .._options import check_fp8_flags, check_offload_flags
 from .._precision import stored_params
 from .._train_step import _optimizer, _parallel, make_train_step, with_fp8
 from ._activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
@@ -47,13 +47,14 @@ __all__ = ["show_plan"]
 @dataclass(frozen=True)
 class _StepFlags:
     """``d9d train``'s flags that shape the step besides its layout: ``--opt-state-dtype``,
-    ``--zero``, ``--master-weights``, and ``--fp8`` with its options (``fp8``: those
-    ``TrainConfig`` fields)."""
+    ``--zero``, ``--master-weights``, ``--fp8`` with its options (``fp8``: those
+    ``TrainConfig`` fields), and ``--offload-opt-state``."""
 
     opt_state_dtype: str = "float32"
     zero: int = 3
     master_weights: bool = False
     fp8: dict[str, Any] = field(default_factory=dict)
+    offload_opt_state: bool = False
 
 
 def show_plan(
@@ -76,6 +77,7 @@ def show_plan(
     opt_state_dtype: str = "float32",
     zero: int = 3,
     master_weights: bool = False,
+    offload_opt_state: bool = False,
     fp8: str | None = None,
     fp8_include: Sequence[str] = (),
     fp8_exclude: Sequence[str] = (),
@@ -104,6 +106,8 @@ def show_plan(
             state; 2 grads and optimizer state; 1 optimizer state only.
         master_weights: Params stored in bfloat16 with float32 masters in the optimizer
             state (``d9d train --master-weights``).
+        offload_opt_state: The optimizer state kept on the host (``d9d train
+            --offload-opt-state``): its bytes are shown apart and left out of the total.
         fp8: ``d9d train --fp8``'s recipe (None: off); ``fp8_include``, ``fp8_exclude``:
             its ``--fp8-include``/``--fp8-exclude`` regexes; ``fp8_gather``: ``--fp8-gather``.
         max_rows: Rows of the table to show (the middle is elided); None shows all.
@@ -118,7 +122,7 @@ def show_plan(
             not multiply to ``world``, ``ep > 1`` without ``model="moe"``, an unknown ``model``, ``preset`` or
             ``remat``, a dim that does not split, or a schedule that cannot run
             ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks; an fp8 option
-            without ``fp8``.
+            without ``fp8``; ``offload_opt_state`` with ``pp`` or ``master_weights``.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -130,6 +134,7 @@ def show_plan(
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
+    check_offload_flags(offload_opt_state, pp=pp, master_weights=master_weights)
     fp8_options = {
         "fp8": fp8,
         "fp8_include": tuple(fp8_include),
@@ -150,7 +155,7 @@ def show_plan(
                 getattr(functional.module, "config", None), "max_position_embeddings", None
             )
             seq = min(4096, longest or 4096)
-        flags = _StepFlags(opt_state_dtype, zero, master_weights, fp8_options)
+        flags = _StepFlags(opt_state_dtype, zero, master_weights, fp8_options, offload_opt_state)
         step, opt = _step(functional, sizes, model, hf_config, remat, schedule, chunks, flags)
         params, state = _placed(step, opt, functional, flags)
         memory = step.memory(params, state)
@@ -193,10 +198,18 @@ def show_plan(
         "memory on rank 0 (AdamW, "
         + ("bfloat16 params, float32 masters" if master_weights else "float32")
         + ("" if opt_state_dtype == "float32" else f", {opt_state_dtype} moments")
+        + (", optimizer state on the host" if offload_opt_state else "")
         + ("):" if zero == 3 or sizes["fsdp"] == 1 else f", ZeRO-{zero} over fsdp):"),
         f"  params       {human(memory.params):>12}",
         f"  grads        {human(memory.grads):>12}",
         f"  optimizer    {human(memory.opt_state):>12}",
+        *(
+            [
+                f"  host state   {human(memory.host_opt_state):>12}  (optimizer state in host memory: not in the total)"
+            ]
+            if offload_opt_state
+            else []
+        ),
         f"  activations  {human(activations) if activations is not None else 'n/a':>12}"
         + _activation_note(formula, measured, batch, seq, remat, sizes),
         f"  total        {human(total):>12}",
@@ -250,6 +263,7 @@ def _step(
         opt_state_dtype=flags.opt_state_dtype,
         zero=flags.zero,
         master_weights=flags.master_weights,
+        offload_opt_state=flags.offload_opt_state,
         dtype="bfloat16" if flags.master_weights else "float32",
         **flags.fp8,
         **sizes,
@@ -263,7 +277,8 @@ def _step(
         fn = make_moe_train_step(model, opt, grad_norm=True)
     else:
         fn = make_train_step(model, opt, grad_norm=True)
-    if math.prod(sizes.values()) == 1:  # d9d train runs one process untransformed
+    # d9d train runs one process untransformed; --offload-opt-state needs torchrun's one rank
+    if math.prod(sizes.values()) == 1 and not flags.offload_opt_state:
         mesh = make_mesh("cpu", dp=1)
         step = with_fp8(config, mesh, shard_params(mesh, None, replicate_axis="dp")(fn))
     else:

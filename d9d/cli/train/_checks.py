@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ...errors import ConfigError, DataError
 from .._config import TrainConfig
-from .._options import check_fp8_flags
+from .._options import check_fp8_flags, check_offload_flags
 
 __all__ = ["check_flags"]
 
@@ -45,6 +45,12 @@ def check_flags(config: TrainConfig) -> None:
             f"--zero {config.zero} runs eagerly and without a pipeline for now; drop {flag} "
             "or use --zero 3"
         )
+    check_offload_flags(
+        config.offload_opt_state,
+        jit=config.jit,
+        pp=config.pp or 1,
+        master_weights=config.master_weights,
+    )
     if config.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {config.dtype!r}")
     if config.master_weights and config.dtype != "bfloat16":

@@ -16,6 +16,7 @@ from .._options import (
     add_fp8,
     add_master_weights,
     add_microbatches,
+    add_offload_opt_state,
     add_opt_state_dtype,
     add_preset,
     add_zero,
@@ -159,6 +160,7 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
     add_zero(run, defaults.zero)
     add_opt_state_dtype(run, defaults.opt_state_dtype)
     add_master_weights(run)
+    add_offload_opt_state(run)
     add_fp8(run)
     run.add_argument(
         "--grad-accum",

@@ -105,7 +105,7 @@ class DiLoCoStep(OutermostStep):
         state and the step counter too (bytes per rank)."""
         inner = self.step.memory(params, state.inner)
         extra = sum(_local_bytes(leaf) for leaf in tree.leaves(state[1:]))
-        return Memory(params=inner.params, grads=inner.grads, opt_state=inner.opt_state + extra)
+        return Memory(inner.params, inner.grads, inner.opt_state + extra, inner.host_opt_state)
 
     def comms(self, params: Any, state: DiLoCoState, batch: Any) -> Any:
         """The collectives of one inner step (inside the replica group; it runs one, with no

@@ -13,7 +13,8 @@ schedules the collectives and decides what to save):
 
 With ``microbatches > 1`` it drives ``d9d.value_and_grad`` (:mod:`._accumulate`). Under
 ZeRO-1/2 the step body sees slices of params stored whole, and their updates are gathered
-back when it returns (:mod:`._zero`).
+back when it returns (:mod:`._zero`). With the optimizer state on the host it checks, at
+the first step, that the optimizer updates there (:mod:`._host_state`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Differentiation, Runtime
 from ...core._structure import Block
 from ._accumulate import accumulate
+from ._host_state import check_offloaded
 from ._prefetch import ForwardPrefetch
 from ._regather import Regather
 from ._schedule import schedule_of
@@ -38,8 +40,10 @@ __all__ = ["ShardParamsRuntime"]
 class ShardParamsRuntime(Runtime):
     """The runtime of ``shard_params`` on ``plan``."""
 
-    def __init__(self, plan: Plan, microbatches: int) -> None:
+    def __init__(self, plan: Plan, microbatches: int, opt_state_device: str | None = None) -> None:
         self.microbatches = microbatches
+        self.opt_state_device = opt_state_device
+        self.checked_optimizer = opt_state_device is None
         zero = Zero(plan)
         self.zero = zero if zero.paths else None
         self.drives_differentiation = microbatches > 1
@@ -49,6 +53,12 @@ class ShardParamsRuntime(Runtime):
         self.early = frozenset(p for p, s in schedules.items() if s.prefetch)
         self.regathers = any(plan.entries[p].compute != plan.entries[p].storage for p in self.again)
 
+    def start_step(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        if not self.checked_optimizer:  # once: the state's structure does not change
+            check_offloaded(opt_state, self.opt_state_device)
+            self.checked_optimizer = True
+        return params, opt_state
+
     def enter_step(self, params: Any) -> Any:
         return params if self.zero is None else self.zero.enter_step(params)
 
@@ -56,6 +66,13 @@ class ShardParamsRuntime(Runtime):
         return params if self.zero is None else self.zero.exit_step(params)
 
     def jit_refusal(self) -> str | None:
+        if self.opt_state_device is not None:
+            return (
+                f"shard_params(opt_state_device={self.opt_state_device!r}) runs eagerly: the "
+                "host update's copies and its synchronization are not traced; keep the "
+                "optimizer state on the device (opt_state_device=None) under d9d.jit, or "
+                "drop d9d.jit"
+            )
         if self.zero is None:
             return None
         return (

@@ -56,8 +56,14 @@ class ShardParams(Transform):
     microbatches: int = 1
     prefetch: bool = True
     shard: Sharded = "params"
+    opt_state_device: str | None = None
 
     def __post_init__(self) -> None:
+        if self.opt_state_device not in (None, "cpu"):
+            raise PlanError(
+                f"shard_params got opt_state_device={self.opt_state_device!r}; pass 'cpu' "
+                "(optimizer state in host memory) or None (on the mesh's device)"
+            )
         if self.shard not in SHARDED:
             raise PlanError(
                 f"shard_params got shard={self.shard!r}; choose 'params' (ZeRO-3: params, "
@@ -104,7 +110,12 @@ class ShardParams(Transform):
 
     def __str__(self) -> str:
         zero = "" if self.shard == "params" else f", shard={self.shard!r}"
-        return f"shard_params(axis={self.axis!r}, replicate_axis={self.replicate_axis!r}{zero})"
+        host = (
+            "" if self.opt_state_device is None else f", opt_state_device={self.opt_state_device!r}"
+        )
+        return (
+            f"shard_params(axis={self.axis!r}, replicate_axis={self.replicate_axis!r}{zero}{host})"
+        )
 
     def claimed_axes(self) -> tuple[str, ...]:
         return tuple(a for a in (self.replicate_axis, self.axis) if a is not None)
@@ -119,9 +130,16 @@ class ShardParams(Transform):
                 f"{self} does not compose with pipeline yet: a stage updates its params "
                 "whole, gathered once per step; use shard='params' (ZeRO-3) with pipeline"
             )
-        return ShardParamsRuntime(plan, self.microbatches)
+        if self.opt_state_device is not None and plan.stage_group is not None:
+            raise PlanError(
+                f"{self} does not compose with pipeline yet (a stage's host update is not "
+                "built); keep the optimizer state on the device (opt_state_device=None)"
+            )
+        return ShardParamsRuntime(plan, self.microbatches, self.opt_state_device)
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        if self.opt_state_device is not None:
+            entry = replace(entry, state_device=self.opt_state_device)
         if entry.dtype.is_floating_point:
             codec = None if self.param_dtype is None else Cast(self.param_dtype)
             entry = replace(entry, codec=codec, reduce_dtype=self.reduce_dtype)
@@ -206,6 +224,7 @@ def shard_params(
     microbatches: int = 1,
     prefetch: bool = True,
     shard: Sharded = "params",
+    opt_state_device: str | None = None,
 ) -> ShardParams:
     """Shard params, grads and optimizer state over a mesh axis (FSDP / ZeRO-3), or only
     grads and optimizer state (ZeRO-2), or only optimizer state (ZeRO-1).
@@ -243,6 +262,13 @@ def shard_params(
     over the whole grads, as with ZeRO-3. Eager only (:func:`d9d.jit` refuses it), and not
     under :func:`d9d.pipeline`; ``reshard_after_forward`` and ``prefetch`` are ZeRO-3's.
 
+    Optimizer state on the host (``opt_state_device="cpu"``, with any ``shard``): ``place``
+    keeps each state leaf laid out as above but in host memory (pinned when the mesh is on
+    an accelerator); wrap the optimizer's elementwise part in :func:`d9d.optim.offloaded`,
+    which copies each step's grad shards there, updates on the host and copies the updates
+    back: ``chain(clip_by_global_norm(1.0), offloaded(adamw(...)))``. ``step.memory``
+    counts the state apart (``host_opt_state``). Eager only, not under ``pipeline``.
+
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
         axis: The mesh axis to shard over, or None for DDP. Default ``"fsdp"``.
@@ -257,6 +283,8 @@ def shard_params(
         shard: What is sharded over ``axis`` besides the optimizer state: ``"params"``
             (and grads: ZeRO-3, FSDP), ``"grads"`` (ZeRO-2) or ``"opt_state"`` (nothing
             else: ZeRO-1). Default ``"params"``.
+        opt_state_device: ``"cpu"``: keep the optimizer state in host memory and update
+            there (:func:`d9d.optim.offloaded`); None (default): on the mesh's device.
 
     Returns:
         The transform: decorate a step with it.
@@ -265,7 +293,8 @@ def shard_params(
         PlanError: An axis is not on the mesh, both axes are the same, or neither is given;
             ``microbatches`` is not a positive int or ``prefetch`` not a bool; ``shard`` is
             not one of the three, or is ZeRO-1/2 without ``axis``, under ``pipeline``, or
-            with ``reshard_after_forward`` or ``prefetch`` not True.
+            with ``reshard_after_forward`` or ``prefetch`` not True; ``opt_state_device``
+            is not None or ``"cpu"``, or is ``"cpu"`` under ``pipeline``.
 
     Example:
         >>> import d9d, torch
@@ -288,4 +317,5 @@ def shard_params(
         microbatches,
         prefetch,
         shard,
+        opt_state_device,
     )
