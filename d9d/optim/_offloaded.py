@@ -44,7 +44,7 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     """Run ``inner``'s update on the device its state is kept on, shard by shard.
 
     ``shard_params(mesh, "fsdp", opt_state_device="cpu")`` keeps the optimizer state in
-    (pinned) host memory; this wrapper runs the update there: each step it copies this
+    host memory; this wrapper runs the update there: each step it copies this
     rank's grad and param shards to the state's device, runs ``inner`` on them (its
     vectorized foreach ops, on the host's cores), and copies the updates back to where the
     grads are. Where state and grads share a device, nothing is copied and the update equals
