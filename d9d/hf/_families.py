@@ -65,10 +65,14 @@ FILL: Rules = MappingProxyType(
         r"(^|\.)self_attn\.[kv]_proj\.bias$": ("kv_heads",),
         r"(^|\.)self_attn\.o_proj\.weight$": ("embed", "heads"),
         r"(^|\.)self_attn\.o_proj\.bias$": ("embed",),
+        r"(^|\.)self_attn\.out_proj\.weight$": ("embed", "heads"),  # LFM2's o_proj
         r"(^|\.)mlp\.(gate|up)_proj\.weight$": ("mlp", "embed"),
         r"(^|\.)mlp\.(gate|up)_proj\.bias$": ("mlp",),
         r"(^|\.)mlp\.down_proj\.weight$": ("embed", "mlp"),
         r"(^|\.)mlp\.down_proj\.bias$": ("embed",),
+        # The MLP under the name feed_forward (Jamba's, Falcon-H1's; LFM's w1/w3 up, w2 down).
+        r"(^|\.)feed_forward\.(gate_proj|up_proj|w1|w3)\.weight$": ("mlp", "embed"),
+        r"(^|\.)feed_forward\.(down_proj|w2)\.weight$": ("embed", "mlp"),
         # Per-head norms of q and k (Hunyuan's query_layernorm): each rank normalizes its own
         # heads, so their grads are summed over tp. Norms over all heads (Olmo2's) are the
         # plan's, which keeps their projections whole (plan_rules).
@@ -91,6 +95,8 @@ FILL: Rules = MappingProxyType(
         r"(^|\.)mlp\.act_fn\.alpha_[pn]$": ("mlp_scale",),
         # Attention output gates, one per head channel (AFMoE's, Beam's colwise in its plan).
         r"(^|\.)self_attn\.gate_proj\.weight$": ("heads", "embed"),
+        # The output head a plan leaves out (NemotronH's names its embedding only).
+        r"^lm_head\.weight$": ("vocab", "embed"),
         # Qwen2-MoE's shared expert gate [1, H]: whole on tp, beside the router.
         r"(^|\.)mlp\.shared_expert_gate\.weight$": ("experts", "embed"),
     }
@@ -127,6 +133,14 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "sarvam_mla": ("DeepseekV3MoE",),
         "sarvam_moe": ("Glm4MoeMoE",),
         "solar_open": ("SolarOpenMoE",),
+        # Qwen2-MoE's block (router, experts, gated shared expert) beside a gated delta net or
+        # a kimi delta attention that d9d keeps whole (_kept_whole.py), so that these families
+        # run without sequence parallelism: equal to one device there (their sweep cells).
+        "kimi_linear": ("KimiLinearMoE",),
+        "lara_mini": ("LaraMiniSparseMoeBlock",),
+        "qwen3_5_moe_text": ("Qwen3_5MoeSparseMoeBlock",),
+        "qwen3_next": ("Qwen3NextSparseMoeBlock",),
+        "qwen4_exp_text": ("Qwen4ExpTextSparseMoeBlock",),
     }
 )
 """``{model_type: class names}`` of the modules of a family that compute each position on
