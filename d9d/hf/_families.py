@@ -45,6 +45,8 @@ ROUTERS: Rules = MappingProxyType(
             "experts",
         ),
         r"(^|\.)mlp\.expert_bias$": ("experts",),  # AFMoE's routing bias, beside its router
+        # Ernie-4.5-MoE's frozen routing bias [1, E], in a module of its own beside the router.
+        r"(^|\.)mlp\.gate\.moe_statics\.e_score_correction_bias$": ("embed", "experts"),
     }
 )
 """The MoE routers' weights ``[E, H]`` (``mlp.gate``, ``mlp.router``, Hunyuan's ``gate.wg``,
@@ -95,6 +97,8 @@ FILL: Rules = MappingProxyType(
         r"(^|\.)mlp\.act_fn\.alpha_[pn]$": ("mlp_scale",),
         # Attention output gates, one per head channel (AFMoE's, Beam's colwise in its plan).
         r"(^|\.)self_attn\.gate_proj\.weight$": ("heads", "embed"),
+        # HRM's frozen initial state of its low cycle [H], beside its blocks: whole on tp.
+        r"(^|\.)z_L_init$": ("embed",),
         # The output head a plan leaves out (NemotronH's names its embedding only).
         r"^lm_head\.weight$": ("vocab", "embed"),
         # Qwen2-MoE's shared expert gate [1, H]: whole on tp, beside the router.
@@ -133,6 +137,7 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "sarvam_mla": ("DeepseekV3MoE",),
         "sarvam_moe": ("Glm4MoeMoE",),
         "solar_open": ("SolarOpenMoE",),
+        "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock",),
         # Qwen2-MoE's block (router, experts, gated shared expert) beside a gated delta net or
         # a kimi delta attention that d9d keeps whole (_kept_whole.py), so that these families
         # run without sequence parallelism: equal to one device there (their sweep cells).
