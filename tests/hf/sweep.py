@@ -112,6 +112,8 @@ SAMPLE: tuple[tuple[str, str, str, str], ...] = (
     ("apertus", "fsdp=2", "equal", ""),  # params of one row (xIELU's [1] scalars)
     ("llama4_text", "pp=2", "equal", ""),  # stand-ins read as their modules (weight.device)
     ("dory", "pp=2", "refused", "again after block"),  # looped blocks
+    ("lfm3", "tp=2", "equal (no sp)", "no sp: module"),  # a short convolution kept whole
+    ("minimax", "tp=2", "equal (no sp)", "no sp: module"),  # a mixer no rule names, whole
 )
 """The cells CI runs (``test_hf_sweep.py``), as the full sweep of ``transformers`` 5.24 found
 them: fixed, so CI runs the same cells every time; a later session rotates them by hand."""
