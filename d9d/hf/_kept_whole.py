@@ -17,6 +17,10 @@ parallelism is off), and d9d does the same where no rule could shard the module 
   rel 1.1 off, no error). Its params named only ``embed``, ``experts`` or ``expert_mlp``
   keep their names (routed experts stay ``experts`` for ``expert_parallel``).
 
+An ``nn.Embedding`` that holds params besides its weight (Inkling's normed embedding) is kept
+whole too: vocab-parallel, its forward would apply them to the rank's rows of the lookup
+(``tensor_parallel`` refuses that by name).
+
 Their params get ``("embed",) * ndim``: replicated over tp, their grads identical on every
 rank without sequence parallelism; with it, ``tensor_parallel`` refuses such a module by name
 (it would run on ``S / tp`` positions) and says to use ``sequence_parallel=False``. A param
@@ -49,7 +53,8 @@ def kept_whole_rules(module: nn.Module, rules: Mapping[str, Axes]) -> dict[str, 
     """``{param path regex: ("embed",) * ndim}`` for every param of a block child of
     ``module`` that holds an ``nn.Conv1d``, and for the params of a block child that holds
     no weight ``rules`` make column-parallel, but those ``rules`` name with axes whole on tp
-    only (see the module docstring)."""
+    only; and ``("embed", "embed")`` for the weight of an ``nn.Embedding`` that holds other
+    params (see the module docstring)."""
     compiled = [(re.compile(pattern), axes) for pattern, axes in rules.items()]
 
     def axes_of(key: str) -> Axes | None:
@@ -71,6 +76,9 @@ def kept_whole_rules(module: nn.Module, rules: Mapping[str, Axes]) -> dict[str, 
                     if axes is None or not set(axes) <= _WHOLE
                 }
             )
+    for path, embedding in module.named_modules():  # its own params see the rank's rows only
+        if isinstance(embedding, nn.Embedding) and len(list(embedding.parameters())) > 1:
+            kept[_exact(f"{path}.weight")] = ("embed", "embed")
     return generalize(kept)
 
 

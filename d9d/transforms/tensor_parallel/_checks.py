@@ -29,7 +29,19 @@ __all__ = [
 
 
 def check_embedding(path: str, module: nn.Embedding) -> None:
-    """Raise for options whose effect depends on rows outside the local vocab shard."""
+    """Raise for options whose effect depends on rows outside the local vocab shard, and for
+    an embedding whose forward does more than the lookup with params of its own (a norm):
+    they would act on the rank's rows of it, zeros elsewhere, before the sum over ranks."""
+    others = [name for name, _ in module.named_parameters() if name != "weight"]
+    if others:
+        raise PlanError(
+            f"embedding {path!r} ({type(module).__name__}) holds params besides its weight "
+            f"({others}), which its forward would apply to this rank's rows of a vocab-parallel "
+            "lookup only (zeros elsewhere): their grads would miss the other ranks' tokens; "
+            "keep it whole on the axis with logical axes that map to no mesh axis (e.g. "
+            f"functionalize(module, axes={{{re.escape(path + '.weight') + '$'!r}: "
+            "('embed', 'embed')}))"
+        )
     if module.max_norm is not None or module.scale_grad_by_freq:
         raise PlanError(
             f"embedding {path!r} has max_norm={module.max_norm} and "
