@@ -69,3 +69,10 @@ def test_a_mixer_kept_whole_is_refused_under_sequence_parallelism_with_the_fix()
         r"'tp' .* or use tensor_parallel\(\.\.\., sequence_parallel=False\)",
     ):
         run_on_ranks(_place, 2, "lfm3")
+
+
+def test_an_embedding_with_a_norm_of_its_own_is_kept_whole() -> None:
+    """Inkling's normed embedding: vocab-parallel, its norm would see the rank's rows only."""
+    axes = build("inkling_text")().axes
+    assert axes["model.embed_tokens.weight"] == ("embed", "embed")
+    assert axes["lm_head.weight"] == ("embed", "embed")  # its plan: rowwise_split_input
