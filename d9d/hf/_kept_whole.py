@@ -9,7 +9,8 @@ parallelism is off), and d9d does the same where no rule could shard the module 
   convolution, a short convolution), which ``tensor_parallel`` cannot shard: whole with every
   param of it, what the plan says of its projections too (their row ranges are packed
   ``q|k|v`` groups the convolution's channels would have to follow);
-- a block child holding no column-parallel weight, so that nothing in it is sharded: a
+- a block child (or a module beside the blocks, Qwen4-exp's ``hyper_connection_mixer``)
+  holding no column-parallel weight, so that nothing in it is sharded: a
   mixer the plan leaves out (MiniMax's linear attention, whose ``qkv_proj`` nothing names,
   NemotronH's attention and MLP layers), or an attention the plan keeps whole
   (``colwise_gather_output``) with per-head norms that d9d's rules name ``head_dim``, whose
@@ -87,18 +88,26 @@ def _exact(key: str) -> str:
 
 
 def _block_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(path, child)`` of each child of each block: the children of the ``nn.ModuleList``s
-    the model's pp plan names, else of its outermost ``nn.ModuleList``s."""
-    lists = block_lists_for(module)
-    if not lists:
-        outer: list[str] = []
-        for path, child in module.named_modules():
-            if isinstance(child, nn.ModuleList) and not any(
-                path.startswith(p + ".") for p in outer
-            ):
-                outer.append(path)
-        lists = tuple(outer)
+    """``(path, child)`` of each child of each block, then of each module beside the blocks
+    in the module that holds them (Qwen4-exp's ``hyper_connection_mixer``), but embeddings."""
+    lists = _lists(module)
     for list_path in lists:
         for name, block in module.get_submodule(list_path).named_children():
             for child_name, child in block.named_children():
                 yield f"{list_path}.{name}.{child_name}", child
+    for owner in sorted({path.rpartition(".")[0] for path in lists}):
+        for name, child in module.get_submodule(owner).named_children():
+            if not isinstance(child, (nn.ModuleList, nn.Embedding)):
+                yield f"{owner}.{name}" if owner else name, child
+
+
+def _lists(module: nn.Module) -> tuple[str, ...]:
+    """The ``nn.ModuleList``s the model's pp plan names, else its outermost ones."""
+    lists = block_lists_for(module)
+    if lists:
+        return lists
+    outer: list[str] = []
+    for path, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and not any(path.startswith(p + ".") for p in outer):
+            outer.append(path)
+    return tuple(outer)
