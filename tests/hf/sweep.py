@@ -317,12 +317,13 @@ def _ranks(make, layout: str, fresh: bool = False):
 @contextlib.contextmanager
 def float64_islands() -> Iterator[None]:
     """Keep float64 tensors float64 where ``transformers`` casts them to float32 (norms'
-    ``.to(torch.float32)`` and ``.float()``, ``softmax(dtype=torch.float32)``), for the
-    length of the block. Beam and DeepSeek-V3 at ``tp=2`` differ from one device at rel
+    ``.to(torch.float32)``, ``.float()``, ``.type(torch.float32)``, ``softmax(dtype=
+    torch.float32)``), for the length of the block. Beam and DeepSeek-V3 at ``tp=2`` differ from one device at rel
     1e-2 on params whose grads are near 0 (float64 sums in another order, rounded to float32
     in the next norm, then AdamW); with these casts kept float64 they equal it at rel 1e-12:
     a cell ``wrong`` as computed and equal so is ``equal~ (f64)``."""
-    to, as_float, softmax = torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax
+    to, as_float, as_type = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
+    softmax = torch.nn.functional.softmax
 
     def wide(dtype: Any) -> Any:
         return torch.float64 if dtype is torch.float32 else dtype
@@ -339,11 +340,18 @@ def float64_islands() -> Iterator[None]:
     def softmax64(x, dim=None, _stacklevel=3, dtype=None):
         return softmax(x, dim=dim, dtype=wide(dtype) if x.dtype == torch.float64 else dtype)
 
-    torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax = to64, float64, softmax64
+    def type64(self, dtype=None, *args, **kwargs):  # NemotronH's router: .type(torch.float32)
+        if dtype is None or self.dtype != torch.float64:
+            return as_type(self, dtype, *args, **kwargs)
+        return as_type(self, wide(dtype), *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to64, float64, type64
+    torch.nn.functional.softmax = softmax64
     try:
         yield
     finally:
-        torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax = to, as_float, softmax
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, as_float, as_type
+        torch.nn.functional.softmax = softmax
 
 
 def _first_line(error: BaseException) -> str:
