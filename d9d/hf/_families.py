@@ -31,9 +31,24 @@ _GPT2: Rules = MappingProxyType(
     }
 )
 
-FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2})
-"""``{model_type: {path regex: logical axes}}`` of the families whose ``transformers`` config
-has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has none)."""
+# Dory's plan names its embedding and head only. Its attention and its MLP each normalize
+# the output of all their heads or channels before their last projection (attn_sub_norm,
+# ffn_sub_norm: norms without a weight, which no rule can name): sharded, those norms'
+# statistics would be the rank's shard's (the sweep found tp=2 rel 4e3 off), so both stay
+# whole on tp, with their per-channel scales; its per-layer rates scale the residual stream.
+_DORY: Rules = MappingProxyType(
+    {
+        r"(^|\.)(self_attn|mlp)\.\w+_proj\.weight$": ("embed", "embed"),
+        r"(^|\.)self_attn\.(sqk|s_gate)$": ("embed",),
+        r"(^|\.)mlp\.suv_(gate|up)$": ("embed",),
+        r"(^|\.)layers\.\d+\.lambda_[12]$": ("embed",),
+    }
+)
+
+FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2, "dory": _DORY})
+"""``{model_type: {path regex: logical axes}}`` of the families whose ``transformers`` plan is
+missing (GPT-2: ``GPT2Config`` has none) or whose modules its Llama-layout names would shard
+wrongly (Dory's attention), and d9d has rules for."""
 
 ROUTERS: Rules = MappingProxyType(
     {

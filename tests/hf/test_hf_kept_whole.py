@@ -76,3 +76,15 @@ def test_an_embedding_with_a_norm_of_its_own_is_kept_whole() -> None:
     axes = build("inkling_text")().axes
     assert axes["model.embed_tokens.weight"] == ("embed", "embed")
     assert axes["lm_head.weight"] == ("embed", "embed")  # its plan: rowwise_split_input
+
+
+def test_dory_keeps_its_sub_normed_attention_and_mlp_whole_and_shards_its_head() -> None:
+    """Dory's attn_sub_norm and ffn_sub_norm (no weight) span all heads and channels: whole;
+    its head's per-token logit_scale is read beside the rank's vocab shard."""
+    axes = build("dory")().axes
+    assert axes["model.layers.0.self_attn.q_proj.weight"] == ("embed", "embed")
+    assert axes["model.layers.0.mlp.gate_proj.weight"] == ("embed", "embed")
+    assert axes["model.layers.0.mlp.suv_gate"] == ("embed",)
+    assert axes["model.layers.0.lambda_1"] == ("embed",)
+    assert axes["lm_head.weight"] == ("vocab", "embed")
+    assert axes["lm_head.logit_scale"] == ("vocab",)

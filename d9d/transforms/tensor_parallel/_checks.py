@@ -18,6 +18,10 @@ from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
 from ._layout import HEAD_AXES, PARTIAL_GRAD_AXES, ActivationLayout
 
+# Logical axes of a one-dim param that a module holding column-parallel linears reads beside
+# their output shards (sinks per head, a head's per-token logit scale).
+_BESIDE_COLUMNS = (*HEAD_AXES, "vocab")
+
 __all__ = [
     "check_embedding",
     "check_heads",
@@ -185,9 +189,10 @@ def _check_sharded(
     """Raise unless every param sharded over the axis belongs to a module whose shard the
     runtime knows how to use: an ``nn.Linear``'s weight (column- or row-parallel) or a
     column-parallel linear's bias, an ``nn.Embedding``'s weight over the vocab, or a
-    one-dim param of heads (``heads``, ``kv_heads``) of a module that gets its input whole
-    for its column-parallel linears (an attention's sinks or gate bias: its forward reads
-    them beside the rank's heads)."""
+    one-dim param of heads or of the vocab (``heads``, ``kv_heads``, ``vocab``) of a module
+    holding column-parallel linears (an attention's sinks or gate bias, Dory's head's
+    per-token logit scale: its forward reads them beside the rank's shard of those linears'
+    outputs)."""
 
     def holds_column_linears(path: str) -> bool:
         weights = (entries.get(structure.canonical(f"{p}.weight")) for p in regions.get(path, ()))
@@ -211,7 +216,11 @@ def _check_sharded(
             case nn.Embedding(), "weight", 0:
                 continue
         path = slot.key.rpartition(".")[0]
-        if len(entry.shape) == 1 and entry.axes[0] in HEAD_AXES and holds_column_linears(path):
+        if (
+            len(entry.shape) == 1
+            and entry.axes[0] in _BESIDE_COLUMNS
+            and holds_column_linears(path)
+        ):
             continue
         raise PlanError(
             f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
