@@ -31,9 +31,24 @@ _GPT2: Rules = MappingProxyType(
     }
 )
 
-FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2})
-"""``{model_type: {path regex: logical axes}}`` of the families whose ``transformers`` config
-has no tensor-parallel plan and d9d has rules for (GPT-2: ``GPT2Config`` has none)."""
+# Dory's plan names its embedding and head only. Its attention and its MLP each normalize
+# the output of all their heads or channels before their last projection (attn_sub_norm,
+# ffn_sub_norm: norms without a weight, which no rule can name): sharded, those norms'
+# statistics would be the rank's shard's (the sweep found tp=2 rel 4e3 off), so both stay
+# whole on tp, with their per-channel scales; its per-layer rates scale the residual stream.
+_DORY: Rules = MappingProxyType(
+    {
+        r"(^|\.)(self_attn|mlp)\.\w+_proj\.weight$": ("embed", "embed"),
+        r"(^|\.)self_attn\.(sqk|s_gate)$": ("embed",),
+        r"(^|\.)mlp\.suv_(gate|up)$": ("embed",),
+        r"(^|\.)layers\.\d+\.lambda_[12]$": ("embed",),
+    }
+)
+
+FAMILIES: Mapping[str, Rules] = MappingProxyType({"gpt2": _GPT2, "dory": _DORY})
+"""``{model_type: {path regex: logical axes}}`` of the families whose ``transformers`` plan is
+missing (GPT-2: ``GPT2Config`` has none) or whose modules its Llama-layout names would shard
+wrongly (Dory's attention), and d9d has rules for."""
 
 ROUTERS: Rules = MappingProxyType(
     {
@@ -45,6 +60,8 @@ ROUTERS: Rules = MappingProxyType(
             "experts",
         ),
         r"(^|\.)mlp\.expert_bias$": ("experts",),  # AFMoE's routing bias, beside its router
+        # Ernie-4.5-MoE's frozen routing bias [1, E], in a module of its own beside the router.
+        r"(^|\.)mlp\.gate\.moe_statics\.e_score_correction_bias$": ("embed", "experts"),
     }
 )
 """The MoE routers' weights ``[E, H]`` (``mlp.gate``, ``mlp.router``, Hunyuan's ``gate.wg``,
@@ -65,10 +82,14 @@ FILL: Rules = MappingProxyType(
         r"(^|\.)self_attn\.[kv]_proj\.bias$": ("kv_heads",),
         r"(^|\.)self_attn\.o_proj\.weight$": ("embed", "heads"),
         r"(^|\.)self_attn\.o_proj\.bias$": ("embed",),
+        r"(^|\.)self_attn\.out_proj\.weight$": ("embed", "heads"),  # LFM2's o_proj
         r"(^|\.)mlp\.(gate|up)_proj\.weight$": ("mlp", "embed"),
         r"(^|\.)mlp\.(gate|up)_proj\.bias$": ("mlp",),
         r"(^|\.)mlp\.down_proj\.weight$": ("embed", "mlp"),
         r"(^|\.)mlp\.down_proj\.bias$": ("embed",),
+        # The MLP under the name feed_forward (Jamba's, Falcon-H1's; LFM's w1/w3 up, w2 down).
+        r"(^|\.)feed_forward\.(gate_proj|up_proj|w1|w3)\.weight$": ("mlp", "embed"),
+        r"(^|\.)feed_forward\.(down_proj|w2)\.weight$": ("embed", "mlp"),
         # Per-head norms of q and k (Hunyuan's query_layernorm): each rank normalizes its own
         # heads, so their grads are summed over tp. Norms over all heads (Olmo2's) are the
         # plan's, which keeps their projections whole (plan_rules).
@@ -91,6 +112,10 @@ FILL: Rules = MappingProxyType(
         r"(^|\.)mlp\.act_fn\.alpha_[pn]$": ("mlp_scale",),
         # Attention output gates, one per head channel (AFMoE's, Beam's colwise in its plan).
         r"(^|\.)self_attn\.gate_proj\.weight$": ("heads", "embed"),
+        # HRM's frozen initial state of its low cycle [H], beside its blocks: whole on tp.
+        r"(^|\.)z_L_init$": ("embed",),
+        # The output head a plan leaves out (NemotronH's names its embedding only).
+        r"^lm_head\.weight$": ("vocab", "embed"),
         # Qwen2-MoE's shared expert gate [1, H]: whole on tp, beside the router.
         r"(^|\.)mlp\.shared_expert_gate\.weight$": ("experts", "embed"),
     }
@@ -127,6 +152,15 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "sarvam_mla": ("DeepseekV3MoE",),
         "sarvam_moe": ("Glm4MoeMoE",),
         "solar_open": ("SolarOpenMoE",),
+        "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock",),
+        # Qwen2-MoE's block (router, experts, gated shared expert) beside a gated delta net or
+        # a kimi delta attention that d9d keeps whole (_kept_whole.py), so that these families
+        # run without sequence parallelism: equal to one device there (their sweep cells).
+        "kimi_linear": ("KimiLinearMoE",),
+        "lara_mini": ("LaraMiniSparseMoeBlock",),
+        "qwen3_5_moe_text": ("Qwen3_5MoeSparseMoeBlock",),
+        "qwen3_next": ("Qwen3NextSparseMoeBlock",),
+        "qwen4_exp_text": ("Qwen4ExpTextSparseMoeBlock",),
     }
 )
 """``{model_type: class names}`` of the modules of a family that compute each position on

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ._rules import is_hf_model
+from ._detect import is_hf_model
 
 __all__ = ["block_lists_for"]
 

@@ -12,23 +12,14 @@ from typing import Any
 
 from torch import nn
 
+from ._detect import is_hf_model
 from ._families import FAMILIES, FILL, POSITION_WISE, ROUTERS
+from ._kept_whole import kept_whole_rules
 from ._tp_plan import generalize, plan_rules
 
 __all__ = ["apply_defaults", "axes_for", "family_of", "is_hf_model", "position_wise_for"]
 
-_TRANSFORMERS = "transformers."
 _MODELING = re.compile(r"^transformers\.models\.(\w+)\.modeling_\w+$")
-
-
-def is_hf_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``transformers`` model (or a subclass of one).
-
-    Example:
-        >>> is_hf_model(nn.Linear(2, 2))
-        False
-    """
-    return any(cls.__module__.startswith(_TRANSFORMERS) for cls in type(module).__mro__)
 
 
 def family_of(module: nn.Module) -> str | None:
@@ -58,7 +49,10 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
     to the plan), then those of the model's own ``transformers`` tensor-parallel plan
     (``config.base_model_tp_plan``, see :func:`d9d.hf.plan_rules`), then, for a model that
     has a plan, Llama-layout rules for what it leaves out (:data:`d9d.hf.FILL`), then ``(experts,
-    embed)`` for MoE routers (``mlp.gate.weight``), then ``("embed",)`` for the weight and
+    embed)`` for MoE routers (``mlp.gate.weight``); before all of these, for a model that has
+    a plan, ``("embed",) * ndim`` (whole on tp, as ``transformers`` replicates a module its
+    plan leaves out) for every param of a block child that holds an ``nn.Conv1d`` (a mamba or
+    linear-attention mixer) or none of whose params those rules name; then ``("embed",)`` for the weight and
     bias of every norm (a class named ``*RMSNorm`` or ``*LayerNorm``, or an ``nn.LayerNorm``) over
     the hidden size. Rules ``functionalize`` is given with ``axes=``
     come first; these fill what they leave. Only rules that match a param of ``module`` are
@@ -93,6 +87,9 @@ def axes_for(module: Any) -> dict[str, tuple[str | None, ...]]:
         rules.update({k: v for k, v in FILL.items() if k not in rules})
         rules.update({k: v for k, v in _expert_rules(module).items() if k not in rules})
     rules.update({k: v for k, v in ROUTERS.items() if k not in rules})
+    if planned:
+        kept = kept_whole_rules(module, rules)  # before the rules it overrides
+        rules = {**kept, **{k: v for k, v in rules.items() if k not in kept}}
     rules.update(_norm_rules(module))
     return {p: a for p, a in rules.items() if any(re.search(p, path) for path in paths)}
 

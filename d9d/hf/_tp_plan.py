@@ -146,8 +146,8 @@ def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: i
             return ("embed",)
         case "colwise_gather_output", "weight", 2 if owner.endswith("lm_head"):
             return ("vocab", "embed")
-        case "colwise_gather_output", "bias", 1 if owner.endswith("lm_head"):
-            return ("vocab",)  # Phi's head has one
+        case "colwise_gather_output", _, 1 if owner.endswith("lm_head"):
+            return ("vocab",)  # Phi's head has a bias, Dory's a per-token logit_scale
         case (("colwise_gather_output" | "rowwise_split_input"), _, _):
             return whole
         case (("embedding_rowwise" | "embedding_colwise"), "weight", 2):

@@ -348,6 +348,34 @@ def test_an_embedding_option_a_vocab_shard_cannot_honour_is_named() -> None:
         run_on_ranks(rank, 2)
 
 
+class _NormedEmbedding(torch.nn.Embedding):
+    """An embedding whose forward normalizes the lookup with a weight of its own (Inkling's)."""
+
+    def __init__(self) -> None:
+        super().__init__(16, 8)
+        self.norm = torch.nn.RMSNorm(8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(super().forward(ids))
+
+
+def test_an_embedding_with_params_besides_its_weight_is_refused_by_name() -> None:
+    def rank():
+        mesh = d9d.make_mesh("cpu", tp=2)
+        model = d9d.functionalize(
+            torch.nn.Sequential(_NormedEmbedding()), axes={"norm": ("embed",)}
+        )
+        step = d9d.tensor_parallel(mesh)(lambda p, s, b: (p, s, {}))
+        step.place(model.params, (), model=model)
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: embedding '0' \(_NormedEmbedding\) holds params besides its weight "
+        r"\(\['norm.weight'\]\).* axes=\{'0\\\\.weight\$': \('embed', 'embed'\)\}",
+    ):
+        run_on_ranks(rank, 2)
+
+
 def _hf_own_loss_rank(build, loss_parallel: bool):
     """Loss and grads of ``model.apply(p, input_ids=x, labels=x).loss`` (the Hugging Face
     way) under tp=2, gathered whole."""

@@ -18,6 +18,10 @@ from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
 from ._layout import HEAD_AXES, PARTIAL_GRAD_AXES, ActivationLayout
 
+# Logical axes of a one-dim param that a module holding column-parallel linears reads beside
+# their output shards (sinks per head, a head's per-token logit scale).
+_BESIDE_COLUMNS = (*HEAD_AXES, "vocab")
+
 __all__ = [
     "check_embedding",
     "check_heads",
@@ -29,7 +33,19 @@ __all__ = [
 
 
 def check_embedding(path: str, module: nn.Embedding) -> None:
-    """Raise for options whose effect depends on rows outside the local vocab shard."""
+    """Raise for options whose effect depends on rows outside the local vocab shard, and for
+    an embedding whose forward does more than the lookup with params of its own (a norm):
+    they would act on the rank's rows of it, zeros elsewhere, before the sum over ranks."""
+    others = [name for name, _ in module.named_parameters() if name != "weight"]
+    if others:
+        raise PlanError(
+            f"embedding {path!r} ({type(module).__name__}) holds params besides its weight "
+            f"({others}), which its forward would apply to this rank's rows of a vocab-parallel "
+            "lookup only (zeros elsewhere): their grads would miss the other ranks' tokens; "
+            "keep it whole on the axis with logical axes that map to no mesh axis (e.g. "
+            f"functionalize(module, axes={{{re.escape(path + '.weight') + '$'!r}: "
+            "('embed', 'embed')}))"
+        )
     if module.max_norm is not None or module.scale_grad_by_freq:
         raise PlanError(
             f"embedding {path!r} has max_norm={module.max_norm} and "
@@ -173,9 +189,10 @@ def _check_sharded(
     """Raise unless every param sharded over the axis belongs to a module whose shard the
     runtime knows how to use: an ``nn.Linear``'s weight (column- or row-parallel) or a
     column-parallel linear's bias, an ``nn.Embedding``'s weight over the vocab, or a
-    one-dim param of heads (``heads``, ``kv_heads``) of a module that gets its input whole
-    for its column-parallel linears (an attention's sinks or gate bias: its forward reads
-    them beside the rank's heads)."""
+    one-dim param of heads or of the vocab (``heads``, ``kv_heads``, ``vocab``) of a module
+    holding column-parallel linears (an attention's sinks or gate bias, Dory's head's
+    per-token logit scale: its forward reads them beside the rank's shard of those linears'
+    outputs)."""
 
     def holds_column_linears(path: str) -> bool:
         weights = (entries.get(structure.canonical(f"{p}.weight")) for p in regions.get(path, ()))
@@ -199,7 +216,11 @@ def _check_sharded(
             case nn.Embedding(), "weight", 0:
                 continue
         path = slot.key.rpartition(".")[0]
-        if len(entry.shape) == 1 and entry.axes[0] in HEAD_AXES and holds_column_linears(path):
+        if (
+            len(entry.shape) == 1
+            and entry.axes[0] in _BESIDE_COLUMNS
+            and holds_column_linears(path)
+        ):
             continue
         raise PlanError(
             f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
