@@ -26,9 +26,19 @@ pytestmark = pytest.mark.distributed
 DATA = batches(256, global_batch=4, seq_len=16, steps=3)
 
 
-def _fp8_step(gather: bool, param_dtype: torch.dtype | None = None, microbatches: int = 1):
+def _fp8_step(
+    gather: bool,
+    param_dtype: torch.dtype | None = None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+):
     def transforms(mesh):
         layout = [d9d.tensor_parallel(mesh)] if "tp" in mesh.mesh_dim_names else []
+        if "pp" in mesh.mesh_dim_names:
+            stages = 2 if schedule == "zbv" else 1
+            layout.append(
+                d9d.pipeline(mesh, microbatches=2, schedule=schedule, virtual_stages=stages)
+            )
         storage = d9d.shard_params(mesh, param_dtype=param_dtype, microbatches=microbatches)
         return [*layout, storage, d9d.fp8(mesh, "tensorwise", gather_in_fp8=gather)]
 
@@ -48,6 +58,20 @@ def _fp8_step(gather: bool, param_dtype: torch.dtype | None = None, microbatches
 def test_fp8_gather_bitwise_the_fp8_step_without_it(axes, param_dtype, microbatches, method):
     want = run(llama(), _fp8_step(False, param_dtype, microbatches), axes, DATA, method=method)
     got = run(llama(), _fp8_step(True, param_dtype, microbatches), axes, DATA, method=method)
+    for (losses, params), (want_losses, want_params) in zip(got, want, strict=True):
+        assert torch.equal(losses, want_losses), (losses, want_losses)
+        for path, value in params.items():
+            assert torch.equal(value, want_params[path]), path
+
+
+@pytest.mark.parametrize(("schedule", "layers"), [("1f1b", 2), ("zbv", 4)])
+def test_fp8_gather_under_pipeline_bitwise_the_fp8_step_without_it(schedule, layers):
+    """A stage gathers its params once per step, its fp8 weights as e4m3 data and scale,
+    which serve every microbatch (pp=2 x fsdp=2, 2 microbatches; zbv: two stages a rank)."""
+    axes = {"pp": 2, "fsdp": 2}
+    model = llama(n_layers=layers)
+    want = run(model, _fp8_step(False, schedule=schedule), axes, DATA, method="fork")
+    got = run(model, _fp8_step(True, schedule=schedule), axes, DATA, method="fork")
     for (losses, params), (want_losses, want_params) in zip(got, want, strict=True):
         assert torch.equal(losses, want_losses), (losses, want_losses)
         for path, value in params.items():
@@ -86,18 +110,14 @@ def test_fp8_gather_grads_near_one_device_fp8(axes):
         assert worst >= 17, f"{worst:.1f} dB"
 
 
-def _comms(gather: bool, param_dtype: torch.dtype | None, microbatches: int = 1):
-    mesh = d9d.make_mesh("cpu", fsdp=2)
+def _comms(gather: bool, param_dtype: torch.dtype | None, microbatches: int = 1, pp: int = 1):
+    mesh = d9d.make_mesh("cpu", pp=pp, fsdp=2) if pp > 1 else d9d.make_mesh("cpu", fsdp=2)
     model = llama()()
     step = lambda p, s, b: (d9d.grad(lambda q, c: model.apply(q, c).float().mean())(p, b), s, {})  # noqa: E731
     for transform in _fp8_step(gather, param_dtype, microbatches)(mesh):
         step = transform(step)
     params, _ = step.place(model.params, (), model=model)
-    fp8 = [
-        path
-        for path, entry in step.plan.entries.items()
-        if type(entry.codec).__name__ == "Fp8Gather"
-    ]
+    fp8 = [p for p in step.plan.held if type(step.plan[p].codec).__name__ == "Fp8Gather"]
     stats = step.comms(params, (), step.shard_batch(DATA[0])["tokens"])
     memory = step.memory(params, ())
     return stats, memory, fp8, {p: math.prod(e.shape) for p, e in step.plan.entries.items()}
@@ -139,6 +159,25 @@ def test_fp8_amaxes_all_reduced_once_per_step_whatever_the_microbatches():
     stats, _, paths, _ = run_on_ranks(_comms, 2, True, None, 2)[0]
     assert stats.count[("all_reduce", "fsdp")] == 1
     assert stats.bytes[("all_reduce", "fsdp")] == len(paths) * 4
+
+
+def test_fp8_gather_under_pipeline_counted():
+    """Under pp=2 each stage (one block) gathers its params once a step, whatever the
+    microbatches: one all-gather with its 7 fp8 weights at 1 byte an element, after one
+    all-reduce of their 7 float32 amaxes."""
+
+    def both():
+        return _comms(False, None, pp=2), _comms(True, None, pp=2)
+
+    for (plain, _, _, _), (fp8, _, paths, numel) in run_on_ranks(both, 4, method="fork"):
+        elements = sum(numel[p] for p in paths)
+        assert len(paths) == 7
+        saved = plain.total_bytes("all_gather") - fp8.total_bytes("all_gather")
+        assert saved == elements * (4 - 1)  # the gathered weights, 3 B an element less
+        assert fp8.count[("all_gather", "fsdp")] == plain.count[("all_gather", "fsdp")] == 1
+        assert fp8.count[("all_reduce", "fsdp")] == 1
+        assert fp8.bytes[("all_reduce", "fsdp")] == 7 * 4
+        assert fp8.bytes[("reduce_scatter", "fsdp")] == plain.bytes[("reduce_scatter", "fsdp")]
 
 
 def test_fp8_gather_refuses_other_recipes():

@@ -103,12 +103,7 @@ class Fp8(Transform):
         )
 
     def _check_gathered(self, plan: Plan, gathered: int) -> None:
-        """Refuse ``gather_in_fp8`` where it gathers nothing, or under ``pipeline``."""
-        if plan.stage_group is not None:
-            raise PlanError(
-                "fp8(gather_in_fp8=True) does not compose with pipeline yet (a stage gathers "
-                "its params once per step, in their compute dtype); drop gather_in_fp8"
-            )
+        """Refuse ``gather_in_fp8`` where it gathers nothing."""
         if not gathered:
             raise PlanError(
                 "fp8(gather_in_fp8=True) found no fp8 linear whose weight is all-gathered: it "
@@ -187,7 +182,7 @@ def fp8(
         PlanError: An unknown recipe or a pattern that is no regex; ``gather_in_fp8`` with
             another recipe than tensorwise; when placed, a pattern that matches no linear or
             experts module, no model given to ``place``, or ``gather_in_fp8`` where no fp8
-            weight is all-gathered or under ``pipeline``.
+            weight is all-gathered.
 
     Example:
         >>> import d9d, torch
