@@ -163,6 +163,8 @@ def tiny_config(model_type: str) -> Any:
             fields[key] = [v if v < _SIZES["vocab_size"] else 2 for v in value]
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # latent attention ropes these
         fields["head_dim"] = fields["qk_rope_head_dim"]
+    if "kv_lora_rank" in fields and "num_key_value_heads" in fields:  # it expands keys and
+        fields["num_key_value_heads"] = fields["num_attention_heads"]  # values per query head
     layers = _SIZES["num_hidden_layers"]
     for key, value in vars(defaults).items():  # random draws differ between layouts
         if isinstance(value, float) and re.search(r"dropout|jitter|pdrop", key):
