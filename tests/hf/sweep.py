@@ -91,6 +91,9 @@ _SIZES: dict[str, Any] = {
     "attn_pdrop": 0.0,
     "dropout": 0.0,
 }
+# Sizes a family gets where its default leaves the field None but its model multiplies by it
+# (Dots1's shared experts: `moe_intermediate_size * n_shared_experts`).
+_UNSET_SIZES: dict[str, Any] = {"n_shared_experts": 1}
 _MAX_PARAMS = 5_000_000
 # Layouts whose ranks compute each batch as two halves of its rows (see _split_reference).
 _SPLIT_LAYOUTS = ("fsdp=2", "pp=2")
@@ -155,6 +158,11 @@ def tiny_config(model_type: str) -> Any:
     config_class = transformers.CONFIG_MAPPING[model_type]
     defaults = config_class()
     fields = {k: v for k, v in _SIZES.items() if hasattr(defaults, k)}
+    fields |= {
+        k: v
+        for k, v in _UNSET_SIZES.items()
+        if hasattr(defaults, k) and getattr(defaults, k) is None
+    }
     for key in _TOKEN_IDS:
         value = getattr(defaults, key, None)
         if isinstance(value, int) and value >= _SIZES["vocab_size"]:
