@@ -179,6 +179,11 @@ def tiny_config(model_type: str) -> Any:
             fields[key] = 0.0
         elif key == "layer_types" and isinstance(value, list) and value:
             fields[key] = (value * layers)[:layers]
+    if getattr(defaults, "rope_parameters", None) == {} and "layer_types" in fields:
+        # rope read per layer type, none given (Cohere-Compass's default cannot build)
+        fields["rope_parameters"] = {
+            t: {"rope_type": "default", "rope_theta": 1e4} for t in fields["layer_types"]
+        }
     return config_class(**fields, experts_implementation="eager")
 
 
