@@ -194,12 +194,16 @@ def tiny_config(model_type: str) -> Any:
 
 def _validated(fields: dict[str, Any], defaults: Any) -> dict[str, Any]:
     """``fields`` made consistent where the config class's own validator refused them: Mamba
-    heads that tile ``mamba_expand * hidden_size`` (6 of 16 dims)."""
+    heads that tile ``mamba_expand * hidden_size`` (6 of 16 dims), and one layer of each of the
+    first two layer types where the first two layers were of one (OLMo-Hybrid needs both)."""
     fields = dict(fields)
     if hasattr(defaults, "mamba_n_heads") and hasattr(defaults, "mamba_d_head"):
         inner = getattr(defaults, "mamba_expand", 2) * fields["hidden_size"]
         heads = fields["num_attention_heads"]
         fields |= {"mamba_n_heads": heads, "mamba_d_head": inner // heads}
+    types = list(dict.fromkeys(getattr(defaults, "layer_types", None) or []))
+    if len(types) > 1 and len(set(fields.get("layer_types", []))) == 1:
+        fields["layer_types"] = (types * _SIZES["num_hidden_layers"])[: _SIZES["num_hidden_layers"]]
     return fields
 
 
