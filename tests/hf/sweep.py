@@ -157,6 +157,7 @@ def tiny_config(model_type: str) -> Any:
 
     config_class = transformers.CONFIG_MAPPING[model_type]
     defaults = config_class()
+    defaults.allow_global_per_layer_attribute_access = True  # to read, where fields vary per layer
     fields = {k: v for k, v in _SIZES.items() if hasattr(defaults, k)}
     fields |= {
         k: v
