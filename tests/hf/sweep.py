@@ -150,9 +150,11 @@ def families() -> list[str]:
     return found
 
 
-def tiny_config(model_type: str) -> Any:
+def tiny_config(model_type: str, *, derived: bool = False) -> Any:
     """The family's default config with :data:`_SIZES` where it has the field, token ids moved
-    into the vocab, per-layer lists cut to 2 layers."""
+    into the vocab, per-layer lists cut to 2 layers; ``derived`` also sizes an int field whose
+    name joins a field of :data:`_SIZES` with a prefix or suffix (Gemma-4's
+    ``vocab_size_per_layer_input``), for a family still over :data:`_MAX_PARAMS` without."""
     import transformers
 
     config_class = transformers.CONFIG_MAPPING[model_type]
@@ -174,6 +176,10 @@ def tiny_config(model_type: str) -> Any:
         fields["head_dim"] = fields["qk_rope_head_dim"]
     if "kv_lora_rank" in fields and "num_key_value_heads" in fields:  # it expands keys and
         fields["num_key_value_heads"] = fields["num_attention_heads"]  # values per query head
+    for key, value in vars(defaults).items() if derived else ():
+        size = next((s for s in _SIZES if re.search(rf"(^|_){s}(_|$)", key)), None)
+        if isinstance(value, int) and size is not None and key != size:
+            fields.setdefault(key, _SIZES[size])
     layers = _SIZES["num_hidden_layers"]
     for key, value in vars(defaults).items():  # random draws differ between layouts
         if isinstance(value, float) and re.search(r"dropout|jitter|pdrop", key):
@@ -214,13 +220,20 @@ def _module(model_type: str) -> torch.nn.Module:
 
     config = tiny_config(model_type)
     model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    with torch.device("meta"):  # sub-configs _SIZES does not reach (Phi-4-multimodal's
-        size = sum(p.numel() for p in model_class(config).parameters())  # encoders: 18 GB)
+    size = _size(model_class, config)
+    if size > _MAX_PARAMS:
+        config = tiny_config(model_type, derived=True)
+        size = _size(model_class, config)
     if size > _MAX_PARAMS:
         raise ValueError(f"the tiny config still has {size:,} params (> {_MAX_PARAMS:,})")
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return model_class(config).to(torch.float64)
+
+
+def _size(model_class: type, config: Any) -> int:
+    with torch.device("meta"):  # sub-configs _SIZES does not reach (Phi-4-multimodal's
+        return sum(p.numel() for p in model_class(config).parameters())  # encoders: 18 GB)
 
 
 def build(model_type: str) -> Callable[[], d9d.Model]:
