@@ -118,6 +118,8 @@ SAMPLE: tuple[tuple[str, str, str, str], ...] = (
     ("lfm3", "tp=2", "equal (no sp)", "no sp: module"),  # a short convolution kept whole
     ("minimax", "tp=2", "equal (no sp)", "no sp: module"),  # a mixer no rule names, whole
     ("dory", "tp=2", "equal~ (no sp)", "casts kept float64"),  # its table; a head's vocab scale
+    ("deepseek_v32", "pp=2", "equal", ""),  # latent attention: as many kv heads as query heads
+    ("cohere_compass_text", "tp=2", "equal~", ""),  # rope per layer type, none in its default
 )
 """The cells CI runs (``test_hf_sweep.py``), as the full sweep of ``transformers`` 5.24 found
 them: fixed, so CI runs the same cells every time; a later session rotates them by hand."""
