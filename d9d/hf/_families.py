@@ -137,6 +137,7 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "aria_text": ("AriaTextMoELayer",),
         "axk1": ("AXK1MoE",),
         "deepseek_v2": ("DeepseekV2Moe",),
+        "dots1": ("Dots1MoE",),
         "exaone_moe": ("ExaoneMoeSparseMoEBlock",),
         "glm4_moe": ("Glm4MoeMoE",),
         "glm4_moe_lite": ("Glm4MoeLiteMoE",),

@@ -61,7 +61,7 @@ def plan_rules(module: nn.Module) -> dict[str, Axes]:
         ('embed', 'heads')
     """
     plan = _plan(module)
-    head_dim = _head_dim(getattr(module, "config", None))
+    head_dims = _head_dims(getattr(module, "config", None))
     rules: dict[str, Axes] = {}
     for path, param in module.named_parameters():
         owner, _, name = path.rpartition(".")
@@ -69,7 +69,7 @@ def plan_rules(module: nn.Module) -> dict[str, Axes]:
         if style in (None, "local_params"):  # a module's own param that the plan names itself
             style = _style(plan, path) or style
         if style is not None:
-            axes = _axes(style, owner, name, tuple(param.shape), head_dim)
+            axes = _axes(style, owner, name, tuple(param.shape), head_dims)
             rules["^" + re.escape(path) + "$"] = axes
         elif (axes := _norm_of_projection(module, plan, owner, tuple(param.shape))) is not None:
             rules["^" + re.escape(path) + "$"] = axes
@@ -123,6 +123,13 @@ def _plan(module: nn.Module) -> list[tuple[re.Pattern[str], str]]:
     ]
 
 
+def _head_dims(config: Any) -> frozenset[int]:
+    """The attention head sizes of the config's layers, read per layer: a heterogeneous config
+    (Gemma-4's full-attention layers, heads of 512 beside 256) refuses a global ``head_dim``."""
+    layers = getattr(config, "per_layer_config", None) or ([config] if config is not None else [])
+    return frozenset(dim for layer in layers if (dim := _head_dim(layer)))
+
+
 def _head_dim(config: Any) -> int | None:
     head_dim = getattr(config, "head_dim", None)
     if head_dim:
@@ -131,7 +138,9 @@ def _head_dim(config: Any) -> int | None:
     return hidden // heads if hidden and heads else None
 
 
-def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: int | None) -> Axes:
+def _axes(
+    style: str, owner: str, name: str, shape: tuple[int, ...], head_dims: frozenset[int]
+) -> Axes:
     attention = bool(_ATTENTION.search(owner + "."))
     inner = ("kv_heads" if _KEY_VALUE.search(owner) else "heads") if attention else "mlp"
     whole: Axes = ("embed",) * len(shape)
@@ -152,7 +161,7 @@ def _axes(style: str, owner: str, name: str, shape: tuple[int, ...], head_dim: i
             return whole
         case (("embedding_rowwise" | "embedding_colwise"), "weight", 2):
             return ("vocab", "embed")
-        case "replicated_with_grad_allreduce", _, 1 if shape[0] == head_dim:
+        case "replicated_with_grad_allreduce", _, 1 if shape[0] in head_dims:
             return ("head_dim",)
         case (("replicated_with_grad_allreduce" | "replicate"), _, _):
             return whole

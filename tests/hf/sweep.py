@@ -91,6 +91,9 @@ _SIZES: dict[str, Any] = {
     "attn_pdrop": 0.0,
     "dropout": 0.0,
 }
+# Sizes a family gets where its default leaves the field None but its model multiplies by it
+# (Dots1's shared experts: `moe_intermediate_size * n_shared_experts`).
+_UNSET_SIZES: dict[str, Any] = {"n_shared_experts": 1}
 _MAX_PARAMS = 5_000_000
 # Layouts whose ranks compute each batch as two halves of its rows (see _split_reference).
 _SPLIT_LAYOUTS = ("fsdp=2", "pp=2")
@@ -115,6 +118,8 @@ SAMPLE: tuple[tuple[str, str, str, str], ...] = (
     ("lfm3", "tp=2", "equal (no sp)", "no sp: module"),  # a short convolution kept whole
     ("minimax", "tp=2", "equal (no sp)", "no sp: module"),  # a mixer no rule names, whole
     ("dory", "tp=2", "equal~ (no sp)", "casts kept float64"),  # its table; a head's vocab scale
+    ("deepseek_v32", "pp=2", "equal", ""),  # latent attention: as many kv heads as query heads
+    ("cohere_compass_text", "tp=2", "equal~", ""),  # rope per layer type, none in its default
 )
 """The cells CI runs (``test_hf_sweep.py``), as the full sweep of ``transformers`` 5.24 found
 them: fixed, so CI runs the same cells every time; a later session rotates them by hand."""
@@ -147,14 +152,22 @@ def families() -> list[str]:
     return found
 
 
-def tiny_config(model_type: str) -> Any:
+def tiny_config(model_type: str, *, derived: bool = False) -> Any:
     """The family's default config with :data:`_SIZES` where it has the field, token ids moved
-    into the vocab, per-layer lists cut to 2 layers."""
+    into the vocab, per-layer lists cut to 2 layers; ``derived`` also sizes an int field whose
+    name joins a field of :data:`_SIZES` with a prefix or suffix (Gemma-4's
+    ``vocab_size_per_layer_input``), for a family still over :data:`_MAX_PARAMS` without."""
     import transformers
 
     config_class = transformers.CONFIG_MAPPING[model_type]
     defaults = config_class()
+    defaults.allow_global_per_layer_attribute_access = True  # to read, where fields vary per layer
     fields = {k: v for k, v in _SIZES.items() if hasattr(defaults, k)}
+    fields |= {
+        k: v
+        for k, v in _UNSET_SIZES.items()
+        if hasattr(defaults, k) and getattr(defaults, k) is None
+    }
     for key in _TOKEN_IDS:
         value = getattr(defaults, key, None)
         if isinstance(value, int) and value >= _SIZES["vocab_size"]:
@@ -163,13 +176,44 @@ def tiny_config(model_type: str) -> Any:
             fields[key] = [v if v < _SIZES["vocab_size"] else 2 for v in value]
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # latent attention ropes these
         fields["head_dim"] = fields["qk_rope_head_dim"]
+    if "kv_lora_rank" in fields and "num_key_value_heads" in fields:  # it expands keys and
+        fields["num_key_value_heads"] = fields["num_attention_heads"]  # values per query head
+    for key, value in vars(defaults).items() if derived else ():
+        size = next((s for s in _SIZES if re.search(rf"(^|_){s}(_|$)", key)), None)
+        if isinstance(value, int) and size is not None and key != size:
+            fields.setdefault(key, _SIZES[size])
     layers = _SIZES["num_hidden_layers"]
     for key, value in vars(defaults).items():  # random draws differ between layouts
         if isinstance(value, float) and re.search(r"dropout|jitter|pdrop", key):
             fields[key] = 0.0
         elif key == "layer_types" and isinstance(value, list) and value:
             fields[key] = (value * layers)[:layers]
-    return config_class(**fields, experts_implementation="eager")
+    if getattr(defaults, "rope_parameters", None) == {} and "layer_types" in fields:
+        # rope read per layer type, none given (Cohere-Compass's default cannot build)
+        fields["rope_parameters"] = {
+            t: {"rope_type": "default", "rope_theta": 1e4} for t in fields["layer_types"]
+        }
+    try:
+        return config_class(**fields, experts_implementation="eager")
+    except Exception as error:  # huggingface_hub's StrictDataclassClassValidationError
+        if "validat" not in type(error).__name__.lower():
+            raise
+        return config_class(**_validated(fields, defaults), experts_implementation="eager")
+
+
+def _validated(fields: dict[str, Any], defaults: Any) -> dict[str, Any]:
+    """``fields`` made consistent where the config class's own validator refused them: Mamba
+    heads that tile ``mamba_expand * hidden_size`` (6 of 16 dims), and one layer of each of the
+    first two layer types where the first two layers were of one (OLMo-Hybrid needs both)."""
+    fields = dict(fields)
+    if hasattr(defaults, "mamba_n_heads") and hasattr(defaults, "mamba_d_head"):
+        inner = getattr(defaults, "mamba_expand", 2) * fields["hidden_size"]
+        heads = fields["num_attention_heads"]
+        fields |= {"mamba_n_heads": heads, "mamba_d_head": inner // heads}
+    types = list(dict.fromkeys(getattr(defaults, "layer_types", None) or []))
+    if len(types) > 1 and len(set(fields.get("layer_types", []))) == 1:
+        fields["layer_types"] = (types * _SIZES["num_hidden_layers"])[: _SIZES["num_hidden_layers"]]
+    return fields
 
 
 @functools.cache
@@ -178,13 +222,20 @@ def _module(model_type: str) -> torch.nn.Module:
 
     config = tiny_config(model_type)
     model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    with torch.device("meta"):  # sub-configs _SIZES does not reach (Phi-4-multimodal's
-        size = sum(p.numel() for p in model_class(config).parameters())  # encoders: 18 GB)
+    size = _size(model_class, config)
+    if size > _MAX_PARAMS:
+        config = tiny_config(model_type, derived=True)
+        size = _size(model_class, config)
     if size > _MAX_PARAMS:
         raise ValueError(f"the tiny config still has {size:,} params (> {_MAX_PARAMS:,})")
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return model_class(config).to(torch.float64)
+
+
+def _size(model_class: type, config: Any) -> int:
+    with torch.device("meta"):  # sub-configs _SIZES does not reach (Phi-4-multimodal's
+        return sum(p.numel() for p in model_class(config).parameters())  # encoders: 18 GB)
 
 
 def build(model_type: str) -> Callable[[], d9d.Model]:

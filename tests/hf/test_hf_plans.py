@@ -35,7 +35,7 @@ def test_every_style_of_the_installed_plans_is_handled_or_named() -> None:
         styles |= set((getattr(config_class, "base_model_tp_plan", None) or {}).values())
     assert {"colwise", "rowwise", "colwise_gather_output", "moe_tp_experts"} <= styles
     for style in styles - set(d9d.hf.IMPLEMENTED_STYLES):
-        axes = _tp_plan._axes(style, "model.layers.0.mlp.x", "weight", (8, 8), 4)
+        axes = _tp_plan._axes(style, "model.layers.0.mlp.x", "weight", (8, 8), frozenset({4}))
         assert axes[0] == f"tp plan style {style} (not implemented by d9d)", style
 
 
@@ -49,6 +49,18 @@ def test_the_plan_gives_granite_its_axes_without_a_table() -> None:
     assert model.axes[layer + "mlp.up_proj.weight"] == ("mlp", "embed")
     assert model.axes[layer + "mlp.down_proj.weight"] == ("embed", "mlp")
     assert model.axes["lm_head.weight"] == ("vocab", "embed")
+
+
+def test_per_head_norms_of_a_config_whose_head_size_varies_per_layer() -> None:
+    # Gemma-4's full-attention layers have heads of their own size (global_head_dim), so its
+    # config refuses a global head_dim: each layer's q/k norms are named by their own.
+    config_class = transformers.CONFIG_MAPPING["gemma4_unified_text"]
+    config = _tiny(config_class, num_hidden_layers=2, head_dim=8, global_head_dim=16)
+    module = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config_class](config)
+    model = d9d.functionalize(module)
+    for layer, size in ((0, 8), (1, 16)):
+        path = f"model.layers.{layer}.self_attn.q_norm.weight"
+        assert (model.params[path].shape, model.axes[path]) == ((size,), ("head_dim",))
 
 
 def _olmo2(plan: dict[str, str] | None = None) -> d9d.Model:
