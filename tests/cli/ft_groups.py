@@ -1,5 +1,5 @@
-"""What the tests of ``d9d train --fault-tolerant`` share: waiting on a file a replica group
-writes, the steps it logged, and signals to a group and every process under it."""
+"""What the tests of ``d9d train --fault-tolerant`` share: a lighthouse, waiting on a file a
+replica group writes, the steps it logged, and signals to a group and every process under it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,27 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["signal_all", "steps_logged", "wait_for"]
+__all__ = ["lighthouse", "signal_all", "steps_logged", "wait_for"]
+
+
+def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int | None = None) -> Any:
+    """A torchft lighthouse on a free port, its quorums formed every 50 ms, waiting up to a
+    minute for a heartbeating group to ask; with ``heartbeat_timeout_ms``, a killed group
+    stops counting as alive after that long (torchft's default otherwise)."""
+    from torchft.coordination import LighthouseServer
+
+    timeouts = (
+        {} if heartbeat_timeout_ms is None else {"heartbeat_timeout_ms": heartbeat_timeout_ms}
+    )
+    return LighthouseServer(
+        bind="[::]:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=60_000,
+        quorum_tick_ms=50,
+        **timeouts,
+    )
 
 
 def wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen]) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ft_groups import lighthouse as ft_lighthouse
 
 from d9d.cli import main
 from d9d.cli._config import TrainConfig
@@ -32,11 +33,9 @@ def _losses(out: Path) -> list[float]:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
-    torchft = pytest.importorskip("torchft.coordination")
+    pytest.importorskip("torchft.coordination")
     assert main([*ARGS, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
-    lighthouse = torchft.LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50
-    )
+    lighthouse = ft_lighthouse()
     logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
     groups: list[subprocess.Popen] = []
     try:

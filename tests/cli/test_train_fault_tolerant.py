@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ft_groups import lighthouse as ft_lighthouse
 from ft_groups import signal_all, steps_logged, wait_for
 
 from d9d.cli import main
@@ -37,14 +38,12 @@ def test_two_replica_groups_train_as_one_process(tmp_path: Path, layout: str, ba
     """Each group a torchrun of two ranks, sharded (fsdp=2) or tensor-parallel (tp=2) inside;
     with --grad-accum 2 (a row per microbatch and rank), the all-reduce over the groups runs
     once after both microbatches."""
-    torchft = pytest.importorskip("torchft.coordination")
+    pytest.importorskip("torchft.coordination")
     args = [*ARGS, f"--batch-size={batch}"]  # the last --batch-size counts
     assert main([*args, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
     # min_replicas=1, as a run that survives a failure needs: the groups wait for each other
     # before their first step themselves.
-    lighthouse = torchft.LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=50
-    )
+    lighthouse = ft_lighthouse()
     logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
     groups: list[subprocess.Popen] = []
     try:
@@ -148,19 +147,13 @@ def test_a_killed_replica_group_restarts_and_rejoins(
     # quorum request it had already sent, alone, once the killed group's heartbeat timed out:
     # seen in CI.) With checkpoints (--save-every 2 --resume), the restarted group restores
     # its step 2 first, and must still take the survivor's state, which is ahead of it.
-    torchft = pytest.importorskip("torchft.coordination")
+    pytest.importorskip("torchft.coordination")
     steps = 8
     args = [*ARGS[:2], str(steps), *ARGS[3:], "--log-every", "1"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     if saving:
         args += ["--save-every", "2", "--resume"]
-    lighthouse = torchft.LighthouseServer(
-        bind="[::]:0",
-        min_replicas=2,
-        join_timeout_ms=60_000,
-        quorum_tick_ms=50,
-        heartbeat_timeout_ms=2_000,
-    )
+    lighthouse = ft_lighthouse(min_replicas=2, heartbeat_timeout_ms=2_000)
     outs = [tmp_path / f"group{g}" for g in (0, 1)]
     runner, layout = launch[: launch.index("d9d") + 1], launch[launch.index("d9d") + 1 :]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ft_groups import lighthouse as ft_lighthouse
 from ft_groups import signal_all, steps_logged, wait_for
 
 from d9d.cli import main
@@ -41,15 +42,9 @@ def _committed(out: Path, step: int) -> bool:
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_replica_groups_resume_from_their_checkpoints(tmp_path: Path) -> None:
-    torchft = pytest.importorskip("torchft.coordination")
+    pytest.importorskip("torchft.coordination")
     assert main([*ARGS, "--out", str(tmp_path / "one")]) == 0
-    lighthouse = torchft.LighthouseServer(
-        bind="[::]:0",
-        min_replicas=1,
-        join_timeout_ms=60_000,
-        quorum_tick_ms=50,
-        heartbeat_timeout_ms=2_000,
-    )
+    lighthouse = ft_lighthouse(heartbeat_timeout_ms=2_000)
     outs = [tmp_path / f"group{g}" for g in (0, 1)]
 
     def start(group: int, log: str) -> subprocess.Popen:

@@ -9,7 +9,7 @@ the host and the updates back; this check finds its state in the step's optimize
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,20 +37,19 @@ def check_offloaded(opt_state: Any, device: str | None) -> None:
 
 
 def _holds_offloaded(state: Any) -> bool:
-    if isinstance(state, OffloadedState):
-        return True
-    if isinstance(state, Mapping):
-        return any(_holds_offloaded(v) for v in state.values())
-    if isinstance(state, tuple | list):
-        return any(_holds_offloaded(v) for v in state)
-    return False
+    return _holds(state, lambda leaf: isinstance(leaf, OffloadedState))
 
 
 def _holds_tensors(state: Any) -> bool:
-    if isinstance(state, torch.Tensor):
+    return _holds(state, lambda leaf: isinstance(leaf, torch.Tensor))
+
+
+def _holds(state: Any, found: Callable[[Any], bool]) -> bool:
+    """Whether ``found`` holds for ``state`` or anything in its mappings, tuples and lists."""
+    if found(state):
         return True
     if isinstance(state, Mapping):
-        return any(_holds_tensors(v) for v in state.values())
+        return any(_holds(v, found) for v in state.values())
     if isinstance(state, tuple | list):
-        return any(_holds_tensors(v) for v in state)
+        return any(_holds(v, found) for v in state)
     return False
