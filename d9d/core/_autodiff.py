@@ -109,6 +109,9 @@ def _differentiate(
     leaves, spec = tree.flatten(params)
     with torch.enable_grad(), count_tokens() as counts:
         inputs = [_differentiable(leaf) for leaf in leaves]
+        step = current()
+        if step is not None:
+            step.differentiated.extend(zip(leaves, inputs, strict=True))
         out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
         _check_value(value, has_aux=has_aux)

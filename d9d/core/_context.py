@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +52,11 @@ class StepContext:
             codec has one (an fp8 weight's amax), taken once as the step starts: a stored
             shard does not change within a step, so every gather of it in the step (each
             unit's, the backward's regather, each microbatch's) encodes with the same value.
+        differentiated: ``(given, leaf)`` for each tensor ``value_and_grad`` has differentiated
+            in this step: the tensor it was given and the autograd leaf it made of it (a
+            detached alias), so that a runtime can tell its own tensors in what ``apply``
+            receives by identity (ZeRO-1/2's slices), which Dynamo traces where it cannot
+            compare data pointers.
     """
 
     plan: Plan
@@ -60,6 +65,7 @@ class StepContext:
     token_counts: list[torch.Tensor] | None = None
     sequence_groups: tuple[tuple[str, int], ...] = ()
     codec_statistics: dict[str, torch.Tensor] | None = None
+    differentiated: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class _State(threading.local):
