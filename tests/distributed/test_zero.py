@@ -314,6 +314,24 @@ def test_jit_equals_eager_bit_for_bit_and_moves_the_same_collectives(zero: str) 
         assert jitted[3].count[("all_gather", "fsdp")] == 1
 
 
+@pytest.mark.compile
+@pytest.mark.usefixtures("math_attention")
+def test_jit_inductor_equals_one_device() -> None:
+    """ZeRO-1 compiled by inductor (its grads all-reduced, then sliced in the graph): one
+    block, float64, 5 AdamW steps with clipping, equal to one device; the harness asserts
+    one trace for all steps."""
+    build, data = llama(torch.float64, 1), batches(256)
+    assert_equivalent(
+        build,
+        lambda mesh: LAYOUTS["fsdp=2"][1](mesh, "opt_state"),
+        {"fsdp": 2},
+        data,
+        reference(build, data),
+        dtype=torch.float64,
+        jit=True,
+    )
+
+
 def _pipeline_rank():
     mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
     model, opt = llama()(), optimizer()
