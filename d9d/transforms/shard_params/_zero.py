@@ -60,7 +60,7 @@ class Zero:
         self.wholes = {}
         for path in self.paths:
             whole = params[path]
-            view = whole.redistribute(self.plan.mesh, self.plan.entries[path].state_kept)
+            view = whole.redistribute(whole.device_mesh, self.plan.entries[path].state_kept)
             self.wholes[path] = (view, whole)
             out[path] = view
         return out
@@ -128,9 +128,7 @@ class Zero:
             views = [params[p] for p in members]
             wholes = [self.wholes[p][1] for p in members]
             entries = [self.plan.entries[p] for p in members]
-            gathered = gather_wholes(
-                views, wholes, entries, axis, self.plan.mesh, self.plan.group_names
-            )
+            gathered = gather_wholes(views, wholes, entries, axis, self.plan.group_names)
             out.update(zip(members, gathered, strict=True))
         if rest:
             out.update(gather_params(self.plan, rest, params))

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ...core._context import current
@@ -31,7 +30,6 @@ def gather_wholes(
     wholes: list[DTensor],
     entries: list[ParamPlan],
     axis: int | None,
-    mesh: DeviceMesh,
     groups: tuple[str, ...],
 ) -> list[torch.Tensor]:
     """The local tensors to compute with, from ``wholes`` (the stored params that ``views``,
@@ -40,12 +38,8 @@ def gather_wholes(
     reduce dtype, and whether the grad is kept sharded; :func:`reduce_many`), or with
     ``axis=None`` (one entry that cannot share it) by DTensor, unless the step defers
     reductions (microbatch accumulation): then each is returned ``Partial``, reduced once per
-    step. ``mesh``: the plan's mesh (the step's own object, which the grads are laid out on:
-    a DTensor's mesh read inside a d9d.jit trace is another); ``groups``: the mesh axes'
-    process group names."""
-    return list(
-        _GatherWholes.apply(axis, mesh, groups, tuple(entries), len(views), *views, *wholes)
-    )
+    step. ``groups``: the mesh axes' process group names."""
+    return list(_GatherWholes.apply(axis, groups, tuple(entries), len(views), *views, *wholes))
 
 
 class _GatherWholes(torch.autograd.Function):
@@ -53,13 +47,13 @@ class _GatherWholes(torch.autograd.Function):
     def forward(
         ctx: Any,
         axis: int | None,
-        mesh: DeviceMesh,
         groups: tuple[str, ...],
         entries: tuple[ParamPlan, ...],
         count: int,
         *tensors: DTensor,
     ) -> Any:
         views, wholes = tensors[:count], tensors[count:]
+        mesh = wholes[0].device_mesh
         ctx.axis, ctx.groups, ctx.entries, ctx.mesh = axis, groups, entries, mesh
         ctx.strides = [w.stride() for w in wholes]
         ctx.dtypes = [w.dtype for w in wholes]
@@ -87,9 +81,9 @@ class _GatherWholes(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         entries, mesh, axis = ctx.entries, ctx.mesh, ctx.axis
-        none = (None,) * (5 + len(grads))
+        none = (None,) * (4 + len(grads))
         if ctx.defer:  # summed over microbatches, reduced once (``value_and_grad``)
-            return (*none[:5], *unreduced(list(grads), mesh, entries, ctx.strides), *none[5:])
+            return (*none[:4], *unreduced(list(grads), mesh, entries, ctx.strides), *none[4:])
         if axis is None:
             reduced = [
                 reduce_to(g, e.grad_kept)
@@ -107,4 +101,4 @@ class _GatherWholes(torch.autograd.Function):
             if tuple(grad.placements) != entry.state_kept:  # ZeRO-1: this rank's slice
                 grad = grad.redistribute(mesh, entry.state_kept)
             out.append(grad.to(dtype))
-        return (*none[:5], *out, *none[5:])
+        return (*none[:4], *out, *none[4:])
