@@ -358,10 +358,9 @@ def _alias_and_mark(arg: Any, call: int) -> Any:
 def _alias(leaf: Any) -> Any:
     """A new tensor object on ``leaf``'s buffer, a DTensor on ``leaf``'s own mesh object.
 
-    Not ``DTensor.detach``: its sharding cache may answer with the layout of another, equal
-    mesh object (a copy that Dynamo's guards took while the step was traced), and Dynamo
-    guards a mesh by identity, so the next call would trace the step again (ZeRO-1/2's
-    optimizer state, whose layout the traced step's slices share).
+    Not ``DTensor.detach``: after a compiled call it returned ZeRO-1's optimizer state on
+    another, equal mesh object, and Dynamo guards a mesh by identity, so the next call
+    traced the step again (docs/decisions.md).
     """
     if not isinstance(leaf, DTensor):
         return leaf.detach()
