@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from .. import tree
 from ..errors import IndivisibleError
 from ._backward_region import backward_region
-from ._context import count_tokens, current
+from ._context import count_tokens, current, differentiating
 from ._embedding_ids import named_inputs
 from ._grad_reduce import reduce_to
 from ._plan import Plan
@@ -109,7 +109,8 @@ def _differentiate(
     leaves, spec = tree.flatten(params)
     with torch.enable_grad(), count_tokens() as counts:
         inputs = [_differentiable(leaf) for leaf in leaves]
-        out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
+        with differentiating(leaves, inputs):
+            out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
         _check_value(value, has_aux=has_aux)
         weight = torch.stack(counts).sum().to(value.dtype) if counts else None

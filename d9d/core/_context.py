@@ -25,6 +25,7 @@ __all__ = [
     "StepContext",
     "count_tokens",
     "current",
+    "differentiating",
     "record_tokens",
     "running",
     "sequence_attention",
@@ -52,6 +53,11 @@ class StepContext:
             codec has one (an fp8 weight's amax), taken once as the step starts: a stored
             shard does not change within a step, so every gather of it in the step (each
             unit's, the backward's regather, each microbatch's) encodes with the same value.
+        differentiated: While ``value_and_grad`` runs its function, ``(given, leaf)`` for
+            each tensor it differentiates: the tensor it was given and the autograd leaf it
+            made of it (a detached alias), so that a runtime can tell its own tensors in
+            what ``apply`` receives by identity (ZeRO-1/2's slices), which Dynamo traces
+            where it cannot compare data pointers (:func:`differentiating`).
     """
 
     plan: Plan
@@ -60,6 +66,7 @@ class StepContext:
     token_counts: list[torch.Tensor] | None = None
     sequence_groups: tuple[tuple[str, int], ...] = ()
     codec_statistics: dict[str, torch.Tensor] | None = None
+    differentiated: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 class _State(threading.local):
@@ -103,6 +110,23 @@ def count_tokens() -> Iterator[list[torch.Tensor]]:
         yield counts
     finally:
         step.token_counts = previous
+
+
+@contextmanager
+def differentiating(given: list[torch.Tensor], leaves: list[torch.Tensor]) -> Iterator[None]:
+    """Within the block, the running step's ``differentiated`` also holds ``leaves``, the
+    autograd leaves made of ``given``. Set back when it ends: a compiled step then returns
+    no extra tensors for Dynamo to hand back to it."""
+    step = _state.step
+    if step is None:
+        yield
+        return
+    previous = step.differentiated
+    step.differentiated = previous + tuple(zip(given, leaves, strict=True))
+    try:
+        yield
+    finally:
+        step.differentiated = previous
 
 
 def record_tokens(count: torch.Tensor) -> None:

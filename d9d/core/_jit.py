@@ -14,6 +14,7 @@ import torch._dynamo.backends.debugging
 import torch._dynamo.config
 import torch._functorch.config
 import torch._inductor.compile_fx
+from torch.distributed.tensor import DTensor
 
 from .. import tree
 from ..errors import DonatedTreeError, PlanError, RecompileError
@@ -348,7 +349,26 @@ def _check_not_donated(arg: Any, *, argnum: int) -> None:
 
 def _alias_and_mark(arg: Any, call: int) -> Any:
     leaves, spec = tree.flatten(arg)
-    fresh = [leaf.detach() for leaf in leaves]
+    fresh = [_alias(leaf) for leaf in leaves]
     for leaf in leaves:
         setattr(leaf, _DONATED, call)
     return tree.unflatten(spec, fresh)
+
+
+def _alias(leaf: Any) -> Any:
+    """A new tensor object on ``leaf``'s buffer, a DTensor on ``leaf``'s own mesh object.
+
+    Not ``DTensor.detach``: after a compiled call it returned ZeRO-1's optimizer state on
+    another, equal mesh object, and Dynamo guards a mesh by identity, so the next call
+    traced the step again (docs/decisions.md).
+    """
+    if not isinstance(leaf, DTensor):
+        return leaf.detach()
+    return DTensor.from_local(
+        leaf.to_local().detach(),
+        leaf.device_mesh,
+        leaf.placements,
+        run_check=False,
+        shape=leaf.shape,
+        stride=leaf.stride(),
+    )

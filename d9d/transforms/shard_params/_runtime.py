@@ -2,8 +2,8 @@
 
 Inside one ``Model.apply`` the core gathers the params outside blocks when the forward
 starts and a block's params when the block starts, through the call's ``gather``. This
-runtime takes that ``gather`` over (eager only: under ``torch.compile`` the compiler
-schedules the collectives and decides what to save):
+runtime takes that ``gather`` over (eager only, but for ZeRO-1/2's: under
+``torch.compile`` the compiler schedules the collectives and decides what to save):
 
 - with params whose :class:`~._schedule.Schedule` says ``prefetch``, each block's
   all-gather is issued while the block before it computes (:mod:`._prefetch`);
@@ -19,6 +19,7 @@ the first step, that the optimizer updates there (:mod:`._host_state`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -73,19 +74,15 @@ class ShardParamsRuntime(Runtime):
                 "optimizer state on the device (opt_state_device=None) under d9d.jit, or "
                 "drop d9d.jit"
             )
-        if self.zero is None:
-            return None
-        return (
-            "shard_params(shard='opt_state' | 'grads') (ZeRO-1/2) runs eagerly: its step "
-            "body's param slices and the all-gather of the updates are not traced yet; use "
-            "shard='params' (ZeRO-3) under d9d.jit, or drop d9d.jit"
-        )
+        return None
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         return accumulate(job, self.microbatches)
 
     def enter_apply(self, call: ApplyCall) -> None:
         if torch.compiler.is_compiling():
+            if self.zero is not None:
+                call.gather = functools.partial(_zero_gather, self.zero, call)
             return
         regather = (
             Regather(call.plan, call.params, self.again, self.early) if self.regathers else None
@@ -147,6 +144,13 @@ class _Boundary:
             self.prefetch.close()
         if self.regather is not None:
             self.regather.close()
+
+
+def _zero_gather(zero: Zero, call: ApplyCall, unit: Block | None, keys: list[str]) -> Any:
+    """The compute tensors of ``keys`` under ZeRO-1/2 in a compiled step: the whole stored
+    params, their grads reduced per block (no prefetch or regather to schedule)."""
+    del unit
+    return zero.gather(keys, call.params)
 
 
 def _forward_prefetch(call: ApplyCall, early: frozenset[str]) -> ForwardPrefetch | None:

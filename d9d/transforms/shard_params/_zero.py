@@ -11,7 +11,10 @@ with the whole stored param (no all-gather); its grad comes back to the slice,
 reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
 (:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
 updated shards are all-gathered into whole params, one collective per mesh axis and dtype
-for the whole model (:meth:`Zero.exit_step`).
+for the whole model (:meth:`Zero.exit_step`). Under ``d9d.jit`` all of it is traced into
+the step's one graph: a block tells the body's slices from other tensors by identity
+(``StepContext.differentiated``), which Dynamo traces, and reads layouts from the plan, not
+from its inputs' placements, which Dynamo guards by identity.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from ...core._context import current
 from ...core._gather import coalescible, gather_many, gather_params
 from ...core._grad_reduce import reducible
 from ...core._param_plan import ParamPlan
@@ -133,8 +137,8 @@ class Zero:
 
 def _returned(params: Any, path: str, entry: ParamPlan) -> DTensor:
     """The param the step body returned at ``path``, which must be a DTensor."""
-    placements = ", ".join(map(repr, entry.state_kept))
     if path not in params:
+        placements = ", ".join(map(repr, entry.state_kept))
         raise PlanError(
             f"the step body returned no param {path!r}; under shard_params(shard='grads' | "
             f"'opt_state') return every param it was given, {path!r} as a DTensor laid out "
@@ -142,6 +146,7 @@ def _returned(params: Any, path: str, entry: ParamPlan) -> DTensor:
         )
     leaf = params[path]
     if not isinstance(leaf, DTensor):
+        placements = ", ".join(map(repr, entry.state_kept))
         raise PlanError(
             f"the step body returned param {path!r} as a {type(leaf).__name__}; under "
             f"shard_params(shard='grads' | 'opt_state') return it as a DTensor laid out "
@@ -163,9 +168,12 @@ def _gathered_back(entry: ParamPlan) -> ParamPlan:
 
 
 def _same_tensor(leaf: Any, view: DTensor) -> bool:
-    """``leaf`` is ``view`` or an alias of it (``value_and_grad`` differentiates a detached
-    copy of each param)."""
-    if not isinstance(leaf, DTensor):
-        return False
-    mine, theirs = leaf.to_local(), view.to_local()
-    return mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape
+    """``leaf`` is ``view`` or the autograd leaf ``value_and_grad`` made of it (a detached
+    alias; ``StepContext.differentiated``): told by identity, which Dynamo traces, where a
+    comparison of data pointers breaks its graph."""
+    if leaf is view:
+        return True
+    step = current()
+    return step is not None and any(
+        made is leaf and given is view for given, made in step.differentiated
+    )

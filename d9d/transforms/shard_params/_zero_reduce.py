@@ -69,7 +69,9 @@ class _GatherWholes(torch.autograd.Function):
         for whole, entry in zip(wholes, entries, strict=True):
             if entry.codec is not None:
                 whole = local_like(entry.codec.encode(whole.to_local()), whole)
-            if tuple(whole.placements) != entry.compute:
+            # The plan's layouts, not the input's placements: under d9d.jit those are
+            # guarded by identity, and a param the step returned holds equal new objects.
+            if entry.storage != entry.compute:
                 whole = whole.redistribute(mesh, entry.compute)
             local = whole.to_local()
             # A new tensor object: autograd gives the output a grad_fn, not the stored param.
