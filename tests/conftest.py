@@ -41,6 +41,16 @@ def _no_process_group_left() -> Iterator[None]:
         _clear_sharding_prop_cache()  # its entries hold that world's meshes
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(request: pytest.FixtureRequest) -> None:
+    """A compiled test starts with Dynamo's caches empty: what earlier tests on the same xdist
+    worker compiled (or gave up on: a code object Dynamo marked to skip runs eagerly from
+    then on) must not decide what this one traces. Seen in CI: ``torch.compile(cross_entropy,
+    fullgraph=True)`` found "no compiled frames" after other compiled tests on its worker."""
+    if request.node.get_closest_marker("compile") is not None:
+        torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
