@@ -40,6 +40,20 @@ def _build(manager=None, axis="fsdp", **shard):
     return model, opt, step if manager is None else d9d.fault_tolerant(manager)(step)
 
 
+def _assert_runs_equal(got: list, want: list) -> None:
+    """Each step's loss (rel 1e-12) and whole params (rel 1e-10) of ``_run``'s two runs."""
+    for (_, _, got_params, _, got_loss), (_, _, want_params, _, want_loss) in zip(
+        got, want, strict=True
+    ):
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+        d9d.testing.assert_trees_all_close(
+            {k: v.full_tensor() for k, v in got_params.items()},
+            {k: v.full_tensor() for k, v in want_params.items()},
+            rtol=1e-10,
+            atol=1e-12,
+        )
+
+
 def test_a_lone_replica_group_equals_the_plain_step_and_a_refused_commit_keeps_the_inputs():
     data = batches(128, global_batch=2, steps=3)
     manager = LoneManager([True, False, True])
@@ -50,16 +64,7 @@ def test_a_lone_replica_group_equals_the_plain_step_and_a_refused_commit_keeps_t
     assert params is given_params and state is given_state
     # ...and the steps around it equal the plain step on the batches that were committed.
     plain = _run(*_build(), [data[0], data[2]])
-    for (_, _, got, _, got_loss), (_, _, want, _, want_loss) in zip(
-        [runs[0], runs[2]], plain, strict=True
-    ):
-        torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
-        d9d.testing.assert_trees_all_close(
-            {k: v.full_tensor() for k, v in got.items()},
-            {k: v.full_tensor() for k, v in want.items()},
-            rtol=1e-10,
-            atol=1e-12,
-        )
+    _assert_runs_equal([runs[0], runs[2]], plain)
     # One quorum, one all-reduce (one dtype: grads, weighted loss and token count), one vote.
     params_numel = sum(p.numel() for p in model.params.values())
     assert manager.calls[:3] == [
@@ -126,16 +131,7 @@ def test_microbatches_equal_the_whole_batch_with_one_all_reduce_per_step():
     got = _run(model, opt, accumulating, data)
     assert rows == [1, 1, 1, 1]
     want = _run(*_build(), data)  # one device fed the whole batch
-    for (_, _, got_params, _, got_loss), (_, _, want_params, _, want_loss) in zip(
-        got, want, strict=True
-    ):
-        torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
-        d9d.testing.assert_trees_all_close(
-            {k: v.full_tensor() for k, v in got_params.items()},
-            {k: v.full_tensor() for k, v in want_params.items()},
-            rtol=1e-10,
-            atol=1e-12,
-        )
+    _assert_runs_equal(got, want)
     numel = sum(v.numel() for v in model.params.values())
     # Once per step, after the last microbatch: the grads and (loss x count, count).
     per_step = ["start_quorum", f"allreduce torch.float64 {numel + 2}", "should_commit"]

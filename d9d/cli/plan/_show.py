@@ -203,13 +203,7 @@ def show_plan(
         f"  params       {human(memory.params):>12}",
         f"  grads        {human(memory.grads):>12}",
         f"  optimizer    {human(memory.opt_state):>12}",
-        *(
-            [
-                f"  host state   {human(memory.host_opt_state):>12}  (optimizer state in host memory: not in the total)"
-            ]
-            if offload_opt_state
-            else []
-        ),
+        *(_host_state_lines(memory.host_opt_state) if offload_opt_state else []),
         f"  activations  {human(activations) if activations is not None else 'n/a':>12}"
         + _activation_note(formula, measured, batch, seq, remat, sizes),
         f"  total        {human(total):>12}",
@@ -240,6 +234,12 @@ def _activation_note(
     if sizes["dp"] * sizes["fsdp"] > 1:
         held += " and the stages' gathered params"
     return f"  (measured on meta at rank 0's first backward, with {held}: {shape}; docs/plan.md)"
+
+
+def _host_state_lines(host_bytes: int) -> list[str]:
+    """The memory table's line of optimizer state kept in host memory (``--offload-opt-state``)."""
+    note = "(optimizer state in host memory: not in the total)"
+    return [f"  host state   {human(host_bytes):>12}  {note}"]
 
 
 def _step(
