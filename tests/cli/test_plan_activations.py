@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import d9d
-from d9d.cli.plan import _show as plan_command
+from d9d.cli.plan import _measured_step
 from d9d.cli.plan._activations import (
     ActivationLayout,
     activation_bytes,
@@ -24,9 +24,10 @@ from d9d.cli.plan._activations import (
     moe_activation_bytes,
 )
 from d9d.cli.plan._dry_run import DryRun, dry_run, meta_as_cpu
+from d9d.cli.plan._measured_step import measure, plan_step
 from d9d.cli.plan._models import build_model
 from d9d.cli.plan._report import human
-from d9d.cli.plan._show import _measure, _step, show_plan
+from d9d.cli.plan._show import show_plan
 from d9d.core._context import running
 from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.moe import MoEConfig as LayerConfig
@@ -182,7 +183,7 @@ def _meta_kept(
     with fake_world(math.prod(sizes.values())):
         with torch.device("meta"):
             model = d9d.functionalize(build())
-        step, opt = _step(model, sizes, family, None, policy, "1f1b", microbatches)
+        step, opt = plan_step(model, sizes, family, None, policy, "1f1b", microbatches)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         tokens = torch.zeros(BATCH * microbatches, SEQ, dtype=torch.long, device="meta")
         return dry_run(step, params, state, {"tokens": tokens, "labels": tokens}).kept
@@ -233,7 +234,7 @@ def _real_kept(
         torch.manual_seed(0)
         model = d9d.functionalize(build())
         path = Path("config.json") if hf else None  # _step only reads whether it is given
-        step, opt = _step(model, _sizes(axes), family, path, "none", "1f1b", microbatches)
+        step, opt = plan_step(model, _sizes(axes), family, path, "none", "1f1b", microbatches)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         shape = (BATCH * microbatches, SEQ)
         tokens = torch.randint(0, vocab, shape, generator=torch.Generator())
@@ -277,11 +278,11 @@ def test_plan_of_a_hugging_face_model_equals_a_real_step(axes: dict, tmp_path: P
     sizes = _sizes(axes)
     with fake_world(math.prod(sizes.values())):
         model, _, _ = build_model("llama", "", path)
-        step, opt = _step(model, sizes, "llama", path, "none", "1f1b", 1)
+        step, opt = plan_step(model, sizes, "llama", path, "none", "1f1b", 1)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         tokens = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
         batch = {"tokens": tokens, "labels": tokens}
-        planned = _measure(model, step, params, state, batch, None, "llama", "", path, sizes,
+        planned = measure(model, step, params, state, batch, None, "llama", "", path, sizes,
                            "none", "1f1b", 1)  # fmt: skip
         whole = dry_run(step, params, state, batch)
     print(f"qwen2 {axes}: plan {planned.kept:,} B, real {real:,} B")
@@ -330,7 +331,7 @@ def test_moe_with_several_dense_blocks_under_pipeline_parallelism_is_measured_wh
     def extrapolated(*args: object, **kwargs: object) -> None:
         raise AssertionError("the plan measured blocks and extrapolated")
 
-    monkeypatch.setattr(plan_command, "_per_block", extrapolated)
+    monkeypatch.setattr(_measured_step, "_per_block", extrapolated)
     text = show_plan("deepseek-v3", model="moe", pp=2, seq=64, max_rows=1)
     assert re.search(r"activations +[\d.]+ GiB  \(measured on meta at rank 0's first backw", text)
 
@@ -354,7 +355,7 @@ def _moe_pipelined_dry_run(schedule: str, microbatches: int) -> tuple[DryRun, li
     with fake_world(2):
         with torch.device("meta"):
             model = d9d.functionalize(MoE(dataclasses.replace(MOE_CONFIG, n_layers=4)))
-        step, opt = _step(model, sizes, "moe", None, "none", schedule, microbatches)
+        step, opt = plan_step(model, sizes, "moe", None, "none", schedule, microbatches)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         tokens = torch.zeros(BATCH * microbatches, SEQ, dtype=torch.long, device="meta")
         with stage_spans() as spans:

@@ -13,18 +13,12 @@ import torch
 
 import d9d
 from d9d.cli import main
-from d9d.cli.plan import _show as plan_command
+from d9d.cli.plan import _measured_step
 from d9d.cli.plan._dry_run import count_collectives, dry_run
+from d9d.cli.plan._measured_step import _per_block, _uniform, measure, pipeline_layout, plan_step
 from d9d.cli.plan._models import build_model
 from d9d.cli.plan._report import human
-from d9d.cli.plan._show import (
-    _measure,
-    _per_block,
-    _pipeline_layout,
-    _step,
-    _uniform,
-    show_plan,
-)
+from d9d.cli.plan._show import show_plan
 from d9d.errors import DryRunError
 from d9d.models import Llama, LlamaConfig, MoE, MoEConfig
 from d9d.testing import fake_world, run_on_ranks
@@ -87,7 +81,7 @@ def test_collectives_from_two_sizes_of_model_equal_the_whole_model_counted() -> 
     batch = {"tokens": tokens, "labels": tokens}
     with fake_world(4):
         model, config, _ = build_model("llama", "small", None)
-        step, opt = _step(model, sizes, "llama", None, "none", "1f1b", 1)
+        step, opt = plan_step(model, sizes, "llama", None, "none", "1f1b", 1)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         whole = count_collectives(step, params, state, batch)
         parts = _per_block(config, "llama", "small", sizes, "none", "1f1b", 1, batch).comms
@@ -114,11 +108,11 @@ def _plan_comms(
     batch = {"tokens": tokens, "labels": tokens}
     with fake_world(math.prod(sizes.values())):
         model, config, _ = build_model(family, preset, None, n_layers=n_layers)
-        step, opt = _step(model, sizes, family, None, "none", schedule, microbatches)
+        step, opt = plan_step(model, sizes, family, None, "none", schedule, microbatches)
         params, state = step.place(model.params, opt.init(model.params), model=model)
-        layout = _pipeline_layout(step)
+        layout = pipeline_layout(step)
         held = sum(b - a for a, b in (layout.split.blocks[s] for s in layout.local_stages))
-        measured = _measure(
+        measured = measure(
             model, step, params, state, batch, config, family, preset, None, sizes, "none",
             schedule, microbatches,
         )  # fmt: skip
@@ -149,7 +143,7 @@ def test_pipeline_collectives_from_small_models_equal_the_whole_model_counted(na
     batch = {"tokens": tokens, "labels": tokens}
     with fake_world(math.prod(sizes.values())):
         model, _, _ = build_model("llama", preset, None, n_layers=n_layers)
-        step, opt = _step(model, sizes, "llama", None, "none", schedule, microbatches)
+        step, opt = plan_step(model, sizes, "llama", None, "none", schedule, microbatches)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         whole = dry_run(step, params, state, batch)
     count, nbytes, extrapolated, kept = _plan_comms(preset, sizes, schedule, microbatches, n_layers)
@@ -164,7 +158,7 @@ def _real_step_comms(
 ) -> tuple[dict, dict]:
     torch.manual_seed(0)
     model = d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=n_layers)))
-    step, opt = _step(model, sizes, "llama", None, "none", schedule, microbatches)
+    step, opt = plan_step(model, sizes, "llama", None, "none", schedule, microbatches)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     tokens = torch.randint(0, 256, (2 * microbatches, 32))
     stats = step.comms(params, state, {"tokens": tokens, "labels": tokens})
@@ -206,7 +200,7 @@ def _real_moe_step_comms(
 ) -> tuple[dict, dict]:
     torch.manual_seed(0)
     model = d9d.functionalize(MoE(MoEConfig.tiny(n_layers=n_layers)))
-    step, opt = _step(model, sizes, "moe", None, "none", schedule, microbatches)
+    step, opt = plan_step(model, sizes, "moe", None, "none", schedule, microbatches)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     tokens = torch.randint(0, 256, (2 * microbatches, 32))
     stats = step.comms(params, state, {"tokens": tokens, "labels": tokens})  # the rank's own
@@ -264,7 +258,7 @@ def test_dry_run_of_a_pipeline_rank_without_stage_0_is_refused() -> None:
     tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
     with fake_world(2, rank=1):
         model, _, _ = build_model("llama", "tiny", None)
-        step, opt = _step(model, _sizes(pp=2), "llama", None, "none", "1f1b", 2)
+        step, opt = plan_step(model, _sizes(pp=2), "llama", None, "none", "1f1b", 2)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         with pytest.raises(
             DryRunError,
@@ -343,9 +337,9 @@ def test_plan_collectives_equal_a_real_step(axes: dict[str, int]) -> None:
     batch = {"tokens": tokens, "labels": tokens}
     with fake_world(math.prod(sizes.values())):
         model, config, _ = build_model("llama", "tiny", None, n_layers=3)
-        step, opt = _step(model, sizes, "llama", None, "none", "1f1b", 1)
+        step, opt = plan_step(model, sizes, "llama", None, "none", "1f1b", 1)
         params, state = step.place(model.params, opt.init(model.params), model=model)
-        stats = _measure(
+        stats = measure(
             model, step, params, state, batch, config, "llama", "tiny", None, sizes, "none",
             "1f1b", 1,
         ).comms  # fmt: skip
@@ -363,7 +357,7 @@ def test_hugging_face_blocks_of_different_kinds_are_measured_whole(
     def extrapolated(*args: object, **kwargs: object) -> None:
         raise AssertionError("the plan measured blocks and extrapolated")
 
-    monkeypatch.setattr(plan_command, "_per_block", extrapolated)
+    monkeypatch.setattr(_measured_step, "_per_block", extrapolated)
     config = {
         "model_type": "gemma2", "vocab_size": 97, "hidden_size": 48, "intermediate_size": 100,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -375,9 +369,9 @@ def test_hugging_face_blocks_of_different_kinds_are_measured_whole(
     batch = {"tokens": tokens, "labels": tokens}
     with fake_world(2):
         model, _, _ = build_model("llama", "", path)
-        step, opt = _step(model, _sizes(fsdp=2), "llama", path, "none", "1f1b", 1)
+        step, opt = plan_step(model, _sizes(fsdp=2), "llama", path, "none", "1f1b", 1)
         params, state = step.place(model.params, opt.init(model.params), model=model)
-        planned = _measure(
+        planned = measure(
             model, step, params, state, batch, None, "llama", "", path, _sizes(fsdp=2), "none",
             "1f1b", 1,
         )  # fmt: skip
