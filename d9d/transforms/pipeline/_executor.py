@@ -31,7 +31,7 @@ from ... import tree
 from ...core._autodiff import stack_aux
 from ...core._comm_count import recording_into
 from ...core._context import count_tokens
-from ...core._gather import distribute, gather_params, local_like
+from ...core._gather import distribute, local_like
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
 from ...errors import PlanError
@@ -270,7 +270,7 @@ def run_pipeline(
     paths = [path for path, _ in job.pairs]
     stored = [leaf.detach().requires_grad_(True) for _, leaf in job.pairs]
     with torch.enable_grad():
-        gathered = gather_params(plan, paths, dict(zip(paths, stored, strict=True)))
+        gathered = job.gather(paths, stored)
     weights = {p: nn.Parameter(gathered[p].detach()) for p in paths}
     runner = _Runner(job, _StageParams(weights, layout.split), chunks, layout)
     runtime = _runtime(runner, layout, chunks)

@@ -66,6 +66,12 @@ class ShardParamsRuntime(Runtime):
     def exit_step(self, params: Any) -> Any:
         return params if self.zero is None else self.zero.exit_step(params)
 
+    def gather_once(self, paths: list[str], params: dict[str, Any]) -> dict[str, Any] | None:
+        """Under ZeRO-1/2, the whole stored params of the slices the body was given (no
+        all-gather), their grads reduced in one collective per group once the driver's
+        microbatches are summed (a pipeline stage's); else the core's gather."""
+        return None if self.zero is None else self.zero.gather(paths, params)
+
     def jit_refusal(self) -> str | None:
         if self.opt_state_device is not None:
             return (

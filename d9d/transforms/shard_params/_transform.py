@@ -125,11 +125,6 @@ class ShardParams(Transform):
 
     def runtime(self, plan: Plan, model: Model | None) -> ShardParamsRuntime:
         del model
-        if self.shard != "params" and plan.stage_group is not None:
-            raise PlanError(
-                f"{self} does not compose with pipeline yet: a stage updates its params "
-                "whole, gathered once per step; use shard='params' (ZeRO-3) with pipeline"
-            )
         if self.opt_state_device is not None and plan.stage_group is not None:
             raise PlanError(
                 f"{self} does not compose with pipeline yet (a stage's host update is not "
