@@ -31,17 +31,17 @@ N_LAYERS = 4
 
 
 @functools.cache
-def _reference():
-    return reference(llama(torch.float64, N_LAYERS), batches(256))
+def _reference(tie: bool = False):
+    return reference(llama(torch.float64, N_LAYERS, tie_embeddings=tie), batches(256))
 
 
-def _train_rank(schedule: str, shards: tuple[str, ...]):
+def _train_rank(schedule: str, shards: tuple[str, ...], tie: bool = False):
     """5 AdamW steps with clipping, float64, on pp=2 x fsdp=2, once per ``shard`` (from the
     same initial params): each run's losses and the params of this rank's stages, whole."""
     runs = {}
     for shard in shards:
         mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
-        model, opt = llama(torch.float64, N_LAYERS)(), optimizer()
+        model, opt = llama(torch.float64, N_LAYERS, tie_embeddings=tie)(), optimizer()
         step = d9d.pipeline(mesh, **SCHEDULES[schedule])(train_step(model, opt))
         step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
         params, state = step.place(model.params, opt.init(model.params), model=model)
@@ -75,6 +75,19 @@ def test_equals_one_device_and_zero3_bit_for_bit(zero: str, schedule: str) -> No
         assert torch.equal(losses, zero3_losses)
         seen |= set(params)
     assert seen == set(ref_params)
+
+
+def test_tied_embedding_slices_sum_over_the_end_stages() -> None:
+    """A head tied to the embedding, held by stage 0 (rank 0) and stage 1 (rank 1) under
+    1F1B: each end stage reduces its grad to its fsdp slice, and the two slices are summed
+    over the pair of ranks holding the same slice; ZeRO-2, equal to one device."""
+    ref_losses, ref_params = _reference(tie=True)
+    for runs in run_on_ranks(_train_rank, 4, "1f1b", ("grads",), True, method="fork"):
+        losses, params = runs["grads"]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=1e-12)
+        assert "embed.weight" in params
+        for path, value in params.items():
+            torch.testing.assert_close(value, ref_params[path], rtol=1e-9, atol=1e-12)
 
 
 def _counted_rank(shard: str):
