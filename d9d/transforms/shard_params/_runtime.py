@@ -13,7 +13,8 @@ runtime takes that ``gather`` over (eager only, but for ZeRO-1/2's: under
 
 With ``microbatches > 1`` it drives ``d9d.value_and_grad`` (:mod:`._accumulate`). Under
 ZeRO-1/2 the step body sees slices of params stored whole, and their updates are gathered
-back when it returns (:mod:`._zero`). With the optimizer state on the host it checks, at
+back when it returns (:mod:`._zero`); a pipeline stage, which gathers once per step, gets
+the whole stored params too (``gather_once``). With the optimizer state on the host it checks, at
 the first step, that the optimizer updates there (:mod:`._host_state`).
 """
 
