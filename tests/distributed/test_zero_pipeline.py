@@ -146,6 +146,7 @@ def test_communication_and_memory_per_rank_are_exact() -> None:
             if shard == "grads":
                 assert fsdp == {("all_gather", "fsdp"): 1, ("reduce_scatter", "fsdp"): 1, **scalars}
                 assert nbytes[("reduce_scatter", "fsdp")] == whole
+                assert nbytes[("all_reduce", "fsdp")] == zero3[3][("all_reduce", "fsdp")]
                 assert (memory.params, memory.grads) == (whole, half)
             else:
                 reduced = scalars[("all_reduce", "fsdp")] + 1
