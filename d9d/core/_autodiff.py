@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from .. import tree
 from ..errors import IndivisibleError
 from ._backward_region import backward_region
-from ._context import count_tokens, current, differentiating
+from ._context import StepContext, count_tokens, current, differentiating
 from ._embedding_ids import named_inputs
+from ._gather import gather_params
 from ._grad_reduce import reduce_to
 from ._plan import Plan
 from ._runtime import Differentiation, Inputs
@@ -83,6 +84,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                 run=functools.partial(_differentiate, fn, params, has_aux=has_aux),
                 split=functools.partial(split_microbatches, args, kwargs),
                 check_value=functools.partial(_check_value, has_aux=has_aux),
+                gather=functools.partial(_gather_once, step, [leaf for _, leaf in pairs]),
             )
             with named_inputs(fn, args, kwargs):
                 value, aux, grads = driver.differentiate(job)
@@ -118,6 +120,20 @@ def _differentiate(
         grads = _grads_of(scaled, inputs)
     aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
     return value.detach(), aux, list(grads), weight
+
+
+def _gather_once(
+    step: StepContext, given: list[torch.Tensor], paths: list[str], leaves: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``Differentiation.gather``: the compute tensors of ``paths`` from ``leaves`` (made of
+    ``given``), from the first runtime that gathers them itself, else gathered by the plan."""
+    params = dict(zip(paths, leaves, strict=True))
+    with differentiating(given, leaves):
+        for runtime in step.runtimes:
+            found = runtime.gather_once(paths, params)
+            if found is not None:
+                return found
+    return gather_params(step.plan, paths, params)
 
 
 def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:

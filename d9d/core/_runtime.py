@@ -11,7 +11,9 @@ core calls every runtime, in transform order, at these places and never names a 
   (:meth:`Runtime.enter_step`, :meth:`Runtime.exit_step`), and whether the step keeps its
   update (:meth:`Runtime.commit`);
 - around differentiation: one runtime may drive ``d9d.value_and_grad`` itself (microbatch
-  accumulation, the pipeline executor), given a :class:`Differentiation`;
+  accumulation, the pipeline executor), given a :class:`Differentiation`; one that gathers
+  the params once for all its microbatches (``Differentiation.gather``) lets another
+  gather them its own way (:meth:`Runtime.gather_once`: ZeRO-1/2's whole params);
 - around ``Model.apply``: :meth:`Runtime.enter_apply` sees the :class:`ApplyCall` before the
   forward (it may change its inputs, stand a module in for another, and intercept modules
   and blocks) and :meth:`Runtime.exit_apply` after it, raised or not;
@@ -260,6 +262,12 @@ class Differentiation:
             ``weight * value``.
         split: ``split(parts) -> [(args, kwargs), ...]``: equal slices (dim 0) of the inputs.
         check_value: ``check_value(value)`` raises unless ``fn``'s value is a 0-d float.
+        gather: ``gather(paths, leaves) -> {path: tensor}``: the compute tensors of the
+            params at ``paths`` from ``leaves``, autograd leaves the driver made of their
+            ``pairs`` tensors (detached aliases), gathered once for every microbatch it
+            runs; in the backward their grads come back to ``leaves`` reduced to where
+            the plan keeps them. The first runtime's :meth:`Runtime.gather_once` that
+            answers, else the core's ``gather_params``.
     """
 
     fn: Callable[..., Any]
@@ -270,6 +278,7 @@ class Differentiation:
     run: Callable[..., tuple[torch.Tensor, Any, list[torch.Tensor], torch.Tensor | None]]
     split: Callable[[int], list[Inputs]]
     check_value: Callable[[Any], None]
+    gather: Callable[[list[str], list[torch.Tensor]], dict[str, torch.Tensor]]
 
 
 class Runtime:
@@ -338,6 +347,17 @@ class Runtime:
         """``(value, aux, grads)`` of ``job``; each grad laid out as its param's optimizer
         state is kept (``state_kept``: the stored layout but under ZeRO-1/2)."""
         raise NotImplementedError(f"{type(self).__name__} does not drive differentiation")
+
+    def gather_once(self, paths: list[str], params: dict[str, Any]) -> dict[str, Any] | None:
+        """The compute tensors of ``paths`` from ``params`` (autograd leaves made of the
+        params the step body passed to ``value_and_grad``; the running step's
+        ``differentiated`` pairs each with the tensor it was made of), for a driver that
+        gathers them once for all its microbatches (:attr:`Differentiation.gather`: the
+        pipeline executor), or None to leave them to the core. Their grads must come back
+        to ``params`` in the backward, laid out as the plan keeps them (``grad_kept``, then
+        ``state_kept``). ZeRO-1/2 compute with the whole stored params here."""
+        del paths, params
+        return None
 
     def enter_apply(self, call: ApplyCall) -> None:
         """Before ``Model.apply``'s forward: check, change inputs, stand in, intercept."""

@@ -75,6 +75,20 @@ def test_pipeline_plan_names_rank_0s_stage_and_counts_its_sends() -> None:
     assert "all_gather     │ fsdp │     1" in text and "not counted" not in text
 
 
+def test_pipeline_plan_of_zero_2_keeps_the_stage_whole_and_reduces_it_once() -> None:
+    """pp=2 x fsdp=2 with --zero 2, tiny Llama in float32: rank 0 holds its stage (the
+    embedding and layers.0: two norms, wq, wo, wk, wv, three MLP weights) whole, keeps
+    half of its grads, and per step reduce-scatters them once and all-gathers the updated
+    params once."""
+    text = show_plan("tiny", pp=2, fsdp=2, zero=2, seq=64, max_rows=0)
+    stage = (256 * 64 + 2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 176 * 64) * 4
+    assert "memory on rank 0 (AdamW, float32, ZeRO-2 over fsdp):" in text
+    assert f"  params         {human(stage)}" in text
+    assert f"  grads          {human(stage // 2)}" in text
+    for kind in ("all_gather    ", "reduce_scatter"):
+        assert f"{kind} │ fsdp │     1 │ {human(stage)} │" in text
+
+
 def test_collectives_from_two_sizes_of_model_equal_the_whole_model_counted() -> None:
     sizes = {"pp": 1, "dp": 1, "fsdp": 2, "cp": 1, "tp": 2}
     tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")

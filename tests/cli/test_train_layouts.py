@@ -50,6 +50,7 @@ def _one_process(model: str) -> list[float]:
         {"model": "moe", "ep": 2},  # 3 of the 6 experts per rank
         {"fsdp": 2, "zero": 2},  # grads and optimizer state sharded, params whole
         {"dp": 2, "fsdp": 2, "zero": 1},  # optimizer state sharded over fsdp
+        {"pp": 2, "microbatches": 2, "fsdp": 2, "zero": 2},  # ZeRO-2 inside each stage
     ],
     ids=lambda layout: ",".join(f"{k}={v}" for k, v in layout.items()),
 )
@@ -86,9 +87,7 @@ def test_jit_and_pipeline_are_refused_before_training(tmp_path: Path) -> None:
         _losses(tmp_path, pp=2, jit=True)
 
 
-def test_zero_below_3_with_pipeline_is_refused_before_training(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"--zero 1 runs without a pipeline .*; drop --pp or use"):
-        _losses(tmp_path, zero=1, pp=2)
+def test_zero_below_3_without_fsdp_ranks_is_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--zero must be 1, 2 or 3, got 4"):
         _losses(tmp_path, zero=4)
     with pytest.raises(ValueError, match=r"--zero 2 shards over --fsdp ranks, and this is one"):

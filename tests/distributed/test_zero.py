@@ -332,19 +332,6 @@ def test_jit_inductor_equals_one_device() -> None:
     )
 
 
-def _pipeline_rank():
-    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
-    model, opt = llama()(), optimizer()
-    step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
-    step = d9d.shard_params(mesh, shard="opt_state")(step)
-    with pytest.raises(PlanError, match=r"does not compose with pipeline yet"):
-        step.place(model.params, opt.init(model.params), model=model)
-
-
-def test_pipeline_is_refused() -> None:
-    run_on_ranks(_pipeline_rank, 4)
-
-
 def _unchanged_rank():
     step, params, state = _placed("grads")
     evaluate = step.sharing_plan(lambda p, s, b: (p, s, {}))

@@ -39,11 +39,6 @@ def check_flags(config: TrainConfig) -> None:
     check_fp8_flags(config.fp8, config.fp8_include, config.fp8_exclude, config.fp8_gather)
     if config.zero not in (1, 2, 3):
         raise ValueError(f"--zero must be 1, 2 or 3, got {config.zero!r}")
-    if config.zero != 3 and (config.pp or 1) > 1:
-        raise ValueError(
-            f"--zero {config.zero} runs without a pipeline for now (a stage updates its params "
-            "whole); drop --pp or use --zero 3"
-        )
     check_offload_flags(
         config.offload_opt_state,
         jit=config.jit,

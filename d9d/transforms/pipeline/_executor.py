@@ -1,10 +1,11 @@
 """The microbatch executor that ``d9d.value_and_grad`` becomes under ``pipeline``.
 
-Per step: the rank's stage params are gathered to their compute layout once (under
-``shard_params`` one all-gather for all of them) and become the parameters of one
-``nn.Module`` per local stage; a ``torch.distributed.pipelining`` schedule runs the
+Per step: the rank's stage params are gathered to their compute layout once
+(``Differentiation.gather``: under ``shard_params`` one all-gather for all of them, none
+under its ZeRO-1/2, which computes with the whole stored params) and become the parameters
+of one ``nn.Module`` per local stage; a ``torch.distributed.pipelining`` schedule runs the
 microbatches through ``PipelineStage``s wrapping those modules; the accumulated grads are
-reduced to the stored layout once (one reduce-scatter). A stage module's forward calls the
+reduced to where the plan keeps them once (one reduce-scatter, or ZeRO-1's all-reduce). A stage module's forward calls the
 user's loss function on its microbatch with the runtime's :class:`StageRun` set, and
 ``Model.apply`` runs only the stage's blocks (``_stage_apply.py``): it starts from the
 received activation and stops after the stage's last block by raising :class:`StageDone`;
@@ -31,7 +32,7 @@ from ... import tree
 from ...core._autodiff import stack_aux
 from ...core._comm_count import recording_into
 from ...core._context import count_tokens
-from ...core._gather import distribute, gather_params, local_like
+from ...core._gather import distribute, local_like
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
 from ...errors import PlanError
@@ -270,7 +271,7 @@ def run_pipeline(
     paths = [path for path, _ in job.pairs]
     stored = [leaf.detach().requires_grad_(True) for _, leaf in job.pairs]
     with torch.enable_grad():
-        gathered = gather_params(plan, paths, dict(zip(paths, stored, strict=True)))
+        gathered = job.gather(paths, stored)
     weights = {p: nn.Parameter(gathered[p].detach()) for p in paths}
     runner = _Runner(job, _StageParams(weights, layout.split), chunks, layout)
     runtime = _runtime(runner, layout, chunks)

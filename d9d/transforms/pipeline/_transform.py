@@ -168,6 +168,9 @@ def _onto_stage(entry: ParamPlan, index: int, layout: PipelineLayout) -> ParamPl
     def drop(placements: tuple) -> tuple:
         return (*placements[:index], *placements[index + 1 :]) or (Replicate(),)
 
+    def drop_kept(placements: tuple | None) -> tuple | None:  # None: as stored
+        return None if placements is None else drop(placements)
+
     stages = layout.split.stages_of(entry.path)
     where = ", ".join(str(s) for s in stages)
     return replace(
@@ -175,6 +178,8 @@ def _onto_stage(entry: ParamPlan, index: int, layout: PipelineLayout) -> ParamPl
         storage=drop(entry.storage),
         compute=drop(entry.compute),
         grad=drop(entry.grad),
+        grad_storage=drop_kept(entry.grad_storage),
+        state=drop_kept(entry.state),
         stage_copies=layout.ranks_holding(entry.path),
         reasons=(
             *entry.reasons,

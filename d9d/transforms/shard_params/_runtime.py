@@ -13,7 +13,8 @@ runtime takes that ``gather`` over (eager only, but for ZeRO-1/2's: under
 
 With ``microbatches > 1`` it drives ``d9d.value_and_grad`` (:mod:`._accumulate`). Under
 ZeRO-1/2 the step body sees slices of params stored whole, and their updates are gathered
-back when it returns (:mod:`._zero`). With the optimizer state on the host it checks, at
+back when it returns (:mod:`._zero`); a pipeline stage, which gathers once per step, gets
+the whole stored params too (``gather_once``). With the optimizer state on the host it checks, at
 the first step, that the optimizer updates there (:mod:`._host_state`).
 """
 
@@ -65,6 +66,12 @@ class ShardParamsRuntime(Runtime):
 
     def exit_step(self, params: Any) -> Any:
         return params if self.zero is None else self.zero.exit_step(params)
+
+    def gather_once(self, paths: list[str], params: dict[str, Any]) -> dict[str, Any] | None:
+        """Under ZeRO-1/2, the whole stored params of the slices the body was given (no
+        all-gather), their grads reduced in one collective per group once the driver's
+        microbatches are summed (a pipeline stage's); else the core's gather."""
+        return None if self.zero is None else self.zero.gather(paths, params)
 
     def jit_refusal(self) -> str | None:
         if self.opt_state_device is not None:

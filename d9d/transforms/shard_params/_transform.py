@@ -125,11 +125,6 @@ class ShardParams(Transform):
 
     def runtime(self, plan: Plan, model: Model | None) -> ShardParamsRuntime:
         del model
-        if self.shard != "params" and plan.stage_group is not None:
-            raise PlanError(
-                f"{self} does not compose with pipeline yet: a stage updates its params "
-                "whole, gathered once per step; use shard='params' (ZeRO-3) with pipeline"
-            )
         if self.opt_state_device is not None and plan.stage_group is not None:
             raise PlanError(
                 f"{self} does not compose with pipeline yet (a stage's host update is not "
@@ -259,8 +254,11 @@ def shard_params(
     apply_updates`` updates only the shard, with grads and state of the same shape; when the
     body returns, the updated shards are all-gathered into whole params, one all-gather per
     mesh axis and dtype for the whole model. Global grad norms (``clip_by_global_norm``) are
-    over the whole grads, as with ZeRO-3. Eager only (:func:`d9d.jit` refuses it), and not
-    under :func:`d9d.pipeline`; ``reshard_after_forward`` and ``prefetch`` are ZeRO-3's.
+    over the whole grads, as with ZeRO-3. Under :func:`d9d.jit` all of it is one graph.
+    Under :func:`d9d.pipeline` each stage computes with its whole stored params for every
+    microbatch and reduces the grads they accumulate once per step (one reduce-scatter, or
+    for ZeRO-1 one all-reduce, for the rank's stages). ``reshard_after_forward`` and
+    ``prefetch`` are ZeRO-3's.
 
     Optimizer state on the host (``opt_state_device="cpu"``, with any ``shard``): ``place``
     keeps each state leaf laid out as above but in host memory (pinned when the mesh is on
@@ -292,9 +290,10 @@ def shard_params(
     Raises:
         PlanError: An axis is not on the mesh, both axes are the same, or neither is given;
             ``microbatches`` is not a positive int or ``prefetch`` not a bool; ``shard`` is
-            not one of the three, or is ZeRO-1/2 without ``axis``, under ``pipeline``, or
-            with ``reshard_after_forward`` or ``prefetch`` not True; ``opt_state_device``
-            is not None or ``"cpu"``, or is ``"cpu"`` under ``pipeline``.
+            not one of the three, or is ZeRO-1/2 without ``axis`` or with
+            ``reshard_after_forward`` or ``prefetch`` not True; ``opt_state_device`` is not
+            None or ``"cpu"``, or is ``"cpu"`` under ``pipeline`` (its host update is not
+            built for a stage).
 
     Example:
         >>> import d9d, torch

@@ -11,7 +11,10 @@ with the whole stored param (no all-gather); its grad comes back to the slice,
 reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
 (:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
 updated shards are all-gathered into whole params, one collective per mesh axis and dtype
-for the whole model (:meth:`Zero.exit_step`). Under ``d9d.jit`` all of it is traced into
+for the whole model (:meth:`Zero.exit_step`). Under ``pipeline`` a stage gathers once per
+step (``Runtime.gather_once``): :meth:`Zero.gather` hands it the whole stored params of all
+its blocks, and the grads the microbatches accumulate are reduced in one collective. Under
+``d9d.jit`` all of it is traced into
 the step's one graph: a block tells the body's slices from other tensors by identity
 (``StepContext.differentiated``), which Dynamo traces, and reads layouts from the plan, not
 from its inputs' placements, which Dynamo guards by identity.
