@@ -130,18 +130,33 @@ def _inspect_rank(ranks: int):
     return str(step.plan), step.plan.explain(EXPERTS), step.memory(params, state), comms
 
 
+def _routed_ids(model: d9d.Model, tokens: torch.Tensor) -> torch.Tensor:
+    """The top-k expert ids the MoE block routes ``tokens`` with, recorded on one device."""
+    layer, seen = model.module.layers[1].mlp, []
+
+    def record(x, expert_ids, weights):
+        seen.append(expert_ids)
+        return type(layer).dispatch(layer, x, expert_ids, weights)
+
+    layer.dispatch = record
+    try:
+        model.apply(model.params, tokens)
+    finally:
+        del layer.dispatch
+    return seen[0]
+
+
 @pytest.mark.distributed
 def test_plan_memory_and_all_to_all_bytes() -> None:
     """ep=2, batch 8 x 16 (4 rows per rank), top-2 of 8 experts, dim 64, float64. Per step and
-    rank, on 'ep': the counts (8 int32), the rank's 4 * 16 * 2 routed rows out and the rows
-    its experts got back (dispatch and combine, forward), the same two buffers of grads in the
-    backward. The received rows follow from the step's routing (each rank's loads)."""
+    rank, on 'ep': the counts (per rank: its tokens and its 4 experts' choices, 2 x 5 int64);
+    forward, the tokens that leave the rank (each once per destination rank) with their ids
+    (2 int32) and weights (2 float64), and one row back per token received; backward, the
+    rows' grads out and the tokens' and weights' grads back. Which tokens leave follows from
+    the step's routing (each rank's expert ids, recorded on one device)."""
     ranks, experts = 2, 8
     model = _model(experts)
-    loads = [
-        model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
-        for shard in _shards(batches()[0], ranks)
-    ]
+    ids = [_routed_ids(model, shard["tokens"]) for shard in _shards(batches()[0], ranks)]
     config = _config(experts).moe
     row = config.dim * 8
     expert_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." in k)
@@ -153,10 +168,15 @@ def test_plan_memory_and_all_to_all_bytes() -> None:
     for rank, (table, why, memory, comms) in enumerate(run_on_ranks(_inspect_rank, 2, ranks)):
         assert f"{EXPERTS}" in table and "ep:S(0)" in table
         assert "4 of 8 experts per rank of 'ep'" in why and "grads scaled by 1/2" in why
-        mine = slice(rank * 4, rank * 4 + 4)
-        sent, received = 4 * 16 * config.top_k, int(sum(load[mine].sum() for load in loads))
-        assert comms.count[("all_to_all", "ep")] == 5
-        assert comms.bytes[("all_to_all", "ep")] == experts * 4 + 2 * (sent + received) * row
+        other = 1 - rank
+        sent = int(((ids[rank] // 4) == other).any(1).sum())
+        received = int(((ids[other] // 4) == rank).any(1).sum())
+        assert 0 < sent < 4 * 16 and 0 < received < 4 * 16
+        k = config.top_k
+        counts = ranks * (experts // ranks + 1) * 8
+        moved = 2 * (sent + received) * row + sent * k * 4 + (sent + received) * k * 8
+        assert comms.count[("all_to_all", "ep")] == 8
+        assert comms.bytes[("all_to_all", "ep")] == counts + moved
         assert memory.params == dense_bytes + expert_bytes // ranks
         assert memory.opt_state == 2 * memory.params + scalars  # AdamW's two moments
 
