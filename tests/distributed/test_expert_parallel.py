@@ -242,3 +242,30 @@ def test_microbatched_expert_parallel_equals_one_device_accumulating() -> None:
     for metrics, params in run_on_ranks(_microbatched_rank, 4, timeout=300):
         torch.testing.assert_close(metrics, want_metrics, **TOL)
         assert_trees_all_close(params, want_params, **PARAM_TOL)
+
+
+def _pipelined_rank(microbatches: int):
+    mesh = d9d.make_mesh("cpu", pp=2, ep=2)
+    model, opt = _model(8), optimizer()
+    step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
+    step = d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=microbatches)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    metrics = []
+    for batch in batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+
+
+@pytest.mark.distributed
+def test_pipelined_expert_parallel_with_microbatches_equals_one_device_accumulating() -> None:
+    """``pp=2 x ep=2``, 1F1B over 2 microbatches (stage 1 holds the MoE block, its experts on
+    ``ep``): each microbatch's dispatch and combine run among the stage's ep ranks, and the
+    step equals the accumulation written out on one device (microbatch ``m``: the ``m``-th
+    half of each ep rank's rows)."""
+    want_metrics, want_params = accumulated_reference(lambda: _model(8), 2, 2)
+    ranks = run_on_ranks(_pipelined_rank, 4, 2, method="fork", timeout=300)
+    for metrics, params in ranks:
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, {k: want_params[k] for k in params}, **PARAM_TOL)
+    assert set().union(*(params for _, params in ranks)) == set(want_params)
