@@ -269,3 +269,33 @@ def test_pipelined_expert_parallel_with_microbatches_equals_one_device_accumulat
         torch.testing.assert_close(metrics, want_metrics, **TOL)
         assert_trees_all_close(params, {k: want_params[k] for k in params}, **PARAM_TOL)
     assert set().union(*(params for _, params in ranks)) == set(want_params)
+
+
+def _remat_rank(policy: str):
+    mesh = d9d.make_mesh("cpu", ep=2)
+    model, opt = _model(8), optimizer()
+    step = d9d.remat(policy, mesh=mesh)(d9d.expert_parallel(mesh)(make_train_step(model, opt)))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    count = step.comms(params, state, step.shard_batch(batches()[0])).count[("all_to_all", "ep")]
+    metrics = []
+    for batch in batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return count, torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("policy", "recomputed"), [("selective", 0), ("full", 5)])
+def test_selective_remat_keeps_the_dispatch_full_remat_runs_it_again(
+    policy: str, recomputed: int
+) -> None:
+    """ep=2, one MoE block: a step without remat runs 8 all-to-alls on 'ep' (forward: the
+    counts, the tokens, their ids, their weights, the rows back; backward: the rows' grads
+    out, the tokens' and weights' grads back). ``remat("selective")`` keeps the forward's
+    outputs (no all-to-all again in the backward); ``remat("full")`` recomputes the block,
+    its 5 forward all-to-alls included. Both equal one device."""
+    want_metrics, want_params = _reference(8, False)
+    for count, metrics, params in run_on_ranks(_remat_rank, 2, policy, timeout=300):
+        assert count == 8 + recomputed
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, want_params, **PARAM_TOL)
