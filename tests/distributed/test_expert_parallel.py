@@ -1,8 +1,9 @@
 """``expert_parallel`` against one device: the MoE decoder's training step (float64, 5 AdamW
 steps with clipping, aux loss, z-loss and the bias on, unevenly ignored labels) under
 ``ep=2``, ``ep=4``, ``ep=2 x fsdp=2``, ``ep=2 x tp=2`` and ``ep=2 x cp=2``, routing that
-leaves experts empty; the plan, the per-rank bytes, the all-to-all bytes of one step, and the
-refusals."""
+leaves experts empty, ``pp=2 x ep=2`` with 2 microbatches, full and selective remat (which
+keeps the all-to-alls' outputs); the plan, the per-rank bytes, the all-to-all bytes of one
+step from its routing, and the refusals."""
 
 from __future__ import annotations
 
