@@ -7,7 +7,7 @@ Variants, each training the same MoE preset with AdamW on the same global batche
                 and combined back by all-to-all
 Reports the median step time after warm-up, tokens/s of the global batch, the expert and
 all param bytes rank 0 stores, one step's all-to-all bytes (``step.comms``), and the wall
-time per step of the routes (the all-to-all of the per-expert counts and the host read of the
+time per step of the routes (the all-to-all of the dispatch counts and the host read of the
 split sizes, one per MoE layer in the forward; it includes waiting for the slowest ep rank).
 JSON out:
 
@@ -28,10 +28,10 @@ from rank_timing import rank_device, time_steps, token_batches
 from report import device_name, provenance, write_report
 
 import d9d
+from d9d.kernels import _moe_dispatch_c10d as c10d_dispatch
 from d9d.models import MoE, MoEConfig
 from d9d.models.moe import make_train_step
 from d9d.testing import run_on_ranks
-from d9d.transforms.expert_parallel import _runtime
 
 
 def _rank(preset: str, batches: list[dict], warmup: int, variant: str) -> dict:
@@ -49,15 +49,15 @@ def _rank(preset: str, batches: list[dict], warmup: int, variant: str) -> dict:
     params, state = step.place(model.params, opt.init(model.params), model=model)
     holder = {"p": params, "s": state}
     route_s = [0.0]
-    route_rows = _runtime.route_rows
+    split_sizes = c10d_dispatch.split_sizes
 
     def timed_route(*args):  # the counts' all-to-all and the host read of the split sizes
         start = time.perf_counter()
-        out = route_rows(*args)
+        out = split_sizes(*args)
         route_s[0] += time.perf_counter() - start
         return out
 
-    _runtime.route_rows = timed_route
+    c10d_dispatch.split_sizes = timed_route
 
     def run(batch):
         local = {k: v.to(device) for k, v in step.shard_batch(batch).items()}
@@ -69,7 +69,7 @@ def _rank(preset: str, batches: list[dict], warmup: int, variant: str) -> dict:
         time_steps(run, batches[:1], device, 0)  # one step's route time alone
         comms = step.comms(holder["p"], holder["s"], step.shard_batch(batches[0]))
     finally:
-        _runtime.route_rows = route_rows
+        c10d_dispatch.split_sizes = split_sizes
     local = {k: v.to_local() for k, v in holder["p"].items()}
     expert_bytes = sum(v.numel() * v.element_size() for k, v in local.items() if ".experts." in k)
     return {

@@ -173,7 +173,12 @@ class ApplyCall:
                 own = (self.innermost[path],) if path in self.innermost else ()
                 swaps.append((parent, name, _Intercepted(inner, (*interceptions, *own))))
         saved_modules = [parent._modules[name] for parent, name, _ in swaps]
-        saved_attrs = [getattr(owner, name) for owner, name, _ in self.overrides]
+        # An attribute the owner's class gives (a method) is restored by deleting the
+        # instance's, so the owner is left as it was found, not holding a bound method.
+        saved_attrs = [
+            (getattr(owner, name), name in getattr(owner, "__dict__", ()))
+            for owner, name, _ in self.overrides
+        ]
         try:
             for parent, name, module in swaps:
                 parent._modules[name] = module
@@ -181,8 +186,11 @@ class ApplyCall:
                 setattr(owner, name, value)
             yield
         finally:
-            for (owner, name, _), value in zip(self.overrides, saved_attrs, strict=True):
-                setattr(owner, name, value)
+            for (owner, name, _), (value, own) in zip(self.overrides, saved_attrs, strict=True):
+                if own or name not in getattr(owner, "__dict__", ()):
+                    setattr(owner, name, value)
+                else:
+                    delattr(owner, name)
             for (parent, name, _), module in zip(swaps, saved_modules, strict=True):
                 parent._modules[name] = module
 

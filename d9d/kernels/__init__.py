@@ -13,6 +13,11 @@ from ._fp8_grouped_gemm_k import fp8_grouped_gemm_k as fp8_grouped_gemm_k
 from ._fp8_quantize import fp8_quantize as fp8_quantize
 from ._fused_linear_cross_entropy import fused_linear_cross_entropy as fused_linear_cross_entropy
 from ._grouped_gemm import grouped_gemm as grouped_gemm
+from ._moe_dispatch import combine as combine
+from ._moe_dispatch import dispatch as dispatch
+from ._moe_dispatch_layout import DispatchHandle as DispatchHandle
+from ._moe_dispatch_layout import DispatchLayout as DispatchLayout
+from ._moe_dispatch_layout import dispatch_layout as dispatch_layout
 from ._moe_permute import moe_permute as moe_permute
 from ._moe_permute import moe_unpermute as moe_unpermute
 from ._registry import available as available
@@ -24,9 +29,14 @@ from ._rope import rope as rope
 from ._swiglu import swiglu as swiglu
 
 __all__ = [
+    "DispatchHandle",
+    "DispatchLayout",
     "adamw",
     "available",
+    "combine",
     "cross_entropy",
+    "dispatch",
+    "dispatch_layout",
     "fp8_gemm",
     "fp8_grouped_gemm",
     "fp8_grouped_gemm_k",

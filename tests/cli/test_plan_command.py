@@ -46,15 +46,18 @@ def test_plan_of_every_axis_shows_memory_activations_and_collectives() -> None:
 
 
 def test_expert_parallel_plan_counts_uniform_dispatch_and_combine() -> None:
-    """moe tiny on ep=2, 1 x 64 tokens top-2 of 6 experts, width 64, float32: the counts
-    (6 int32) and, forward and backward, the rank's 128 routed rows out and 128 back
-    (uniform routing): 24 + 4 x 128 x 64 x 4 B = 131,096 B = 128.02 KiB."""
+    """moe tiny on ep=2, 1 x 64 tokens top-2 of 6 experts (3 a rank), width 64, float32,
+    uniform routing: a token reaches the other rank unless both its experts are here,
+    64 x (1 - C(3, 2) / C(6, 2)) = 51.2, so 51 tokens leave and 51 come in. The counts
+    (2 x 4 int64), forward and backward the 51 tokens out and 51 rows back (4 x 51 x 64 x 4
+    B), their ids out (51 x 2 int32), their weights out and the weights' grads back (2 x 51
+    x 2 x 4 B): 64 + 52,224 + 408 + 816 = 53,512 B = 52.26 KiB in 8 all-to-alls."""
     text = show_plan("tiny", model="moe", ep=2, seq=64, max_rows=None)
     assert text.splitlines()[0].endswith("on 2 simulated ranks: ep=2")
     assert (
         "│ layers.1.mlp.experts.w_gate       │ [6, 64, 40] │ float32 │ ep:S(0) │ ep:S(0) │" in text
     )
-    assert "│ all_to_all │ ep   │     5 │ 128.02 KiB │" in text
+    assert "│ all_to_all │ ep   │     8 │  52.26 KiB │" in text
     assert "dispatch and combine for uniform routing" in text
 
 

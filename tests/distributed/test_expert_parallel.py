@@ -1,8 +1,9 @@
 """``expert_parallel`` against one device: the MoE decoder's training step (float64, 5 AdamW
 steps with clipping, aux loss, z-loss and the bias on, unevenly ignored labels) under
 ``ep=2``, ``ep=4``, ``ep=2 x fsdp=2``, ``ep=2 x tp=2`` and ``ep=2 x cp=2``, routing that
-leaves experts empty; the plan, the per-rank bytes, the all-to-all bytes of one step, and the
-refusals."""
+leaves experts empty, ``pp=2 x ep=2`` with 2 microbatches, full and selective remat (which
+keeps the all-to-alls' outputs); the plan, the per-rank bytes, the all-to-all bytes of one
+step from its routing, and the refusals."""
 
 from __future__ import annotations
 
@@ -130,18 +131,33 @@ def _inspect_rank(ranks: int):
     return str(step.plan), step.plan.explain(EXPERTS), step.memory(params, state), comms
 
 
+def _routed_ids(model: d9d.Model, tokens: torch.Tensor) -> torch.Tensor:
+    """The top-k expert ids the MoE block routes ``tokens`` with, recorded on one device."""
+    layer, seen = model.module.layers[1].mlp, []
+
+    def record(x, expert_ids, weights):
+        seen.append(expert_ids)
+        return type(layer).dispatch(layer, x, expert_ids, weights)
+
+    layer.dispatch = record
+    try:
+        model.apply(model.params, tokens)
+    finally:
+        del layer.dispatch
+    return seen[0]
+
+
 @pytest.mark.distributed
 def test_plan_memory_and_all_to_all_bytes() -> None:
     """ep=2, batch 8 x 16 (4 rows per rank), top-2 of 8 experts, dim 64, float64. Per step and
-    rank, on 'ep': the counts (8 int32), the rank's 4 * 16 * 2 routed rows out and the rows
-    its experts got back (dispatch and combine, forward), the same two buffers of grads in the
-    backward. The received rows follow from the step's routing (each rank's loads)."""
+    rank, on 'ep': the counts (per rank: its tokens and its 4 experts' choices, 2 x 5 int64);
+    forward, the tokens that leave the rank (each once per destination rank) with their ids
+    (2 int32) and weights (2 float64), and one row back per token received; backward, the
+    rows' grads out and the tokens' and weights' grads back. Which tokens leave follows from
+    the step's routing (each rank's expert ids, recorded on one device)."""
     ranks, experts = 2, 8
     model = _model(experts)
-    loads = [
-        model.apply(model.params, shard["tokens"]).expert_load["layers.1.mlp"]
-        for shard in _shards(batches()[0], ranks)
-    ]
+    ids = [_routed_ids(model, shard["tokens"]) for shard in _shards(batches()[0], ranks)]
     config = _config(experts).moe
     row = config.dim * 8
     expert_bytes = sum(v.numel() * 8 for k, v in model.params.items() if ".experts." in k)
@@ -153,10 +169,15 @@ def test_plan_memory_and_all_to_all_bytes() -> None:
     for rank, (table, why, memory, comms) in enumerate(run_on_ranks(_inspect_rank, 2, ranks)):
         assert f"{EXPERTS}" in table and "ep:S(0)" in table
         assert "4 of 8 experts per rank of 'ep'" in why and "grads scaled by 1/2" in why
-        mine = slice(rank * 4, rank * 4 + 4)
-        sent, received = 4 * 16 * config.top_k, int(sum(load[mine].sum() for load in loads))
-        assert comms.count[("all_to_all", "ep")] == 5
-        assert comms.bytes[("all_to_all", "ep")] == experts * 4 + 2 * (sent + received) * row
+        other = 1 - rank
+        sent = int(((ids[rank] // 4) == other).any(1).sum())
+        received = int(((ids[other] // 4) == rank).any(1).sum())
+        assert 0 < sent < 4 * 16 and 0 < received < 4 * 16
+        k = config.top_k
+        counts = ranks * (experts // ranks + 1) * 8
+        moved = 2 * (sent + received) * row + sent * k * 4 + (sent + received) * k * 8
+        assert comms.count[("all_to_all", "ep")] == 8
+        assert comms.bytes[("all_to_all", "ep")] == counts + moved
         assert memory.params == dense_bytes + expert_bytes // ranks
         assert memory.opt_state == 2 * memory.params + scalars  # AdamW's two moments
 
@@ -220,5 +241,62 @@ def test_microbatched_expert_parallel_equals_one_device_accumulating() -> None:
     microbatch, add up to the accumulation written out on one device."""
     want_metrics, want_params = accumulated_reference(lambda: _model(8), 2, 4)
     for metrics, params in run_on_ranks(_microbatched_rank, 4, timeout=300):
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, want_params, **PARAM_TOL)
+
+
+def _pipelined_rank(microbatches: int):
+    mesh = d9d.make_mesh("cpu", pp=2, ep=2)
+    model, opt = _model(8), optimizer()
+    step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
+    step = d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=microbatches)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    metrics = []
+    for batch in batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+
+
+@pytest.mark.distributed
+def test_pipelined_expert_parallel_with_microbatches_equals_one_device_accumulating() -> None:
+    """``pp=2 x ep=2``, 1F1B over 2 microbatches (stage 1 holds the MoE block, its experts on
+    ``ep``): each microbatch's dispatch and combine run among the stage's ep ranks, and the
+    step equals the accumulation written out on one device (microbatch ``m``: the ``m``-th
+    half of each ep rank's rows)."""
+    want_metrics, want_params = accumulated_reference(lambda: _model(8), 2, 2)
+    ranks = run_on_ranks(_pipelined_rank, 4, 2, method="fork", timeout=300)
+    for metrics, params in ranks:
+        torch.testing.assert_close(metrics, want_metrics, **TOL)
+        assert_trees_all_close(params, {k: want_params[k] for k in params}, **PARAM_TOL)
+    assert set().union(*(params for _, params in ranks)) == set(want_params)
+
+
+def _remat_rank(policy: str):
+    mesh = d9d.make_mesh("cpu", ep=2)
+    model, opt = _model(8), optimizer()
+    step = d9d.remat(policy, mesh=mesh)(d9d.expert_parallel(mesh)(make_train_step(model, opt)))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    count = step.comms(params, state, step.shard_batch(batches()[0])).count[("all_to_all", "ep")]
+    metrics = []
+    for batch in batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return count, torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("policy", "recomputed"), [("selective", 0), ("full", 5)])
+def test_selective_remat_keeps_the_dispatch_full_remat_runs_it_again(
+    policy: str, recomputed: int
+) -> None:
+    """ep=2, one MoE block: a step without remat runs 8 all-to-alls on 'ep' (forward: the
+    counts, the tokens, their ids, their weights, the rows back; backward: the rows' grads
+    out, the tokens' and weights' grads back). ``remat("selective")`` keeps the forward's
+    outputs (no all-to-all again in the backward); ``remat("full")`` recomputes the block,
+    its 5 forward all-to-alls included. Both equal one device."""
+    want_metrics, want_params = _reference(8, False)
+    for count, metrics, params in run_on_ranks(_remat_rank, 2, policy, timeout=300):
+        assert count == 8 + recomputed
         torch.testing.assert_close(metrics, want_metrics, **TOL)
         assert_trees_all_close(params, want_params, **PARAM_TOL)

@@ -92,7 +92,9 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
     assert sorted(table) == [
         "adamw",
         "block_attention",
+        "combine",
         "cross_entropy",
+        "dispatch",
         "fp8_gemm",
         "fp8_grouped_gemm",
         "fp8_grouped_gemm_k",
@@ -109,6 +111,7 @@ def test_available_lists_ops_backends_and_reasons(monkeypatch):
     assert list(table["fused_linear_cross_entropy"]) == ["triton", "chunked", "reference"]
     assert list(table["grouped_gemm"]) == ["torch", "triton", "reference"]
     assert list(table["fp8_gemm"]) == ["torch", "triton", "reference"]
+    assert list(table["dispatch"]) == list(table["combine"]) == ["c10d", "reference"]
     assert all(backends["reference"] is None for backends in table.values())
     monkeypatch.setattr(_triton_env, "_installed", lambda: False)
     assert (

@@ -145,8 +145,10 @@ def show_plan(
             comms = f"collectives: not counted on simulated ranks: {measured.error}"
         if sizes["ep"] > 1 and measured.comms is not None:
             comms += (
-                "\nall_to_all on ep: dispatch and combine for uniform routing (each rank sends "
-                "every ep rank an equal share of its routed rows), forward and backward"
+                "\nall_to_all on ep: dispatch and combine for uniform routing (each token's "
+                "top-k experts drawn uniformly without replacement; a token goes once to each "
+                "rank holding one of them: T * (1 - C(E - E/ep, k) / C(E, k)) tokens per rank, "
+                "rounded), forward and backward"
             )
         plan = step.plan
         axes = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"

@@ -1,5 +1,6 @@
 """``expert_parallel``: routed experts sharded over a mesh axis; its runtime puts dispatch,
-the local experts and combine (all-to-alls) in place of each experts module's call."""
+the local experts and combine (``d9d.kernels``' all-to-all ops) in place of each MoE layer's
+``dispatch``."""
 
 from ._runtime import ExpertParallelRuntime as ExpertParallelRuntime
 from ._transform import ExpertParallel as ExpertParallel

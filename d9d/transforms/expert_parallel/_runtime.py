@@ -1,36 +1,42 @@
-"""Expert parallelism at run time: each experts module's call ``(rows grouped by expert,
-group_sizes [E])`` becomes dispatch, the local experts' forward, and combine.
+"""Expert parallelism at run time: each MoE layer's ``dispatch(x, expert_ids, weights)``
+becomes the registry's ``dispatch``, the local experts, and ``combine``.
 
-The interception sits around the experts module (``d9d.moe``'s ``Experts``), inside the
-block whose params the core has already swapped in: the module computes with this rank's
-``E / ep`` experts, on the rows the other ep ranks sent for them, grouped by local expert.
+The runtime sets the layer's ``dispatch`` for one ``Model.apply`` (an override of the call,
+restored after it), inside the block whose params the core has already swapped in: the
+layer's ``experts`` module (with whatever other transforms set on it, ``d9d.fp8``'s grouped
+GEMM) computes with this rank's ``E / ep`` experts, on the rows the ep ranks sent for them,
+grouped by local expert.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from typing import Any
+import functools
 
-from ...core._runtime import ApplyCall, Interception, Runtime
-from ...moe import Experts
-from ._dispatch import combine, dispatch, route_rows
+from torch import Tensor
+from torch.distributed import ProcessGroup
 
-__all__ = ["ExpertParallelRuntime"]
+from ...core._runtime import ApplyCall, Runtime
+from ...kernels import combine, dispatch, dispatch_layout
+from ...moe import MoE
+
+__all__ = ["ExpertParallelRuntime", "dispatch_and_combine"]
 
 
 class ExpertParallelRuntime(Runtime):
-    """The runtime of ``expert_parallel``: intercepts the experts modules at ``modules``."""
+    """The runtime of ``expert_parallel``: sets the ``dispatch`` of the MoE layers at
+    ``layers`` for each call."""
 
-    def __init__(self, modules: tuple[str, ...], ranks: int, group_name: str) -> None:
-        self.modules = modules
-        self.ranks = ranks
-        self.group_name = group_name
+    def __init__(self, layers: tuple[str, ...], group: ProcessGroup) -> None:
+        self.layers = layers
+        self.group = group
 
     def enter_apply(self, call: ApplyCall) -> None:
-        for path in self.modules:
+        for path in self.layers:
             if not call.stood_in(path):
-                call.intercept(path, Interception(around=self._experts))
+                layer = call.structure.modules[path]
+                call.override(
+                    layer, "dispatch", functools.partial(dispatch_and_combine, layer, self.group)
+                )
 
     def jit_refusal(self) -> str | None:
         return (
@@ -39,12 +45,12 @@ class ExpertParallelRuntime(Runtime):
             "issue 27): run the step eagerly"
         )
 
-    def _experts(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
-        # Experts.forward(x, group_sizes), its inputs passed by position or by name.
-        inputs = _SIGNATURE.bind(None, *args, **kwargs).arguments
-        rows, group_sizes = inputs["x"], inputs["group_sizes"]
-        route = route_rows(group_sizes, self.ranks, self.group_name, rows.shape[0])
-        return combine(forward(dispatch(rows, route), route.local_sizes), route)
 
-
-_SIGNATURE = inspect.signature(Experts.forward)
+def dispatch_and_combine(
+    layer: MoE, group: ProcessGroup, x: Tensor, expert_ids: Tensor, weights: Tensor
+) -> Tensor:
+    """``layer.dispatch`` over ``group``: ``x [T, dim]`` to the ranks of its experts, through
+    the layer's local experts, and back weighted by ``weights [T, k]``."""
+    layout = dispatch_layout(expert_ids, layer.config.n_experts, group.size())
+    rows, group_sizes, handle = dispatch(x, expert_ids, weights, layout, group)
+    return combine(layer.experts(rows, group_sizes), handle)

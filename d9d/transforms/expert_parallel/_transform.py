@@ -26,7 +26,7 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import PlanError
-from ...moe import Experts
+from ...moe import Experts, MoE
 from ._runtime import ExpertParallelRuntime
 
 if TYPE_CHECKING:
@@ -102,16 +102,17 @@ class ExpertParallel(Transform):
         return replace(entry, grad_scale=entry.grad_scale / size)
 
     def lay_out(self, plan: Plan, model: Model | None) -> Plan:
-        _expert_modules(self, plan, model)
+        _moe_layers(self, plan, model)
         return plan
 
     def runtime(self, plan: Plan, model: Model | None) -> ExpertParallelRuntime:
-        group = self.mesh.get_group(self.axis).group_name
-        return ExpertParallelRuntime(_expert_modules(self, plan, model), self.size, group)
+        group = self.mesh.get_group(self.axis)
+        return ExpertParallelRuntime(_moe_layers(self, plan, model), group)
 
 
-def _expert_modules(transform: ExpertParallel, plan: Plan, model: Model | None) -> tuple[str, ...]:
-    """The paths of the experts modules owning the plan's expert weights, checked."""
+def _moe_layers(transform: ExpertParallel, plan: Plan, model: Model | None) -> tuple[str, ...]:
+    """The paths of the MoE layers whose experts modules own the plan's expert weights,
+    checked."""
     owners = {
         e.path.rpartition(".")[0]: e.path for e in plan.entries.values() if is_expert_weight(e)
     }
@@ -127,16 +128,27 @@ def _expert_modules(transform: ExpertParallel, plan: Plan, model: Model | None) 
             f"{transform} intercepts the model's experts modules and needs the model: call "
             "step.place(params, opt_state, model=model)"
         )
+    layers = []
     for path, param in owners.items():
         module = model.structure.modules.get(path)
         if not isinstance(module, Experts):
             raise PlanError(
                 f"{transform}: {param!r} belongs to module {path!r} ({type(module).__name__}), "
                 "not a d9d.moe Experts module called as experts(rows grouped by expert, "
-                "group_sizes), which is what expert_parallel intercepts; build the model from "
+                "group_sizes), which expert_parallel runs on the rows it dispatches; build the model from "
                 "d9d.moe layers (d9d.checkpoint.import_hf_moe converts a Qwen3-MoE checkpoint)"
             )
-    return tuple(owners)
+        layer_path = path.rpartition(".")[0]
+        layer = model.structure.modules.get(layer_path)
+        if not isinstance(layer, MoE) or layer.experts is not module:
+            raise PlanError(
+                f"{transform}: the experts module {path!r} is not the experts of a d9d.moe MoE "
+                f"layer ({layer_path!r} is {type(layer).__name__}), whose dispatch(x, "
+                "expert_ids, weights) expert_parallel replaces; call the experts from a "
+                "d9d.moe.MoE layer"
+            )
+        layers.append(layer_path)
+    return tuple(layers)
 
 
 def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
@@ -145,11 +157,11 @@ def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
     Each rank of ``axis`` stores, computes with and updates ``E / ep`` experts of every
     ``d9d.moe`` layer (stacked expert weights ``Shard(0)`` over ``axis``, their optimizer state
     too) and passes its own batch (:meth:`~d9d.transforms.TransformedStep.data_rank` counts
-    ``axis``). In each MoE layer the experts module's call, rows grouped by expert with their
-    group sizes, becomes: an all-to-all of the per-expert counts, an uneven all-to-all of the
-    rows to the ranks owning their experts (dispatch), the local experts' grouped GEMMs, and
-    the reverse all-to-all of their outputs (combine); the backward runs the reverse
-    all-to-alls. Dense params are replicated over ``axis`` and their grads averaged over it;
+    ``axis``). Each MoE layer's ``dispatch(x, expert_ids, weights)`` becomes
+    ``d9d.kernels.dispatch`` (each token sent once to every rank owning one of its experts,
+    by uneven all-to-all), the local experts' grouped GEMMs, and ``d9d.kernels.combine``
+    (each token's weighted sum over a rank's experts sent back); the backward runs the
+    reverse all-to-alls. Dense params are replicated over ``axis`` and their grads averaged over it;
     the loss is the token mean over every rank's batch. The experts' grads are one device's
     (``docs/moe.md``). Composes with ``shard_params`` on another axis: dense params FSDP over
     it, expert weights sharded over it on their next dim (expert FSDP).

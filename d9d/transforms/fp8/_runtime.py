@@ -1,8 +1,9 @@
 """``fp8`` at run time: each chosen linear's call becomes :func:`fp8_linear` on the tensors
 its module holds for this call, and each chosen ``d9d.moe`` experts module computes its
 grouped GEMMs with :func:`fp8_grouped_gemm_experts` (set as its ``gemm`` for the call).
-Under ``expert_parallel``, whose interception dispatches the rows around the experts module,
-the experts compute on the rank's experts and the rows dispatched to them.
+Under ``expert_parallel``, which sets each MoE layer's ``dispatch`` to send the tokens to the
+ranks of their experts, the experts compute on the rank's experts and the rows dispatched to
+them.
 
 The interception sits around the ``nn.Linear`` itself, inside every interception of the
 layout transforms (``fp8`` applies in the ``COMPUTE_FORM`` phase, after them): under

@@ -1,5 +1,5 @@
 """What ``remat`` keeps of a block's forward: its inputs only (``"full"``), or also the
-outputs of its matmuls, attention and reduce-scatters (``"selective"``).
+outputs of its matmuls, attention, reduce-scatters and all-to-alls (``"selective"``).
 
 Under ``d9d.jit`` the recomputation is not a second eager forward but nodes duplicated into
 the backward part of the one compiled graph, and torch duplicates no op that draws a random
@@ -35,6 +35,11 @@ SAVED_OPS = tuple(
         getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
         getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
         _c10d.reduce_scatter_tensor.default,
+        # Expert parallelism's dispatch and combine (and the count exchange before them):
+        # recomputed, a block would run its five forward all-to-alls again in the backward
+        # (counted: 8 all-to-alls a step at ep=2 without remat, 13 with); context
+        # parallelism's ring exchanges are kept alike.
+        _c10d.all_to_all_single.default,
     )
     if op is not None
 )

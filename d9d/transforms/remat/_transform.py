@@ -57,8 +57,8 @@ def remat(policy: str = "full", *, every: int = 1, mesh: DeviceMesh | None = Non
     Each chosen block (a child of the model's ``nn.ModuleList``) runs under
     ``torch.utils.checkpoint``: with ``policy="full"`` only its inputs are kept and its whole
     forward runs again in the backward; with ``"selective"`` the outputs of its matmuls,
-    attention and reduce-scatters are kept too and only the rest (elementwise ops, norms,
-    gathers) is recomputed. ``every=k`` checkpoints blocks ``0, k, 2k, ...``. Under
+    attention, reduce-scatters and all-to-alls (``expert_parallel``'s dispatch and combine)
+    are kept too and only the rest (elementwise ops, norms, gathers) is recomputed. ``every=k`` checkpoints blocks ``0, k, 2k, ...``. Under
     ``shard_params`` a recomputed block gathers its params again, so no gathered param is
     kept for the backward; under ``tensor_parallel`` its collectives run again with it.
     Grads are those of the step without remat. Composes with every transform and with
