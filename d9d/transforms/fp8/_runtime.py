@@ -32,27 +32,10 @@ class Fp8Runtime(Runtime):
     """The runtime of ``fp8``: intercepts the linears at ``paths`` and sets the grouped GEMM
     of the experts modules at ``experts``, computing in ``recipe``."""
 
-    def __init__(
-        self,
-        paths: tuple[str, ...],
-        recipe: str,
-        experts: tuple[str, ...] = (),
-        *,
-        gather_in_fp8: bool = False,
-    ) -> None:
+    def __init__(self, paths: tuple[str, ...], recipe: str, experts: tuple[str, ...] = ()) -> None:
         self.paths = paths
         self.recipe = recipe
         self.experts = experts
-        self.gather_in_fp8 = gather_in_fp8
-
-    def jit_refusal(self) -> str | None:
-        if not self.gather_in_fp8:
-            return None
-        return (
-            "d9d.jit does not compile fp8(gather_in_fp8=True) yet: the gathered weight is a "
-            "tensor subclass of fp8 data and scale that torch.compile cannot trace; drop "
-            "gather_in_fp8 (the weights are then gathered in their compute dtype) or d9d.jit"
-        )
 
     def enter_apply(self, call: ApplyCall) -> None:
         modules = call.structure.modules
