@@ -307,8 +307,10 @@ def _gather_directly(mesh_size: int) -> None:
     from d9d.transforms.fp8._gather import Fp8Gather
 
     mesh = d9d.make_mesh("cpu", fsdp=mesh_size)
-    torch.manual_seed(0)
-    weight, other = torch.randn(3, 3) * 5, torch.randn(5)
+    # A generator of its own: ranks are threads, and the global one is the process's (two
+    # ranks drawing from it at once got different weights).
+    g = torch.Generator().manual_seed(0)
+    weight, other = torch.randn(3, 3, generator=g) * 5, torch.randn(5, generator=g)
 
     def entry(path, tensor, codec):
         return ParamPlan(
