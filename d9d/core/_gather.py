@@ -292,7 +292,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
     return IssuedGather(tuple(paths), buffers, statistics)
 
 
-def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
+def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> Any:
     return gather(stored, plan.mesh, entry)
 
 

@@ -267,7 +267,9 @@ def _jit_rank(order: str) -> list[tuple]:
         step = outer(inner(train_step(model, opt)))
         stats = CommStats()
         if jit:
-            step = d9d.jit(_GraphCollectives(mesh, stats)(step), backend="aot_eager", fullgraph=True)
+            step = d9d.jit(
+                _GraphCollectives(mesh, stats)(step), backend="aot_eager", fullgraph=True
+            )
         params, state = step.place(model.params, opt.init(model.params), model=model)
         if not jit:
             stats = step.comms(params, state, step.shard_batch(data[0]))

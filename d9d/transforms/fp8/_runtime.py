@@ -10,7 +10,8 @@ layout transforms (``fp8`` applies in the ``COMPUTE_FORM`` phase, after them): u
 prepared them, and a row-parallel bias that transform set aside for after its reduction is
 not the module's during the call. The weight and bias are read off the module when it is
 called: the tensors the core swapped into its slots for this call (gathered under
-``shard_params``).
+``shard_params``; a weight all-gathered in fp8 is an ``Fp8Weight``, or under ``d9d.jit``
+the gather codec's ``(weight, data, scale)``, which ``fp8_linear`` takes as it is).
 """
 
 from __future__ import annotations
