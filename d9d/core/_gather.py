@@ -67,9 +67,9 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTe
     return distribute_tensor(tensor.detach(), mesh, placements, src_data_rank=None)
 
 
-def gather(stored: DTensor, mesh: DeviceMesh, entry: ParamPlan) -> torch.Tensor:
+def gather(stored: DTensor, mesh: DeviceMesh, entry: ParamPlan) -> Any:
     """``stored`` encoded by ``entry.codec`` and redistributed to ``entry.compute``, as a
-    local tensor.
+    local tensor (or the codec's tuple of parts: ``Cast``'s doc).
 
     In the backward the local grad is taken as a DTensor laid out ``entry.grad`` (``Partial``
     on the data-parallel axes), cast to ``entry.reduce_dtype``, scaled by ``entry.grad_scale``
@@ -107,10 +107,14 @@ class _Gather(torch.autograd.Function):
             (statistic,) = _statistics([entry], [local], names)
         stored = local_like(entry.codec.encode(local, statistic), stored)
         gathered = stored.redistribute(mesh, entry.compute).to_local()
-        return entry.codec.decode(gathered, statistic)
+        decoded = entry.codec.decode(gathered, statistic)
+        if isinstance(decoded, tuple):
+            ctx.mark_non_differentiable(*decoded[1:])
+        return decoded
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor, *carried: None) -> tuple[DTensor | None, ...]:
+        del carried  # a codec's parts beside the decoded tensor: not differentiated
         entry = ctx.entry
         local = scaled_grad(grad.to(ctx.reduce_dtype), entry)
         out = DTensor.from_local(
@@ -288,7 +292,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
     return IssuedGather(tuple(paths), buffers, statistics)
 
 
-def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> torch.Tensor:
+def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> Any:
     return gather(stored, plan.mesh, entry)
 
 
@@ -335,7 +339,18 @@ def gather_many(
     with a statistic (``Cast``'s doc) has its statistics all-reduced over ``axis`` in one
     collective for all the entries before the all-gather.
     """
-    return list(_GatherMany.apply(mesh, axis, groups, tuple(entries), issued, *stored))
+    flat = _GatherMany.apply(mesh, axis, groups, tuple(entries), issued, *stored)
+    out, start = [], 0
+    for entry in entries:
+        parts = _parts(entry)
+        out.append(flat[start] if parts == 1 else tuple(flat[start : start + parts]))
+        start += parts
+    return out
+
+
+def _parts(entry: ParamPlan) -> int:
+    """How many tensors ``entry``'s gather returns (``Cast``'s doc: a codec's ``parts``)."""
+    return 1 if entry.codec is None else entry.codec.parts
 
 
 def _layouts(
@@ -455,13 +470,23 @@ class _GatherMany(torch.autograd.Function):
                 out = out.contiguous()
             elif viewed:
                 out = out.clone()
-            outs.append(out if entry.codec is None else entry.codec.decode(out, statistic))
+            decoded = out if entry.codec is None else entry.codec.decode(out, statistic)
+            if isinstance(decoded, tuple):
+                ctx.mark_non_differentiable(*decoded[1:])
+                outs.extend(decoded)
+            else:
+                outs.append(decoded)
             offset += size
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *flat: torch.Tensor) -> tuple[Any, ...]:
         entries, strides = ctx.entries, [layout[4] for layout in ctx.layouts]
+        # Each param's grad: the first of its parts' (the others are not differentiated).
+        grads, start = [], 0
+        for entry in entries:
+            grads.append(flat[start])
+            start += _parts(entry)
         if ctx.defer:
             return (None,) * 5 + tuple(unreduced(list(grads), ctx.mesh, entries, strides))
         kept = [e.storage[ctx.axis] for e in entries]

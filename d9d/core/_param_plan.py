@@ -34,6 +34,9 @@ class GatherCodec(Protocol):
     @property
     def compute_dtype(self) -> torch.dtype: ...
 
+    @property
+    def parts(self) -> int: ...
+
     def statistic(self, shard: torch.Tensor) -> torch.Tensor | None: ...
 
     def encode(
@@ -42,7 +45,7 @@ class GatherCodec(Protocol):
 
     def decode(
         self, gathered: torch.Tensor, statistic: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,14 @@ class Cast:
     stored shards; a gather outside a step all-reduces those it gathers together) and
     passed to ``encode`` and ``decode``: a scale taken from the whole param's amax, for data in a
     narrower format (the fp8 package's codec). A cast has none.
+
+    ``parts`` is how many tensors ``decode`` returns: one, the tensor computed with; or a
+    tuple of ``parts`` plain tensors, the first the one autograd differentiates (the
+    compute dtype and the param's shape: its grad comes back to the gather) and the others
+    carried beside it, not differentiated. The core's gathers return such a tuple as the
+    compute value. The fp8 package's codec decodes into a tensor subclass in eager and into
+    its plain parts under ``torch.compile``, which traces no subclass out of an autograd
+    function (Dynamo traces its backward with grads of the outputs' type). A cast has one.
     """
 
     dtype: torch.dtype
@@ -74,6 +85,11 @@ class Cast:
     def compute_dtype(self) -> torch.dtype:
         """The dtype blocks compute with."""
         return self.dtype
+
+    @property
+    def parts(self) -> int:
+        """How many tensors ``decode`` returns: the cast tensor alone."""
+        return 1
 
     def statistic(self, shard: torch.Tensor) -> torch.Tensor | None:
         """What is all-reduced over the gathering ranks before encoding: none for a cast."""

@@ -328,8 +328,8 @@ class TransformedStep:
             params, opt_state = runtime.start_step(params, opt_state)
         given = params, opt_state
         step = current()
-        # Not traced: no codec with a statistic runs under d9d.jit (its transform refuses it).
-        if self._codec_statistics and step is not None and not torch.compiler.is_compiling():
+        # Under d9d.jit too: the graph then all-reduces them once, as the eager step does.
+        if self._codec_statistics and step is not None:
             step.codec_statistics = codec_statistics(self.plan, params)
         for runtime in self._runtimes:
             batch = runtime.on_batch(batch)

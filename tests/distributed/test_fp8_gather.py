@@ -12,14 +12,19 @@ the same 17 dB bound of the fp8 gather's grads. Bytes are counted against their 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pytest
 import torch
-from equivalence import batches, llama, run
+from equivalence import batches, llama, optimizer, run, train_step
 
 import d9d
+from d9d.core._comm_count import CommStats
+from d9d.core._runtime import Runtime
 from d9d.errors import PlanError
 from d9d.testing import run_on_ranks
+from d9d.transforms import ParamPlan, Phase, Transform
 
 pytestmark = pytest.mark.distributed
 
@@ -194,19 +199,102 @@ def test_fp8_gather_without_shard_params_refused():
         step.place(model.params, (), model=model)
 
 
-@pytest.mark.compile  # refused before tracing; the cost is d9d.jit's first import (~7 s)
-def test_fp8_gather_under_jit_refused():
-    def compile_step(mesh):
-        model = llama()()
-        step = lambda p, s, b: (p, s, {})  # noqa: E731
-        for transform in _fp8_step(True)(mesh):
-            step = transform(step)
-        step = d9d.jit(step, backend="aot_eager")
-        params, _ = step.place(model.params, (), model=model)
-        with pytest.raises(PlanError, match=r"d9d.jit does not compile fp8\(gather_in_fp8=True\)"):
-            step(params, (), step.shard_batch(DATA[0]))
+@dataclass(frozen=True)
+class _GraphCollectives(Transform):
+    """Records the functional collectives of the graphs ``d9d.jit`` compiles (forward and
+    backward, each node run once a step) into ``stats``, sized as ``step.comms`` sizes them
+    (a transform of this test's own, through the runtime's graph passes)."""
 
-    run_on_ranks(lambda: compile_step(d9d.make_mesh("cpu", fsdp=2)), 2)
+    name: ClassVar[str] = "graph_collectives"
+    phase: ClassVar[Phase] = Phase.COMPUTE_FORM
+    mesh: Any
+    stats: CommStats
+
+    def claimed_axes(self) -> tuple[str, ...]:
+        return ()
+
+    def rewrite(self, entry: ParamPlan) -> ParamPlan:
+        return entry
+
+    def runtime(self, plan: Any, model: Any) -> Runtime:
+        axes = {self.mesh.get_group(a).group_name: a for a in self.mesh.mesh_dim_names}
+        return _GraphCollectivesRuntime(axes, self.stats)
+
+
+class _GraphCollectivesRuntime(Runtime):
+    def __init__(self, axes: dict[str, str], stats: CommStats) -> None:
+        self.axes, self.stats = axes, stats
+
+    def graph_passes(self) -> tuple:
+        return (self._count,)
+
+    def _count(self, graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        kinds = {getattr(_c10d, op).default: kind for op, kind in _KINDS.items()}
+        for node in graph.graph.nodes:
+            kind = kinds.get(node.target) if node.op == "call_function" else None
+            if kind is None:
+                continue
+            tensor = node.args[0].meta["val"]
+            size = tensor.numel() * tensor.element_size()
+            key = (kind, self.axes[node.args[-1]])
+            self.stats.count[key] += 1
+            self.stats.bytes[key] += size * node.args[1] if kind == "all_gather" else size
+        return graph
+
+
+_c10d = torch.ops._c10d_functional
+_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
+
+
+def _jit_rank(order: str) -> list[tuple]:
+    """3 AdamW steps (clipping) of the fp8-gathered step eager and under
+    ``d9d.jit(backend="aot_eager", fullgraph=True)``, float32 on fsdp=2, each gathered unit
+    once (``reshard_after_forward=False``: eager regathers in the backward otherwise, where
+    the compiled graph keeps what autograd saves): losses, params, the traces, and the
+    collectives of the eager step (``step.comms``) and of the compiled graphs."""
+    data = batches(256, global_batch=4, seq_len=16, steps=3)
+    runs = []
+    for jit in (False, True):
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model, opt = llama(torch.float32, 1)(), optimizer()
+        storage = d9d.shard_params(mesh, reshard_after_forward=False)
+        fp8 = d9d.fp8(mesh, "tensorwise", gather_in_fp8=True)
+        inner, outer = (fp8, storage) if order == "shard_params outside" else (storage, fp8)
+        step = outer(inner(train_step(model, opt)))
+        stats = CommStats()
+        if jit:
+            step = d9d.jit(
+                _GraphCollectives(mesh, stats)(step), backend="aot_eager", fullgraph=True
+            )
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        if not jit:
+            stats = step.comms(params, state, step.shard_batch(data[0]))
+        losses = []
+        for batch in data:
+            params, state, metrics = step(params, state, step.shard_batch(batch))
+            losses.append(metrics["loss"])
+        full = {k: v.full_tensor() for k, v in params.items()}
+        runs.append((torch.stack(losses), full, getattr(step, "traces", 0), stats))
+    return runs
+
+
+@pytest.mark.compile
+def test_fp8_gather_under_jit_bitwise_eager_with_its_collectives():
+    """Under ``d9d.jit`` the gathered weight is the codec's plain ``(weight, data, scale)``:
+    one graph traced once, the eager fp8-gathered step bit for bit, and the same
+    collectives, count and bytes: e4m3 gathers and one all-reduce of the weights' amaxes a
+    step, as ``test_fp8_gather_bytes_counted`` counts them in eager."""
+    for eager, jitted in run_on_ranks(_jit_rank, 2, "shard_params outside", timeout=300):
+        assert jitted[2] == 1  # one graph for all steps: no graph break, no recompile
+        assert torch.equal(jitted[0], eager[0]), (jitted[0], eager[0])
+        for path, value in eager[1].items():
+            assert torch.equal(jitted[1][path], value), path
+        assert dict(jitted[3].count) == dict(eager[3].count)
+        assert dict(jitted[3].bytes) == dict(eager[3].bytes)
 
 
 def _gather_directly(mesh_size: int) -> None:
@@ -221,8 +309,10 @@ def _gather_directly(mesh_size: int) -> None:
     from d9d.transforms.fp8._gather import Fp8Gather
 
     mesh = d9d.make_mesh("cpu", fsdp=mesh_size)
-    torch.manual_seed(0)
-    weight, other = torch.randn(3, 3) * 5, torch.randn(5)
+    # A generator of its own: ranks are threads, and the global one is the process's (two
+    # ranks drawing from it at once got different weights).
+    g = torch.Generator().manual_seed(0)
+    weight, other = torch.randn(3, 3, generator=g) * 5, torch.randn(5, generator=g)
 
     def entry(path, tensor, codec):
         return ParamPlan(

@@ -17,6 +17,17 @@ high-precision weight: the step is bitwise the fp8 step without the fp8 gather. 
 rank's tensor-parallel shard, as without the fp8 gather. torchao's float8 all-gather
 (``fsdp_pre_all_gather``) is the model; it quantizes the float32 master weight instead.
 
+[Note: the fp8 all-gather under d9d.jit] Dynamo traces no tensor subclass out of an
+autograd function: it traces the backward with grads of the outputs' type, and the core's
+gathers are autograd functions (their backward reduce-scatters the grads). Under
+``torch.compile`` the codec therefore decodes into plain tensors, ``(weight, data,
+scale)``: ``weight`` a zero of the compute dtype expanded to the weight's shape (no
+memory), the one autograd differentiates, its grad the weight grad that comes back to the
+gather; ``data`` and ``scale`` as in :class:`Fp8Weight`, not differentiated. The core's
+gathers return that tuple as the weight (``parts``: ``Cast``'s doc in
+``d9d/core/_param_plan.py``), the fp8 linear takes its data and scale as eager takes the
+subclass's, and the compiled step is the eager one bitwise under aot_eager.
+
 Tensorwise only: rowwise scales the weight along ``K`` in the forward and along ``N`` in the
 input grad (two quantizations of one weight, so one gathered copy serves only one of them),
 and blockwise's 128x128 blocks straddle the shards' rows; both are refused by name.
@@ -78,6 +89,21 @@ class Fp8Gather:
         data = (self._wide(shard) / self._scale(statistic)).clamp(-limit, limit).to(E4M3)
         return data.view(self.wire_dtype)
 
-    def decode(self, gathered: Tensor, statistic: Tensor | None = None) -> Fp8Weight:
-        """The gathered data with its scale, as the weight to compute with."""
-        return Fp8Weight(gathered.view(E4M3), self._scale(statistic), self.compute_dtype)
+    @property
+    def parts(self) -> int:
+        """How many tensors :meth:`decode` returns: the :class:`Fp8Weight`, or under
+        ``torch.compile`` its three plain parts."""
+        return 3 if torch.compiler.is_compiling() else 1
+
+    def decode(
+        self, gathered: Tensor, statistic: Tensor | None = None
+    ) -> Fp8Weight | tuple[Tensor, Tensor, Tensor]:
+        """The gathered data with its scale, as the weight to compute with: an
+        :class:`Fp8Weight`, or under ``torch.compile`` ``(weight, data, scale)`` (see the
+        module's note on jit)."""
+        data, scale = gathered.view(E4M3), self._scale(statistic)
+        if not torch.compiler.is_compiling():
+            return Fp8Weight(data, scale, self.compute_dtype)
+        # No memory: a zero expanded to the weight's shape, whose grad is the weight's.
+        weight = scale.new_zeros((), dtype=self.compute_dtype).expand(data.shape)
+        return weight, data, scale

@@ -68,12 +68,17 @@ def _matmul(
     return fp8_gemm(*_as_a(a, recipe, a_dtype), *b, recipe, out_dtype)
 
 
-def _weight_as_b(weight: Tensor, recipe: str, *, transposed: bool) -> tuple[Tensor, Tensor]:
+def _weight_as_b(
+    weight: Tensor, gathered: tuple[Tensor, ...], recipe: str, *, transposed: bool
+) -> tuple[Tensor, Tensor]:
     """``weight.T [K, N]`` (the output's ``b``) or ``weight [N, K]`` (the input grad's)
-    quantized along its rows; a weight gathered in fp8 (:class:`Fp8Weight`, tensorwise) is
-    that quantization already, its data and scale used as they are."""
+    quantized along its rows; a weight gathered in fp8 (tensorwise: an :class:`Fp8Weight`,
+    or under ``d9d.jit`` its data and scale in ``gathered``) is that quantization already,
+    its data and scale used as they are."""
     if isinstance(weight, Fp8Weight):
-        data, scale = weight.fp8_data, weight.fp8_scale
+        gathered = (weight.fp8_data, weight.fp8_scale)
+    if gathered:
+        data, scale = gathered
         return (data.t(), scale.t()) if transposed else (data, scale)
     return _as_b(weight.t() if transposed else weight, recipe, E4M3)
 
@@ -82,30 +87,35 @@ class _Fp8Linear(torch.autograd.Function):
     """``x [M, K] @ w.T`` with its three matmuls in fp8; no bias."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, recipe: str) -> Tensor:
-        ctx.save_for_backward(x, weight)
+    def forward(ctx: Any, x: Tensor, weight: Tensor, recipe: str, *gathered: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight, *gathered)
         ctx.recipe = recipe
-        return _matmul(x, _weight_as_b(weight, recipe, transposed=True), recipe, E4M3, x.dtype)
+        b = _weight_as_b(weight, gathered, recipe, transposed=True)
+        return _matmul(x, b, recipe, E4M3, x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        x, weight = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, *gathered = ctx.saved_tensors
         recipe, grad_dtype = ctx.recipe, GRAD_DTYPES[ctx.recipe]
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            b = _weight_as_b(weight, recipe, transposed=False)
+            b = _weight_as_b(weight, tuple(gathered), recipe, transposed=False)
             grad_x = _matmul(grad, b, recipe, grad_dtype, x.dtype)
         if ctx.needs_input_grad[1]:
             pad = -x.shape[0] % MULTIPLE
             grad_t, x_padded = F.pad(grad.t(), (0, pad)), F.pad(x, (0, 0, 0, pad))
             b = _as_b(x_padded, recipe, E4M3)
             grad_w = _matmul(grad_t, b, recipe, grad_dtype, weight.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, *([None] * len(gathered))
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+def fp8_linear(
+    x: Tensor, weight: Tensor | tuple[Tensor, Tensor, Tensor], bias: Tensor | None, recipe: str
+) -> Tensor:
     """``F.linear(x, weight, bias)`` with the output, input grad and weight grad computed in
-    fp8 under ``recipe`` (module doc); the bias added in ``x``'s dtype.
+    fp8 under ``recipe`` (module doc); the bias added in ``x``'s dtype. ``weight`` may be
+    one gathered in fp8: an :class:`Fp8Weight`, or under ``d9d.jit`` the gather codec's
+    ``(weight, data, scale)`` (``_gather``).
 
     Example:
         >>> x, w = torch.randn(4, 32), torch.randn(16, 32)
@@ -113,6 +123,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
         torch.Size([4, 16])
     """
     *lead, k = x.shape
-    out = _Fp8Linear.apply(x.reshape(-1, k), weight, recipe)
+    weight, *gathered = weight if isinstance(weight, tuple) else (weight,)
+    out = _Fp8Linear.apply(x.reshape(-1, k), weight, recipe, *gathered)
     out = out.reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)

@@ -11,7 +11,8 @@ layout transforms (``fp8`` applies in the ``COMPUTE_FORM`` phase, after them): u
 prepared them, and a row-parallel bias that transform set aside for after its reduction is
 not the module's during the call. The weight and bias are read off the module when it is
 called: the tensors the core swapped into its slots for this call (gathered under
-``shard_params``).
+``shard_params``; a weight all-gathered in fp8 is an ``Fp8Weight``, or under ``d9d.jit``
+the gather codec's ``(weight, data, scale)``, which ``fp8_linear`` takes as it is).
 """
 
 from __future__ import annotations
@@ -33,27 +34,10 @@ class Fp8Runtime(Runtime):
     """The runtime of ``fp8``: intercepts the linears at ``paths`` and sets the grouped GEMM
     of the experts modules at ``experts``, computing in ``recipe``."""
 
-    def __init__(
-        self,
-        paths: tuple[str, ...],
-        recipe: str,
-        experts: tuple[str, ...] = (),
-        *,
-        gather_in_fp8: bool = False,
-    ) -> None:
+    def __init__(self, paths: tuple[str, ...], recipe: str, experts: tuple[str, ...] = ()) -> None:
         self.paths = paths
         self.recipe = recipe
         self.experts = experts
-        self.gather_in_fp8 = gather_in_fp8
-
-    def jit_refusal(self) -> str | None:
-        if not self.gather_in_fp8:
-            return None
-        return (
-            "d9d.jit does not compile fp8(gather_in_fp8=True) yet: the gathered weight is a "
-            "tensor subclass of fp8 data and scale that torch.compile cannot trace; drop "
-            "gather_in_fp8 (the weights are then gathered in their compute dtype) or d9d.jit"
-        )
 
     def enter_apply(self, call: ApplyCall) -> None:
         modules = call.structure.modules

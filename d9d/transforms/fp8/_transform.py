@@ -133,7 +133,7 @@ class Fp8(Transform):
         chosen = [c for c in self.choices(plan, model) if c.recipe is not None]
         paths = tuple(c.path for c in chosen if c.kind == "linear")
         experts = tuple(dict.fromkeys(c.path for c in chosen if c.kind == "experts"))
-        return Fp8Runtime(paths, self.recipe, experts, gather_in_fp8=self.gather_in_fp8)
+        return Fp8Runtime(paths, self.recipe, experts)
 
 
 def fp8(

@@ -1,5 +1,7 @@
 """A weight gathered in fp8: tensorwise e4m3 data and its scale, which autograd sees as a
-tensor of the weight's compute dtype (``_gather``'s codec builds it, ``_linear`` reads it)."""
+tensor of the weight's compute dtype (``_gather``'s codec builds it in eager, ``_linear``
+reads it; under ``d9d.jit`` the codec hands out the same data and scale as plain tensors:
+``_gather``'s note)."""
 
 from __future__ import annotations
 
