@@ -12,19 +12,16 @@ the same 17 dB bound of the fp8 gather's grads. Bytes are counted against their 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import pytest
 import torch
 from equivalence import batches, llama, optimizer, run, train_step
+from graph_collectives import GraphCollectives
 
 import d9d
 from d9d.core._comm_count import CommStats
-from d9d.core._runtime import Runtime
 from d9d.errors import PlanError
 from d9d.testing import run_on_ranks
-from d9d.transforms import ParamPlan, Phase, Transform
 
 pytestmark = pytest.mark.distributed
 
@@ -199,57 +196,6 @@ def test_fp8_gather_without_shard_params_refused():
         step.place(model.params, (), model=model)
 
 
-@dataclass(frozen=True)
-class _GraphCollectives(Transform):
-    """Records the functional collectives of the graphs ``d9d.jit`` compiles (forward and
-    backward, each node run once a step) into ``stats``, sized as ``step.comms`` sizes them
-    (a transform of this test's own, through the runtime's graph passes)."""
-
-    name: ClassVar[str] = "graph_collectives"
-    phase: ClassVar[Phase] = Phase.COMPUTE_FORM
-    mesh: Any
-    stats: CommStats
-
-    def claimed_axes(self) -> tuple[str, ...]:
-        return ()
-
-    def rewrite(self, entry: ParamPlan) -> ParamPlan:
-        return entry
-
-    def runtime(self, plan: Any, model: Any) -> Runtime:
-        axes = {self.mesh.get_group(a).group_name: a for a in self.mesh.mesh_dim_names}
-        return _GraphCollectivesRuntime(axes, self.stats)
-
-
-class _GraphCollectivesRuntime(Runtime):
-    def __init__(self, axes: dict[str, str], stats: CommStats) -> None:
-        self.axes, self.stats = axes, stats
-
-    def graph_passes(self) -> tuple:
-        return (self._count,)
-
-    def _count(self, graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        kinds = {getattr(_c10d, op).default: kind for op, kind in _KINDS.items()}
-        for node in graph.graph.nodes:
-            kind = kinds.get(node.target) if node.op == "call_function" else None
-            if kind is None:
-                continue
-            tensor = node.args[0].meta["val"]
-            size = tensor.numel() * tensor.element_size()
-            key = (kind, self.axes[node.args[-1]])
-            self.stats.count[key] += 1
-            self.stats.bytes[key] += size * node.args[1] if kind == "all_gather" else size
-        return graph
-
-
-_c10d = torch.ops._c10d_functional
-_KINDS = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-}
-
-
 def _jit_rank(order: str) -> list[tuple]:
     """3 AdamW steps (clipping) of the fp8-gathered step eager and under
     ``d9d.jit(backend="aot_eager", fullgraph=True)``, float32 on fsdp=2, each gathered unit
@@ -267,9 +213,7 @@ def _jit_rank(order: str) -> list[tuple]:
         step = outer(inner(train_step(model, opt)))
         stats = CommStats()
         if jit:
-            step = d9d.jit(
-                _GraphCollectives(mesh, stats)(step), backend="aot_eager", fullgraph=True
-            )
+            step = d9d.jit(GraphCollectives(mesh, stats)(step), backend="aot_eager", fullgraph=True)
         params, state = step.place(model.params, opt.init(model.params), model=model)
         if not jit:
             stats = step.comms(params, state, step.shard_batch(data[0]))

@@ -18,10 +18,11 @@ from equivalence import (
     reference,
     train_step,
 )
+from graph_collectives import GraphCollectives
 from torch.distributed.tensor import Replicate, Shard
 
 import d9d
-from d9d.core._comm_count import CollectiveCounter
+from d9d.core._comm_count import CommStats
 from d9d.errors import PlanError
 from d9d.testing import assert_trees_all_close, run_on_ranks
 from d9d.transforms.shard_params import ZeroStage
@@ -272,26 +273,22 @@ def test_body_returning_a_missing_or_plain_param_is_refused() -> None:
 def _jit_rank(shard: str):
     """3 AdamW steps (clipping) eager and under ``d9d.jit(backend="aot_eager")``, float32 on
     fsdp=2: losses, params, the traces, the eager step's collectives (``step.comms``) and
-    those the compiled step ran at its second call."""
+    those of the graphs the compiled step runs (``GraphCollectives``)."""
     data = batches(256, steps=3)
     runs = []
     for jit in (False, True):
         mesh = d9d.make_mesh("cpu", fsdp=2)
         model, opt = llama(torch.float32, 1)(), optimizer()
         step = d9d.shard_params(mesh, shard=shard)(train_step(model, opt))
+        stats = CommStats()
         if jit:
-            step = d9d.jit(step, backend="aot_eager")
+            step = d9d.jit(GraphCollectives(mesh, stats)(step), backend="aot_eager")
         params, state = step.place(model.params, opt.init(model.params))
-        stats = None if jit else step.comms(params, state, step.shard_batch(data[0]))
+        if not jit:
+            stats = step.comms(params, state, step.shard_batch(data[0]))
         losses = []
-        for i, batch in enumerate(data):
-            batch = step.shard_batch(batch)
-            if jit and i == 1:  # the compiled graph's own collectives, as it runs
-                with CollectiveCounter(mesh) as counter:
-                    params, state, metrics = step(params, state, batch)
-                stats = counter.stats
-            else:
-                params, state, metrics = step(params, state, batch)
+        for batch in data:
+            params, state, metrics = step(params, state, step.shard_batch(batch))
             losses.append(metrics["loss"])
         full = {k: v.full_tensor() for k, v in params.items()}
         runs.append((torch.stack(losses), full, getattr(step, "traces", 0), stats))
