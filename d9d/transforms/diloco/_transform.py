@@ -30,9 +30,10 @@ MANAGER_METHODS = (
     "should_commit",
     "num_participants",
     "register_state_dict_fn",
+    "current_step",
 )
-"""The ``torchft.Manager`` methods ``diloco`` calls: an outer round's, and the refusal of a
-rejoin registered when the step is placed."""
+"""The ``torchft.Manager`` methods ``diloco`` calls: an outer round's, and those of a
+rejoin (its state registered when the step is placed)."""
 
 
 @dataclass(frozen=True)
