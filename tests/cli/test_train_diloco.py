@@ -132,6 +132,58 @@ def test_a_killed_diloco_group_restarts_and_rejoins(tmp_path: Path) -> None:
     assert evals[0][8] is not None and evals[0][8] == evals[1][8]
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_diloco_groups_cut_off_together_resume_as_if_never_stopped(tmp_path: Path) -> None:
+    # Both groups saving every 4 steps (rounds after steps 2, 4, ...) are killed together
+    # once each committed its step 4 (12 steps: they must not have finished by then),
+    # restarted with the same commands, and resume from their own newest checkpoints
+    # (params, inner state, anchor, outer state, inner step, data position): every loss they
+    # log equals the uninterrupted run's, bit for bit.
+    pytest.importorskip("torchft.coordination")
+    lighthouse = ft_lighthouse(min_replicas=2, heartbeat_timeout_ms=2_000)
+
+    def start(run: str, group: int, log: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "d9d", *ARGS[:2], "12", *ARGS[3:8], "--log-every=1"),
+                *("--diloco=2", "--save-every=4", "--resume", "--fault-tolerant"),
+                *(f"--lighthouse={lighthouse.address()}", "--replica-groups=2"),
+                *(f"--replica-group-id={group}", f"--out={tmp_path / run / str(group)}"),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=(tmp_path / log).open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [start("whole", g, f"whole{g}.log") for g in (0, 1)]
+        codes = [proc.wait(timeout=240) for proc in procs]
+        procs = [start("cut", g, f"cut{g}.log") for g in (0, 1)]
+        for g in (0, 1):
+            commit = tmp_path / "cut" / str(g) / "checkpoints" / "step_4" / "COMMIT"
+            wait_for(f"group {g}'s step 4 checkpoint", commit.exists, procs)
+        for proc in procs:
+            signal_all(proc, signal.SIGKILL)
+        assert [proc.wait(timeout=60) for proc in procs] == [-signal.SIGKILL] * 2
+        procs = [start("cut", g, f"resumed{g}.log") for g in (0, 1)]
+        codes += [proc.wait(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                signal_all(proc, signal.SIGKILL)
+        lighthouse.shutdown()
+    for code, log in zip(codes, ("whole0", "whole1", "resumed0", "resumed1"), strict=True):
+        assert code == 0, (tmp_path / f"{log}.log").read_text()[-3000:]
+    for g in (0, 1):
+        assert "resumed from" in (tmp_path / f"resumed{g}.log").read_text()
+        whole = {r["step"]: r["loss"] for r in _records(tmp_path / "whole" / str(g))}
+        cut = {r["step"]: r["loss"] for r in _records(tmp_path / "cut" / str(g))}
+        assert sorted(cut) == list(range(1, 13))
+        assert cut == whole
+
+
 FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_groups": 2}
 
 

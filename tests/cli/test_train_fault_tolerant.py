@@ -93,14 +93,9 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
             r"not run with --pp yet: the pipeline executor drives the backward itself",
         ),
         (
-            {**FT, "replica_group_id": 1, "diloco": 1, "save_every": 5},
+            {**FT, "replica_group_id": 1, "diloco": 2, "save_every": 5},
             ConfigError,
-            r"--diloco does not run with --save-every yet: .* DiLoCo group's rejoin",
-        ),
-        (
-            {**FT, "replica_group_id": 1, "diloco": 1, "resume": True},
-            ConfigError,
-            r"--diloco does not run with --resume yet",
+            r"--save-every 5 is not a multiple of --diloco 2: a DiLoCo group saves right after",
         ),
     ],
 )
