@@ -198,6 +198,27 @@ def test_a_group_that_heals_inside_a_round_finishes_it_and_goes_on_bitwise() -> 
         assert torch.equal(a, b)
 
 
+def test_a_group_resumed_behind_heals_from_a_restored_peer_without_a_round() -> None:
+    # Groups resumed from checkpoints of different steps meet at a quorum before their first
+    # step: the one behind takes what the one ahead restored (served by step.serve), and no
+    # round follows.
+    peer = LoneManager()
+    step, params, state = _build(peer)
+    restored = {k: v + 1 for k, v in params.items()}
+    restored_state = state._replace(inner_step=torch.tensor(4), anchor=restored)
+    step.serve(restored, restored_state)
+    served = peer.state_fns["d9d.diloco"][1]()
+    assert served["in_round"] is False
+    late = LoneManager()
+    late_step, late_params, late_state = _build(late)
+    late.state_fns["d9d.diloco"][0](served)
+    late_params, late_state = late_step.join(late_params, late_state)
+    assert late.calls == [] and int(late_state.inner_step) == 4
+    for k, v in late_params.items():
+        assert torch.equal(v.to_local(), restored[k].to_local()), k
+        assert torch.equal(late_state.anchor[k].to_local(), restored[k].to_local()), k
+
+
 def test_a_group_that_did_not_heal_joins_with_its_own_state() -> None:
     manager = LoneManager()
     step, params, state = _build(manager)
