@@ -8,7 +8,10 @@ rounds start their own quorums), and the group reads its share of every global b
 The loop starts each step's quorum itself (:meth:`ReplicaGroup.start_step`), before it reads
 the step's batch: a group restarted behind the others rejoins there, taking a live peer's
 params and optimizer state (the transform's part) and data loader position (this module's
-part, beside them in torchft's state dict), and its step count jumps to the peer's.
+part, beside them in torchft's state dict), and its step count jumps to the peer's. Under
+DiLoCo the quorum a restarted group heals at is the live groups' outer round: it runs that
+round with the peer's state at once (:meth:`ReplicaGroup.join`), and the data position
+served is the one after the peer's step.
 
 With ``--resume``, each group first restores its own newest checkpoint and sets its
 manager's step to the checkpoint's (:meth:`ReplicaGroup.resume_at`); at the first quorum,
