@@ -219,6 +219,13 @@ def test_a_group_resumed_behind_heals_from_a_restored_peer_without_a_round() -> 
         assert torch.equal(late_state.anchor[k].to_local(), restored[k].to_local()), k
 
 
+def test_an_unplaced_step_serves_nothing_and_says_so() -> None:
+    step, params, state = _build(LoneManager())
+    unplaced = d9d.diloco(LoneManager(), inner_steps=2)(step.step)
+    with pytest.raises(PlanError, match=r"a diloco step runs after step\.place\(params, opt_st"):
+        unplaced.serve(params, state)
+
+
 def test_a_group_that_did_not_heal_joins_with_its_own_state() -> None:
     manager = LoneManager()
     step, params, state = _build(manager)
