@@ -6,13 +6,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["lighthouse", "signal_all", "steps_logged", "wait_for"]
+__all__ = [
+    "kill_and_restart",
+    "lighthouse",
+    "signal_all",
+    "start_group",
+    "steps_logged",
+    "wait_for",
+]
 
 
 def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int | None = None) -> Any:
@@ -61,3 +69,45 @@ def signal_all(proc: subprocess.Popen, sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+def start_group(command: list[str], lighthouse: Any, group: int, out: Path, log: Path) -> Any:
+    """``command`` (a ``d9d train`` launch) as replica group ``group`` of 2 on ``lighthouse``,
+    writing into ``out``; its output into the file ``log`` (a pipe nobody reads while the
+    test waits fills with torchft's log lines and stops its writer)."""
+    return subprocess.Popen(
+        [
+            *(*command, "--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
+            *("--replica-groups=2", f"--replica-group-id={group}", f"--out={out}"),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def kill_and_restart(
+    start: Callable[[int, str], subprocess.Popen],
+    lighthouse: Any,
+    what: str,
+    ready: Callable[[], bool],
+) -> list[int]:
+    """Start groups 0 and 1 (``start(group, log name)``: ``group0.log``, ``group1.log``),
+    SIGKILL group 1 and every process under it once ``ready()``, start it again
+    (``group1b.log``), and return the exit codes of group 0 and the restarted group; what is
+    still running at the end is killed, and the lighthouse shut down."""
+    procs: list[subprocess.Popen] = []
+    try:
+        survivor, victim = start(0, "group0.log"), start(1, "group1.log")
+        procs = [survivor, victim]
+        wait_for(what, ready, procs)
+        signal_all(victim, signal.SIGKILL)
+        assert victim.wait(timeout=60) == -signal.SIGKILL
+        restarted = start(1, "group1b.log")
+        procs = [survivor, restarted]
+        return [survivor.wait(timeout=240), restarted.wait(timeout=240)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                signal_all(proc, signal.SIGKILL)
+        lighthouse.shutdown()

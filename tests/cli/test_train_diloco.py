@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ft_groups import kill_and_restart, signal_all, start_group, steps_logged, wait_for
 from ft_groups import lighthouse as ft_lighthouse
 
 from d9d.cli import main
@@ -76,6 +79,81 @@ def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
     evals = [{r["step"]: r.get("eval_loss") for r in _records(out)} for out in outs]
     assert None not in (evals[0][2], evals[0][4])
     assert (evals[0][2], evals[0][4]) == (evals[1][2], evals[1][4])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_killed_diloco_group_restarts_and_rejoins(tmp_path: Path) -> None:
+    # Rounds every 2 steps; group 1 is killed once it logged step 3 (inside round 2, or a
+    # round or two later: the kill takes a moment; 12 steps, so that it has not finished)
+    # and restarted with the same command into its own --out. No quorum forms with fewer
+    # than both groups (min_replicas=2): the survivor's next round waits for the restarted
+    # group, which heals there with the survivor's state and takes part in it. Both then
+    # hold the round's anchor, bitwise: after the last round they evaluate their own params
+    # to the same eval loss, bit for bit.
+    pytest.importorskip("torchft.coordination")
+    lighthouse = ft_lighthouse(min_replicas=2, heartbeat_timeout_ms=2_000)
+    outs = [tmp_path / f"group{g}" for g in (0, 1)]
+
+    def start(group: int, log: str) -> subprocess.Popen:
+        command = [sys.executable, "-m", "d9d", *ARGS[:2], "12", *ARGS[3:8], "--log-every=1"]
+        command += ["--eval-every=6", "--eval-batches=1", "--diloco=2"]
+        return start_group(command, lighthouse, group, outs[group], tmp_path / log)
+
+    codes = kill_and_restart(start, lighthouse, "step 3", lambda: 3 in steps_logged(outs[1]))
+    for code, log in zip(codes, ("group0.log", "group1b.log"), strict=True):
+        assert code == 0, (tmp_path / log).read_text()[-3000:]
+    said = (tmp_path / "group1b.log").read_text()
+    assert re.search(r"diloco: this replica group rejoined after outer round \d+, at inner", said)
+    assert steps_logged(outs[0]) == list(range(1, 13))  # consecutive, none repeated
+    logged = steps_logged(outs[1])  # the killed run's, then the restarted run's after its round
+    assert logged == sorted(set(logged)) and logged[-1] == 12 and 3 in logged
+    evals = [{r["step"]: r.get("eval_loss") for r in _records(out)} for out in outs]
+    assert evals[0][12] is not None and evals[0][12] == evals[1][12]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_diloco_groups_cut_off_together_resume_as_if_never_stopped(tmp_path: Path) -> None:
+    # Both groups saving every 4 steps (rounds after steps 2, 4, ...) are killed together
+    # once each committed its step 4 (12 steps: they must not have finished by then),
+    # restarted with the same commands, and resume from their own newest checkpoints
+    # (params, inner state, anchor, outer state, inner step, data position): every loss they
+    # log equals the uninterrupted run's, bit for bit.
+    pytest.importorskip("torchft.coordination")
+    lighthouse = ft_lighthouse(min_replicas=2, heartbeat_timeout_ms=2_000)
+
+    def start(run: str, group: int, log: str) -> subprocess.Popen:
+        command = [sys.executable, "-m", "d9d", *ARGS[:2], "12", *ARGS[3:8], "--log-every=1"]
+        command += ["--diloco=2", "--save-every=4", "--resume"]
+        return start_group(command, lighthouse, group, tmp_path / run / str(group), tmp_path / log)
+
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [start("whole", g, f"whole{g}.log") for g in (0, 1)]
+        codes = [proc.wait(timeout=240) for proc in procs]
+        procs = [start("cut", g, f"cut{g}.log") for g in (0, 1)]
+        for g in (0, 1):
+            commit = tmp_path / "cut" / str(g) / "checkpoints" / "step_4" / "COMMIT"
+            wait_for(f"group {g}'s step 4 checkpoint", commit.exists, procs)
+        for proc in procs:
+            signal_all(proc, signal.SIGKILL)
+        assert [proc.wait(timeout=60) for proc in procs] == [-signal.SIGKILL] * 2
+        procs = [start("cut", g, f"resumed{g}.log") for g in (0, 1)]
+        codes += [proc.wait(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                signal_all(proc, signal.SIGKILL)
+        lighthouse.shutdown()
+    for code, log in zip(codes, ("whole0", "whole1", "resumed0", "resumed1"), strict=True):
+        assert code == 0, (tmp_path / f"{log}.log").read_text()[-3000:]
+    for g in (0, 1):
+        assert "resumed from" in (tmp_path / f"resumed{g}.log").read_text()
+        whole = {r["step"]: r["loss"] for r in _records(tmp_path / "whole" / str(g))}
+        cut = {r["step"]: r["loss"] for r in _records(tmp_path / "cut" / str(g))}
+        assert sorted(cut) == list(range(1, 13))
+        assert cut == whole
 
 
 FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_groups": 2}

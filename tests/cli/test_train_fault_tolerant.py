@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ft_groups import kill_and_restart, start_group, steps_logged
 from ft_groups import lighthouse as ft_lighthouse
-from ft_groups import signal_all, steps_logged, wait_for
 
 from d9d.cli import main
 from d9d.cli._config import TrainConfig
@@ -93,14 +92,9 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
             r"not run with --pp yet: the pipeline executor drives the backward itself",
         ),
         (
-            {**FT, "replica_group_id": 1, "diloco": 1, "save_every": 5},
+            {**FT, "replica_group_id": 1, "diloco": 2, "save_every": 5},
             ConfigError,
-            r"--diloco does not run with --save-every yet: .* DiLoCo group's rejoin",
-        ),
-        (
-            {**FT, "replica_group_id": 1, "diloco": 1, "resume": True},
-            ConfigError,
-            r"--diloco does not run with --resume yet",
+            r"--save-every 5 is not a multiple of --diloco 2: a DiLoCo group saves right after",
         ),
     ],
 )
@@ -158,37 +152,13 @@ def test_a_killed_replica_group_restarts_and_rejoins(
     runner, layout = launch[: launch.index("d9d") + 1], launch[launch.index("d9d") + 1 :]
 
     def start(group: int, log: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                *(sys.executable, *runner, *args, *layout, "--fault-tolerant"),
-                *(f"--lighthouse={lighthouse.address()}", "--replica-groups=2"),
-                f"--replica-group-id={group}",
-                f"--out={outs[group]}",
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=(tmp_path / log).open("w"),
-            stderr=subprocess.STDOUT,
-        )
+        command = [sys.executable, *runner, *args, *layout]
+        return start_group(command, lighthouse, group, outs[group], tmp_path / log)
 
-    procs: list[subprocess.Popen] = []
-    try:
-        survivor, victim = start(0, "group0.log"), start(1, "group1.log")
-        procs = [survivor, victim]
-        if saving:  # committed once step 3 vouched for it: the survivor is past step 2
-            second = outs[1] / "checkpoints" / "step_2" / "COMMIT"
-            wait_for("step 2's checkpoint", second.exists, procs)
-        else:
-            wait_for("second step", lambda: 2 in steps_logged(outs[1]), procs)
-        signal_all(victim, signal.SIGKILL)
-        assert victim.wait(timeout=60) == -signal.SIGKILL
-        restarted = start(1, "group1b.log")
-        procs = [survivor, restarted]
-        codes = [survivor.wait(timeout=240), restarted.wait(timeout=240)]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                signal_all(proc, signal.SIGKILL)
-        lighthouse.shutdown()
+    # With checkpoints: step 2's committed once step 3 vouched for it, the survivor past it.
+    second = outs[1] / "checkpoints" / "step_2" / "COMMIT"
+    ready = second.exists if saving else lambda: 2 in steps_logged(outs[1])
+    codes = kill_and_restart(start, lighthouse, "step 2", ready)
     for code, log in zip(codes, ("group0.log", "group1b.log"), strict=True):
         assert code == 0, (tmp_path / log).read_text()[-3000:]
     restarted = (tmp_path / "group1b.log").read_text()
@@ -216,5 +186,3 @@ def test_a_replica_group_continues_only_in_its_own_out(tmp_path: Path) -> None:
         check_fresh_out(tmp_path, resuming=False, replica_group=0)  # another group's
     with pytest.raises(ConfigError, match=r"already holds a run"):
         check_fresh_out(tmp_path, resuming=False)  # a run without --fault-tolerant
-    with pytest.raises(ConfigError, match=r"group 1's run .* a DiLoCo group cannot rejoin"):
-        check_fresh_out(tmp_path, resuming=False, replica_group=1, diloco=True)

@@ -8,7 +8,6 @@ needs ``--resume``."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from ft_groups import lighthouse as ft_lighthouse
-from ft_groups import signal_all, steps_logged, wait_for
+from ft_groups import signal_all, start_group, steps_logged, wait_for
 
 from d9d.cli import main
 from d9d.cli.train._out import check_fresh_out
@@ -49,16 +48,8 @@ def test_replica_groups_resume_from_their_checkpoints(tmp_path: Path) -> None:
 
     def start(group: int, log: str) -> subprocess.Popen:
         # --resume from the first start: with no checkpoint yet, a group starts at step 1.
-        return subprocess.Popen(
-            [
-                *(sys.executable, "-m", "d9d", *ARGS, "--save-every", "2", "--resume"),
-                *("--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
-                *(f"--replica-group-id={group}", "--replica-groups=2", f"--out={outs[group]}"),
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=(tmp_path / log).open("w"),
-            stderr=subprocess.STDOUT,
-        )
+        command = [sys.executable, "-m", "d9d", *ARGS, "--save-every", "2", "--resume"]
+        return start_group(command, lighthouse, group, outs[group], tmp_path / log)
 
     procs: list[subprocess.Popen] = []
     try:
@@ -123,6 +114,12 @@ class _Group:
         return False
 
     def commits(self) -> int:
+        return self.step
+
+    def join(self, params: object, opt_state: object) -> tuple[object, object]:
+        return params, opt_state
+
+    def steps_done(self, opt_state: object) -> int:
         return self.step
 
     def state_dict(self) -> dict[str, int]:  # the manager's

@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, required=True)
     parser.add_argument("--outer", choices=("sgd1", "nesterov"), required=True)
     parser.add_argument("--die-in-round", type=int, default=-1)
+    parser.add_argument("--join", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -109,8 +110,11 @@ def main() -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         raise SystemExit("the test closed stdin")
+    if args.join:
+        manager.start_quorum()  # waits for the live groups' next outer round
+        params, state = step.join(params, state)
     with open(args.out, "w") as log:
-        for at in range(args.steps):
+        while (at := int(state.inner_step)) < args.steps:
             params, state, metrics = step(params, state, batch_of(args.group, at))
             line = {"step": at, "loss": metrics["loss"].item(), "rounds": real.current_step()}
             log.write(json.dumps(line) + "\n")

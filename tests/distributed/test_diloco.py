@@ -7,6 +7,9 @@ both groups' batches (float64, inner SGD with momentum and weight decay, linear 
 the manager saw one all-reduce of every param element per round (counted outside d9d).
 (c) A group SIGKILLed inside an outer round: the survivor's round is not committed, it goes
 on from the last synced params, and its next round runs alone; it logs one line for each.
+(d) That group restarted rejoins at the survivor's next round with its state (params, inner
+state, anchor, outer state, inner step): the survivor never repeats a step, and both groups
+end bitwise equal, equal to the rounds simulated in one process.
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep.
 """
@@ -34,60 +37,63 @@ pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent
 
 
-def _lighthouse() -> LighthouseServer:
+def _lighthouse(min_replicas: int = 1) -> LighthouseServer:
     # As test_fault_tolerant.py: a quorum waits for every heartbeating group to ask; a dead
     # group stops counting 2 s after its last heartbeat.
     return LighthouseServer(
         bind="[::]:0",
-        min_replicas=1,
+        min_replicas=min_replicas,
         join_timeout_ms=60_000,
         quorum_tick_ms=50,
         heartbeat_timeout_ms=2_000,
     )
 
 
+def _start(lighthouse: LighthouseServer, tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
+    """A replica group's process (``diloco_replica.py *args``), once it said ``ready``."""
+    command = [
+        *(sys.executable, str(HERE / "diloco_replica.py"), f"--lighthouse={lighthouse.address()}"),
+        *(*args, f"--out={tmp_path / f'{name}.jsonl'}"),
+    ]
+    # stderr into a file: a pipe nobody reads would fill with torchft's log lines.
+    with (tmp_path / f"{name}.err").open("w") as err:
+        proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE
+        )
+    line = proc.stdout.readline().strip()
+    assert line == "ready", f"replica group said {line!r} (rc={proc.poll()})"
+    return proc
+
+
+def _go(proc: subprocess.Popen) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    proc.stdin.close()
+
+
 def _run_groups(tmp_path: Path, steps: int, inner_steps: int, outer: str, die: int = -1) -> list:
     """Both groups' runs, group 1 dying inside round ``die`` (>= 0); their return codes."""
     lighthouse = _lighthouse()
     try:
-        procs = []
-        for group in (0, 1):
-            command = [
-                sys.executable,
-                str(HERE / "diloco_replica.py"),
-                f"--lighthouse={lighthouse.address()}",
-                f"--group={group}",
-                f"--steps={steps}",
-                f"--inner-steps={inner_steps}",
+        procs = [
+            _start(
+                lighthouse,
+                tmp_path,
+                f"group{group}",
+                *(f"--group={group}", f"--steps={steps}", f"--inner-steps={inner_steps}"),
                 f"--outer={outer}",
-                f"--out={tmp_path / f'group{group}.jsonl'}",
                 *([f"--die-in-round={die}"] if group == 1 else []),
-            ]
-            # stderr into a file: a pipe nobody reads would fill with torchft's log lines.
-            with (tmp_path / f"group{group}.err").open("w") as err:
-                procs.append(
-                    subprocess.Popen(
-                        command,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=err,
-                        text=True,
-                        cwd=HERE,
-                    )
-                )
+            )
+            for group in (0, 1)
+        ]
         for proc in procs:
-            line = proc.stdout.readline().strip()
-            assert line == "ready", f"replica group said {line!r} (rc={proc.poll()})"
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            proc.stdin.close()
+            _go(proc)
         return [proc.wait(timeout=240) for proc in procs]
     finally:
         lighthouse.shutdown()
 
 
-def _result(tmp_path: Path, group: int) -> tuple[list[dict], dict, dict]:
+def _result(tmp_path: Path, group: int | str) -> tuple[list[dict], dict, dict]:
     out = tmp_path / f"group{group}.jsonl"
     log = [json.loads(line) for line in out.read_text().splitlines()]
     counts = json.loads(Path(f"{out}.counts.json").read_text())
@@ -100,10 +106,18 @@ def _fresh() -> tuple:
     return model, tree.map(torch.clone, model.params)
 
 
-def _simulate(steps: int, inner_steps: int, outer_lr: float, momentum: float, rounds: list):
+def _simulate(
+    steps: int,
+    inner_steps: int,
+    outer_lr: float,
+    momentum: float,
+    rounds: list,
+    rejoins: dict[int, tuple[int, int]] | None = None,
+):
     """DiLoCo in one process: each group's inner steps with d9d's step, the outer step with
     ``torch.optim.SGD`` on the anchor; ``rounds[i]`` the groups averaged in round ``i``, or
-    None for a round that does not commit. Group 0's final params."""
+    None for a round that does not commit; ``rejoins[i] = (dst, src)``: group ``dst`` takes
+    group ``src``'s params and inner state before round ``i``. Group 0's final params."""
     model, params = _fresh()
     opt = inner_optimizer()
     step = train_step(model, opt)
@@ -117,7 +131,14 @@ def _simulate(steps: int, inner_steps: int, outer_lr: float, momentum: float, ro
             groups[g][0], groups[g][1], _ = step(p, s, batch_of(g, at))
         if (at + 1) % inner_steps:
             continue
-        averaged = rounds[(at + 1) // inner_steps - 1]
+        at_round = (at + 1) // inner_steps - 1
+        if at_round in (rejoins or {}):
+            dst, src = rejoins[at_round]
+            groups[dst] = [
+                tree.map(torch.clone, groups[src][0]),
+                tree.map(torch.clone, groups[src][1]),
+            ]
+        averaged = rounds[at_round]
         if averaged is not None:
             for k, a in anchor.items():
                 a.grad = torch.stack([a.detach() - groups[g][0][k] for g in averaged]).mean(0)
@@ -190,4 +211,47 @@ def test_a_round_a_group_dies_in_is_dropped_and_the_survivor_goes_on(tmp_path: P
         "diloco: a replica group failed during the outer round after inner step 4; round "
         "dropped, this group goes on from the last synced params",
         "diloco: 1 replica group(s) left; outer rounds continue on 1",
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_a_group_killed_inside_a_round_restarts_and_rejoins_bitwise(tmp_path: Path) -> None:
+    # Rounds after inner steps 2, 4, 6, 8. Group 1 dies inside round 2 (the survivor's is
+    # dropped) and restarts; no quorum forms with fewer than both groups (min_replicas=2), so
+    # the survivor's round 3 waits for the restarted group, which heals there from the
+    # survivor's state and takes part in it; round 4 runs on both groups' own batches.
+    steps, inner_steps = 8, 2
+    lighthouse = _lighthouse(min_replicas=2)
+    args = (f"--steps={steps}", f"--inner-steps={inner_steps}", "--outer=nesterov")
+    try:
+        survivor = _start(lighthouse, tmp_path, "group0", "--group=0", *args)
+        victim = _start(lighthouse, tmp_path, "group1", "--group=1", "--die-in-round=1", *args)
+        _go(survivor)
+        _go(victim)
+        assert victim.wait(timeout=240) == -9
+        restarted = _start(lighthouse, tmp_path, "group1b", "--group=1", "--join", *args)
+        _go(restarted)
+        assert restarted.wait(timeout=240) == 0
+        assert survivor.wait(timeout=240) == 0
+    finally:
+        lighthouse.shutdown()
+    log, counts, got = _result(tmp_path, 0)
+    assert [r["step"] for r in log] == list(range(steps))  # no restart, none repeated
+    assert [r["rounds"] for r in log] == [0, 1, 1, 1, 1, 2, 2, 3]  # round 2 dropped
+    assert counts["participants"] == [2, 2, 2, 2]
+    rejoined, rejoined_counts, rejoined_got = _result(tmp_path, "1b")
+    assert [(r["step"], r["rounds"]) for r in rejoined] == [(6, 2), (7, 3)]
+    assert rejoined_counts["participants"] == [2, 2]  # the quorum it healed at, and round 4
+    for k in got:
+        assert torch.equal(got[k], rejoined_got[k]), k
+    expected = _simulate(
+        steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), None, (0,), (0, 1)], rejoins={2: (1, 0)}
+    )
+    assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+    said = [
+        line for line in (tmp_path / "group1b.err").read_text().splitlines() if "diloco:" in line
+    ]
+    assert said == [
+        "diloco: this replica group rejoined after outer round 1, at inner step 6, with a live "
+        "peer's params, anchor and optimizer states"
     ]

@@ -163,13 +163,71 @@ def test_docstring_example_runs() -> None:
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
 
-def test_a_group_behind_the_live_ones_is_refused_by_name() -> None:
-    """torchft hands a group that starts behind the live ones their state through the
-    functions registered under each key: diloco's serves nothing and refuses to load, since
-    the anchor and the outer state would have to come too (not built)."""
+class _Serving(LoneManager):
+    """Asks this group's state at each quorum, as torchft does when a peer heals from it."""
+
+    served = None
+
+    def start_quorum(self) -> None:
+        super().start_quorum()
+        self.served = self.state_fns["d9d.diloco"][1]()
+
+
+def test_a_group_that_heals_inside_a_round_finishes_it_and_goes_on_bitwise() -> None:
+    peer = _Serving(votes=[True, True])
+    step, params, state = _build(peer, inner_steps=2)
+    for i in range(2):
+        params, state, _ = step(params, state, _batch(i))
+    assert peer.served["in_round"] is True
+    late = LoneManager(votes=[True, True])
+    late_step, late_params, late_state = _build(late, inner_steps=2)
+    late_params = {k: v + 1 for k, v in late_params.items()}  # not what the peer holds
+    late.state_fns["d9d.diloco"][0](peer.served)  # torchft hands it over at the quorum
+    late_params, late_state = late_step.join(late_params, late_state)
+    numel = sum(v.numel() for v in params.values())
+    # The peer's round run to its end, in the quorum the caller started: no quorum of its own.
+    assert late.calls == [f"allreduce torch.float64 {numel}", "should_commit"]
+    assert int(late_state.inner_step) == 2
+    for i in (2, 3):
+        params, state, _ = step(params, state, _batch(i))
+        late_params, late_state, _ = late_step(late_params, late_state, _batch(i))
+    got, want = d9d.tree.leaves((late_params, late_state)), d9d.tree.leaves((params, state))
+    assert len(got) == len(want) > 2 * len(params)  # the inner, anchor and outer states came
+    for a, b in zip(got, want, strict=True):
+        a, b = (x.to_local() if hasattr(x, "to_local") else x for x in (a, b))
+        assert torch.equal(a, b)
+
+
+def test_a_group_resumed_behind_heals_from_a_restored_peer_without_a_round() -> None:
+    # Groups resumed from checkpoints of different steps meet at a quorum before their first
+    # step: the one behind takes what the one ahead restored (served by step.serve), and no
+    # round follows.
+    peer = LoneManager()
+    step, params, state = _build(peer)
+    restored = {k: v + 1 for k, v in params.items()}
+    restored_state = state._replace(inner_step=torch.tensor(4), anchor=restored)
+    step.serve(restored, restored_state)
+    served = peer.state_fns["d9d.diloco"][1]()
+    assert served["in_round"] is False
+    late = LoneManager()
+    late_step, late_params, late_state = _build(late)
+    late.state_fns["d9d.diloco"][0](served)
+    late_params, late_state = late_step.join(late_params, late_state)
+    assert late.calls == [] and int(late_state.inner_step) == 4
+    for k, v in late_params.items():
+        assert torch.equal(v.to_local(), restored[k].to_local()), k
+        assert torch.equal(late_state.anchor[k].to_local(), restored[k].to_local()), k
+
+
+def test_an_unplaced_step_serves_nothing_and_says_so() -> None:
+    step, params, state = _build(LoneManager())
+    unplaced = d9d.diloco(LoneManager(), inner_steps=2)(step.step)
+    with pytest.raises(PlanError, match=r"a diloco step runs after step\.place\(params, opt_st"):
+        unplaced.serve(params, state)
+
+
+def test_a_group_that_did_not_heal_joins_with_its_own_state() -> None:
     manager = LoneManager()
-    _build(manager)
-    load, save = manager.state_fns["d9d.diloco"]
-    assert save() == {}
-    with pytest.raises(PlanError, match=r"rejoining them \(the anchor and the outer .* not built"):
-        load({})
+    step, params, state = _build(manager)
+    joined, joined_state = step.join(params, state)
+    assert joined is params and joined_state is state and manager.calls == []

@@ -130,18 +130,18 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
         )
     if importlib.util.find_spec("torchft") is None:
         raise ValueError("--fault-tolerant needs the torchft package: pip install 'd9d[ft]'")
-    resuming = config.resume or config.resume_from is not None
-    diloco_rejoin = (
-        "groups resumed at different steps would have to heal from the one ahead, and a "
-        "DiLoCo group's rejoin (the anchor and outer optimizer state from a peer) is not built"
-    )
-    ft, dl = "--fault-tolerant", "--fault-tolerant --diloco"
-    refused = {  # flag: (given, the mode that refuses it, why)
-        "--jit": (config.jit, ft, "the quorum and commit vote are host calls each step"),
-        "--pp": ((config.pp or 1) > 1, ft, "the pipeline executor drives the backward itself"),
-        "--save-every": (config.diloco is not None and config.save_every > 0, dl, diloco_rejoin),
-        "--resume": (config.diloco is not None and resuming, dl, diloco_rejoin),
+    ft = "--fault-tolerant"
+    refused = {  # flag: (given, why)
+        "--jit": (config.jit, "the quorum and commit vote are host calls each step"),
+        "--pp": ((config.pp or 1) > 1, "the pipeline executor drives the backward itself"),
     }
-    for flag, (given, mode, why) in refused.items():
+    for flag, (given, why) in refused.items():
         if given:
-            raise ConfigError(f"{mode} does not run with {flag} yet: {why}; drop {flag}")
+            raise ConfigError(f"{ft} does not run with {flag} yet: {why}; drop {flag}")
+    if config.diloco is not None and config.save_every % config.diloco:
+        raise ConfigError(
+            f"--save-every {config.save_every} is not a multiple of --diloco "
+            f"{config.diloco}: a DiLoCo group saves right after an outer round, where every "
+            "group holds the round's anchor, so that groups resumed from their own "
+            f"checkpoints go on together; pass a multiple of {config.diloco}"
+        )

@@ -50,9 +50,7 @@ def _replica_group_of(out: Path) -> int | None:
     return group if isinstance(group, int) else None
 
 
-def check_fresh_out(
-    out: Path, *, resuming: bool, replica_group: int | None = None, diloco: bool = False
-) -> None:
+def check_fresh_out(out: Path, *, resuming: bool, replica_group: int | None = None) -> None:
     """Refuse to start a fresh run in ``out`` when it holds another run (collective
     under a process group: every rank calls it, before rank 0 writes into ``out``).
 
@@ -62,9 +60,6 @@ def check_fresh_out(
         replica_group: This run's ``--replica-group-id`` under ``--fault-tolerant``: ``out``
             may hold that same replica group's run, which a restart continues (one with
             checkpoints only with ``resuming``).
-        diloco: ``--diloco``: a restarted group would join the live ones out of step (its
-            rejoin is not built), so that same group's run is refused too, by name, before
-            the group meets any other.
 
     Raises:
         ConfigError: ``out`` holds a run and ``resuming`` is false (nor is it this replica
@@ -79,13 +74,6 @@ def check_fresh_out(
         return
     found = _run_files(out)
     if found and replica_group is not None and _replica_group_of(out) == replica_group:
-        if diloco:
-            raise ConfigError(
-                f"--out {str(out)!r} holds replica group {replica_group}'s run before a "
-                "restart, and a DiLoCo group cannot rejoin the live ones yet (their anchor and "
-                "outer optimizer state are not served): restart every group together, each "
-                "with a new --out (nothing was written)"
-            )
         if "checkpoints/" in found:
             raise ConfigError(
                 f"--out {str(out)!r} holds replica group {replica_group}'s run with "

@@ -8,7 +8,10 @@ rounds start their own quorums), and the group reads its share of every global b
 The loop starts each step's quorum itself (:meth:`ReplicaGroup.start_step`), before it reads
 the step's batch: a group restarted behind the others rejoins there, taking a live peer's
 params and optimizer state (the transform's part) and data loader position (this module's
-part, beside them in torchft's state dict), and its step count jumps to the peer's.
+part, beside them in torchft's state dict), and its step count jumps to the peer's. Under
+DiLoCo the quorum a restarted group heals at is the live groups' outer round: it runs that
+round with the peer's state at once (:meth:`ReplicaGroup.join`), and the data position
+served is the one after the peer's step.
 
 With ``--resume``, each group first restores its own newest checkpoint and sets its
 manager's step to the checkpoint's (:meth:`ReplicaGroup.resume_at`); at the first quorum,
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from ...transforms.diloco import diloco
+from ...transforms.diloco import DiLoCoStep, diloco
 from ...transforms.fault_tolerant import FaultTolerantRuntime, fault_tolerant
 from .._config import TrainConfig
 from .._precision import replica_microbatches
@@ -100,9 +103,27 @@ class ReplicaGroup:
         if isinstance(saved, dict):
             state["batches_committed"] = int(saved.get("batches_committed", 0))
         self.manager.load_state_dict(state)
+        if isinstance(self._step, DiLoCoStep):
+            self._step.serve(params, opt_state)
+            return
         for runtime in self._step.runtimes:
             if isinstance(runtime, FaultTolerantRuntime):
                 runtime.serve(params, opt_state)
+
+    def join(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """After :meth:`start_step` said this group rejoined: under DiLoCo, the live peer's
+        params and state, and the outer round it was in run to its end with them
+        (:meth:`DiLoCoStep.join`); without, ``fault_tolerant`` takes them at the step."""
+        if isinstance(self._step, DiLoCoStep):
+            return self._step.join(params, opt_state)
+        return params, opt_state
+
+    def steps_done(self, opt_state: Any) -> int:
+        """The steps this group has done: those committed, or under DiLoCo its inner steps
+        (the manager counts outer rounds)."""
+        if self.diloco is not None:
+            return int(opt_state.inner_step)
+        return self.commits()
 
     def follow(self, loader: Any) -> None:
         """Serve ``loader``'s position to a rejoining peer, and take a peer's on a rejoin."""

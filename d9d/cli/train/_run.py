@@ -142,7 +142,6 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
             config.out,
             resuming=config.resume or config.resume_from is not None,
             replica_group=config.replica_group_id if config.fault_tolerant else None,
-            diloco=config.diloco is not None,
         )
         run = _train(config, console, replica)
     except BaseException:
@@ -343,14 +342,18 @@ def _loop(
         if replica is not None and (replica.start_step() or not started):
             # The first quorum says where this group starts: at 0, or where the live
             # groups are when it rejoins them (their data position too: the batch is read
-            # after the quorum).
-            batch, i, last_step, started = None, replica.commits(), replica.commits(), True
+            # after the quorum; under DiLoCo, after the outer round they were in).
+            params, opt_state = replica.join(params, opt_state)
+            i = last_step = replica.steps_done(opt_state)
+            batch, started = None, True
             watch.log.keep_through(i)
             watch.dashboards.start_at(i)
             if i >= config.steps:
                 break
         if batch is None:
-            if replica is not None:
+            if replica is not None and replica.diloco is None:
+                # A group that heals at this step's quorum runs it: it reads this batch.
+                # (Under DiLoCo it takes the params after the step, and reads the next.)
                 replica.position = loader.state_dict()
             batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
         watch.profiler.before(i)

@@ -29,9 +29,8 @@ def outer_round(
     The pseudo-gradient is ``anchor - params``, averaged over the live groups with equal
     weight (as in DiLoCo and torchft); the outer optimizer takes it as the anchor's grad.
     When ``manager.should_commit()`` says no (a group failed during the round), the anchor and
-    the outer state come back as they were.
+    the outer state come back as they were. The caller has started the round's quorum.
     """
-    manager.start_quorum()
     anchor_leaves, spec = tree.flatten(anchor)
     pseudo = [
         _local(a) - _local(p) for a, p in zip(anchor_leaves, tree.leaves(params), strict=True)

@@ -14,6 +14,7 @@ from ...core._runtime import Runtime
 from ...core._step import Memory, OutermostStep
 from ...errors import PlanError
 from ...optim import GradientTransformation
+from .._rejoin import PeerState
 from .._replica_groups import GroupCount
 from ._outer_round import outer_round
 from ._state import DiLoCoState
@@ -38,6 +39,7 @@ class DiLoCoStep(OutermostStep):
         self.inner_steps = inner_steps
         self.outer = outer
         self.groups = GroupCount(_log, "diloco", "outer rounds")
+        self.peer: PeerState | None = None  # built at place: one step per manager
         functools.update_wrapper(self, step, updated=())
 
     def refusal_of(self, name: str) -> str:
@@ -74,12 +76,14 @@ class DiLoCoStep(OutermostStep):
                 "and params every round; drop d9d.fault_tolerant from the inner step, diloco's "
                 "outer round is the only exchange between replica groups"
             )
-        # torchft heals a group that starts behind the live ones with their state: the
-        # anchor and outer state would have to come with it, which is not built.
-        self.manager.register_state_dict_fn(STATE_KEY, _refuse_rejoin, dict)
+        # torchft heals a group behind the live ones (restarted) at a quorum with their state:
+        # params, inner state, anchor, outer state and inner step.
+        self.peer = PeerState(self.manager, STATE_KEY, "diloco", "step.serve(params, state)")
         anchor = tree.map(torch.clone, params)
         inner_step = torch.zeros((), dtype=torch.int64)
-        return params, DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step)
+        state = DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step)
+        self.serve(params, state)
+        return params, state
 
     def __call__(self, params: Any, state: DiLoCoState, batch: Any) -> tuple[Any, Any, Any]:
         if not isinstance(state, DiLoCoState):
@@ -88,17 +92,63 @@ class DiLoCoStep(OutermostStep):
                 f"{type(state).__name__}; build it with step.place(params, opt.init(params))"
             )
         params, inner, metrics = self.step(params, state.inner, batch)
-        inner_step = state.inner_step + 1
-        anchor, outer_state = state.anchor, state.outer
-        if int(inner_step) % self.inner_steps == 0:
-            anchor, outer_state, committed = outer_round(
-                self.manager, self.outer, anchor, outer_state, params
+        state = DiLoCoState(inner, state.anchor, state.outer, state.inner_step + 1)
+        if int(state.inner_step) % self.inner_steps == 0:
+            # A group healing at this round's quorum takes what this one all-reduces.
+            self._serving().serve(params, state, in_round=True)
+            self.manager.start_quorum()
+            params, state = self._met(params, state, in_round=True)
+        self._serving().serve(params, state, in_round=False)
+        return params, state, metrics
+
+    def join(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        """After a quorum the caller started before the first step (``manager.start_quorum()``):
+        if this group healed at it, the live peer's params and state, and, when the peer was
+        inside an outer round, that round run to its end with them; else ``params`` and
+        ``state`` as given.
+
+        A group restarted behind the live ones waits there for their next outer round, and
+        takes part in it with the state its peer all-reduces, so that every group goes on
+        from the round's anchor, bitwise equal (``docs/fault_tolerance.md``).
+        """
+        params, state = self._met(params, state, in_round=False)
+        self._serving().serve(params, state, in_round=False)
+        return params, state
+
+    def serve(self, params: Any, state: DiLoCoState) -> None:
+        """Serve ``params`` and ``state`` to a group that heals from this one before the next
+        step: those the next step will be called with, when the caller replaced what the
+        last step returned (a restored checkpoint)."""
+        self._serving().serve(params, state, in_round=False)
+
+    def _serving(self) -> PeerState:
+        if self.peer is None:
+            raise PlanError("a diloco step runs after step.place(params, opt_state); place it")
+        return self.peer
+
+    def _met(self, params: Any, state: DiLoCoState, in_round: bool) -> tuple[Any, DiLoCoState]:
+        """After a quorum: a peer's state if this group healed at it, and the round when one
+        follows (the peer's, or this group's own)."""
+        taken = self._serving().take(params, state)
+        if taken is not None:
+            params, state, flags = taken
+            in_round = bool(flags["in_round"])
+            _log.warning(
+                "diloco: this replica group rejoined after outer round %d, at inner step %d, "
+                "with a live peer's params, anchor and optimizer states",
+                self.manager.current_step(),
+                int(state.inner_step),
             )
-            self._log_round(committed, int(inner_step))
-            # Copies: a jitted inner step updates its params in place, and the anchor must
-            # stay as the round left it.
-            params = tree.map(torch.clone, anchor)
-        return params, DiLoCoState(inner, anchor, outer_state, inner_step), metrics
+        if not in_round:
+            return params, state
+        anchor, outer_state, committed = outer_round(
+            self.manager, self.outer, state.anchor, state.outer, params
+        )
+        self._log_round(committed, int(state.inner_step))
+        # Copies: a jitted inner step updates its params in place, and the anchor must stay
+        # as the round left it.
+        params = tree.map(torch.clone, anchor)
+        return params, DiLoCoState(state.inner, anchor, outer_state, state.inner_step)
 
     def memory(self, params: Any, state: DiLoCoState) -> Memory:
         """The wrapped step's ``memory``, its optimizer state counting the anchor, the outer
@@ -125,17 +175,7 @@ class DiLoCoStep(OutermostStep):
 
 
 STATE_KEY = "d9d.diloco"
-"""The key of ``diloco``'s part of torchft's state dict of a replica group (served empty)."""
-
-
-def _refuse_rejoin(state: object) -> None:
-    """What torchft calls to hand a group behind the live ones their state."""
-    del state
-    raise PlanError(
-        "this replica group joined DiLoCo groups already past their first outer round, and "
-        "rejoining them (the anchor and the outer optimizer's state from a peer) is not built "
-        "yet; start every replica group together, and restart them all after a failure"
-    )
+"""The key of ``diloco``'s part of torchft's state dict of a replica group."""
 
 
 def _votes(runtime: Runtime) -> bool:

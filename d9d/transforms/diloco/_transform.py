@@ -30,9 +30,10 @@ MANAGER_METHODS = (
     "should_commit",
     "num_participants",
     "register_state_dict_fn",
+    "current_step",
 )
-"""The ``torchft.Manager`` methods ``diloco`` calls: an outer round's, and the refusal of a
-rejoin registered when the step is placed."""
+"""The ``torchft.Manager`` methods ``diloco`` calls: an outer round's, and those of a
+rejoin (its state registered when the step is placed)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,14 @@ def diloco(
 
     The step's loss is the group's own (inner steps do not communicate); the manager's step
     (``manager.current_step()``) counts committed rounds.
+
+    Rejoin: a restarted group behind the live ones is healed by torchft at the quorum of
+    their next round with what a live peer takes into it (params, inner state, anchor, outer
+    state, inner step; key ``"d9d.diloco"``, registered at ``place``) and takes part in that
+    round with it, so that every group goes on from the round's anchor, bitwise. A loop
+    calls ``manager.start_quorum()`` before its first step and then
+    ``params, state = step.join(params, state)``; one that restores a checkpoint serves it
+    first with ``step.serve(params, state)``.
 
     Args:
         manager: A ``torchft.Manager`` of this rank (``rank``/``world_size`` this rank's in

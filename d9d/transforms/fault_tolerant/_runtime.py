@@ -23,9 +23,8 @@ from torch.distributed.tensor import DTensor
 from ...core._gather import local_like
 from ...core._microbatches import sum_microbatches
 from ...core._runtime import Differentiation, Runtime
-from ...errors import PlanError
+from .._rejoin import PeerState
 from .._replica_groups import GroupCount, all_reduce_over_groups
-from ._rejoin import STATE_KEY, adopt, served
 
 __all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]
 
@@ -41,6 +40,9 @@ MANAGER_METHODS = (
 
 _log = logging.getLogger("d9d.fault_tolerant")
 
+STATE_KEY = "d9d.fault_tolerant"
+"""The key of the params and optimizer state in torchft's state dict of a replica group."""
+
 
 class FaultTolerantRuntime(Runtime):
     """The runtime of ``fault_tolerant`` with ``manager``."""
@@ -53,26 +55,9 @@ class FaultTolerantRuntime(Runtime):
         self.starts_quorum = starts_quorum
         self.microbatches = microbatches
         self.groups = GroupCount(_log, "fault_tolerant", "steps")
-        self.live: tuple[Any, Any] | None = None  # what the step is called with: served
-        self.received: dict[str, list[Any]] | None = None  # a peer's, taken at the next step
-        manager.register_state_dict_fn(STATE_KEY, self._receive, self._serve)
-
-    def _serve(self) -> dict[str, list[Any]]:
-        """Called by torchft (its quorum thread) when a peer group rejoins."""
-        if self.received is not None:
-            # Healed from a peer but no step ran since (a group resumed behind another, both
-            # still waiting for the rest): the peer's state is what the next step starts from.
-            return self.received
-        if self.live is None:
-            raise PlanError(
-                "fault_tolerant: a peer asked for live state before any step ran; a loop that "
-                "restores a checkpoint tells the runtime with runtime.serve(params, opt_state)"
-            )
-        return served(*self.live)
-
-    def _receive(self, state: dict[str, list[Any]]) -> None:
-        """Called by torchft when this group rejoins, in ``start_quorum``."""
-        self.received = state
+        self.peer = PeerState(
+            manager, STATE_KEY, "fault_tolerant", "runtime.serve(params, opt_state)"
+        )
 
     def jit_refusal(self) -> str | None:
         return (
@@ -88,12 +73,12 @@ class FaultTolerantRuntime(Runtime):
         )
 
     def start_step(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        self.live = (params, opt_state)
+        self.peer.serve(params, opt_state)
         if self.starts_quorum:
             self.manager.start_quorum()
-        if self.received is not None:
-            state, self.received = self.received, None
-            params, opt_state = adopt(state, params, opt_state)
+        taken = self.peer.take(params, opt_state)
+        if taken is not None:
+            params, opt_state, _ = taken
             _log.warning(
                 "fault_tolerant: this replica group rejoined at step %d with a live peer's "
                 "params and optimizer state",
@@ -110,7 +95,7 @@ class FaultTolerantRuntime(Runtime):
         """Serve ``params`` and ``opt_state`` to a group that rejoins before the next step:
         those the next step will be called with, when the caller replaced what the last step
         returned (a restored checkpoint, before any step ran)."""
-        self.live = (params, opt_state)
+        self.peer.serve(params, opt_state)
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         value, aux, grads, weight = self._run(job)

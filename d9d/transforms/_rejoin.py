@@ -1,4 +1,5 @@
-"""Rejoin: a restarted replica group takes a live peer's params and optimizer state.
+"""Rejoin: a restarted replica group takes a live peer's params and optimizer state
+(``fault_tolerant``'s, and ``diloco``'s with its anchor and outer state among them).
 
 torchft heals a replica group whose step is behind the quorum's: at that quorum, rank ``r``
 of a live peer group serves its state dict through the manager's checkpoint transport
@@ -16,14 +17,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ... import tree
-from ...core._gather import local_like
-from ...errors import PlanError
+from .. import tree
+from ..core._gather import local_like
+from ..errors import PlanError
 
-__all__ = ["STATE_KEY", "adopt", "served"]
-
-STATE_KEY = "d9d.fault_tolerant"
-"""The key of the params and optimizer state in torchft's state dict of a replica group."""
+__all__ = ["PeerState", "adopt", "served"]
 
 
 def _leaf_layout(path: str, leaf: Any) -> str:
@@ -107,3 +105,49 @@ def adopt(state: dict[str, list[Any]], params: Any, opt_state: Any) -> tuple[Any
     param_spec, state_spec = structure
     n = param_spec.num_leaves
     return tree.unflatten(param_spec, out[:n]), tree.unflatten(state_spec, out[n:])
+
+
+class PeerState:
+    """A replica group's part of torchft's state dict, under ``key``: what this rank serves a
+    peer that heals from it (:meth:`serve`), and what it received when it healed itself
+    (:meth:`take`). ``name`` starts the refusal's message, ``serve_call`` names the call
+    that serves a restored checkpoint."""
+
+    def __init__(self, manager: Any, key: str, name: str, serve_call: str) -> None:
+        self.name, self.serve_call = name, serve_call
+        self.live: tuple[Any, Any, dict[str, Any]] | None = None  # served to a healing peer
+        self.received: dict[str, Any] | None = None  # a peer's, until taken
+        manager.register_state_dict_fn(key, self._receive, self._serve)
+
+    def serve(self, params: Any, opt_state: Any, **flags: Any) -> None:
+        """Serve ``params`` and ``opt_state`` (and JSON ``flags``) to a peer that heals from
+        this group at its next quorum."""
+        self.live = (params, opt_state, flags)
+
+    def _serve(self) -> dict[str, Any]:
+        """Called by torchft (its quorum thread) when a peer group heals from this one."""
+        if self.received is not None:
+            # Healed from a peer but no step ran since (a group resumed behind another, both
+            # still waiting for the rest): the peer's state is what the next step starts from.
+            return self.received
+        if self.live is None:
+            raise PlanError(
+                f"{self.name}: a peer asked for live state before any step ran; a loop that "
+                f"restores a checkpoint serves it first with {self.serve_call}"
+            )
+        params, opt_state, flags = self.live
+        return {**served(params, opt_state), **flags}
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        """Called by torchft when this group heals, in ``start_quorum``."""
+        self.received = state
+
+    def take(self, params: Any, opt_state: Any) -> tuple[Any, Any, dict[str, Any]] | None:
+        """The received state laid out as ``params`` and ``opt_state`` (:func:`adopt`), and
+        the flags it was served with; None when this group did not heal."""
+        if self.received is None:
+            return None
+        state, self.received = self.received, None
+        params, opt_state = adopt(state, params, opt_state)
+        flags = {k: v for k, v in state.items() if k not in ("layout", "pieces")}
+        return params, opt_state, flags
