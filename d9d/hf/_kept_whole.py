@@ -36,6 +36,7 @@ from collections.abc import Iterator, Mapping
 
 from torch import nn
 
+from ..core._grad_mode import computes_without_grad
 from ._pp_plan import block_lists_for
 from ._tp_plan import generalize
 
@@ -69,7 +70,12 @@ def kept_whole_rules(module: nn.Module, rules: Mapping[str, Axes]) -> dict[str, 
         column = any(axes is not None and axes[0] in _COLUMN for axes in found)
         if convolves:
             kept.update({_exact(key): ("embed",) * p.ndim for key, p in params})
-        elif not column:  # what its rules keep whole (experts) stays named
+            continue
+        for inner, indexer in child.named_modules(prefix=path):
+            if computes_without_grad(indexer):  # a top-k indexer: same indices on every rank
+                named = indexer.named_parameters(prefix=inner)
+                kept.update({_exact(key): ("embed",) * p.ndim for key, p in named})
+        if not column:  # what its rules keep whole (experts) stays named
             kept.update(
                 {
                     _exact(key): ("embed",) * p.ndim
