@@ -136,6 +136,9 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "afmoe": ("AfmoeSparseMoeBlock",),
         "aria_text": ("AriaTextMoELayer",),
         "axk1": ("AXK1MoE",),
+        # AXK2's gated norms too: an RMSNorm times a per-token low-rank sigmoid gate (an MLP
+        # that no plan names, kept whole), which sequence parallelism runs on the rank's part.
+        "axk2": ("AXK2MoE", "AXK2GatedRMSNorm"),
         "deepseek_v2": ("DeepseekV2Moe",),
         "dots1": ("Dots1MoE",),
         "exaone_moe": ("ExaoneMoeSparseMoEBlock",),
