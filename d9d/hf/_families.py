@@ -141,6 +141,7 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "axk2": ("AXK2MoE", "AXK2GatedRMSNorm"),
         "deepseek_v2": ("DeepseekV2Moe",),
         "dots1": ("Dots1MoE",),
+        "dots3_note_text": ("Dots3NoteTextMoE",),
         "exaone_moe": ("ExaoneMoeSparseMoEBlock",),
         "glm4_moe": ("Glm4MoeMoE",),
         "glm4_moe_lite": ("Glm4MoeLiteMoE",),
