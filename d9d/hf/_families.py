@@ -166,6 +166,9 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "qwen3_5_moe_text": ("Qwen3_5MoeSparseMoeBlock",),
         "qwen3_next": ("Qwen3NextSparseMoeBlock",),
         "qwen4_exp_text": ("Qwen4ExpTextSparseMoeBlock",),
+        # HY-V4's block (router, experts, shared experts) beside hyper-connections kept whole
+        # (no sharded linear: sequence parallelism refused there): equal without it.
+        "hy_v4": ("HYV4MoE",),
     }
 )
 """``{model_type: class names}`` of the modules of a family that compute each position on
