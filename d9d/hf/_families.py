@@ -136,8 +136,12 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "afmoe": ("AfmoeSparseMoeBlock",),
         "aria_text": ("AriaTextMoELayer",),
         "axk1": ("AXK1MoE",),
+        # AXK2's gated norms too: an RMSNorm times a per-token low-rank sigmoid gate (an MLP
+        # that no plan names, kept whole), which sequence parallelism runs on the rank's part.
+        "axk2": ("AXK2MoE", "AXK2GatedRMSNorm"),
         "deepseek_v2": ("DeepseekV2Moe",),
         "dots1": ("Dots1MoE",),
+        "dots3_note_text": ("Dots3NoteTextMoE",),
         "exaone_moe": ("ExaoneMoeSparseMoEBlock",),
         "glm4_moe": ("Glm4MoeMoE",),
         "glm4_moe_lite": ("Glm4MoeLiteMoE",),
@@ -162,6 +166,9 @@ POSITION_WISE: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "qwen3_5_moe_text": ("Qwen3_5MoeSparseMoeBlock",),
         "qwen3_next": ("Qwen3NextSparseMoeBlock",),
         "qwen4_exp_text": ("Qwen4ExpTextSparseMoeBlock",),
+        # HY-V4's block (router, experts, shared experts) beside hyper-connections kept whole
+        # (no sharded linear: sequence parallelism refused there): equal without it.
+        "hy_v4": ("HYV4MoE",),
     }
 )
 """``{model_type: class names}`` of the modules of a family that compute each position on

@@ -18,6 +18,13 @@ parallelism is off), and d9d does the same where no rule could shard the module 
   rel 1.1 off, no error). Its params named only ``embed``, ``experts`` or ``expert_mlp``
   keep their names (routed experts stay ``experts`` for ``expert_parallel``).
 
+A module whose ``forward`` computes without grad (``torch.no_grad()``: the top-k indexer of
+DeepSeek Sparse Attention, ``self_attn.indexer``) is kept whole wherever it sits in a block
+child, a head-sharded attention included: it reads the attention's whole input and what whole
+params compute from it, so every rank picks one device's top-k keys, and nothing it outputs
+carries a grad, so its params get none and no input grad flows back through it
+(``tensor_parallel`` lets its weights sit beside column-parallel linears for that reason).
+
 An ``nn.Embedding`` that holds params besides its weight (Inkling's normed embedding) is kept
 whole too: vocab-parallel, its forward would apply them to the rank's rows of the lookup
 (``tensor_parallel`` refuses that by name).
@@ -36,6 +43,7 @@ from collections.abc import Iterator, Mapping
 
 from torch import nn
 
+from ..core._grad_mode import computes_without_grad
 from ._pp_plan import block_lists_for
 from ._tp_plan import generalize
 
@@ -54,8 +62,9 @@ def kept_whole_rules(module: nn.Module, rules: Mapping[str, Axes]) -> dict[str, 
     """``{param path regex: ("embed",) * ndim}`` for every param of a block child of
     ``module`` that holds an ``nn.Conv1d``, and for the params of a block child that holds
     no weight ``rules`` make column-parallel, but those ``rules`` name with axes whole on tp
-    only; and ``("embed", "embed")`` for the weight of an ``nn.Embedding`` that holds other
-    params (see the module docstring)."""
+    only; for every param of a module in a block child that computes without grad; and
+    ``("embed", "embed")`` for the weight of an ``nn.Embedding`` that holds other params (see
+    the module docstring)."""
     compiled = [(re.compile(pattern), axes) for pattern, axes in rules.items()]
 
     def axes_of(key: str) -> Axes | None:
@@ -69,7 +78,12 @@ def kept_whole_rules(module: nn.Module, rules: Mapping[str, Axes]) -> dict[str, 
         column = any(axes is not None and axes[0] in _COLUMN for axes in found)
         if convolves:
             kept.update({_exact(key): ("embed",) * p.ndim for key, p in params})
-        elif not column:  # what its rules keep whole (experts) stays named
+            continue
+        for inner, indexer in child.named_modules(prefix=path):
+            if computes_without_grad(indexer):  # a top-k indexer: same indices on every rank
+                named = indexer.named_parameters(prefix=inner)
+                kept.update({_exact(key): ("embed",) * p.ndim for key, p in named})
+        if not column:  # what its rules keep whole (experts) stays named
             kept.update(
                 {
                     _exact(key): ("embed",) * p.ndim

@@ -28,6 +28,7 @@ CORE_BASE = (
     "d9d.core._batch_check",
     "d9d.core._index_checks",
     "d9d.core._embedding_ids",
+    "d9d.core._grad_mode",
 )
 # Every module of d9d/core/, its base included, read off the folder: a new one is covered here
 # without an entry.

@@ -67,6 +67,17 @@ def test_a_layer_type_other_than_attention_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("minimax"))
 
 
+def test_a_sparse_attention_layer_is_refused_for_its_top_k_indexer() -> None:
+    """DeepSeek-V3.2's indexed attention: each query's keys are chosen among all positions."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: model\.layers\.0 \(DeepseekV32DecoderLayer\) is a 'indexed_attention' "
+        r"layer \(config\.layer_types\[0\]\), which picks each query's top-k keys among all the "
+        r"sequence's positions .* passes attention that choice as a mask",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("deepseek_v32"))
+
+
 def test_an_attention_mask_the_module_builds_is_refused() -> None:
     """Doge's dynamic mask, computed from the values of every key."""
     with pytest.raises(

@@ -43,6 +43,15 @@ ATTENTION_LAYERS: dict[str, str | None] = {
     "chunked_attention": "attention_chunk_size",  # Llama 4: attention within chunks
 }
 PER_TOKEN_LAYERS = frozenset({"mlp", "moe"})  # Nemotron-H's layers without attention
+# Why a known layer type is refused, where more can be said than that it mixes positions.
+LAYER_REASONS: dict[str, str] = {
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, Dots3-Note, HY-V4).
+    "indexed_attention": (
+        "picks each query's top-k keys among all the sequence's positions (a top-k indexer "
+        "scoring every key) and passes attention that choice as a mask, which ring attention, "
+        "each rank holding its part of the keys and masking causally only, does not implement"
+    ),
+}
 
 # Arguments transformers passes attention that change nothing in its math.
 INERT_ARGUMENTS = frozenset(
@@ -91,9 +100,11 @@ def check_hf_layers(structure: Structure, config: Any) -> None:
             if index < len(blocks)
             else f"layer {index} is"
         )
+        reason = LAYER_REASONS.get(
+            kind, "mixes positions outside attention or in a way ring attention does not implement"
+        )
         raise PlanError(
-            f"{where} a {kind!r} layer (config.layer_types[{index}]), which mixes positions "
-            "outside attention or in a way ring attention does not implement; "
+            f"{where} a {kind!r} layer (config.layer_types[{index}]), which {reason}; "
             f"context_parallel can split only {sorted(ATTENTION_LAYERS)} and per-token "
             f"{sorted(PER_TOKEN_LAYERS)} layers; {_DROP_CP}"
         )

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from ...core._grad_mode import computes_without_grad
 from ...core._param_plan import ParamPlan
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
@@ -115,11 +116,16 @@ def _check_whole_beside_sharded(
 ) -> None:
     """A region holding column-parallel linears gets its input whole on every rank and its
     input grad summed over the axis: right for what the sharded linears compute, ``tp`` times
-    too much for a weight whole on the axis beside them. Raise for such a weight."""
+    too much for a weight whole on the axis beside them. Raise for such a weight, but in a
+    module that computes without grad (``computes_without_grad``: a sparse attention's top-k
+    indexer), through which no grad flows."""
+    gradless = tuple(p + "." for p, m in structure.modules.items() if computes_without_grad(m))
     for region, key, dims in _whole_weights(structure, regions, entries, layout):
         axes = entries[structure.canonical(key)].axes or ()
         if 0 not in dims or any(name in PARTIAL_GRAD_AXES for name in axes):
             continue  # a per-head weight's input grad is partial: the sum is exact
+        if key.startswith(gradless):
+            continue  # no grad reaches the weight nor flows back through it
         raise PlanError(
             f"module {region!r} holds column-parallel linears and {key!r} whole on "
             f"{layout.axis!r}: tensor_parallel gives the module its input whole and sums its "
