@@ -11,6 +11,7 @@ grouped by local expert.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -34,17 +35,13 @@ class ExpertParallelRuntime(Runtime):
         for path in self.layers:
             if not call.stood_in(path):
                 layer = call.structure.modules[path]
-                call.override(
-                    layer, "dispatch", functools.partial(dispatch_and_combine, layer, self.group)
-                )
+                exchange = functools.partial(dispatch_and_combine, layer, self.group)
+                call.override(layer, "token_dispatch", exchange)
 
-    def jit_refusal(self) -> str | None:
-        return (
-            "expert_parallel reads each step's all-to-all split sizes (the routing) on the host, "
-            "which d9d.jit does not trace yet (worst-case static buffers or unbacked sizes, "
-            "issue 27): run the step eagerly"
-        )
-
+    def jit_config(self) -> dict[str, Any]:
+        # The dispatch reads its split sizes on the host (``.tolist()``): under d9d.jit they
+        # become unbacked sizes of one graph for every routing (docs/decisions.md).
+        return {"capture_scalar_outputs": True}
 
 def dispatch_and_combine(
     layer: MoE, group: ProcessGroup, x: Tensor, expert_ids: Tensor, weights: Tensor
