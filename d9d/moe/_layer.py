@@ -164,8 +164,9 @@ class MoE(nn.Module):
     def dispatch(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """The routed experts' weighted output ``[T, dim]`` for tokens ``x [T, dim]``.
 
-        The seam where expert parallelism swaps the local permute for an all-to-all
-        dispatch and combine: permute, grouped experts, unpermute.
+        On this rank: permute, grouped experts, unpermute. The forward calls
+        :attr:`token_dispatch` in its place when set (``d9d.expert_parallel``'s all-to-all
+        dispatch and combine).
         """
         n_experts = self.config.n_experts
         permuted, group_sizes, row_map = moe_permute(x, expert_ids, n_experts)

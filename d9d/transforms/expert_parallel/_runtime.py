@@ -1,8 +1,8 @@
 """Expert parallelism at run time: each MoE layer's ``dispatch(x, expert_ids, weights)``
 becomes the registry's ``dispatch``, the local experts, and ``combine``.
 
-The runtime sets the layer's ``dispatch`` for one ``Model.apply`` (an override of the call,
-restored after it), inside the block whose params the core has already swapped in: the
+The runtime sets the layer's ``token_dispatch`` for one ``Model.apply`` (an override of the
+call, restored after it), inside the block whose params the core has already swapped in: the
 layer's ``experts`` module (with whatever other transforms set on it, ``d9d.fp8``'s grouped
 GEMM) computes with this rank's ``E / ep`` experts, on the rows the ep ranks sent for them,
 grouped by local expert.
@@ -24,7 +24,7 @@ __all__ = ["ExpertParallelRuntime", "dispatch_and_combine"]
 
 
 class ExpertParallelRuntime(Runtime):
-    """The runtime of ``expert_parallel``: sets the ``dispatch`` of the MoE layers at
+    """The runtime of ``expert_parallel``: sets the ``token_dispatch`` of the MoE layers at
     ``layers`` for each call."""
 
     def __init__(self, layers: tuple[str, ...], group: ProcessGroup) -> None:
@@ -39,9 +39,10 @@ class ExpertParallelRuntime(Runtime):
                 call.override(layer, "token_dispatch", exchange)
 
     def jit_config(self) -> dict[str, Any]:
-        # The dispatch reads its split sizes on the host (``.tolist()``): under d9d.jit they
-        # become unbacked sizes of one graph for every routing (docs/decisions.md).
+        # The dispatch reads its split sizes on the host (``.tolist()``): traced, they are
+        # unbacked sizes, so one graph serves every routing (docs/decisions.md).
         return {"capture_scalar_outputs": True}
+
 
 def dispatch_and_combine(
     layer: MoE, group: ProcessGroup, x: Tensor, expert_ids: Tensor, weights: Tensor
