@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from ...core._runtime import ApplyCall, Runtime
-from ...kernels import combine, dispatch, dispatch_layout
+from ...kernels import DispatchGroup, combine, dispatch, dispatch_layout
 from ...moe import MoE
 
 __all__ = ["ExpertParallelRuntime", "dispatch_and_combine"]
@@ -29,7 +29,7 @@ class ExpertParallelRuntime(Runtime):
 
     def __init__(self, layers: tuple[str, ...], group: ProcessGroup) -> None:
         self.layers = layers
-        self.group = group
+        self.group = DispatchGroup.of(group)  # read here: a trace sees no group object
 
     def enter_apply(self, call: ApplyCall) -> None:
         for path in self.layers:
@@ -45,10 +45,10 @@ class ExpertParallelRuntime(Runtime):
 
 
 def dispatch_and_combine(
-    layer: MoE, group: ProcessGroup, x: Tensor, expert_ids: Tensor, weights: Tensor
+    layer: MoE, group: DispatchGroup, x: Tensor, expert_ids: Tensor, weights: Tensor
 ) -> Tensor:
     """``layer.dispatch`` over ``group``: ``x [T, dim]`` to the ranks of its experts, through
     the layer's local experts, and back weighted by ``weights [T, k]``."""
-    layout = dispatch_layout(expert_ids, layer.config.n_experts, group.size())
+    layout = dispatch_layout(expert_ids, layer.config.n_experts, group.size)
     rows, group_sizes, handle = dispatch(x, expert_ids, weights, layout, group)
     return combine(layer.experts(rows, group_sizes), handle)
