@@ -15,6 +15,7 @@ from ._fused_linear_cross_entropy import fused_linear_cross_entropy as fused_lin
 from ._grouped_gemm import grouped_gemm as grouped_gemm
 from ._moe_dispatch import combine as combine
 from ._moe_dispatch import dispatch as dispatch
+from ._moe_dispatch_layout import DispatchGroup as DispatchGroup
 from ._moe_dispatch_layout import DispatchHandle as DispatchHandle
 from ._moe_dispatch_layout import DispatchLayout as DispatchLayout
 from ._moe_dispatch_layout import dispatch_layout as dispatch_layout
@@ -29,6 +30,7 @@ from ._rope import rope as rope
 from ._swiglu import swiglu as swiglu
 
 __all__ = [
+    "DispatchGroup",
     "DispatchHandle",
     "DispatchLayout",
     "adamw",

@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from ..errors import KernelInputError
 from ._checks import check_floating, check_same
 from ._moe_dispatch_c10d import combine_c10d, dispatch_c10d
-from ._moe_dispatch_layout import DispatchHandle, DispatchLayout
+from ._moe_dispatch_layout import DispatchGroup, DispatchHandle, DispatchLayout
 from ._moe_dispatch_reference import combine_reference, dispatch_reference
 from ._registry import FLOAT_DTYPES, define_op, register_backend, resolve
 
@@ -28,7 +28,7 @@ def dispatch(
     topk_ids: Tensor,
     topk_weights: Tensor,
     layout: DispatchLayout,
-    group: ProcessGroup,
+    group: ProcessGroup | DispatchGroup,
     *,
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor, DispatchHandle]:
@@ -48,7 +48,8 @@ def dispatch(
         topk_weights: ``[T, k]`` float tensor, their routing weights (applied by
             :func:`combine`).
         layout: :func:`dispatch_layout` of ``topk_ids`` for this group's size.
-        group: The ep process group (``mesh.get_group("ep")``).
+        group: The ep process group (``mesh.get_group("ep")``), or its
+            :class:`DispatchGroup` (what a traced step passes).
         backend: ``"c10d"``, ``"reference"``, ``"auto"`` or None (see ``d9d.kernels.use``).
 
     Returns:
@@ -84,11 +85,12 @@ def dispatch(
             f"dispatch: topk_weights must be shaped like topk_ids, got {topk_weights.shape=}, "
             f"{topk_ids.shape=}"
         )
-    if layout.token_in_rank.shape != (tokens, group.size()):
+    group = DispatchGroup.of(group)
+    if layout.token_in_rank.shape != (tokens, group.size):
         raise KernelInputError(
             f"dispatch: the layout is of {tuple(layout.token_in_rank.shape)} (tokens, ranks), "
-            f"the call of {tokens} tokens on a group of {group.size()} ranks: build it with "
-            f"dispatch_layout(topk_ids, num_experts, {group.size()})"
+            f"the call of {tokens} tokens on a group of {group.size} ranks: build it with "
+            f"dispatch_layout(topk_ids, num_experts, {group.size})"
         )
     return resolve("dispatch", x, backend)(x, topk_ids, topk_weights, layout, group)
 

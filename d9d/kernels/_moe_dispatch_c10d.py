@@ -20,9 +20,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from ._moe_dispatch_layout import DispatchHandle, DispatchLayout, by_local_expert, weighted_sums
+from ._moe_dispatch_layout import (
+    DispatchGroup,
+    DispatchHandle,
+    DispatchLayout,
+    by_local_expert,
+    weighted_sums,
+)
 
 __all__ = ["combine_c10d", "dispatch_c10d", "uniform_split"]
 
@@ -50,9 +55,9 @@ def uniform_split(tokens: int, num_experts: int, top_k: int, ranks: int) -> tupl
 
 
 def dispatch_c10d(
-    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, layout: DispatchLayout, group: ProcessGroup
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, layout: DispatchLayout, group: DispatchGroup
 ) -> tuple[Tensor, Tensor, DispatchHandle]:
-    ranks, me, name = group.size(), group.rank(), group.group_name
+    ranks, me, name = group.size, group.rank, group.name
     local = layout.tokens_per_expert.numel() // ranks
     send, recv, rows = split_sizes(layout, topk_ids.shape[1], ranks, me, name)
     # Tokens to send, by destination rank, then token: the true entries of token_in_rank.T.
@@ -71,7 +76,7 @@ def dispatch_c10d(
 def combine_c10d(outputs: Tensor, handle: DispatchHandle) -> Tensor:
     send_token, send, recv = handle.route
     group = handle.group
-    back = exchange(weighted_sums(outputs, handle), recv, send, group.rank(), group.group_name)
+    back = exchange(weighted_sums(outputs, handle), recv, send, group.rank, group.name)
     wide = torch.promote_types(outputs.dtype, torch.float32)
     out = outputs.new_zeros(handle.tokens, outputs.shape[1], dtype=wide)
     return out.index_add(0, send_token, back.to(wide)).to(outputs.dtype)

@@ -20,12 +20,35 @@ from torch.distributed import ProcessGroup
 from ..errors import KernelInputError
 
 __all__ = [
+    "DispatchGroup",
     "DispatchHandle",
     "DispatchLayout",
     "by_local_expert",
     "dispatch_layout",
     "weighted_sums",
 ]
+
+
+class DispatchGroup(NamedTuple):
+    """The ep process group as dispatch and combine use it: its name, this rank's index and
+    its size, read from the group once. Traced code holds these, never the group object:
+    torch 2.11's Dynamo cannot call the methods of the test runner's thread-rank group.
+
+    Example:
+        >>> DispatchGroup("ep", 0, 2).size
+        2
+    """
+
+    name: str  # the group's name, which the functional collectives take
+    rank: int  # this rank's index in the group
+    size: int  # the group's ranks
+
+    @classmethod
+    def of(cls, group: ProcessGroup | DispatchGroup) -> DispatchGroup:
+        """``group`` as a :class:`DispatchGroup` (itself if it is one)."""
+        if isinstance(group, DispatchGroup):
+            return group
+        return cls(group.group_name, group.rank(), group.size())
 
 
 class DispatchLayout(NamedTuple):
@@ -70,7 +93,7 @@ class DispatchHandle:
 
     Attributes:
         backend: The backend that dispatched; combine runs the same.
-        group: The ep process group.
+        group: The ep group.
         tokens: ``T``, the tokens of this rank dispatched (the rows combine returns).
         received: ``N``, the tokens this rank received (its own included).
         row_token: ``[M]`` int64: for each dispatched row (grouped by local expert), its
@@ -80,7 +103,7 @@ class DispatchHandle:
     """
 
     backend: str
-    group: ProcessGroup
+    group: DispatchGroup
     tokens: int
     received: int
     row_token: Tensor

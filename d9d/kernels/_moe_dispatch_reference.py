@@ -13,9 +13,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from ._moe_dispatch_layout import DispatchHandle, DispatchLayout, by_local_expert, weighted_sums
+from ._moe_dispatch_layout import (
+    DispatchGroup,
+    DispatchHandle,
+    DispatchLayout,
+    by_local_expert,
+    weighted_sums,
+)
 
 __all__ = ["combine_reference", "dispatch_reference"]
 
@@ -23,9 +28,9 @@ _c10d = torch.ops._c10d_functional
 
 
 def dispatch_reference(
-    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, layout: DispatchLayout, group: ProcessGroup
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, layout: DispatchLayout, group: DispatchGroup
 ) -> tuple[Tensor, Tensor, DispatchHandle]:
-    ranks, me, name = group.size(), group.rank(), group.group_name
+    ranks, me, name = group.size, group.rank, group.name
     local = layout.tokens_per_expert.numel() // ranks
     count = torch.tensor([x.shape[0]], device=x.device)
     longest = int(_gather(count, ranks, name).max())
@@ -46,7 +51,7 @@ def dispatch_reference(
 
 def combine_reference(outputs: Tensor, handle: DispatchHandle) -> Tensor:
     group = handle.group
-    mine = _ReduceScatter.apply(weighted_sums(outputs, handle), group.size(), group.group_name)
+    mine = _ReduceScatter.apply(weighted_sums(outputs, handle), group.size, group.name)
     return mine[: handle.tokens]
 
 

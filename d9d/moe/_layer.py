@@ -130,6 +130,11 @@ class MoE(nn.Module):
         self.router = Router(config, device=device)
         self.experts = Experts(config, device=device)
         self.shared = SharedExperts(config, device=device) if config.shared_dim else None
+        # token_dispatch(x [T, dim], expert_ids [T, k], weights [T, k]) -> [T, dim] in place
+        # of :meth:`dispatch` when set (d9d.expert_parallel sets it for a call): an attribute
+        # set and set back, which d9d.jit traces, where an override of the method would have
+        # to be deleted again (Dynamo replays that deletion on a layer that never held it).
+        self.token_dispatch: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
         if self.router.weight.device.type != "meta":
             self.init_weights()
 
@@ -159,8 +164,9 @@ class MoE(nn.Module):
     def dispatch(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """The routed experts' weighted output ``[T, dim]`` for tokens ``x [T, dim]``.
 
-        The seam where expert parallelism swaps the local permute for an all-to-all
-        dispatch and combine: permute, grouped experts, unpermute.
+        On this rank: permute, grouped experts, unpermute. The forward calls
+        :attr:`token_dispatch` in its place when set (``d9d.expert_parallel``'s all-to-all
+        dispatch and combine).
         """
         n_experts = self.config.n_experts
         permuted, group_sizes, row_map = moe_permute(x, expert_ids, n_experts)
@@ -178,7 +184,8 @@ class MoE(nn.Module):
         routing = route(logits, self.config, self.router.expert_bias)
         load, tokens, ranks = global_load(routing.expert_ids, self.config.n_experts)
         aux_loss = balance_losses(logits, routing, load, tokens, ranks, self.config)
-        out = self.dispatch(flat, routing.expert_ids, routing.weights).view_as(x)
+        dispatch = self.dispatch if self.token_dispatch is None else self.token_dispatch
+        out = dispatch(flat, routing.expert_ids, routing.weights).view_as(x)
         if self.shared is not None:
             out = out + self.shared(x)  # x, not flat: tensor_parallel gathers its sequence dim
         return MoEOutput(out, sequence_sum(aux_loss), load)

@@ -98,13 +98,11 @@ def test_zero_below_3_without_fsdp_ranks_is_refused_before_training(tmp_path: Pa
             run_on_ranks(_losses, 2, tmp_path, zero=1, **extra)
 
 
-def test_ep_without_moe_and_ep_with_jit_are_refused_before_training(tmp_path: Path) -> None:
+def test_ep_without_moe_is_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match="--ep 2 shards routed experts, and --model llama has none"
     ):
         _losses(tmp_path, ep=2)
-    with pytest.raises(ValueError, match="--jit does not compile an expert-parallel step yet"):
-        _losses(tmp_path, model="moe", ep=2, jit=True)
 
 
 class _Crash(Exception):

@@ -59,11 +59,6 @@ def check_flags(config: TrainConfig) -> None:
             f"--ep {config.ep} shards routed experts, and --model {config.model} has none: "
             "pass --model moe, or use --dp/--fsdp for data parallelism"
         )
-    if config.jit and (config.ep or 1) > 1:
-        raise ValueError(
-            "--jit does not compile an expert-parallel step yet (its all-to-all split sizes are "
-            "read on the host each step); drop --jit or --ep"
-        )
     if config.jit and (config.pp or 1) > 1:
         raise ValueError(
             "--jit does not compile a pipeline step (its schedule runs eagerly); drop --jit or --pp"
