@@ -9,16 +9,18 @@ step: the counts of one step, whatever the number of calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+import d9d
 from d9d.core._comm_count import CommStats
 from d9d.core._runtime import Runtime
 from d9d.transforms import ParamPlan, Phase, Transform
 
-__all__ = ["GraphCollectives"]
+__all__ = ["GraphCollectives", "assert_bitwise_in_one_graph", "eager_and_jitted"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +74,40 @@ _KINDS = {
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
 }
+
+
+def eager_and_jitted(
+    build: Callable[[], tuple[Any, Any, Any, Any]], data: list[Any], **jit_options: Any
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], int, CommStats]]:
+    """The step ``build()`` makes (``(mesh, step, model, opt)``) run over ``data`` eagerly,
+    then under ``d9d.jit(**jit_options)``: for each, the losses, the whole final params, the
+    traces (0 eager) and the collectives of one step (eager: ``step.comms``; jitted: its
+    graphs')."""
+    runs = []
+    for jit in (False, True):
+        mesh, step, model, opt = build()
+        stats = CommStats()
+        if jit:
+            step = d9d.jit(GraphCollectives(mesh, stats)(step), **jit_options)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        if not jit:
+            stats = step.comms(params, state, step.shard_batch(data[0]))
+        losses = []
+        for batch in data:
+            params, state, metrics = step(params, state, step.shard_batch(batch))
+            losses.append(metrics["loss"])
+        full = {k: v.full_tensor() for k, v in params.items()}
+        runs.append((torch.stack(losses), full, getattr(step, "traces", 0), stats))
+    return runs
+
+
+def assert_bitwise_in_one_graph(eager: tuple, jitted: tuple) -> None:
+    """The jitted run of :func:`eager_and_jitted` traced one graph for all its steps (no
+    graph break, no recompile) and equals the eager run bit for bit, losses and params,
+    with the same collectives, count and bytes."""
+    assert jitted[2] == 1, f"{jitted[2]} traces"
+    assert torch.equal(jitted[0], eager[0]), (jitted[0], eager[0])
+    for path, value in eager[1].items():
+        assert torch.equal(jitted[1][path], value), path
+    assert dict(jitted[3].count) == dict(eager[3].count)
+    assert dict(jitted[3].bytes) == dict(eager[3].bytes)

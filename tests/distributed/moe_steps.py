@@ -6,6 +6,7 @@ accumulation written out."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,6 +41,16 @@ def batches() -> list[dict[str, torch.Tensor]]:
             labels[row, : (5 * row + 3 * i) % 17] = -100
         out.append({"tokens": tokens[:, :-1], "labels": labels})
     return out
+
+
+def trained(step: Any, params: Any, state: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Metrics ``[STEPS, 3]`` and the whole final params of a placed distributed ``step`` run
+    over :func:`batches` (each sharded by the step)."""
+    metrics = []
+    for batch in batches():
+        params, state, m = step(params, state, step.shard_batch(batch))
+        metrics.append(torch.stack([m[k] for k in METRICS]))
+    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
 
 
 def reference(build: Callable[[], d9d.Model]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

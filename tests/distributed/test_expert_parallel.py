@@ -13,7 +13,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from moe_steps import METRICS, PARAM_TOL, TOL, accumulated_reference, batches, optimizer, reference
+from moe_steps import (
+    PARAM_TOL,
+    TOL,
+    accumulated_reference,
+    batches,
+    optimizer,
+    reference,
+    trained,
+)
 
 import d9d
 from d9d.errors import RankFailedError
@@ -68,11 +76,7 @@ def _rank(mesh_axes: dict[str, int], experts: int, skewed: bool):
         step = transform(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     local = params[EXPERTS].to_local().shape if EXPERTS in params else None
-    metrics = []
-    for batch in batches():
-        params, state, m = step(params, state, step.shard_batch(batch))
-        metrics.append(torch.stack([m[k] for k in METRICS]))
-    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}, local
+    return *trained(step, params, state), local
 
 
 LAYOUTS = {
@@ -223,11 +227,7 @@ def _microbatched_rank():
     step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
     step = d9d.shard_params(mesh, axis="fsdp", microbatches=2)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    metrics = []
-    for batch in batches():
-        params, state, m = step(params, state, step.shard_batch(batch))
-        metrics.append(torch.stack([m[k] for k in METRICS]))
-    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+    return trained(step, params, state)
 
 
 @pytest.mark.distributed
@@ -246,11 +246,7 @@ def _pipelined_rank(microbatches: int):
     step = d9d.expert_parallel(mesh)(make_train_step(model, opt))
     step = d9d.pipeline(mesh, "pp", schedule="1f1b", microbatches=microbatches)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    metrics = []
-    for batch in batches():
-        params, state, m = step(params, state, step.shard_batch(batch))
-        metrics.append(torch.stack([m[k] for k in METRICS]))
-    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+    return trained(step, params, state)
 
 
 @pytest.mark.distributed
@@ -273,11 +269,7 @@ def _remat_rank(policy: str):
     step = d9d.remat(policy, mesh=mesh)(d9d.expert_parallel(mesh)(make_train_step(model, opt)))
     params, state = step.place(model.params, opt.init(model.params), model=model)
     count = step.comms(params, state, step.shard_batch(batches()[0])).count[("all_to_all", "ep")]
-    metrics = []
-    for batch in batches():
-        params, state, m = step(params, state, step.shard_batch(batch))
-        metrics.append(torch.stack([m[k] for k in METRICS]))
-    return count, torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+    return count, *trained(step, params, state)
 
 
 @pytest.mark.distributed

@@ -16,10 +16,9 @@ import math
 import pytest
 import torch
 from equivalence import batches, llama, optimizer, run, train_step
-from graph_collectives import GraphCollectives
+from graph_collectives import assert_bitwise_in_one_graph, eager_and_jitted
 
 import d9d
-from d9d.core._comm_count import CommStats
 from d9d.errors import PlanError
 from d9d.testing import run_on_ranks
 
@@ -202,28 +201,17 @@ def _jit_rank(order: str) -> list[tuple]:
     once (``reshard_after_forward=False``: eager regathers in the backward otherwise, where
     the compiled graph keeps what autograd saves): losses, params, the traces, and the
     collectives of the eager step (``step.comms``) and of the compiled graphs."""
-    data = batches(256, global_batch=4, seq_len=16, steps=3)
-    runs = []
-    for jit in (False, True):
+
+    def build():
         mesh = d9d.make_mesh("cpu", fsdp=2)
         model, opt = llama(torch.float32, 1)(), optimizer()
         storage = d9d.shard_params(mesh, reshard_after_forward=False)
         fp8 = d9d.fp8(mesh, "tensorwise", gather_in_fp8=True)
         inner, outer = (fp8, storage) if order == "shard_params outside" else (storage, fp8)
-        step = outer(inner(train_step(model, opt)))
-        stats = CommStats()
-        if jit:
-            step = d9d.jit(GraphCollectives(mesh, stats)(step), backend="aot_eager", fullgraph=True)
-        params, state = step.place(model.params, opt.init(model.params), model=model)
-        if not jit:
-            stats = step.comms(params, state, step.shard_batch(data[0]))
-        losses = []
-        for batch in data:
-            params, state, metrics = step(params, state, step.shard_batch(batch))
-            losses.append(metrics["loss"])
-        full = {k: v.full_tensor() for k, v in params.items()}
-        runs.append((torch.stack(losses), full, getattr(step, "traces", 0), stats))
-    return runs
+        return mesh, outer(inner(train_step(model, opt))), model, opt
+
+    data = batches(256, global_batch=4, seq_len=16, steps=3)
+    return eager_and_jitted(build, data, backend="aot_eager", fullgraph=True)
 
 
 @pytest.mark.compile
@@ -233,12 +221,7 @@ def test_fp8_gather_under_jit_bitwise_eager_with_its_collectives():
     collectives, count and bytes: e4m3 gathers and one all-reduce of the weights' amaxes a
     step, as ``test_fp8_gather_bytes_counted`` counts them in eager."""
     for eager, jitted in run_on_ranks(_jit_rank, 2, "shard_params outside", timeout=300):
-        assert jitted[2] == 1  # one graph for all steps: no graph break, no recompile
-        assert torch.equal(jitted[0], eager[0]), (jitted[0], eager[0])
-        for path, value in eager[1].items():
-            assert torch.equal(jitted[1][path], value), path
-        assert dict(jitted[3].count) == dict(eager[3].count)
-        assert dict(jitted[3].bytes) == dict(eager[3].bytes)
+        assert_bitwise_in_one_graph(eager, jitted)
 
 
 def _gather_directly(mesh_size: int) -> None:

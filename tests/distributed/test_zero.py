@@ -18,11 +18,10 @@ from equivalence import (
     reference,
     train_step,
 )
-from graph_collectives import GraphCollectives
+from graph_collectives import assert_bitwise_in_one_graph, eager_and_jitted
 from torch.distributed.tensor import Replicate, Shard
 
 import d9d
-from d9d.core._comm_count import CommStats
 from d9d.errors import PlanError
 from d9d.testing import assert_trees_all_close, run_on_ranks
 from d9d.transforms.shard_params import ZeroStage
@@ -273,26 +272,14 @@ def test_body_returning_a_missing_or_plain_param_is_refused() -> None:
 def _jit_rank(shard: str):
     """3 AdamW steps (clipping) eager and under ``d9d.jit(backend="aot_eager")``, float32 on
     fsdp=2: losses, params, the traces, the eager step's collectives (``step.comms``) and
-    those of the graphs the compiled step runs (``GraphCollectives``)."""
-    data = batches(256, steps=3)
-    runs = []
-    for jit in (False, True):
+    those of the graphs the compiled step runs (``eager_and_jitted``)."""
+
+    def build():
         mesh = d9d.make_mesh("cpu", fsdp=2)
         model, opt = llama(torch.float32, 1)(), optimizer()
-        step = d9d.shard_params(mesh, shard=shard)(train_step(model, opt))
-        stats = CommStats()
-        if jit:
-            step = d9d.jit(GraphCollectives(mesh, stats)(step), backend="aot_eager")
-        params, state = step.place(model.params, opt.init(model.params))
-        if not jit:
-            stats = step.comms(params, state, step.shard_batch(data[0]))
-        losses = []
-        for batch in data:
-            params, state, metrics = step(params, state, step.shard_batch(batch))
-            losses.append(metrics["loss"])
-        full = {k: v.full_tensor() for k, v in params.items()}
-        runs.append((torch.stack(losses), full, getattr(step, "traces", 0), stats))
-    return runs
+        return mesh, d9d.shard_params(mesh, shard=shard)(train_step(model, opt)), model, opt
+
+    return eager_and_jitted(build, batches(256, steps=3), backend="aot_eager")
 
 
 @pytest.mark.compile
@@ -302,12 +289,7 @@ def test_jit_equals_eager_bit_for_bit_and_moves_the_same_collectives(zero: str) 
     the update on the slices, the new params all-gathered in one collective), equal to
     the eager ZeRO step bit for bit over 3 steps, with its collectives, count and bytes."""
     for eager, jitted in run_on_ranks(_jit_rank, 2, ZERO[zero], timeout=300):
-        assert jitted[2] == 1  # one graph for all steps: no graph break, no recompile
-        assert torch.equal(jitted[0], eager[0]), (jitted[0], eager[0])
-        for path, value in eager[1].items():
-            assert torch.equal(jitted[1][path], value), path
-        assert dict(jitted[3].count) == dict(eager[3].count)
-        assert dict(jitted[3].bytes) == dict(eager[3].bytes)
+        assert_bitwise_in_one_graph(eager, jitted)
         assert jitted[3].count[("all_gather", "fsdp")] == 1
 
 

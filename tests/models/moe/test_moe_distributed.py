@@ -19,6 +19,7 @@ from moe_steps import (
     batches,
     optimizer,
     reference,
+    trained,
 )
 
 import d9d
@@ -130,11 +131,7 @@ def _rank(mesh_axes: dict[str, int], transforms, overrides: dict[str, int]):
     for transform in transforms(mesh):
         step = transform(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    metrics = []
-    for batch in batches():
-        params, state, m = step(params, state, step.shard_batch(batch))
-        metrics.append(torch.stack([m[k] for k in METRICS]))
-    return torch.stack(metrics), {k: v.full_tensor() for k, v in params.items()}
+    return trained(step, params, state)
 
 
 def _assert_ranks_equal(ranks, want_metrics, want_params) -> None:
