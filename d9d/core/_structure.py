@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import hf
+from ._grad_mode import computes_without_grad
 
 __all__ = ["Axes", "Block", "Slot", "Structure", "position_wise_paths", "structure_of"]
 
@@ -87,6 +88,9 @@ class Structure:
             (``positions`` or ``position_ids``), if any.
         position_wise: Paths of the modules declared to compute each position on its own
             (see :func:`position_wise_paths`), outermost first.
+        without_grad: Paths of the modules whose forward computes without grad
+            (``computes_without_grad``: read here, once, and not in a traced step, where
+            reading a decorator's closure cells would break Dynamo's view of them).
     """
 
     module: nn.Module
@@ -100,6 +104,7 @@ class Structure:
     paths: dict[int, str]
     positions_keyword: str | None
     position_wise: tuple[str, ...] = ()
+    without_grad: tuple[str, ...] = ()
 
     def canonical(self, key: str) -> str:
         """The path under which the param at ``key`` is stored (its own unless tied)."""
@@ -164,6 +169,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
             None,
         ),
         position_wise=position_wise_paths(module),
+        without_grad=tuple(p for p, m in modules.items() if computes_without_grad(m)),
     )
     return structure, params, buffers
 

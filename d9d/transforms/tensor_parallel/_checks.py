@@ -13,7 +13,6 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from ...core._grad_mode import computes_without_grad
 from ...core._param_plan import ParamPlan
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
@@ -117,9 +116,9 @@ def _check_whole_beside_sharded(
     """A region holding column-parallel linears gets its input whole on every rank and its
     input grad summed over the axis: right for what the sharded linears compute, ``tp`` times
     too much for a weight whole on the axis beside them. Raise for such a weight, but in a
-    module that computes without grad (``computes_without_grad``: a sparse attention's top-k
+    module that computes without grad (``Structure.without_grad``: a sparse attention's top-k
     indexer), through which no grad flows."""
-    gradless = tuple(p + "." for p, m in structure.modules.items() if computes_without_grad(m))
+    gradless = tuple(p + "." for p in structure.without_grad)
     for region, key, dims in _whole_weights(structure, regions, entries, layout):
         axes = entries[structure.canonical(key)].axes or ()
         if 0 not in dims or any(name in PARTIAL_GRAD_AXES for name in axes):
