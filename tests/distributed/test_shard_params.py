@@ -89,8 +89,10 @@ def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
 def test_jit_equals_one_device(layout: str) -> None:
     """One block keeps the compile affordable: each thread rank compiles its own graph, about
     a minute per 2 ranks on 2 CPU cores with a cold cache. ``fsdp=4`` runs the code of
-    ``fsdp=2`` and is left to the eager test."""
-    _check("d9d", layout, torch.float64, jit=True, n_layers=1)
+    ``fsdp=2`` and is left to the eager test. The 2-D layout's graph runs on eager kernels
+    (``aot_eager``): its capture is what it adds over the 1-D layouts, whose inductor code
+    is tested here; inductor on its 4 ranks cost about 2 min of CI."""
+    _check("d9d", layout, torch.float64, jit="aot_eager" if " x " in layout else True, n_layers=1)
 
 
 @pytest.mark.compile

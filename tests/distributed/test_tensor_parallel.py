@@ -144,7 +144,9 @@ def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
 @pytest.mark.usefixtures("math_attention")
 @pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
 def test_jit_equals_one_device(layout: str) -> None:
-    _check("d9d", layout, torch.float64, jit=True, n_layers=1)
+    """Inductor at ``tp=2``; the 2-D layout's graph on eager kernels (``aot_eager``): its
+    capture is what it adds, and inductor on its 4 ranks cost about 2.5 min of CI."""
+    _check("d9d", layout, torch.float64, jit="aot_eager" if " x " in layout else True, n_layers=1)
 
 
 @pytest.mark.compile
