@@ -138,10 +138,19 @@ _IDENTITY = {"max": -math.inf, "sum": 0.0}
 
 def _indices(entry: ParamPlan, mesh: DeviceMesh, placements: tuple) -> tuple[int, int]:
     """``(first, count)``: the indices of dim ``entry.codec.statistic_dim`` that a rank
-    holds of ``entry``'s param laid out ``placements``."""
-    shape, offset = compute_local_shape_and_global_offset(entry.shape, mesh, placements)
-    dim = entry.codec.statistic_dim
-    return offset[dim], shape[dim]
+    holds of ``entry``'s param laid out ``placements``: each mesh axis that shards the dim
+    cuts what the axes before it left into chunks of ``ceil(rows / ranks)`` (DTensor's
+    layout). Plain integers from the mesh coordinate: DTensor's own
+    ``compute_local_shape_and_global_offset`` computes offsets as tensors, which under
+    ``torch.compile`` become unbacked symbols."""
+    dim, coordinate = entry.codec.statistic_dim, mesh.get_coordinate()
+    first, count = 0, entry.shape[dim]
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard) and placement.dim == dim:
+            chunk = -(-count // mesh.shape[axis])
+            start = min(coordinate[axis] * chunk, count)
+            first, count = first + start, min(chunk, count - start)
+    return first, count
 
 
 def _laid_out(entry: ParamPlan, mesh: DeviceMesh, values: torch.Tensor) -> torch.Tensor:
