@@ -62,8 +62,9 @@ def _quantize_a(
     """``x [rows, k]`` (rows grouped by expert) as the grouped GEMM's ``a``, along ``k``."""
     if recipe != "tensorwise":
         return fp8_quantize(x, recipe, dtype)
-    if x.shape[0] == 0:
-        return x.detach().to(dtype), x.new_empty(0, 1, dtype=torch.float32)
+    # No branch on zero rows (a rank whose experts receive none): the ops below give [0, k]
+    # data and [0, 1] scales, and under d9d.jit the rows are an unbacked size that Dynamo
+    # cannot compare with 0.
     scale, limit = _per_expert_scales(x, owner, experts, dtype), torch.finfo(dtype).max
     return (x.detach().float() / scale).clamp(-limit, limit).to(dtype), scale
 
