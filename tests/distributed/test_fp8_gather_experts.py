@@ -78,7 +78,8 @@ def test_fp8_gather_of_the_experts_bitwise_the_fp8_step_without_it(layout):
 
 def _comms(axes: dict[str, int], gather: bool):
     """One grad step's collectives with only the experts in fp8, gathered in bfloat16 or
-    fp8; and each rank's experts weights' ``(elements, experts)`` as it computes them."""
+    fp8; its per-rank memory; and each rank's experts weights' ``(elements, experts)`` as
+    it computes them."""
     mesh = d9d.make_mesh("cpu", **axes)
     model = d9d.functionalize(MoE(MoEConfig.tiny()))
 
@@ -91,7 +92,8 @@ def _comms(axes: dict[str, int], gather: bool):
     params, _ = step.place(model.params, (), model=model)
     computed = [step.plan[p].local_shape(mesh, step.plan[p].compute) for p in EXPERTS]
     stats = step.comms(params, (), step.shard_batch(batches()[0]))
-    return stats, [(math.prod(shape), shape[0]) for shape in computed]
+    memory = step.memory(params, ())
+    return stats, memory, [(math.prod(shape), shape[0]) for shape in computed]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -99,12 +101,13 @@ def test_fp8_gather_of_the_experts_counted(layout):
     """Block 1 is gathered twice (the forward, and again for the backward): its experts
     weights move 1 byte an element each time instead of bfloat16's 2; their scales, one
     float32 per expert the rank computes with (all 6 at fsdp=2, its 3 at ep=2 x fsdp=2),
-    take one all-reduce more a step, which nothing else changes."""
+    take one all-reduce more a step; nothing else changes, per-rank memory neither (it counts
+    stored params, grads and state, not gathered weights)."""
     axes = LAYOUTS[layout]
     ranks = math.prod(axes.values())
     plain_ranks = run_on_ranks(_comms, ranks, axes, False)
     fp8_ranks = run_on_ranks(_comms, ranks, axes, True)
-    for (plain, sizes), (fp8, _) in zip(plain_ranks, fp8_ranks, strict=True):
+    for (plain, plain_memory, sizes), (fp8, memory, _) in zip(plain_ranks, fp8_ranks, strict=True):
         elements, experts = sum(n for n, _ in sizes), sum(e for _, e in sizes)
         assert experts == (6 if layout == "fsdp=2" else 3) * 3
         bf16 = 2 * elements * torch.bfloat16.itemsize  # block 1's two gathers of its experts
@@ -116,6 +119,7 @@ def test_fp8_gather_of_the_experts_counted(layout):
         assert scales == experts * 4
         rest = set(plain.count) - {("all_gather", "fsdp"), ("all_reduce", "fsdp")}
         assert {k: fp8.bytes[k] for k in rest} == {k: plain.bytes[k] for k in rest}
+        assert memory == plain_memory
 
 
 class _OneValueTooMany(Fp8Gather):
