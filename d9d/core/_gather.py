@@ -104,8 +104,9 @@ class _Gather(torch.autograd.Function):
         if entry.codec.statistic_op is not None:  # over the gathering axes (no cast has one:
             # a jitted step never looks a group up here)
             names = [mesh.get_group(i).group_name for i in _gathering_axes(entry)]
-            (statistic,) = _statistics([entry], [local], names)
-        stored = local_like(entry.codec.encode(local, statistic), stored)
+            (statistic,) = _statistics([entry], [local], names, mesh)
+        encoded = entry.codec.encode(local, _shard_values(entry, mesh, statistic))
+        stored = local_like(encoded, stored)
         gathered = stored.redistribute(mesh, entry.compute).to_local()
         decoded = entry.codec.decode(gathered, statistic)
         if isinstance(decoded, tuple):
@@ -131,13 +132,71 @@ def _gathering_axes(entry: ParamPlan) -> list[int]:
     return [i for i, (stored, used) in enumerate(pairs) if stored != used]
 
 
+# What a rank that holds no value of an index gives to the all-reduce of a statistic.
+_IDENTITY = {"max": -math.inf, "sum": 0.0}
+
+
+def _indices(entry: ParamPlan, mesh: DeviceMesh, placements: tuple) -> tuple[int, int]:
+    """``(first, count)``: the indices of dim ``entry.codec.statistic_dim`` that a rank
+    holds of ``entry``'s param laid out ``placements``: each mesh axis that shards the dim
+    cuts what the axes before it left into chunks of ``ceil(rows / ranks)`` (DTensor's
+    layout). Plain integers from the mesh coordinate: DTensor's own
+    ``compute_local_shape_and_global_offset`` computes offsets as tensors, which under
+    ``torch.compile`` become unbacked symbols."""
+    dim, coordinate = entry.codec.statistic_dim, mesh.get_coordinate()
+    first, count = 0, entry.shape[dim]
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard) and placement.dim == dim:
+            chunk = -(-count // mesh.shape[axis])
+            start = min(coordinate[axis] * chunk, count)
+            first, count = first + start, min(chunk, count - start)
+    return first, count
+
+
+def _laid_out(entry: ParamPlan, mesh: DeviceMesh, values: torch.Tensor) -> torch.Tensor:
+    """A shard's statistic as the gathered tensor's: unchanged without ``statistic_dim``;
+    with it, the shard's values at its offset among the gathered tensor's indices, the op's
+    identity elsewhere (``Cast``'s doc), so that the all-reduce combines values of one
+    index only."""
+    if entry.codec.statistic_dim is None:
+        return values
+    first, count = _indices(entry, mesh, entry.storage)
+    start, total = _indices(entry, mesh, entry.compute)
+    if values.numel() != count:
+        raise ValueError(
+            f"{entry.path}: its gather codec's statistic has {values.numel()} values for a "
+            f"shard of {count} indices of dim {entry.codec.statistic_dim}: one per index"
+        )
+    before, after = first - start, total - count - (first - start)
+    if before == after == 0:
+        return values
+    fill = _IDENTITY[entry.codec.statistic_op]
+    return torch.cat([values.new_full((before,), fill), values, values.new_full((after,), fill)])
+
+
+def _shard_values(
+    entry: ParamPlan, mesh: DeviceMesh, statistic: torch.Tensor | None
+) -> torch.Tensor | None:
+    """What ``encode`` takes of the all-reduced ``statistic``: the shard's indices of its
+    ``statistic_dim`` (all of it without one)."""
+    if statistic is None or entry.codec.statistic_dim is None:
+        return statistic
+    first, count = _indices(entry, mesh, entry.storage)
+    start, _ = _indices(entry, mesh, entry.compute)
+    return statistic[first - start : first - start + count]
+
+
 def _reduced_statistics(
-    entries: Sequence[ParamPlan], shards: Sequence[torch.Tensor], groups: Sequence[str]
+    entries: Sequence[ParamPlan],
+    shards: Sequence[torch.Tensor],
+    groups: Sequence[str],
+    mesh: DeviceMesh,
 ) -> list[torch.Tensor]:
-    """Each shard's ``codec.statistic``, all-reduced with the codecs' one ``statistic_op``
-    over the process ``groups``: one collective per group for all of them."""
+    """Each shard's ``codec.statistic`` (laid out as the gathered tensor's:
+    :func:`_laid_out`), all-reduced with the codecs' one ``statistic_op`` over the process
+    ``groups``: one collective per group for all of them."""
     own = [
-        e.codec.statistic(shard).float().reshape(-1)
+        _laid_out(e, mesh, e.codec.statistic(shard).float().reshape(-1))
         for e, shard in zip(entries, shards, strict=True)
     ]
     flat = torch.cat(own)
@@ -169,12 +228,13 @@ def codec_statistics(plan: Plan, params: Mapping[str, Any]) -> dict[str, torch.T
         for (_, groups), paths in found.items():
             entries = [plan.entries[p] for p in paths]
             shards = [params[p].to_local() for p in paths]
-            out.update(zip(paths, _reduced_statistics(entries, shards, groups), strict=True))
+            reduced = _reduced_statistics(entries, shards, groups, plan.mesh)
+            out.update(zip(paths, reduced, strict=True))
     return out
 
 
 def _statistics(
-    entries: Sequence[ParamPlan], shards: list[torch.Tensor], groups: list[str]
+    entries: Sequence[ParamPlan], shards: list[torch.Tensor], groups: list[str], mesh: DeviceMesh
 ) -> list[torch.Tensor | None]:
     """Each shard's all-reduced codec statistic (None for a shard with no codec or a codec
     without statistic: a cast): the running step's (:func:`codec_statistics`), else
@@ -190,7 +250,7 @@ def _statistics(
     for op in dict.fromkeys(entries[i].codec.statistic_op for i in missing):
         members = [i for i in missing if entries[i].codec.statistic_op == op]
         reduced = _reduced_statistics(
-            [entries[i] for i in members], [shards[i] for i in members], groups
+            [entries[i] for i in members], [shards[i] for i in members], groups, mesh
         )
         for i, value in zip(members, reduced, strict=True):
             out[i] = value
@@ -286,7 +346,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
             locals_ = [t.to_local() for t in stored]
-            statistics[key] = _statistics(entries, locals_, [group])
+            statistics[key] = _statistics(entries, locals_, [group], plan.mesh)
             flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], statistics[key])
             buffers[key] = _c10d.all_gather_into_tensor(flat, plan.mesh.shape[axis], group)
     return IssuedGather(tuple(paths), buffers, statistics)
@@ -403,7 +463,7 @@ def _flat_shards(
         encoded = (
             local.to(entry.compute_dtype or entry.dtype)
             if codec is None
-            else codec.encode(local, statistic)
+            else codec.encode(local, _shard_values(entry, tensor.device_mesh, statistic))
         )
         rows = encoded.movedim(dim, 0)
         pieces.append(padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
@@ -440,7 +500,7 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.defer = deferring()
         if issued is None:
-            statistics = _statistics(entries, [t.to_local() for t in stored], [group])
+            statistics = _statistics(entries, [t.to_local() for t in stored], [group], mesh)
             flat = _flat_shards(list(stored), list(entries), axis, ranks, statistics)
             buffer = _c10d.all_gather_into_tensor(flat, ranks, group)
         else:

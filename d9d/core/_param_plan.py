@@ -29,6 +29,9 @@ class GatherCodec(Protocol):
     statistic_op: ClassVar[str | None]
 
     @property
+    def statistic_dim(self) -> int | None: ...
+
+    @property
     def wire_dtype(self) -> torch.dtype: ...
 
     @property
@@ -64,6 +67,14 @@ class Cast:
     passed to ``encode`` and ``decode``: a scale taken from the whole param's amax, for data in a
     narrower format (the fp8 package's codec). A cast has none.
 
+    ``statistic_dim``: None, or a tensor dim ``d`` when the statistic holds one value per
+    index of dim ``d`` (a stack of experts ``[E, K, N]`` scaled one per expert: ``d = 0``).
+    The core then reduces each value with those of the same index on the other ranks:
+    ``statistic(shard)`` gives the shard's indices of ``d``; where the gather runs along
+    ``d`` the ranks hold different indices, so each rank's values are laid at its shard's
+    offset (the op's identity elsewhere) before the all-reduce. ``decode`` takes the values
+    of the gathered tensor's indices of ``d``, ``encode`` those of the shard's.
+
     ``parts`` is how many tensors ``decode`` returns: one, the tensor computed with; or a
     tuple of ``parts`` plain tensors, the first the one autograd differentiates (the
     compute dtype and the param's shape: its grad comes back to the gather) and the others
@@ -75,6 +86,7 @@ class Cast:
 
     dtype: torch.dtype
     statistic_op: ClassVar[str | None] = None
+    statistic_dim: ClassVar[int | None] = None
 
     @property
     def wire_dtype(self) -> torch.dtype:

@@ -17,6 +17,8 @@ from d9d.kernels import grouped_gemm
 from d9d.models import MoE, MoEConfig
 from d9d.transforms.fp8 import _experts
 from d9d.transforms.fp8._experts import fp8_grouped_gemm_experts
+from d9d.transforms.fp8._gather import Fp8Gather
+from d9d.transforms.fp8._weight import Fp8Weight
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -117,6 +119,30 @@ def test_no_rows():
     out.sum().backward()
     assert out.shape == (0, 16) and x.grad.shape == (0, 32)
     assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_a_weight_gathered_in_fp8_is_taken_as_it_is():
+    """The experts' weight as the fp8 gather hands it over (``Fp8Gather(stacked=True)``'s
+    encode and decode of the whole stack, one scale per expert): as an ``Fp8Weight`` (eager)
+    and as the plain ``(weight, data, scale)`` of ``d9d.jit``, whose ``weight`` takes the
+    weight grad, the output, input grad and weight grad are those of the weight itself,
+    bitwise."""
+    sizes, g = [10, 0, 20, 7], torch.Generator().manual_seed(1)
+    x = torch.randn(sum(sizes), 48, generator=g)
+    w = torch.randn(4, 48, 32, generator=g) * torch.arange(1, 5)[:, None, None]
+    dy = torch.randn(sum(sizes), 32, generator=g)
+    want = _run(x, w, dy, sizes, "tensorwise")
+    codec = Fp8Gather(torch.float32, stacked=True)
+    amax = codec.statistic(w)
+    gathered = codec.decode(codec.encode(w, amax), amax)
+    assert isinstance(gathered, Fp8Weight) and gathered.fp8_scale.shape == (4, 1, 1)
+    parts = (torch.zeros_like(w, requires_grad=True), gathered.fp8_data, gathered.fp8_scale)
+    for weight in (gathered, parts):
+        x_ = x.clone().requires_grad_()
+        out = fp8_grouped_gemm_experts(x_, weight, torch.tensor(sizes), "tensorwise")
+        out.backward(dy)
+        assert torch.equal(out, want[0]) and torch.equal(x_.grad, want[1])
+    assert torch.equal(parts[0].grad, want[2])
 
 
 def _sqnr(want: torch.Tensor, got: torch.Tensor) -> float:

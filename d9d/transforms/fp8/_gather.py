@@ -28,6 +28,17 @@ gathers return that tuple as the weight (``parts``: ``Cast``'s doc in
 ``d9d/core/_param_plan.py``), the fp8 linear takes its data and scale as eager takes the
 subclass's, and the compiled step is the eager one bitwise under aot_eager.
 
+[Note: the routed experts' stacked weights] The fp8 grouped GEMM scales an experts weight
+``[E, K, N]`` one scale per expert (``fp8_quantize`` of a stack: the amax of ``w[e]``), so
+its codec (``stacked=True``) takes one amax per expert: ``statistic_dim = 0``, which the core
+reduces index by index (``Cast``'s doc in ``d9d/core/_param_plan.py``). Under
+``shard_params`` alone the experts are ``Shard(0)`` over the gathering axis: each rank holds
+whole experts, lays their amaxes at its experts' offset (``-inf`` for the others) and the
+all-reduce gives every rank all ``E``; under ``expert_parallel`` x ``shard_params`` they are
+``Shard(0)`` over ``ep`` (not gathered) and ``Shard(1)`` over ``fsdp``: the ``E / ep``
+amaxes of the rank's experts are all-reduced over ``fsdp`` only. Either way each expert's
+scale is the one the fp8 grouped GEMM takes of the whole weight on one device.
+
 Tensorwise only: rowwise scales the weight along ``K`` in the forward and along ``N`` in the
 input grad (two quantizations of one weight, so one gathered copy serves only one of them),
 and blockwise's 128x128 blocks straddle the shards' rows; both are refused by name.
@@ -57,10 +68,18 @@ class Fp8Gather:
     Attributes:
         compute_dtype: The dtype the weight is computed with and its grad comes back in
             (``shard_params``' ``param_dtype``, else the param's own).
+        stacked: The weight is a stack of routed experts ``[E, K, N]``, scaled one per
+            expert (the module's note on experts); else a linear's, one scale.
     """
 
     compute_dtype: torch.dtype
+    stacked: bool = False
     statistic_op: ClassVar[str] = "max"
+
+    @property
+    def statistic_dim(self) -> int | None:
+        """0 for a stack of experts (an amax per expert), else None (one amax)."""
+        return 0 if self.stacked else None
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -72,19 +91,25 @@ class Fp8Gather:
         return shard.detach().to(self.compute_dtype).float()
 
     def statistic(self, shard: Tensor) -> Tensor:
-        """``[1]``: the shard's amax, as the block would compute with it."""
+        """``[1]``, the shard's amax as the block would compute with it; stacked, ``[E']``,
+        the amax of each of the shard's ``E'`` experts."""
+        values = shard.shape[0] if self.stacked else 1
         if shard.numel() == 0:  # an uneven shard with no rows
-            return shard.new_zeros(1, dtype=torch.float32)
-        return self._wide(shard).abs().amax().reshape(1)
+            return shard.new_zeros(values, dtype=torch.float32)
+        wide = self._wide(shard).abs()
+        return wide.amax(dim=(1, 2)) if self.stacked else wide.amax().reshape(1)
 
     def _scale(self, amax: Tensor | None) -> Tensor:
+        """``[1, 1]``, or ``[E, 1, 1]`` stacked: ``fp8_quantize``'s scale of each matrix."""
         if amax is None:
             raise ValueError("the fp8 gather codec needs the all-reduced amax of the weight")
-        amax = amax.reshape(1, 1).clamp(min=AMAX_EPS)
+        amax = amax.reshape(-1, 1, 1) if self.stacked else amax.reshape(1, 1)
+        amax = amax.clamp(min=AMAX_EPS)
         return amax / torch.full_like(amax, fp8_max(E4M3))  # fp8_quantize's own division
 
     def encode(self, shard: Tensor, statistic: Tensor | None = None) -> Tensor:
-        """The shard's e4m3 data under the whole weight's scale, its bits as uint8."""
+        """The shard's e4m3 data under the whole weight's scale (stacked: each expert's),
+        its bits as uint8."""
         limit = fp8_max(E4M3)
         data = (self._wide(shard) / self._scale(statistic)).clamp(-limit, limit).to(E4M3)
         return data.view(self.wire_dtype)

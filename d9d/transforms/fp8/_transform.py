@@ -84,20 +84,23 @@ class Fp8(Transform):
             entry = entries[choice.weight]
             reasons = (*entry.reasons, self._reason(choice))
             if self._gathers_in_fp8(choice, entry) and choice.weight not in tied:
-                codec = Fp8Gather(entry.compute_dtype or entry.dtype)
+                stacked = choice.kind == "experts"
+                codec = Fp8Gather(entry.compute_dtype or entry.dtype, stacked)
                 entry, gathered = replace(entry, codec=codec), gathered + 1
-                reasons = (*reasons, f"{self}: all-gathered as float8_e4m3fn data + its scale")
+                scales = "a scale per expert" if stacked else "its scale"
+                reasons = (*reasons, f"{self}: all-gathered as float8_e4m3fn data + {scales}")
             entries[choice.weight] = replace(entry.annotate(choice), reasons=reasons)
         if self.gather_in_fp8:
             self._check_gathered(plan, gathered)
         return replace(plan, entries=entries)
 
     def _gathers_in_fp8(self, choice: Choice, entry: ParamPlan) -> bool:
-        """Whether ``choice``'s weight is all-gathered as fp8 data and scale: a linear in
-        fp8 whose plan gathers it over one mesh axis (``shard_params``' ZeRO-3)."""
+        """Whether ``choice``'s weight is all-gathered as fp8 data and scale: a linear's or
+        routed experts' weight in fp8 whose plan gathers it over one mesh axis
+        (``shard_params``' ZeRO-3)."""
         return (
             self.gather_in_fp8
-            and choice.kind == "linear"
+            and choice.kind in ("linear", "experts")
             and choice.recipe is not None
             and coalescible(entry) is not None
         )
@@ -106,7 +109,8 @@ class Fp8(Transform):
         """Refuse ``gather_in_fp8`` where it gathers nothing."""
         if not gathered:
             raise PlanError(
-                "fp8(gather_in_fp8=True) found no fp8 linear whose weight is all-gathered: it "
+                "fp8(gather_in_fp8=True) found no fp8 linear (nor routed experts) whose weight "
+                "is all-gathered: it "
                 "needs shard_params(mesh, axis='fsdp') (ZeRO-3, shard='params') in the step; "
                 "drop gather_in_fp8 or add shard_params"
             )
@@ -170,10 +174,11 @@ def fp8(
         exclude: A regex: linears and experts modules whose module path it matches stay in
             high precision.
         gather_in_fp8: Under ``shard_params`` (ZeRO-3), all-gather the weights of the
-            linears in fp8 as float8_e4m3fn data (1 byte per element) plus a scale from the
-            whole weight's amax (one all-reduce of a float32 per weight, once a step),
-            which the fp8 GEMMs take as they are; the step equals the one without it
-            bitwise (``docs/fp8.md``). Tensorwise only; default False.
+            linears and routed experts in fp8 as float8_e4m3fn data (1 byte per element)
+            plus a scale from the whole weight's amax, one per expert for the experts' (one
+            all-reduce of a float32 per weight and expert, once a step), which the fp8
+            GEMMs take as they are; the step equals the one without it bitwise
+            (``docs/fp8.md``). Tensorwise only; default False.
 
     Returns:
         The transform: decorate a step with it.

@@ -26,11 +26,13 @@ _LAYOUT_OPS = {
 
 
 class Fp8Weight(torch.Tensor):
-    """A gathered weight as tensorwise e4m3 data and its float32 ``[1, 1]`` scale, seen by
-    autograd as a tensor of ``dtype`` (its grad comes back in ``dtype``).
+    """A gathered weight as tensorwise e4m3 data and its float32 ``[1, 1]`` scale (a stack
+    of routed experts ``[E, K, N]``: ``[E, 1, 1]``, one per expert), seen by autograd as a
+    tensor of ``dtype`` (its grad comes back in ``dtype``).
 
-    Only the fp8 linear computes with it (``fp8_data``, ``fp8_scale``); layout ops (detach,
-    transpose, views) apply to the data, any other op raises naming it.
+    Only the fp8 linear and the fp8 grouped GEMM compute with it (``fp8_data``,
+    ``fp8_scale``); layout ops (detach, transpose, views) apply to the data, any other op
+    raises naming it.
     """
 
     fp8_data: Tensor
@@ -55,7 +57,7 @@ class Fp8Weight(torch.Tensor):
     def __repr__(self) -> str:
         return (
             f"Fp8Weight(shape={list(self.shape)}, dtype={self.dtype}, "
-            f"scale={self.fp8_scale.item():.3e})"
+            f"scale={self.fp8_scale.flatten().tolist()})"
         )
 
     def untyped_storage(self) -> torch.UntypedStorage:
