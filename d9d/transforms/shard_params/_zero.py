@@ -63,7 +63,7 @@ class Zero:
         self.wholes = {}
         for path in self.paths:
             whole = params[path]
-            view = whole.redistribute(whole.device_mesh, self.plan.entries[path].state_kept)
+            view = _slice_of(whole, self.plan.entries[path])
             self.wholes[path] = (view, whole)
             out[path] = view
         return out
@@ -156,6 +156,36 @@ def _returned(params: Any, path: str, entry: ParamPlan) -> DTensor:
             f"({placements}), as the body was given it (apply_updates keeps that layout)"
         )
     return leaf
+
+
+def _slice_of(whole: DTensor, entry: ParamPlan) -> DTensor:
+    """This rank's slice of ``whole`` laid out as ``entry`` keeps its optimizer state: a view
+    of the stored tensor where the slice is part of it, so the step holds no copy of it;
+    else (its kept dim sharded by another axis too) one all-gather by DTensor."""
+    axis = _sharding_axis(entry)
+    match entry.state_kept[axis]:
+        case Shard(dim=dim) if not any(
+            isinstance(p, Shard) and p.dim == dim for p in entry.storage
+        ):
+            pass
+        case Shard():
+            return whole.redistribute(whole.device_mesh, entry.state_kept)
+        case other:
+            raise PlanError(f"ZeRO keeps the optimizer state Shard(dim) on its axis, not {other}")
+    mesh, local = whole.device_mesh, whole.to_local()
+    # DTensor's Shard(dim) rows of a rank: torch.chunk's, the last ranks' short or empty.
+    rows, ranks = local.shape[dim], mesh.size(axis)
+    size = -(-rows // ranks)
+    start = min(mesh.get_local_rank(axis) * size, rows)
+    view = local.narrow(dim, start, min(size, rows - start))
+    return DTensor.from_local(
+        view,
+        mesh,
+        entry.state_kept,
+        run_check=False,
+        shape=whole.shape,
+        stride=whole.stride(),
+    )
 
 
 def _sharding_axis(entry: ParamPlan) -> int:
