@@ -6,7 +6,7 @@ shards) and used ``Replicate``: each block gathers its params when it starts and
 when it ends; the gradient comes back ``Partial`` (each rank's batch) and is
 reduce-scattered to the stored shard. ZeRO-1/2: the param is stored and used whole, its
 optimizer state kept ``Shard(dim)``, its grad
-reduce-scattered (ZeRO-2) or all-reduced (ZeRO-1). A replicate axis stores and uses the
+reduce-scattered (ZeRO-2) or all-reduced and sliced (ZeRO-1). A replicate axis stores and uses the
 param whole and all-reduces its gradient. All average the gradient over their ranks, so a
 step equals one device fed every rank's batch.
 """
@@ -248,8 +248,8 @@ def shard_params(
     ZeRO-1/2 (``shard="opt_state"`` / ``"grads"``): params are stored whole over ``axis``
     (blocks use them with no all-gather) and the optimizer state is sharded ``Shard(dim)``
     (the dim ZeRO-3 would shard). Grads are reduce-scattered to shards (ZeRO-2) or
-    all-reduced and kept whole (ZeRO-1). The step body sees each param as this rank's shard
-    of it (taken with no communication, but for a param whose only dim ``tensor_parallel``
+    all-reduced and sliced (ZeRO-1). The step body sees each param as this rank's shard
+    of it (a view of the stored param, but for a param whose only dim ``tensor_parallel``
     shards: one all-gather over tp), so the unchanged ``grads -> opt.update ->
     apply_updates`` updates only the shard, with grads and state of the same shape; when the
     body returns, the updated shards are all-gathered into whole params, one all-gather per

@@ -2,11 +2,12 @@
 
 [Note: the step body of a ZeRO-1/2 step] A param is stored whole over the sharding axis
 and its optimizer state is kept ``Shard(dim)``. The step body sees each param as its
-optimizer state is laid out: this rank's slice of the stored param, taken with no
-communication (:meth:`Zero.enter_step`), except for a param whose kept dim another axis
-shards too (a 1-D bias under tensor_parallel): DTensor splits nested shards over the mesh's
-axes in order, fsdp's first, so its slice is one all-gather over that axis. The user's
-unchanged ``grads -> opt.update -> apply_updates`` runs on shards. The forward computes
+optimizer state is laid out: this rank's slice of the stored param, a view of it (no
+communication, no copy: :meth:`Zero.enter_step`), except for a param whose kept dim another
+axis shards too (a 1-D bias under tensor_parallel): DTensor splits nested shards over the
+mesh's axes in order, fsdp's first, so its slice is one all-gather over that axis. The
+user's unchanged ``grads -> opt.update -> apply_updates`` runs on shards, writing new ones
+(``apply_updates`` is out of place): the caller's stored params stay as they were. The forward computes
 with the whole stored param (no all-gather); its grad comes back to the slice,
 reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
 (:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
@@ -57,8 +58,8 @@ class Zero:
 
     def enter_step(self, params: Any) -> Any:
         """``params`` (stored) with each ZeRO param replaced by its slice as its state is
-        laid out; no communication, but for a param whose kept dim another axis shards too
-        (see the module's note)."""
+        laid out, a view of the stored tensor, but for a param whose kept dim another axis
+        shards too (see the module's note)."""
         out = dict(params)
         self.wholes = {}
         for path in self.paths:
