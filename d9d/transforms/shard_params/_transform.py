@@ -125,11 +125,6 @@ class ShardParams(Transform):
 
     def runtime(self, plan: Plan, model: Model | None) -> ShardParamsRuntime:
         del model
-        if self.opt_state_device is not None and plan.stage_group is not None:
-            raise PlanError(
-                f"{self} does not compose with pipeline yet (a stage's host update is not "
-                "built); keep the optimizer state on the device (opt_state_device=None)"
-            )
         return ShardParamsRuntime(plan, self.microbatches, self.opt_state_device)
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
