@@ -260,7 +260,8 @@ def shard_params(
     an accelerator); wrap the optimizer's elementwise part in :func:`d9d.optim.offloaded`,
     which copies each step's grad shards there, updates on the host and copies the updates
     back: ``chain(clip_by_global_norm(1.0), offloaded(adamw(...)))``. ``step.memory``
-    counts the state apart (``host_opt_state``). Eager only, not under ``pipeline``.
+    counts the state apart (``host_opt_state``). Eager only; under ``pipeline`` each rank
+    keeps its stages' state there.
 
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
@@ -287,8 +288,7 @@ def shard_params(
             ``microbatches`` is not a positive int or ``prefetch`` not a bool; ``shard`` is
             not one of the three, or is ZeRO-1/2 without ``axis`` or with
             ``reshard_after_forward`` or ``prefetch`` not True; ``opt_state_device`` is not
-            None or ``"cpu"``, or is ``"cpu"`` under ``pipeline`` (its host update is not
-            built for a stage).
+            None or ``"cpu"``.
 
     Example:
         >>> import d9d, torch
