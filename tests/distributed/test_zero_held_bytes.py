@@ -56,12 +56,15 @@ class _Measured:
         return self.inner.update(grads, state, params)
 
 
-def _held_at_update(shard: str) -> tuple[dict[str, Any], Any]:
-    mesh = d9d.make_mesh("cpu", fsdp=2)
+def _held_at_update(shard: str, pp: int = 1) -> tuple[dict[str, Any], Any]:
+    mesh = d9d.make_mesh("cpu", **({"pp": pp} if pp > 1 else {}), fsdp=2)
     model = llama()()
     opt = _Measured(optimizer())
-    step = d9d.shard_params(mesh, shard=shard)(train_step(model, opt))
-    params, state = step.place(model.params, opt.init(model.params))
+    step = train_step(model, opt)
+    if pp > 1:
+        step = d9d.pipeline(mesh, microbatches=2)(step)
+    step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
     batch = step.shard_batch(batches(256, steps=1)[0])
     opt.stored = params
     with KeptBytes(exclude=(params, state)) as kept:
@@ -82,3 +85,20 @@ def test_bytes_held_at_the_update_are_step_memory(shard: str) -> None:
         assert seen["grads"] == memory.grads
         assert seen["slices_share_the_stored"]
         assert seen["other"] == 4, seen
+
+
+def _held_in_stages() -> dict[str, tuple[dict[str, Any], Any]]:
+    return {s: _held_at_update(s, pp=2) for s in ("params", "grads", "opt_state")}
+
+
+def test_bytes_held_at_the_update_inside_pipeline_stages_are_step_memory() -> None:
+    """pp=2 x fsdp=2 under 1F1B, 2 microbatches, a block a stage: the same, on each rank's stage,
+    the grads accumulated over the microbatches freed once reduced; what else the step
+    still holds (the schedule's buffers) is ZeRO-3's under ZeRO-1 and ZeRO-2."""
+    for runs in run_on_ranks(_held_in_stages, 4, method="fork", timeout=300):
+        zero3 = runs["params"][0]
+        for shard, (seen, memory) in runs.items():
+            assert seen["held"] == memory.total, (shard, seen, memory)
+            assert seen["grads"] == memory.grads, shard
+            assert seen["slices_share_the_stored"], shard
+            assert seen["other"] == zero3["other"], (shard, seen, zero3)
