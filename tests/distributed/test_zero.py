@@ -327,6 +327,25 @@ def test_params_returned_unchanged_are_not_gathered() -> None:
         assert count == {} and same
 
 
+def _kept_rank(shard: str):
+    step, params, state = _placed(shard)
+    before = {k: v.to_local().clone() for k, v in params.items()}
+    new, _, _ = step(params, state, step.shard_batch(batches(256)[0]))
+    return (
+        all(torch.equal(params[k].to_local(), before[k]) for k in params),
+        any(not torch.equal(new[k].to_local(), before[k]) for k in params),
+    )
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_the_callers_params_are_left_as_they_were(zero: str) -> None:
+    """The body's slices are views of the stored params, and the update writes new slices:
+    after an eager step the params passed in hold what they held (params in, params out),
+    and the params returned differ."""
+    for kept, updated in run_on_ranks(_kept_rank, 2, ZERO[zero]):
+        assert kept and updated
+
+
 def _spawned_rank(data: list[dict]):
     mesh = d9d.make_mesh("cpu", fsdp=2)
     model, opt = llama(torch.float64)(), optimizer()
