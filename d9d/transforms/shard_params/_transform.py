@@ -5,10 +5,10 @@ ZeRO-3: a param is stored ``Shard(dim)`` on the sharding axis (its first dim no 
 shards) and used ``Replicate``: each block gathers its params when it starts and drops them
 when it ends; the gradient comes back ``Partial`` (each rank's batch) and is
 reduce-scattered to the stored shard. ZeRO-1/2: the param is stored and used whole, its
-optimizer state kept ``Shard(dim)``, its grad
-reduce-scattered (ZeRO-2) or all-reduced and sliced (ZeRO-1). A replicate axis stores and uses the
-param whole and all-reduces its gradient. All average the gradient over their ranks, so a
-step equals one device fed every rank's batch.
+optimizer state kept ``Shard(dim)``, its grad reduce-scattered (ZeRO-2) or all-reduced and
+sliced (ZeRO-1). A replicate axis stores and uses the param whole and all-reduces its
+gradient. All average the gradient over their ranks, so a step equals one device fed every
+rank's batch.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ communication, no copy: :meth:`Zero.enter_step`), except for a param whose kept 
 axis shards too (a 1-D bias under tensor_parallel): DTensor splits nested shards over the
 mesh's axes in order, fsdp's first, so its slice is one all-gather over that axis. The
 user's unchanged ``grads -> opt.update -> apply_updates`` runs on shards, writing new ones
-(``apply_updates`` is out of place): the caller's stored params stay as they were. The forward computes
-with the whole stored param (no all-gather); its grad comes back to the slice,
-reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
-(:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
+(``apply_updates`` is out of place): the caller's stored params stay as they were. The
+forward computes with the whole stored param (no all-gather); its grad comes back to the
+slice, reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per
+block (:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
 updated shards are all-gathered into whole params, one collective per mesh axis and dtype
 for the whole model (:meth:`Zero.exit_step`). Under ``pipeline`` a stage gathers once per
 step (``Runtime.gather_once``): :meth:`Zero.gather` hands it the whole stored params of all
