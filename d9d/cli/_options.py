@@ -54,19 +54,16 @@ def fp8_pattern(patterns: tuple[str, ...] | list[str]) -> str | None:
     return "|".join(f"(?:{p})" for p in patterns)
 
 
-def check_offload_flags(
-    offload: bool, *, jit: bool = False, pp: int = 1, master_weights: bool = False
-) -> None:
+def check_offload_flags(offload: bool, *, jit: bool = False, master_weights: bool = False) -> None:
     """Raise unless ``--offload-opt-state`` composes with the other flags.
 
     Raises:
-        ValueError: with ``--jit``, ``--pp`` above 1 or ``--master-weights``.
+        ValueError: with ``--jit`` or ``--master-weights``.
     """
     if not offload:
         return
     for flag, on, why in (
         ("--jit", jit, "the host update runs eagerly"),
-        ("--pp", pp > 1, "a pipeline stage's host update is not built"),
         (
             "--master-weights",
             master_weights,

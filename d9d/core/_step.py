@@ -375,18 +375,19 @@ class TransformedStep:
         return counter.stats
 
     def memory(self, params: Any, opt_state: Any) -> Memory:
-        """Bytes this rank holds: params, grads (laid out as each param's plan keeps its
-        grad) and optimizer state, the state kept on the plan's state device (the host)
-        counted apart."""
+        """Bytes this rank holds when the step body updates: params, grads (laid out as the
+        update sees them, as each param's optimizer state is kept: ZeRO-1 all-reduces a
+        block's grads and keeps their slices) and optimizer state, the state kept on the
+        plan's state device (the host) counted apart."""
         plan = self.plan
         param_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(params))
         grad_bytes = 0
         for path, leaf in params.items():
             entry = plan.entries[path]
-            if entry.grad_kept == entry.storage:
+            if entry.state_kept == entry.storage:
                 grad_bytes += _local_bytes(leaf)
             else:
-                local = entry.local_shape(plan.mesh, entry.grad_kept)
+                local = entry.local_shape(plan.mesh, entry.state_kept)
                 grad_bytes += math.prod(local) * entry.dtype.itemsize
         on_device = on_host = 0
         for leaf, apart in zip(tree.leaves(opt_state), kept_apart(opt_state, plan), strict=True):

@@ -50,6 +50,15 @@ def test_train_with_the_state_on_the_host_equals_the_run_without(zero: int, tmp_
         assert host == device and len(host) == 3
 
 
+@pytest.mark.distributed
+def test_pipeline_train_with_the_state_on_the_host_equals_the_run_without(tmp_path: Path) -> None:
+    """--pp 2 --fsdp 2 --microbatches 2, 3 steps: each stage's state on the host gives the
+    losses of the run with it on the device, to the bit, on every rank."""
+    flags = {"pp": 2, "fsdp": 2, "microbatches": 2}
+    for device, host in run_on_ranks(_both, 4, tmp_path, flags, method="fork", timeout=300):
+        assert host == device and len(host) == 3
+
+
 def _memory(lines: list[str]) -> dict[str, list[str]]:
     """The memory lines' figures by their first word (``host`` for ``host state``)."""
     rows = (line.split() for line in lines if line.startswith("  "))
@@ -72,10 +81,24 @@ def test_plan_shows_the_host_state_apart() -> None:
         assert (value["params"], value["grads"]) == (before["params"], before["grads"])
 
 
+def test_plan_of_a_pipeline_shows_its_stage_state_on_the_host() -> None:
+    """pp=2 x fsdp=2, --zero 2: rank 0's stage (the embedding and layers.0, as in
+    tests/cli/test_plan_command.py) keeps AdamW's 8 bytes a param over fsdp and the counters
+    on the host, none on the device; params and grads as without the flag."""
+    stage = 256 * 64 + 2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 176 * 64
+    plain = show_plan("tiny", pp=2, fsdp=2, zero=2, seq=64, max_rows=0).splitlines()
+    lines = show_plan(
+        "tiny", pp=2, fsdp=2, zero=2, seq=64, max_rows=0, offload_opt_state=True
+    ).splitlines()
+    value, before = _memory(lines), _memory(plain)
+    assert value["host"] == before["optimizer"] == human(8 * stage // 2 + 20).split()
+    assert value["optimizer"] == ["0", "B"]
+    assert (value["params"], value["grads"]) == (before["params"], before["grads"])
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"pp": 2, "fsdp": 2}, r"--offload-opt-state does not combine with --pp yet"),
         ({"fsdp": 2, "master_weights": True}, r"does not combine with --master-weights yet"),
     ],
 )

@@ -117,14 +117,15 @@ def test_master_weights_resume_equals_the_uninterrupted_run(tmp_path: Path) -> N
 
 def test_plan_shows_the_bytes_of_each_zero_stage() -> None:
     """``d9d plan --zero N`` over fsdp=2, tiny Llama (Ψ params, float32, AdamW): params,
-    grads and optimizer state per rank, sharded as each stage shards them."""
+    grads and optimizer state per rank, sharded as each stage shards them (ZeRO-1 keeps
+    the slices of its all-reduced grads, as ZeRO-2 keeps its reduce-scattered ones)."""
     from d9d.cli.plan._report import human
     from d9d.cli.plan._show import show_plan
     from d9d.models import LlamaConfig
 
     n = LlamaConfig.tiny().num_params
     whole, half = human(4 * n).split(), human(4 * n // 2).split()
-    expected = {3: (half, half), 2: (whole, half), 1: (whole, whole)}
+    expected = {3: (half, half), 2: (whole, half), 1: (whole, half)}
     for zero, (params, grads) in expected.items():
         lines = show_plan("tiny", fsdp=2, seq=64, max_rows=2, zero=zero).splitlines()
         head = next(line for line in lines if line.startswith("memory on rank 0"))
@@ -162,15 +163,15 @@ def test_plan_shows_the_optimizer_state_of_bfloat16_moments() -> None:
 
 def test_plan_shows_the_mixed_precision_adam_of_master_weights() -> None:
     """``d9d plan --master-weights --zero N`` over fsdp=2: bfloat16 params and grads (2 bytes
-    a param, sharded as the stage shards them) and 12 bytes a param of float32 masters and
-    moments, sharded (plus the counters)."""
+    a param, the grads kept 1/fsdp but under ZeRO-3 and ZeRO-2 and ZeRO-1 alike) and 12
+    bytes a param of float32 masters and moments, sharded (plus the counters)."""
     from d9d.cli.plan._report import human
     from d9d.cli.plan._show import show_plan
     from d9d.models import LlamaConfig
 
     n = LlamaConfig.tiny().num_params
     whole, half = human(2 * n).split(), human(n).split()
-    for zero, (params, grads) in {1: (whole, whole), 2: (whole, half), 3: (half, half)}.items():
+    for zero, (params, grads) in {1: (whole, half), 2: (whole, half), 3: (half, half)}.items():
         report = show_plan("tiny", fsdp=2, seq=64, max_rows=2, zero=zero, master_weights=True)
         lines = report.splitlines()
         head = next(line for line in lines if line.startswith("memory on rank 0"))

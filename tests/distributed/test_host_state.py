@@ -8,18 +8,19 @@ bytes counted apart, its checkpoints, and the refusals."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from equivalence import batches, llama, train_step
+from equivalence import batches, llama, reference, train_step
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import d9d
-from d9d.errors import PlanError, RankFailedError
+from d9d.errors import RankFailedError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
 from d9d.transforms import ParamPlan, Phase, Transform
@@ -176,17 +177,64 @@ def test_refusals(case: str, match: str) -> None:
         run_on_ranks(_refusal_rank, 2, case)
 
 
-def _pipeline_rank():
-    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
-    model, opt = llama()(), _optimizer(host=True)
-    step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
-    step = d9d.shard_params(mesh, opt_state_device="cpu")(step)
-    with pytest.raises(PlanError, match=r"opt_state_device='cpu'\) does not compose with pipeline"):
-        step.place(model.params, opt.init(model.params), model=model)
+PIPELINES = {
+    "1f1b": {"schedule": "1f1b", "microbatches": 2},
+    "zbv": {"schedule": "zbv", "microbatches": 4, "virtual_stages": 2},
+}
 
 
-def test_pipeline_is_refused() -> None:
-    run_on_ranks(_pipeline_rank, 4)
+@functools.cache
+def _reference():
+    return reference(llama(torch.float64, 4), batches(256))
+
+
+def _pipeline_rank(shard: str, schedule: str):
+    """5 steps on pp=2 x fsdp=2 in float64, the state on the host and on the device: each
+    run's losses, this rank's params and state (local), ``step.memory``, and the elements of
+    the params this rank's stages hold."""
+    runs = {}
+    for host in (True, False):
+        mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
+        model, opt = llama(torch.float64, 4)(), _optimizer(host)
+        step = d9d.pipeline(mesh, **PIPELINES[schedule])(train_step(model, opt))
+        device = "cpu" if host else None
+        step = d9d.shard_params(mesh, "fsdp", shard=shard, opt_state_device=device)(step)
+        params, state = step.place(model.params, opt.init(model.params), model=model)
+        assert {step.plan.entries[p].state_device for p in params} == {device}
+        memory = step.memory(params, state)
+        losses, params, state = _run(step, params, state, batches(256))
+        inner = state[1].inner_state if host else state[1]
+        held = sum(model.params[p].numel() for p in params)
+        whole = {p: v.full_tensor() for p, v in params.items()}
+        runs[host] = (losses, _locals(params), _locals(inner), memory, held, whole)
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("zero", "schedule"), [("zero3", "1f1b"), ("zero2", "1f1b"), ("zero1", "zbv")]
+)
+def test_pipeline_host_update_equals_device_update_bitwise_and_one_device(
+    zero: str, schedule: str
+) -> None:
+    """pp=2 x fsdp=2, float64, 5 AdamW steps after global-norm clipping (zbv: two stages a
+    rank): each stage's state on the host gives the losses, params and state of the state on
+    the device bit for bit, and one device's fed the whole batch (rel 1e-9); the state's
+    bytes are on the host, exactly AdamW's two moments of the rank's stages over fsdp and
+    the counters, none on the device."""
+    ref_losses, ref_params = _reference()
+    counters = sum(x.element_size() for x in d9d.tree.leaves(_optimizer(False).init({})))
+    ranks = run_on_ranks(_pipeline_rank, 4, SHARDS[zero], schedule, method="fork", timeout=300)
+    for runs in ranks:
+        (losses, params, inner, host, held, whole), device = runs[True], runs[False]
+        assert torch.equal(losses, device[0])
+        for a, b in zip([*params, *inner], [*device[1], *device[2]], strict=True):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=1e-12)
+        for path, value in whole.items():
+            torch.testing.assert_close(value, ref_params[path], rtol=1e-9, atol=1e-12)
+        assert (host.opt_state, host.host_opt_state) == (0, 2 * 8 * held // 2 + counters)
+        assert host.host_opt_state == device[3].opt_state
+        assert (host.params, host.grads) == (device[3].params, device[3].grads)
 
 
 def test_refuses_an_unknown_device() -> None:

@@ -171,8 +171,9 @@ def _memory_and_comms(shard: str):
 
 def test_memory_and_communication_per_rank_are_exact() -> None:
     """Tiny Llama (float32, every dim 0 even): Ψ params of 4 bytes, AdamW's two moments.
-    Per rank: ZeRO-3 all three sharded; ZeRO-2 params whole; ZeRO-1 params and grads whole;
-    the moments always sharded. ZeRO-2 reduce-scatters the grads of each block in one
+    Per rank: ZeRO-3 all three sharded; ZeRO-2 and ZeRO-1 params whole, the grads the update
+    sees sharded (ZeRO-1 slices its all-reduced grads, test_zero_held_bytes.py); the moments
+    always sharded. ZeRO-2 reduce-scatters the grads of each block in one
     collective, as ZeRO-3 does, and all-gathers the updated params in one; ZeRO-1 all-reduces
     the grads instead."""
     model = llama()()
@@ -181,7 +182,7 @@ def test_memory_and_communication_per_rank_are_exact() -> None:
     whole_shapes = sorted(tuple(p.shape) for p in model.params.values())
     half_shapes = sorted((p.shape[0] // 2, *p.shape[1:]) for p in model.params.values())
     results = {s: run_on_ranks(_memory_and_comms, 2, s) for s in ("params", "grads", "opt_state")}
-    expected = {"params": (half, half), "grads": (whole, half), "opt_state": (whole, whole)}
+    expected = {"params": (half, half), "grads": (whole, half), "opt_state": (whole, half)}
     for shard, ranks in results.items():
         for memory, counters, count, nbytes, shapes, column, row in ranks:
             assert column == (shard != "params",) * 2  # the plan's zero column
@@ -326,6 +327,25 @@ def test_params_returned_unchanged_are_not_gathered() -> None:
         assert count == {} and same
 
 
+def _kept_rank(shard: str):
+    step, params, state = _placed(shard)
+    before = {k: v.to_local().clone() for k, v in params.items()}
+    new, _, _ = step(params, state, step.shard_batch(batches(256)[0]))
+    return (
+        all(torch.equal(params[k].to_local(), before[k]) for k in params),
+        any(not torch.equal(new[k].to_local(), before[k]) for k in params),
+    )
+
+
+@pytest.mark.parametrize("zero", list(ZERO))
+def test_the_callers_params_are_left_as_they_were(zero: str) -> None:
+    """The body's slices are views of the stored params, and the update writes new slices:
+    after an eager step the params passed in hold what they held (params in, params out),
+    and the params returned differ."""
+    for kept, updated in run_on_ranks(_kept_rank, 2, ZERO[zero]):
+        assert kept and updated
+
+
 def _spawned_rank(data: list[dict]):
     mesh = d9d.make_mesh("cpu", fsdp=2)
     model, opt = llama(torch.float64)(), optimizer()
@@ -459,11 +479,12 @@ def _master_memory(shard: str):
 
 def test_master_weights_memory_per_rank_is_the_mixed_precision_adam_of_zero() -> None:
     """bfloat16 params with float32 masters and AdamW moments, fsdp=2: per rank 2Ψ of
-    params and grads when whole, and 12Ψ/N of state (Rajbhandari et al.: ZeRO-1 4Ψ + 12Ψ/N,
-    ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N), each master sharded as its param's moments."""
+    params when whole, 2Ψ/N of grads (ZeRO-1 keeps the slices of its all-reduced grads),
+    and 12Ψ/N of state (Rajbhandari et al.: ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N; their ZeRO-1,
+    4Ψ + 12Ψ/N, keeps its grads whole), each master sharded as its param's moments."""
     psi = sum(p.numel() for p in llama()().params.values())
     whole, half = 2 * psi, psi
-    expected = {"opt_state": (whole, whole), "grads": (whole, half), "params": (half, half)}
+    expected = {"opt_state": (whole, half), "grads": (whole, half), "params": (half, half)}
     for shard, (params, grads) in expected.items():
         for memory, counters, masters in run_on_ranks(_master_memory, 2, shard):
             assert (memory.params, memory.grads) == (params, grads), shard

@@ -119,8 +119,8 @@ def test_communication_and_memory_per_rank_are_exact() -> None:
     fsdp, ZeRO-2 reduce-scatters its stage's grads once (Ψ_stage · 4 bytes in) and ZeRO-1
     all-reduces them once, and both all-gather the updated params once (Ψ_stage · 4
     bytes out), nothing else but ZeRO-3's scalars (the token count, the clipping norm);
-    params stay whole on each rank, grads are kept 1/fsdp (ZeRO-2) or whole (ZeRO-1),
-    AdamW's moments 1/fsdp. ZeRO-3 under the same pipeline gathers its stage once and
+    params stay whole on each rank, the grads the update sees are 1/fsdp (ZeRO-1 slices its
+    all-reduced ones), AdamW's moments 1/fsdp. ZeRO-3 under the same pipeline gathers its stage once and
     reduce-scatters it once."""
     results = {
         s: run_on_ranks(_counted_rank, 4, s, method="fork") for s in (*ZERO.values(), "params")
@@ -153,7 +153,7 @@ def test_communication_and_memory_per_rank_are_exact() -> None:
                 assert fsdp == {("all_gather", "fsdp"): 1, ("all_reduce", "fsdp"): reduced}
                 extra = nbytes[("all_reduce", "fsdp")] - zero3[3][("all_reduce", "fsdp")]
                 assert extra == whole
-                assert (memory.params, memory.grads) == (whole, whole)
+                assert (memory.params, memory.grads) == (whole, half)
             assert memory.opt_state == 2 * half + counters
             # pp moves what it moves under ZeRO-3: activations, their grads, the loss
             assert {k: v for k, v in count.items() if k[1] == "pp"} == {

@@ -95,7 +95,7 @@ def show_plan(
             not multiply to ``world``, ``ep > 1`` without ``model="moe"``, an unknown ``model``, ``preset`` or
             ``remat``, a dim that does not split, or a schedule that cannot run
             ``microbatches``; ``zero`` below 3 without ``fsdp`` ranks; an fp8 option
-            without ``fp8``; ``offload_opt_state`` with ``pp`` or ``master_weights``.
+            without ``fp8``; ``offload_opt_state`` with ``master_weights``.
 
     Example:
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
@@ -107,7 +107,7 @@ def show_plan(
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
-    check_offload_flags(offload_opt_state, pp=pp, master_weights=master_weights)
+    check_offload_flags(offload_opt_state, master_weights=master_weights)
     fp8_options = {
         "fp8": fp8,
         "fp8_include": tuple(fp8_include),

@@ -42,7 +42,6 @@ def check_flags(config: TrainConfig) -> None:
     check_offload_flags(
         config.offload_opt_state,
         jit=config.jit,
-        pp=config.pp or 1,
         master_weights=config.master_weights,
     )
     if config.dtype not in ("float32", "bfloat16"):

@@ -5,10 +5,10 @@ ZeRO-3: a param is stored ``Shard(dim)`` on the sharding axis (its first dim no 
 shards) and used ``Replicate``: each block gathers its params when it starts and drops them
 when it ends; the gradient comes back ``Partial`` (each rank's batch) and is
 reduce-scattered to the stored shard. ZeRO-1/2: the param is stored and used whole, its
-optimizer state kept ``Shard(dim)``, its grad
-reduce-scattered (ZeRO-2) or all-reduced (ZeRO-1). A replicate axis stores and uses the
-param whole and all-reduces its gradient. All average the gradient over their ranks, so a
-step equals one device fed every rank's batch.
+optimizer state kept ``Shard(dim)``, its grad reduce-scattered (ZeRO-2) or all-reduced and
+sliced (ZeRO-1). A replicate axis stores and uses the param whole and all-reduces its
+gradient. All average the gradient over their ranks, so a step equals one device fed every
+rank's batch.
 """
 
 from __future__ import annotations
@@ -125,11 +125,6 @@ class ShardParams(Transform):
 
     def runtime(self, plan: Plan, model: Model | None) -> ShardParamsRuntime:
         del model
-        if self.opt_state_device is not None and plan.stage_group is not None:
-            raise PlanError(
-                f"{self} does not compose with pipeline yet (a stage's host update is not "
-                "built); keep the optimizer state on the device (opt_state_device=None)"
-            )
         return ShardParamsRuntime(plan, self.microbatches, self.opt_state_device)
 
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
@@ -248,8 +243,8 @@ def shard_params(
     ZeRO-1/2 (``shard="opt_state"`` / ``"grads"``): params are stored whole over ``axis``
     (blocks use them with no all-gather) and the optimizer state is sharded ``Shard(dim)``
     (the dim ZeRO-3 would shard). Grads are reduce-scattered to shards (ZeRO-2) or
-    all-reduced and kept whole (ZeRO-1). The step body sees each param as this rank's shard
-    of it (taken with no communication, but for a param whose only dim ``tensor_parallel``
+    all-reduced and sliced (ZeRO-1). The step body sees each param as this rank's shard
+    of it (a view of the stored param, but for a param whose only dim ``tensor_parallel``
     shards: one all-gather over tp), so the unchanged ``grads -> opt.update ->
     apply_updates`` updates only the shard, with grads and state of the same shape; when the
     body returns, the updated shards are all-gathered into whole params, one all-gather per
@@ -265,7 +260,8 @@ def shard_params(
     an accelerator); wrap the optimizer's elementwise part in :func:`d9d.optim.offloaded`,
     which copies each step's grad shards there, updates on the host and copies the updates
     back: ``chain(clip_by_global_norm(1.0), offloaded(adamw(...)))``. ``step.memory``
-    counts the state apart (``host_opt_state``). Eager only, not under ``pipeline``.
+    counts the state apart (``host_opt_state``). Eager only; under ``pipeline`` each rank
+    keeps its stages' state there.
 
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
@@ -292,8 +288,7 @@ def shard_params(
             ``microbatches`` is not a positive int or ``prefetch`` not a bool; ``shard`` is
             not one of the three, or is ZeRO-1/2 without ``axis`` or with
             ``reshard_after_forward`` or ``prefetch`` not True; ``opt_state_device`` is not
-            None or ``"cpu"``, or is ``"cpu"`` under ``pipeline`` (its host update is not
-            built for a stage).
+            None or ``"cpu"``.
 
     Example:
         >>> import d9d, torch

@@ -2,14 +2,15 @@
 
 [Note: the step body of a ZeRO-1/2 step] A param is stored whole over the sharding axis
 and its optimizer state is kept ``Shard(dim)``. The step body sees each param as its
-optimizer state is laid out: this rank's slice of the stored param, taken with no
-communication (:meth:`Zero.enter_step`), except for a param whose kept dim another axis
-shards too (a 1-D bias under tensor_parallel): DTensor splits nested shards over the mesh's
-axes in order, fsdp's first, so its slice is one all-gather over that axis. The user's
-unchanged ``grads -> opt.update -> apply_updates`` runs on shards. The forward computes
-with the whole stored param (no all-gather); its grad comes back to the slice,
-reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per block
-(:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
+optimizer state is laid out: this rank's slice of the stored param, a view of it (no
+communication, no copy: :meth:`Zero.enter_step`), except for a param whose kept dim another
+axis shards too (a 1-D bias under tensor_parallel): DTensor splits nested shards over the
+mesh's axes in order, fsdp's first, so its slice is one all-gather over that axis. The
+user's unchanged ``grads -> opt.update -> apply_updates`` runs on shards, writing new ones
+(``apply_updates`` is out of place): the caller's stored params stay as they were. The
+forward computes with the whole stored param (no all-gather); its grad comes back to the
+slice, reduce-scattered (ZeRO-2) or all-reduced and then sliced (ZeRO-1), one collective per
+block (:mod:`._zero_reduce`; a nested param's alone, by DTensor). When the body returns, the
 updated shards are all-gathered into whole params, one collective per mesh axis and dtype
 for the whole model (:meth:`Zero.exit_step`). Under ``pipeline`` a stage gathers once per
 step (``Runtime.gather_once``): :meth:`Zero.gather` hands it the whole stored params of all
@@ -57,13 +58,13 @@ class Zero:
 
     def enter_step(self, params: Any) -> Any:
         """``params`` (stored) with each ZeRO param replaced by its slice as its state is
-        laid out; no communication, but for a param whose kept dim another axis shards too
-        (see the module's note)."""
+        laid out, a view of the stored tensor, but for a param whose kept dim another axis
+        shards too (see the module's note)."""
         out = dict(params)
         self.wholes = {}
         for path in self.paths:
             whole = params[path]
-            view = whole.redistribute(whole.device_mesh, self.plan.entries[path].state_kept)
+            view = _slice_of(whole, self.plan.entries[path])
             self.wholes[path] = (view, whole)
             out[path] = view
         return out
@@ -156,6 +157,36 @@ def _returned(params: Any, path: str, entry: ParamPlan) -> DTensor:
             f"({placements}), as the body was given it (apply_updates keeps that layout)"
         )
     return leaf
+
+
+def _slice_of(whole: DTensor, entry: ParamPlan) -> DTensor:
+    """This rank's slice of ``whole`` laid out as ``entry`` keeps its optimizer state: a view
+    of the stored tensor where the slice is part of it, so the step holds no copy of it;
+    else (its kept dim sharded by another axis too) one all-gather by DTensor."""
+    axis = _sharding_axis(entry)
+    match entry.state_kept[axis]:
+        case Shard(dim=dim) if not any(
+            isinstance(p, Shard) and p.dim == dim for p in entry.storage
+        ):
+            pass
+        case Shard():
+            return whole.redistribute(whole.device_mesh, entry.state_kept)
+        case other:
+            raise PlanError(f"ZeRO keeps the optimizer state Shard(dim) on its axis, not {other}")
+    mesh, local = whole.device_mesh, whole.to_local()
+    # DTensor's Shard(dim) rows of a rank: torch.chunk's, the last ranks' short or empty.
+    rows, ranks = local.shape[dim], mesh.size(axis)
+    size = -(-rows // ranks)
+    start = min(mesh.get_local_rank(axis) * size, rows)
+    view = local.narrow(dim, start, min(size, rows - start))
+    return DTensor.from_local(
+        view,
+        mesh,
+        entry.state_kept,
+        run_check=False,
+        shape=whole.shape,
+        stride=whole.stride(),
+    )
 
 
 def _sharding_axis(entry: ParamPlan) -> int:

@@ -1,0 +1,104 @@
+"""What a ZeRO step really holds when its body updates, measured on the storages alive then,
+against ``step.memory``: the body's param slices are views of the stored params, and
+ZeRO-1 keeps only its slice of each reduced grad."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from equivalence import batches, llama, optimizer, train_step
+from torch.distributed.tensor import DTensor
+
+import d9d
+from d9d.testing import KeptBytes, run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def _storages(*trees: Any) -> dict[int, int]:
+    """{storage address: bytes} of the local tensors of ``trees``, each storage once."""
+    out = {}
+    for leaf in d9d.tree.leaves(trees):
+        if isinstance(leaf, torch.Tensor):
+            local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+            storage = local.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+class _Measured:
+    """``inner`` whose first update records what is alive when it starts: the storages of
+    the stored params, the body's params, grads and state, and any other storage the
+    step made and still holds (:class:`KeptBytes`, which skips the step's inputs)."""
+
+    def __init__(self, inner: d9d.optim.GradientTransformation) -> None:
+        self.inner = inner
+        self.stored: Any = None
+        self.kept: KeptBytes | None = None
+        self.seen: dict[str, Any] = {}
+
+    def init(self, params: Any) -> Any:
+        return self.inner.init(params)
+
+    def update(self, grads: Any, state: Any, params: Any) -> Any:
+        if self.kept is not None and not self.seen:
+            held = _storages(self.stored, params, grads, state)
+            named = _storages(grads)
+            self.seen = {
+                "held": sum(held.values()),
+                "grads": sum(named.values()),
+                "slices_share_the_stored": set(_storages(params)) <= set(_storages(self.stored)),
+                # made by the step, still alive, and not a grad
+                "other": self.kept.alive(skip=set(named)),
+            }
+        return self.inner.update(grads, state, params)
+
+
+def _held_at_update(shard: str, pp: int = 1) -> tuple[dict[str, Any], Any]:
+    mesh = d9d.make_mesh("cpu", **({"pp": pp} if pp > 1 else {}), fsdp=2)
+    model = llama()()
+    opt = _Measured(optimizer())
+    step = train_step(model, opt)
+    if pp > 1:
+        step = d9d.pipeline(mesh, microbatches=2)(step)
+    step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    opt.stored = params
+    with KeptBytes(exclude=(params, state)) as kept:
+        opt.kept = kept
+        step(params, state, batch)
+    return opt.seen, step.memory(params, state)
+
+
+@pytest.mark.parametrize("shard", ["opt_state", "grads", "params"])
+def test_bytes_held_at_the_update_are_step_memory(shard: str) -> None:
+    """fsdp=2, tiny Llama, float32, AdamW: at the update a rank holds its stored params (the
+    body's slices are views of them: ZeRO-1/2 hold no Ψ/N copy), the grads laid out as the
+    update sees them (ZeRO-1's slices of its all-reduced grads, the whole ones freed per
+    block) and the state, exactly ``step.memory().total``; nothing else the step made is
+    alive but the loss (one float32). ZeRO-3 (``"params"``) as the control."""
+    for seen, memory in run_on_ranks(_held_at_update, 2, shard):
+        assert seen["held"] == memory.total, (seen, memory)
+        assert seen["grads"] == memory.grads
+        assert seen["slices_share_the_stored"]
+        assert seen["other"] == 4, seen
+
+
+def _held_in_stages() -> dict[str, tuple[dict[str, Any], Any]]:
+    return {s: _held_at_update(s, pp=2) for s in ("params", "grads", "opt_state")}
+
+
+def test_bytes_held_at_the_update_inside_pipeline_stages_are_step_memory() -> None:
+    """pp=2 x fsdp=2 under 1F1B, 2 microbatches, a block a stage: the same, on each rank's stage,
+    the grads accumulated over the microbatches freed once reduced; what else the step
+    still holds (the schedule's buffers) is ZeRO-3's under ZeRO-1 and ZeRO-2."""
+    for runs in run_on_ranks(_held_in_stages, 4, method="fork", timeout=300):
+        zero3 = runs["params"][0]
+        for shard, (seen, memory) in runs.items():
+            assert seen["held"] == memory.total, (shard, seen, memory)
+            assert seen["grads"] == memory.grads, shard
+            assert seen["slices_share_the_stored"], shard
+            assert seen["other"] == zero3["other"], (shard, seen, zero3)
