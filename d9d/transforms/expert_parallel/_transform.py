@@ -2,7 +2,8 @@
 rest of the model.
 
 A stacked expert weight (logical axes ``("experts", ...)`` with an ``expert_mlp`` dim: the
-``w_gate``/``w_up``/``w_down`` of a ``d9d.moe`` layer) is stored, computed with and updated
+``w_gate``/``w_up``/``w_down`` of a ``d9d.moe`` layer, the ``gate_up_proj``/``down_proj`` of a
+Hugging Face experts module) is stored, computed with and updated
 ``Shard(0)`` over the axis: each rank holds ``E / ep`` experts and their optimizer state.
 Every other param is replicated over the axis and its grad averaged over it, as over a
 data-parallel axis, since the axis' ranks pass different batches.
@@ -200,16 +201,19 @@ def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
     """Shard the routed experts over a mesh axis; the axis is a data axis for the rest.
 
     Each rank of ``axis`` stores, computes with and updates ``E / ep`` experts of every
-    ``d9d.moe`` layer (stacked expert weights ``Shard(0)`` over ``axis``, their optimizer state
+    ``d9d.moe`` layer (or Hugging Face experts module) (stacked expert weights ``Shard(0)`` over ``axis``, their optimizer state
     too) and passes its own batch (:meth:`~d9d.transforms.TransformedStep.data_rank` counts
     ``axis``). Each MoE layer's ``dispatch(x, expert_ids, weights)`` becomes
     ``d9d.kernels.dispatch`` (each token sent once to every rank owning one of its experts,
     by uneven all-to-all), the local experts' grouped GEMMs, and ``d9d.kernels.combine``
     (each token's weighted sum over a rank's experts sent back); the backward runs the
-    reverse all-to-alls. Dense params are replicated over ``axis`` and their grads averaged over it;
-    the loss is the token mean over every rank's batch. The experts' grads are one device's
-    (``docs/moe.md``). Composes with ``shard_params`` on another axis: dense params FSDP over
-    it, expert weights sharded over it on their next dim (expert FSDP).
+    reverse all-to-alls. A Hugging Face experts module of ``transformers``' interface
+    (``experts(hidden_states, top_k_index, top_k_weights)``, stacked ``[E, ...]`` params) runs
+    the same way: its call becomes dispatch, its own forward on this rank's experts, and
+    combine (``docs/huggingface.md``). Dense params are replicated over ``axis`` and their
+    grads averaged over it; the loss is the token mean over every rank's batch. The experts'
+    grads are one device's (``docs/moe.md``). Composes with ``shard_params`` on another axis:
+    dense params FSDP over it, expert weights sharded over it on their next dim (expert FSDP).
 
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
@@ -219,8 +223,9 @@ def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
         The transform: decorate a step with it.
 
     Raises:
-        PlanError: ``axis`` is not on the mesh; when placed, the model has no ``d9d.moe``
-            experts, an expert count does not divide by the axis' size, or no model is given.
+        PlanError: ``axis`` is not on the mesh; when placed, the model has no routed
+            experts, an expert count does not divide by the axis' size, no model is given, or
+            an experts module is neither ``d9d.moe``'s nor of ``transformers``' interface.
 
     Example:
         >>> import d9d, torch
