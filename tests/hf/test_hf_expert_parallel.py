@@ -1,7 +1,7 @@
 """Hugging Face MoE models under ``expert_parallel``, through ``transformers``' own experts
 interface: Qwen3-MoE and Mixtral (4 experts, top-2, both layers sparse) under ``ep=2``, and
 Qwen3-MoE under ``ep=2 x fsdp=2``, equal one device fed the whole batch (float64, 5 AdamW
-steps, uneven ignored labels); each rank stores half the experts, and one step's all-to-all
+steps, uneven ignored labels), and with the grouped_mm implementation in float32; each rank stores half the experts, and one step's all-to-all
 bytes follow from its routing; an experts module of another interface is refused by name
 (``docs/moe.md``)."""
 
@@ -49,6 +49,30 @@ def test_hugging_face_moe_under_ep_equals_one_device(family: str, layout: str) -
     model_fn = build(family, **EXPERTS[family])
     expected = _reference(family)
     assert_equivalent(model_fn, transforms, mesh_axes, data(STEPS), expected, dtype=torch.float64)
+
+
+def _grouped_mm_qwen3_moe() -> d9d.Model:
+    """Qwen3-MoE with transformers' grouped_mm experts, in float32 (which it needs on CPU)."""
+    model = build("qwen3_moe", **EXPERTS["qwen3_moe"], experts_implementation="grouped_mm")()
+    return d9d.functionalize(model.module.to(torch.float32))
+
+
+def test_grouped_mm_experts_under_ep_equal_one_device() -> None:
+    """transformers' grouped_mm implementation reads num_experts for its group offsets: the
+    runtime's num_experts of E / ep for the call is what makes it run on the rank's experts.
+    SGD: AdamW would turn float32 rounding of a param whose grad is near its eps into 1e-7
+    (measured: one lm_head element of 2e-3)."""
+    expected = reference(_grouped_mm_qwen3_moe, data(STEPS), opt="sgd")
+    transforms = LAYOUTS["ep=2"][1]
+    assert_equivalent(
+        _grouped_mm_qwen3_moe,
+        transforms,
+        {"ep": 2},
+        data(STEPS),
+        expected,
+        dtype=torch.float32,
+        opt="sgd",
+    )
 
 
 def _routed_ids(model: d9d.Model, tokens: torch.Tensor) -> list[torch.Tensor]:
