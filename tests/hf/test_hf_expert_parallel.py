@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,10 +52,13 @@ def test_hugging_face_moe_under_ep_equals_one_device(family: str, layout: str) -
     assert_equivalent(model_fn, transforms, mesh_axes, data(STEPS), expected, dtype=torch.float64)
 
 
-def _grouped_mm_qwen3_moe() -> d9d.Model:
-    """Qwen3-MoE with transformers' grouped_mm experts, in float32 (which it needs on CPU)."""
-    model = build("qwen3_moe", **EXPERTS["qwen3_moe"], experts_implementation="grouped_mm")()
-    return d9d.functionalize(model.module.to(torch.float32))
+@functools.cache
+def _grouped_mm_qwen3_moe() -> Callable[[], d9d.Model]:
+    """Qwen3-MoE with transformers' grouped_mm experts, in float32 (which it needs on CPU),
+    built here, copied per rank."""
+    module = build("qwen3_moe", **EXPERTS["qwen3_moe"], experts_implementation="grouped_mm")()
+    module = module.module.to(torch.float32)
+    return lambda: d9d.functionalize(copy.deepcopy(module))
 
 
 def test_grouped_mm_experts_under_ep_equal_one_device() -> None:
@@ -62,10 +66,11 @@ def test_grouped_mm_experts_under_ep_equal_one_device() -> None:
     runtime's num_experts of E / ep for the call is what makes it run on the rank's experts.
     SGD: AdamW would turn float32 rounding of a param whose grad is near its eps into 1e-7
     (measured: one lm_head element of 2e-3)."""
-    expected = reference(_grouped_mm_qwen3_moe, data(STEPS), opt="sgd")
+    model_fn = _grouped_mm_qwen3_moe()
+    expected = reference(model_fn, data(STEPS), opt="sgd")
     transforms = LAYOUTS["ep=2"][1]
     assert_equivalent(
-        _grouped_mm_qwen3_moe,
+        model_fn,
         transforms,
         {"ep": 2},
         data(STEPS),
@@ -207,23 +212,30 @@ class _Custom(torch.nn.Module):
         self.experts = _Experts()
 
 
-def _misnumbered_qwen3_moe() -> d9d.Model:
-    model = build("qwen3_moe", **EXPERTS["qwen3_moe"])()
-    model.module.model.layers[0].mlp.experts.num_experts = 5
-    return model
+def _misnumbered_qwen3_moe() -> Callable[[], d9d.Model]:
+    model_fn = build("qwen3_moe", **EXPERTS["qwen3_moe"])
+
+    def misnumbered() -> d9d.Model:
+        model = model_fn()
+        model.module.model.layers[0].mlp.experts.num_experts = 5
+        return model
+
+    return misnumbered
 
 
-def _sweep_family(family: str):
+def _sweep_family(family: str) -> Callable[[], d9d.Model]:
     import sweep
 
     return sweep.build(family)
 
 
+# Each case: (a builder of the model builder, run here: transformers' lazy imports are not
+# thread-safe, so no rank thread builds a transformers model; the message).
 REFUSALS = {
     # transformers' Llama-4 experts take the tokens already scaled by their router scores,
     # every token through every expert: experts(hidden_states).
     "llama4_text": (
-        lambda: _sweep_family("llama4_text")(),
+        lambda: _sweep_family("llama4_text"),
         r"'model\.layers\.0\.feed_forward\.experts\.gate_up_proj' belongs to module "
         r"'model\.layers\.0\.feed_forward\.experts' \(Llama4TextExperts\), which expert_parallel "
         r"cannot run on the rows it dispatches: Llama4TextExperts is called as "
@@ -234,7 +246,7 @@ REFUSALS = {
     # GPT-OSS's down_proj_bias [E, H] has the axes of a router: expert_parallel cannot tell it
     # from one, so it would stay whole.
     "gpt_oss": (
-        lambda: _sweep_family("gpt_oss")(),
+        lambda: _sweep_family("gpt_oss"),
         r".* \(GptOssExperts\), which expert_parallel cannot run on the rows it dispatches: its "
         r"param 'model\.layers\.0\.mlp\.experts\.down_proj_bias' has logical axes \('experts', "
         r"'embed'\), not those of an expert weight .*; expert_parallel cannot run the 'gpt_oss' "
@@ -248,7 +260,9 @@ REFUSALS = {
         r"to d9d\.models\.MoE",
     ),
     "not transformers": (
-        lambda: d9d.functionalize(_Custom(), axes={r"w$": ("experts", "embed", "expert_mlp")}),
+        lambda: (
+            lambda: d9d.functionalize(_Custom(), axes={r"w$": ("experts", "embed", "expert_mlp")})
+        ),
         r"'experts\.w' belongs to module 'experts' \(_Experts\), which expert_parallel cannot "
         r"run on the rows it dispatches: _Experts is not a transformers module; build the "
         r"model's MoE layers from d9d\.moe",
@@ -258,7 +272,8 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_other_experts_modules_are_refused_with_why_and_a_fix(case: str) -> None:
-    model_fn, message = REFUSALS[case]
+    builder, message = REFUSALS[case]
+    model_fn = builder()
     with pytest.raises(
         RankFailedError, match=r"PlanError: expert_parallel\(axis='ep'\): " + message
     ):
