@@ -127,8 +127,9 @@ def _experts_modules(
     if not owners:
         raise PlanError(
             f"{transform}: the model has no routed experts (no param whose logical axes start "
-            "with 'experts' and name 'expert_mlp', as d9d.moe's experts do); use a model with "
-            f"d9d.moe layers, or treat {transform.axis!r} as a data axis: "
+            "with 'experts' and name 'expert_mlp', as the stacked experts of d9d.moe and of "
+            "transformers' MoE models have); use a model with routed experts, or treat "
+            f"{transform.axis!r} as a data axis: "
             f"d9d.shard_params(mesh, replicate_axis={transform.axis!r})"
         )
     if model is None:
