@@ -57,6 +57,9 @@ _LAYOUTS: dict[str, tuple[dict[str, int], Callable[[Any], list]]] = {
     "tp=2 no sp": ({"tp": 2}, lambda mesh: [d9d.tensor_parallel(mesh, sequence_parallel=False)]),
     "cp=2": ({"cp": 2}, lambda mesh: [d9d.context_parallel(mesh)]),
     "pp=2": ({"pp": 2}, lambda mesh: [d9d.pipeline(mesh, microbatches=2)]),
+    # Not in the table's columns: run with --layouts ep=2 (docs/huggingface.md, "Under
+    # expert_parallel"); a dense family is refused as a model without routed experts.
+    "ep=2": ({"ep": 2}, lambda mesh: [d9d.expert_parallel(mesh)]),
 }
 
 # Sizes every family gets where its config has the field: vocab 97 (an uneven shard over 2
@@ -98,7 +101,7 @@ _SIZES: dict[str, Any] = {
 _UNSET_SIZES: dict[str, Any] = {"n_shared_experts": 1}
 _MAX_PARAMS = 5_000_000
 # Layouts whose ranks compute each batch as two halves of its rows (see _split_reference).
-_SPLIT_LAYOUTS = ("fsdp=2", "pp=2")
+_SPLIT_LAYOUTS = ("fsdp=2", "pp=2", "ep=2")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 SAMPLE: tuple[tuple[str, str, str, str], ...] = (

@@ -1,6 +1,6 @@
 """``expert_parallel``: routed experts sharded over a mesh axis; its runtime puts dispatch,
 the local experts and combine (``d9d.kernels``' all-to-all ops) in place of each MoE layer's
-``dispatch``."""
+``dispatch`` and of each Hugging Face experts module's call."""
 
 from ._runtime import ExpertParallelRuntime as ExpertParallelRuntime
 from ._transform import ExpertParallel as ExpertParallel

@@ -2,7 +2,8 @@
 rest of the model.
 
 A stacked expert weight (logical axes ``("experts", ...)`` with an ``expert_mlp`` dim: the
-``w_gate``/``w_up``/``w_down`` of a ``d9d.moe`` layer) is stored, computed with and updated
+``w_gate``/``w_up``/``w_down`` of a ``d9d.moe`` layer, the ``gate_up_proj``/``down_proj`` of a
+Hugging Face experts module) is stored, computed with and updated
 ``Shard(0)`` over the axis: each rank holds ``E / ep`` experts and their optimizer state.
 Every other param is replicated over the axis and its grad averaged over it, as over a
 data-parallel axis, since the axis' ranks pass different batches.
@@ -26,7 +27,10 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import PlanError
+from ...hf import family_of
+from ...hf._experts import experts_call_names, experts_interface_refusal
 from ...moe import Experts, MoE
+from ._hf_experts import HFExperts
 from ._runtime import ExpertParallelRuntime
 
 if TYPE_CHECKING:
@@ -102,25 +106,30 @@ class ExpertParallel(Transform):
         return replace(entry, grad_scale=entry.grad_scale / size)
 
     def lay_out(self, plan: Plan, model: Model | None) -> Plan:
-        _moe_layers(self, plan, model)
+        _experts_modules(self, plan, model)
         return plan
 
     def runtime(self, plan: Plan, model: Model | None) -> ExpertParallelRuntime:
         group = self.mesh.get_group(self.axis)
-        return ExpertParallelRuntime(_moe_layers(self, plan, model), group)
+        layers, hf_experts = _experts_modules(self, plan, model)
+        return ExpertParallelRuntime(layers, group, hf_experts)
 
 
-def _moe_layers(transform: ExpertParallel, plan: Plan, model: Model | None) -> tuple[str, ...]:
-    """The paths of the MoE layers whose experts modules own the plan's expert weights,
-    checked."""
-    owners = {
-        e.path.rpartition(".")[0]: e.path for e in plan.entries.values() if is_expert_weight(e)
-    }
+def _experts_modules(
+    transform: ExpertParallel, plan: Plan, model: Model | None
+) -> tuple[tuple[str, ...], tuple[HFExperts, ...]]:
+    """The paths of the d9d.moe MoE layers whose experts modules own the plan's expert
+    weights, and the Hugging Face experts modules that own the others, checked."""
+    owners: dict[str, list[str]] = {}
+    for entry in plan.entries.values():
+        if is_expert_weight(entry):
+            owners.setdefault(entry.path.rpartition(".")[0], []).append(entry.path)
     if not owners:
         raise PlanError(
             f"{transform}: the model has no routed experts (no param whose logical axes start "
-            "with 'experts' and name 'expert_mlp', as d9d.moe's experts do); use a model with "
-            f"d9d.moe layers, or treat {transform.axis!r} as a data axis: "
+            "with 'experts' and name 'expert_mlp', as the stacked experts of d9d.moe and of "
+            "transformers' MoE models have); use a model with routed experts, or treat "
+            f"{transform.axis!r} as a data axis: "
             f"d9d.shard_params(mesh, replicate_axis={transform.axis!r})"
         )
     if model is None:
@@ -128,43 +137,84 @@ def _moe_layers(transform: ExpertParallel, plan: Plan, model: Model | None) -> t
             f"{transform} intercepts the model's experts modules and needs the model: call "
             "step.place(params, opt_state, model=model)"
         )
-    layers = []
-    for path, param in owners.items():
+    layers, hf_experts = [], []
+    for path, params in owners.items():
         module = model.structure.modules.get(path)
-        if not isinstance(module, Experts):
-            raise PlanError(
-                f"{transform}: {param!r} belongs to module {path!r} ({type(module).__name__}), "
-                "not a d9d.moe Experts module called as experts(rows grouped by expert, "
-                "group_sizes), which expert_parallel runs on the rows it dispatches; build the model from "
-                "d9d.moe layers (d9d.checkpoint.import_hf_moe converts a Qwen3-MoE checkpoint)"
-            )
-        layer_path = path.rpartition(".")[0]
-        layer = model.structure.modules.get(layer_path)
-        if not isinstance(layer, MoE) or layer.experts is not module:
-            raise PlanError(
-                f"{transform}: the experts module {path!r} is not the experts of a d9d.moe MoE "
-                f"layer ({layer_path!r} is {type(layer).__name__}), whose dispatch(x, "
-                "expert_ids, weights) expert_parallel replaces; call the experts from a "
-                "d9d.moe.MoE layer"
-            )
-        layers.append(layer_path)
-    return tuple(layers)
+        if isinstance(module, Experts):
+            layers.append(_moe_layer(transform, model, path, module))
+        else:
+            hf_experts.append(_hf_experts(transform, plan, model, path, params))
+    return tuple(layers), tuple(hf_experts)
+
+
+def _moe_layer(transform: ExpertParallel, model: Model, path: str, module: Experts) -> str:
+    """The path of the d9d.moe MoE layer whose experts ``module`` (at ``path``) is, checked."""
+    layer_path = path.rpartition(".")[0]
+    layer = model.structure.modules.get(layer_path)
+    if not isinstance(layer, MoE) or layer.experts is not module:
+        raise PlanError(
+            f"{transform}: the experts module {path!r} is not the experts of a d9d.moe MoE "
+            f"layer ({layer_path!r} is {type(layer).__name__}), whose dispatch(x, "
+            "expert_ids, weights) expert_parallel replaces; call the experts from a "
+            "d9d.moe.MoE layer"
+        )
+    return layer_path
+
+
+def _hf_experts(
+    transform: ExpertParallel, plan: Plan, model: Model, path: str, params: list[str]
+) -> HFExperts:
+    """The Hugging Face experts module at ``path`` (owning the expert weights ``params``) as
+    the runtime runs it, or a PlanError saying why it cannot and the fix for its family."""
+    module = model.structure.modules.get(path)
+    experts = plan.entries[params[0]].shape[0]
+    why = experts_interface_refusal(module, experts)
+    if why is None:
+        for name, _ in module.named_parameters():
+            entry = plan.entries.get(f"{path}.{name}")
+            if entry is not None and not is_expert_weight(entry):
+                why = (
+                    f"its param {entry.path!r} has logical axes {entry.axes}, not those of an "
+                    "expert weight (starting with 'experts' and naming 'expert_mlp'), so that "
+                    f"{transform.axis!r} would keep it whole while its forward indexes it by "
+                    "local expert"
+                )
+                break
+    if why is None:
+        return path, experts, experts_call_names(module)
+    family = family_of(model.module)
+    if family is None:
+        fix = "build the model's MoE layers from d9d.moe"
+    elif family == "qwen3_moe":
+        fix = "d9d.checkpoint.import_hf_moe converts a Qwen3-MoE checkpoint to d9d.models.MoE"
+    else:
+        fix = (
+            f"expert_parallel cannot run the {family!r} family's experts; shard them with "
+            f"d9d.shard_params(mesh, axis={transform.axis!r}) instead"
+        )
+    raise PlanError(
+        f"{transform}: {params[0]!r} belongs to module {path!r} ({type(module).__name__}), "
+        f"which expert_parallel cannot run on the rows it dispatches: {why}; {fix}"
+    )
 
 
 def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
     """Shard the routed experts over a mesh axis; the axis is a data axis for the rest.
 
     Each rank of ``axis`` stores, computes with and updates ``E / ep`` experts of every
-    ``d9d.moe`` layer (stacked expert weights ``Shard(0)`` over ``axis``, their optimizer state
+    ``d9d.moe`` layer (or Hugging Face experts module) (stacked expert weights ``Shard(0)`` over ``axis``, their optimizer state
     too) and passes its own batch (:meth:`~d9d.transforms.TransformedStep.data_rank` counts
     ``axis``). Each MoE layer's ``dispatch(x, expert_ids, weights)`` becomes
     ``d9d.kernels.dispatch`` (each token sent once to every rank owning one of its experts,
     by uneven all-to-all), the local experts' grouped GEMMs, and ``d9d.kernels.combine``
     (each token's weighted sum over a rank's experts sent back); the backward runs the
-    reverse all-to-alls. Dense params are replicated over ``axis`` and their grads averaged over it;
-    the loss is the token mean over every rank's batch. The experts' grads are one device's
-    (``docs/moe.md``). Composes with ``shard_params`` on another axis: dense params FSDP over
-    it, expert weights sharded over it on their next dim (expert FSDP).
+    reverse all-to-alls. A Hugging Face experts module of ``transformers``' interface
+    (``experts(hidden_states, top_k_index, top_k_weights)``, stacked ``[E, ...]`` params) runs
+    the same way: its call becomes dispatch, its own forward on this rank's experts, and
+    combine (``docs/huggingface.md``). Dense params are replicated over ``axis`` and their
+    grads averaged over it; the loss is the token mean over every rank's batch. The experts'
+    grads are one device's (``docs/moe.md``). Composes with ``shard_params`` on another axis:
+    dense params FSDP over it, expert weights sharded over it on their next dim (expert FSDP).
 
     Args:
         mesh: The mesh, from :func:`d9d.make_mesh`.
@@ -174,8 +224,9 @@ def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
         The transform: decorate a step with it.
 
     Raises:
-        PlanError: ``axis`` is not on the mesh; when placed, the model has no ``d9d.moe``
-            experts, an expert count does not divide by the axis' size, or no model is given.
+        PlanError: ``axis`` is not on the mesh; when placed, the model has no routed
+            experts, an expert count does not divide by the axis' size, no model is given, or
+            an experts module is neither ``d9d.moe``'s nor of ``transformers``' interface.
 
     Example:
         >>> import d9d, torch
