@@ -31,9 +31,12 @@ MANAGER_METHODS = (
     "num_participants",
     "register_state_dict_fn",
     "current_step",
+    "state_dict",
+    "load_state_dict",
 )
 """The ``torchft.Manager`` methods ``diloco`` calls: an outer round's, and those of a
-rejoin (its state registered when the step is placed)."""
+rejoin (its state registered when the step is placed, its count of rounds -1 until the
+group's first inner step)."""
 
 
 @dataclass(frozen=True)
