@@ -9,7 +9,8 @@ the manager saw one all-reduce of every param element per round (counted outside
 on from the last synced params, and its next round runs alone; it logs one line for each.
 (d) That group restarted rejoins at the survivor's next round with its state (params, inner
 state, anchor, outer state, inner step): the survivor never repeats a step, and both groups
-end bitwise equal, equal to the rounds simulated in one process.
+end bitwise equal, equal to the rounds simulated in one process. (e) So does a group killed
+before the first round committed, at the survivor's first round.
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep.
 """

@@ -63,6 +63,10 @@ class DiLoCoStep(OutermostStep):
     def place(self, params: Any, opt_state: Any, **kwargs: Any) -> tuple[Any, DiLoCoState]:
         """The wrapped step's ``place``, and the outer state beside its optimizer state.
 
+        A manager at step 0 is set to -1 committed rounds until the first inner step (or a
+        heal): behind groups that train, so that a group restarted before their first
+        committed round is healed at it (``docs/fault_tolerance.md``).
+
         Returns:
             ``(params, DiLoCoState(inner=opt_state, anchor=a copy of params, outer=
             outer.init(params), inner_step=0))``, every tree laid out like the placed params.
