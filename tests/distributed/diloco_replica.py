@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, required=True)
     parser.add_argument("--outer", choices=("sgd1", "nesterov"), required=True)
     parser.add_argument("--die-in-round", type=int, default=-1)
+    parser.add_argument("--die-at-step", type=int, default=-1)
     parser.add_argument("--join", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -115,6 +116,8 @@ def main() -> None:
         params, state = step.join(params, state)
     with open(args.out, "w") as log:
         while (at := int(state.inner_step)) < args.steps:
+            if at == args.die_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
             params, state, metrics = step(params, state, batch_of(args.group, at))
             line = {"step": at, "loss": metrics["loss"].item(), "rounds": real.current_step()}
             log.write(json.dumps(line) + "\n")

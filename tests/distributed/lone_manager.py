@@ -22,6 +22,12 @@ class LoneManager:
     def current_step(self) -> int:
         return self.step
 
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "batches_committed": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
     def start_quorum(self) -> None:
         self.calls.append("start_quorum")
 

@@ -9,7 +9,8 @@ the manager saw one all-reduce of every param element per round (counted outside
 on from the last synced params, and its next round runs alone; it logs one line for each.
 (d) That group restarted rejoins at the survivor's next round with its state (params, inner
 state, anchor, outer state, inner step): the survivor never repeats a step, and both groups
-end bitwise equal, equal to the rounds simulated in one process.
+end bitwise equal, equal to the rounds simulated in one process. (e) So does a group killed
+before the first round committed, at the survivor's first round.
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep.
 """
@@ -253,5 +254,49 @@ def test_a_group_killed_inside_a_round_restarts_and_rejoins_bitwise(tmp_path: Pa
     ]
     assert said == [
         "diloco: this replica group rejoined after outer round 1, at inner step 6, with a live "
+        "peer's params, anchor and optimizer states"
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_a_group_killed_before_the_first_round_restarts_and_rejoins_bitwise(
+    tmp_path: Path,
+) -> None:
+    # Rounds after inner steps 3 and 6. Group 1 dies before its inner step 1, inside the first
+    # round's inner steps, and restarts while no round has committed: the survivor's count of
+    # committed rounds is still 0, but the restarted group's is -1 until it steps, so torchft
+    # heals it at the survivor's first round (min_replicas=2: that round waits for it), where
+    # it takes part with the survivor's state; round 2 runs on both groups' own batches.
+    steps, inner_steps = 6, 3
+    lighthouse = _lighthouse(min_replicas=2)
+    args = (f"--steps={steps}", f"--inner-steps={inner_steps}", "--outer=nesterov")
+    try:
+        survivor = _start(lighthouse, tmp_path, "group0", "--group=0", *args)
+        victim = _start(lighthouse, tmp_path, "group1", "--group=1", "--die-at-step=1", *args)
+        _go(survivor)
+        _go(victim)
+        assert victim.wait(timeout=240) == -9
+        restarted = _start(lighthouse, tmp_path, "group1b", "--group=1", "--join", *args)
+        _go(restarted)
+        assert restarted.wait(timeout=240) == 0
+        assert survivor.wait(timeout=240) == 0
+    finally:
+        lighthouse.shutdown()
+    log, counts, got = _result(tmp_path, 0)
+    assert [r["step"] for r in log] == list(range(steps))  # no restart, none repeated
+    assert [r["rounds"] for r in log] == [0, 0, 1, 1, 1, 2]  # both rounds committed
+    assert counts["participants"] == [2, 2]
+    rejoined, rejoined_counts, rejoined_got = _result(tmp_path, "1b")
+    assert [(r["step"], r["rounds"]) for r in rejoined] == [(3, 1), (4, 1), (5, 2)]
+    assert rejoined_counts["participants"] == [2, 2]  # the quorum it healed at, and round 2
+    for k in got:
+        assert torch.equal(got[k], rejoined_got[k]), k
+    expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), (0, 1)], rejoins={0: (1, 0)})
+    assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+    said = [
+        line for line in (tmp_path / "group1b.err").read_text().splitlines() if "diloco:" in line
+    ]
+    assert said == [
+        "diloco: this replica group rejoined after outer round 0, at inner step 3, with a live "
         "peer's params, anchor and optimizer states"
     ]

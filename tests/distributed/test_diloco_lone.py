@@ -231,3 +231,15 @@ def test_a_group_that_did_not_heal_joins_with_its_own_state() -> None:
     step, params, state = _build(manager)
     joined, joined_state = step.join(params, state)
     assert joined is params and joined_state is state and manager.calls == []
+
+
+def test_a_placed_group_counts_minus_one_round_until_its_first_inner_step() -> None:
+    # Behind groups that train, even before their first committed round: torchft heals a
+    # group restarted then (its count behind the quorum's) at their next quorum.
+    manager = LoneManager(votes=[True])
+    step, params, state = _build(manager, inner_steps=2)
+    assert manager.current_step() == -1
+    params, state, _ = step(params, state, _batch(0))
+    assert manager.current_step() == 0
+    params, state, _ = step(params, state, _batch(1))
+    assert manager.current_step() == 1  # the round committed

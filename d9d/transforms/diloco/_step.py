@@ -63,6 +63,10 @@ class DiLoCoStep(OutermostStep):
     def place(self, params: Any, opt_state: Any, **kwargs: Any) -> tuple[Any, DiLoCoState]:
         """The wrapped step's ``place``, and the outer state beside its optimizer state.
 
+        A manager at step 0 is set to -1 committed rounds until the first inner step (or a
+        heal): behind groups that train, so that a group restarted before their first
+        committed round is healed at it (``docs/fault_tolerance.md``).
+
         Returns:
             ``(params, DiLoCoState(inner=opt_state, anchor=a copy of params, outer=
             outer.init(params), inner_step=0))``, every tree laid out like the placed params.
@@ -83,6 +87,8 @@ class DiLoCoStep(OutermostStep):
         inner_step = torch.zeros((), dtype=torch.int64)
         state = DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step)
         self.serve(params, state)
+        if self.manager.current_step() == 0:
+            _count_rounds(self.manager, NOT_STARTED)
         return params, state
 
     def __call__(self, params: Any, state: DiLoCoState, batch: Any) -> tuple[Any, Any, Any]:
@@ -91,6 +97,8 @@ class DiLoCoStep(OutermostStep):
                 f"a diloco step takes a DiLoCoState as its optimizer state, got "
                 f"{type(state).__name__}; build it with step.place(params, opt.init(params))"
             )
+        if self.manager.current_step() == NOT_STARTED:
+            _count_rounds(self.manager, 0)  # this group trains: at round 0 with the others
         params, inner, metrics = self.step(params, state.inner, batch)
         state = DiLoCoState(inner, state.anchor, state.outer, state.inner_step + 1)
         if int(state.inner_step) % self.inner_steps == 0:
@@ -176,6 +184,16 @@ class DiLoCoStep(OutermostStep):
 
 STATE_KEY = "d9d.diloco"
 """The key of ``diloco``'s part of torchft's state dict of a replica group."""
+
+NOT_STARTED = -1
+"""The committed rounds a placed group counts until its first inner step (or a heal): behind
+groups that train, even before their first committed round, so that torchft heals a group
+restarted then at their next quorum (it heals a group whose count is behind the quorum's)."""
+
+
+def _count_rounds(manager: Any, rounds: int) -> None:
+    """Set the committed rounds ``manager`` counts (its step), its other counts kept."""
+    manager.load_state_dict({**manager.state_dict(), "step": rounds})
 
 
 def _votes(runtime: Runtime) -> bool:

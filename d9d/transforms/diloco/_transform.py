@@ -31,9 +31,12 @@ MANAGER_METHODS = (
     "num_participants",
     "register_state_dict_fn",
     "current_step",
+    "state_dict",
+    "load_state_dict",
 )
 """The ``torchft.Manager`` methods ``diloco`` calls: an outer round's, and those of a
-rejoin (its state registered when the step is placed)."""
+rejoin (its state registered when the step is placed, its count of rounds -1 until the
+group's first inner step)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ def diloco(
     params; the inner optimizer's state is kept, as torchft's ``DiLoCo`` does.
 
     The step's loss is the group's own (inner steps do not communicate); the manager's step
-    (``manager.current_step()``) counts committed rounds.
+    (``manager.current_step()``) counts committed rounds, -1 from ``place`` until the group's
+    first inner step (so that a group restarted before the first round is behind, and healed).
 
     Rejoin: a restarted group behind the live ones is healed by torchft at the quorum of
     their next round with what a live peer takes into it (params, inner state, anchor, outer
