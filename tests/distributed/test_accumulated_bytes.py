@@ -97,3 +97,34 @@ def test_one_microbatch_accumulates_nothing() -> None:
         for shard, (_, memory, _) in runs.items():
             assert memory.accumulated_grads == 0, shard
             assert memory.at_reduction == memory.total, shard
+
+
+def _held_in_stage(shard: str) -> tuple[int, Any, int]:
+    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
+    model = llama()()
+    opt = optimizer()
+    step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
+    step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    with _HeldAtReduction((params, state, batch)) as seen:
+        step(params, state, batch)
+    held = sum(_storages(params, state).values()) + seen.held
+    stage = sum(model.params[p].numel() * model.params[p].element_size() for p in params)
+    return held, step.memory(params, state), stage
+
+
+def _held_in_stages() -> dict[str, tuple[int, Any, int]]:
+    return {s: _held_in_stage(s) for s in ("params", "grads", "opt_state")}
+
+
+def test_a_pipeline_stage_holds_its_whole_grads_at_the_reduction() -> None:
+    """pp=2 x fsdp=2 under 1F1B, 2 microbatches: each stage sums its params' grads whole over
+    the microbatches (ZeRO-1, 2 and 3 alike), so ``accumulated_grads`` is the stage's float32
+    bytes, and a rank holds at least ``at_reduction`` when they are reduced. It holds more:
+    the coalesced reduction's buffer of the stage's grads, the schedule's buffers, and under
+    ZeRO-3 the stage's gathered params (docs/sharding.md)."""
+    for runs in run_on_ranks(_held_in_stages, 4, method="fork", timeout=300):
+        for shard, (held, memory, stage) in runs.items():
+            assert memory.accumulated_grads == stage, (shard, memory)
+            assert held >= memory.at_reduction + stage, (shard, held, memory)
