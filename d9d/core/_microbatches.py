@@ -49,7 +49,7 @@ def sum_microbatches(
             values.append(value if weight is None else value * weight)
             weights.append(weight)
             auxes.append(aux)
-            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+            total = grads if total is None else _added(total, grads)
     finally:
         step.defer_reduction = previous
     if any(w is None for w in weights) and any(w is not None for w in weights):
@@ -60,3 +60,13 @@ def sum_microbatches(
     count = None if weights[0] is None else torch.stack(weights).sum()
     aux = stack_aux(auxes, weights) if job.has_aux else None
     return torch.stack(values).sum(), aux, total, count
+
+
+def _added(total: list[Any], grads: list[Any]) -> list[Any]:
+    """``total`` plus ``grads``, element by element, each of both dropped once added: the
+    whole grads of a deferred step are held as the running sum and one microbatch's, never
+    a third copy (``step.memory``'s ``accumulated_grads``)."""
+    for i, grad in enumerate(grads):
+        total[i] = total[i] + grad
+        grads[i] = None
+    return total

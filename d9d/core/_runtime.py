@@ -295,12 +295,16 @@ class Runtime:
     Attributes:
         drives_differentiation: This runtime runs ``d9d.value_and_grad`` itself
             (:meth:`differentiate`); at most one runtime of a step may.
+        accumulates_grads: This runtime's differentiation holds every param's grad whole
+            (in its compute layout, unreduced) from the first microbatch's backward and
+            reduces their sum once a step (``step.memory``'s ``accumulated_grads``).
         shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
             over the same params) runs this runtime too; False for one whose hooks belong to
             the training step alone (``fault_tolerant``'s quorum and commit vote).
     """
 
     drives_differentiation: bool = False
+    accumulates_grads: bool = False
     shared: bool = True
 
     def op(self, name: str) -> Callable[..., Any] | None:

@@ -41,17 +41,36 @@ __all__ = ["Memory", "OutermostStep", "TransformedStep", "order_transforms"]
 @dataclass(frozen=True)
 class Memory:
     """Bytes one rank holds for params, grads and optimizer state on the mesh's device, and
-    optimizer state kept on the host (``shard_params(opt_state_device="cpu")``)."""
+    optimizer state kept on the host (``shard_params(opt_state_device="cpu")``).
+
+    ``accumulated_grads``: the whole, unreduced grads a step that reduces once a step holds
+    from its first microbatch's backward to that reduction (``shard_params(microbatches=k)``
+    with ``k > 1``, every ``pipeline`` step): each param's grad in its compute layout (a
+    ZeRO-3 param's whole, not its shard), in its reduce dtype; 0 when each block's grads are
+    reduced as its backward ends. They are held beside the last microbatch's activations,
+    not at the update: :attr:`total` leaves them out, :attr:`at_reduction` counts them.
+    """
 
     params: int
     grads: int
     opt_state: int
     host_opt_state: int = 0
+    accumulated_grads: int = 0
 
     @property
     def total(self) -> int:
-        """Bytes on the mesh's device: params, grads and the optimizer state kept there."""
+        """Bytes on the mesh's device at the update: params, grads and the optimizer state
+        kept there."""
         return self.params + self.grads + self.opt_state
+
+    @property
+    def at_reduction(self) -> int:
+        """Bytes on the mesh's device when the accumulated grads are reduced: params,
+        :attr:`accumulated_grads` and the optimizer state kept there (:attr:`total` when the
+        step accumulates nothing)."""
+        if not self.accumulated_grads:
+            return self.total
+        return self.params + self.accumulated_grads + self.opt_state
 
     def __str__(self) -> str:
         host = (
@@ -59,9 +78,15 @@ class Memory:
             if self.host_opt_state
             else ""
         )
+        accumulated = (
+            f"; whole grads accumulated over microbatches {self.accumulated_grads:,} B "
+            f"({self.at_reduction:,} B per rank at their reduction)"
+            if self.accumulated_grads
+            else ""
+        )
         return (
             f"params {self.params:,} B, grads {self.grads:,} B, optimizer state "
-            f"{self.opt_state:,} B: {self.total:,} B per rank{host}"
+            f"{self.opt_state:,} B: {self.total:,} B per rank{host}{accumulated}"
         )
 
 
@@ -378,7 +403,9 @@ class TransformedStep:
         """Bytes this rank holds when the step body updates: params, grads (laid out as the
         update sees them, as each param's optimizer state is kept: ZeRO-1 all-reduces a
         block's grads and keeps their slices) and optimizer state, the state kept on the
-        plan's state device (the host) counted apart."""
+        plan's state device (the host) counted apart; and, when a runtime reduces the grads
+        once a step (:attr:`Runtime.accumulates_grads`), the whole grads it holds until then
+        (``Memory.accumulated_grads``)."""
         plan = self.plan
         param_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(params))
         grad_bytes = 0
@@ -389,13 +416,19 @@ class TransformedStep:
             else:
                 local = entry.local_shape(plan.mesh, entry.state_kept)
                 grad_bytes += math.prod(local) * entry.dtype.itemsize
+        accumulated = 0
+        if any(r.accumulates_grads for r in self.runtimes):
+            for path in params:
+                entry = plan.entries[path]
+                local = entry.local_shape(plan.mesh, entry.compute)
+                accumulated += math.prod(local) * (entry.reduce_dtype or entry.dtype).itemsize
         on_device = on_host = 0
         for leaf, apart in zip(tree.leaves(opt_state), kept_apart(opt_state, plan), strict=True):
             if apart:
                 on_host += _local_bytes(leaf)
             else:
                 on_device += _local_bytes(leaf)
-        return Memory(param_bytes, grad_bytes, on_device, on_host)
+        return Memory(param_bytes, grad_bytes, on_device, on_host, accumulated)
 
 
 def _bytes_by_dtype(state: Any) -> dict[str, int]:

@@ -395,3 +395,29 @@ def test_hugging_face_blocks_of_different_kinds_are_measured_whole(
         whole = dry_run(step, params, state, batch)
     assert not _uniform(model)
     assert planned.kept == whole.kept and planned.comms.count == whole.comms.count
+
+
+def test_microbatches_without_a_pipeline_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"--microbatches 4 splits the step over pipeline stages"):
+        show_plan("tiny", fsdp=2, microbatches=4)
+
+
+def test_pipeline_plan_counts_the_accumulated_grads_instead_of_the_kept() -> None:
+    """pp=2 x fsdp=2 (ZeRO-3): the stage's grads summed whole over its microbatches are twice
+    its fsdp-sharded params, shown on their own line, and the total holds them, not grads."""
+    text = show_plan("tiny", pp=2, fsdp=2, seq=32, max_rows=2)
+    figures = dict(re.findall(r"^  (\w+) +([\d.]+ \w?i?B)", text, flags=re.M))
+    assert "accumulated" in figures and "whole, summed over microbatches" in text
+    unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    value = {k: float(v.split()[0]) * unit[v.split()[1]] for k, v in figures.items()}
+    assert value["accumulated"] == pytest.approx(2 * value["params"], abs=0.01 * 2**10)
+    parts = value["params"] + value["accumulated"] + value["optimizer"] + value["activations"]
+    assert value["total"] == pytest.approx(parts, abs=0.005 * 2**20)  # total is in MiB
+    assert (
+        value["total"]
+        > value["params"]
+        + value["grads"]
+        + value["optimizer"]
+        + value["activations"]
+        + 0.005 * 2**20
+    )

@@ -119,6 +119,12 @@ def show_plan(
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
+    if microbatches is not None and pp == 1:
+        raise ValueError(
+            f"--microbatches {microbatches} splits the step over pipeline stages, and --pp is 1; "
+            "give --pp ranks (gradient accumulation without a pipeline is d9d train's "
+            "--grad-accum, which d9d plan does not model)"
+        )
     chunks = microbatches or 2 * pp if pp > 1 else 1
     ranks = math.prod(sizes.values())
     with fake_world(ranks):
@@ -166,7 +172,10 @@ def show_plan(
         )
         explained = plan.explain(first_matrix)
     activations = formula if formula is not None else measured.kept
-    total = memory.total + (activations or 0)
+    # Grads accumulated whole (a pipeline's) are held beside the microbatches' activations
+    # and reduced to ``grads`` once they are gone: the peak holds the larger of the two.
+    held_grads = max(memory.grads, memory.accumulated_grads)
+    total = memory.params + held_grads + memory.opt_state + (activations or 0)
     lines = [
         title,
         render_plan(plan, title="", max_rows=max_rows),
@@ -177,6 +186,7 @@ def show_plan(
         + ("):" if zero == 3 or sizes["fsdp"] == 1 else f", ZeRO-{zero} over fsdp):"),
         f"  params       {human(memory.params):>12}",
         f"  grads        {human(memory.grads):>12}",
+        *(_accumulated_lines(memory.accumulated_grads) if memory.accumulated_grads else []),
         f"  optimizer    {human(memory.opt_state):>12}",
         *(_host_state_lines(memory.host_opt_state) if offload_opt_state else []),
         f"  activations  {human(activations) if activations is not None else 'n/a':>12}"
@@ -187,6 +197,13 @@ def show_plan(
         explained,
     ]
     return "\n".join(lines)
+
+
+def _accumulated_lines(accumulated: int) -> list[str]:
+    """The memory table's line of the whole grads a pipeline stage sums over its microbatches
+    and reduces once a step (``step.memory``'s ``accumulated_grads``)."""
+    note = "(whole, summed over microbatches, reduced once: in the total instead of grads)"
+    return [f"  accumulated  {human(accumulated):>12}  {note}"]
 
 
 def _activation_note(

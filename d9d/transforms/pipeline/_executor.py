@@ -297,8 +297,10 @@ def run_pipeline(
         for module in runtime.modules.values():  # the cached stages must not keep them alive
             module._parameters.clear()
     value, total = _loss_on_every_rank(losses, runner, runtime, last, layout)
+    # Divided in place: a second whole copy of the stage's grads would be held beside them
+    # (step.memory's accumulated_grads counts one).
     compute_grads = [
-        weights[p].grad / total if weights[p].grad is not None else torch.zeros_like(weights[p])
+        weights[p].grad.div_(total) if weights[p].grad is not None else torch.zeros_like(weights[p])
         for p in paths
     ]
     grads = torch.autograd.grad(

@@ -19,6 +19,7 @@ class PipelineRuntime(Runtime):
     """Runs the step's loss stage by stage under a ``torch.distributed.pipelining`` schedule."""
 
     drives_differentiation = True
+    accumulates_grads = True  # the stage's weights' .grad, reduced once (run_pipeline)
 
     def __init__(self, layout: PipelineLayout, plan: Plan) -> None:
         self.layout = layout

@@ -1,0 +1,130 @@
+"""What a step that reduces its grads once a step holds when it reduces them, measured on
+the storages alive at its first reduce collective, against ``step.memory``'s
+``accumulated_grads`` and ``at_reduction``: under microbatch accumulation every param's
+grad is held whole (unreduced) until then, under ZeRO-1, 2 and 3 alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from equivalence import batches, llama, optimizer, train_step
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import d9d
+from d9d.testing import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+_REDUCTIONS = {"reduce_scatter_tensor", "all_reduce"}
+
+
+def _storages(*trees: Any) -> dict[int, int]:
+    """{storage identity: bytes} of the local tensors of ``trees``, each storage once."""
+    out = {}
+    for leaf in d9d.tree.leaves(trees):
+        if isinstance(leaf, torch.Tensor):
+            storage = (leaf.to_local() if isinstance(leaf, DTensor) else leaf).untyped_storage()
+            out[StorageWeakRef(storage).cdata] = storage.nbytes()
+    return out
+
+
+class _HeldAtReduction(TorchDispatchMode):
+    """Records the bytes of the storages that ops returned and are still alive (those of
+    ``inputs`` left out) when the first reduce collective of more than a few elements is
+    issued: the grads' reduction (the loss's and token count's all-reduces are smaller)."""
+
+    def __init__(self, inputs: Any) -> None:
+        super().__init__()
+        self.inputs = set(_storages(inputs))
+        self.outputs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.held: int | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor lowers the op to local ops, seen here
+        name = func.__name__.split(".")[0]
+        if self.held is None and name in _REDUCTIONS and args[0].numel() > 64:
+            self.held = sum(n for ref, n in self.outputs.values() if not ref.expired())
+        out = func(*args, **(kwargs or {}))
+        for leaf in out if isinstance(out, tuple | list) else (out,):
+            if type(leaf) is torch.Tensor:
+                ref = StorageWeakRef(leaf.untyped_storage())
+                if ref.cdata not in self.inputs:
+                    self.outputs[ref.cdata] = (ref, leaf.untyped_storage().nbytes())
+        return out
+
+
+def _held(shard: str, microbatches: int) -> tuple[int, Any, int]:
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model = llama()()
+    opt = optimizer()
+    step = train_step(model, opt)
+    step = d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=microbatches)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    with _HeldAtReduction((params, state, batch)) as seen:
+        step(params, state, batch)
+    held = sum(_storages(params, state).values()) + seen.held
+    whole = sum(p.numel() * p.element_size() for p in model.params.values())
+    return held, step.memory(params, state), whole
+
+
+def _held_per_shard(microbatches: int) -> dict[str, tuple[int, Any, int]]:
+    return {s: _held(s, microbatches) for s in ("params", "grads", "opt_state")}
+
+
+def test_whole_grads_held_at_the_reduction_under_accumulation_are_step_memory() -> None:
+    """fsdp=2, 2 microbatches, tiny Llama, float32, AdamW: when the summed grads are reduced a
+    rank holds its stored params, its optimizer state and every param's grad whole (the
+    model's float32 bytes, ZeRO-3's too), exactly ``step.memory().at_reduction``, and nothing
+    else the step made but the loss (one float32): more than ``total`` (at the update) by
+    the whole grads less the kept ones."""
+    for runs in run_on_ranks(_held_per_shard, 2, 2):
+        for shard, (held, memory, whole) in runs.items():
+            assert memory.accumulated_grads == whole, (shard, memory)
+            assert held == memory.at_reduction + 4, (shard, held, memory)
+            assert memory.at_reduction - memory.total == whole - memory.grads, shard
+
+
+def test_one_microbatch_accumulates_nothing() -> None:
+    """fsdp=2, one microbatch: each block's grads are reduced as its backward ends, so no
+    whole grads are accumulated and ``at_reduction`` is ``total``."""
+    for runs in run_on_ranks(_held_per_shard, 2, 1):
+        for shard, (_, memory, _) in runs.items():
+            assert memory.accumulated_grads == 0, shard
+            assert memory.at_reduction == memory.total, shard
+
+
+def _held_in_stage(shard: str) -> tuple[int, Any, int]:
+    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
+    model = llama()()
+    opt = optimizer()
+    step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
+    step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    with _HeldAtReduction((params, state, batch)) as seen:
+        step(params, state, batch)
+    held = sum(_storages(params, state).values()) + seen.held
+    stage = sum(model.params[p].numel() * model.params[p].element_size() for p in params)
+    return held, step.memory(params, state), stage
+
+
+def _held_in_stages() -> dict[str, tuple[int, Any, int]]:
+    return {s: _held_in_stage(s) for s in ("params", "grads", "opt_state")}
+
+
+def test_a_pipeline_stage_holds_its_whole_grads_at_the_reduction() -> None:
+    """pp=2 x fsdp=2 under 1F1B, 2 microbatches: each stage sums its params' grads whole over
+    the microbatches (ZeRO-1, 2 and 3 alike), so ``accumulated_grads`` is the stage's float32
+    bytes, and a rank holds at least ``at_reduction`` when they are reduced. It holds more:
+    the coalesced reduction's buffer of the stage's grads, the schedule's buffers, and under
+    ZeRO-3 the stage's gathered params (docs/sharding.md)."""
+    for runs in run_on_ranks(_held_in_stages, 4, method="fork", timeout=300):
+        for shard, (held, memory, stage) in runs.items():
+            assert memory.accumulated_grads == stage, (shard, memory)
+            assert held >= memory.at_reduction + stage, (shard, held, memory)
