@@ -58,6 +58,60 @@ class _HeldAtReduction(TorchDispatchMode):
         return out
 
 
+class _HeldAfterLastBackward(_HeldAtReduction):
+    """Also records the most bytes alive (storages ops returned, ``inputs`` left out) at any op
+    from the end of the ``backwards``-th backward (the step's last microbatch's; an op runs
+    in a backward while autograd's engine has a graph task) to the first grad reduction: the
+    running sum of the grads, and under a copy of them beside it, that microbatch's grads."""
+
+    def __init__(self, inputs: Any, backwards: int) -> None:
+        super().__init__(inputs)
+        self.backwards, self.ended, self.in_backward = backwards, 0, False
+        self.after_last: int | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not any(issubclass(t, DTensor) for t in types):
+            in_backward = torch._C._current_graph_task_id() != -1
+            self.ended += self.in_backward and not in_backward
+            self.in_backward = in_backward
+            if self.ended == self.backwards and self.held is None:
+                alive = sum(n for ref, n in self.outputs.values() if not ref.expired())
+                self.after_last = max(self.after_last or 0, alive)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _held_after_last_backward(shard: str) -> tuple[int, Any]:
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model = llama()()
+    opt = optimizer()
+    step = train_step(model, opt)
+    step = d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=2)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    with _HeldAfterLastBackward((params, state, batch), backwards=2) as seen:
+        step(params, state, batch)
+    assert seen.after_last is not None and seen.held is not None
+    return sum(_storages(params, state).values()) + seen.after_last, step.memory(params, state)
+
+
+def _held_after_last_backward_per_shard() -> dict[str, tuple[int, Any]]:
+    return {s: _held_after_last_backward(s) for s in ("params", "grads", "opt_state")}
+
+
+def test_the_last_microbatch_adds_its_grads_into_the_sum_as_its_backward_makes_them() -> None:
+    """fsdp=2, 2 microbatches, tiny Llama, float32, AdamW: from the end of the last
+    microbatch's backward to the grads' reduction a rank holds its stored params, its
+    optimizer state and one whole copy of the grads (each microbatch's grads are added into
+    the running sum in place as its backward makes them): ``at_reduction`` and, of what the
+    step made, only 0-d tensors, at most 32 B (the microbatches' losses, weighed losses and
+    token counts while they are stacked and summed), under ZeRO-1, 2 and 3. Adding a
+    microbatch's whole grads to the sum after its backward returned them held the model's
+    500,992 B more (two copies)."""
+    for runs in run_on_ranks(_held_after_last_backward_per_shard, 2):
+        for shard, (held, memory) in runs.items():
+            assert held == memory.at_reduction + 32, (shard, held, memory)
+
+
 def _held(shard: str, microbatches: int) -> tuple[int, Any, int]:
     mesh = d9d.make_mesh("cpu", fsdp=2)
     model = llama()()
