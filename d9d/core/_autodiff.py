@@ -152,7 +152,8 @@ def _grads(
     the backward drops it there: a microbatch's grads never exist whole beside the running
     sum, as FSDP2 accumulates into ``.grad`` (docs/sharding.md). An input that the value does
     not use gets zeros, not its ``into`` tensor."""
-    handles = [x.register_hook(functools.partial(_added_into, t)) for x, t in zip(inputs, into)]
+    pairs = zip(inputs, into, strict=True) if into else ()
+    handles = [x.register_hook(functools.partial(_added_into, t)) for x, t in pairs]
     try:
         with backward_region():
             return torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
