@@ -41,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import PlanError
+from ._param_plan import ParamPlan
 from ._plan import Plan
 from ._structure import Block, Slot, Structure
 
@@ -297,7 +298,8 @@ class Runtime:
             (:meth:`differentiate`); at most one runtime of a step may.
         accumulates_grads: This runtime's differentiation holds every param's grad whole
             (in its compute layout, unreduced) from the first microbatch's backward and
-            reduces their sum once a step (``step.memory``'s ``accumulated_grads``).
+            reduces their sum once a step (``step.memory``'s ``accumulated_grads``, in
+            :meth:`accumulated_dtype`).
         shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
             over the same params) runs this runtime too; False for one whose hooks belong to
             the training step alone (``fault_tolerant``'s quorum and commit vote).
@@ -359,6 +361,12 @@ class Runtime:
         """``(value, aux, grads)`` of ``job``; each grad laid out as its param's optimizer
         state is kept (``state_kept``: the stored layout but under ZeRO-1/2)."""
         raise NotImplementedError(f"{type(self).__name__} does not drive differentiation")
+
+    def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:
+        """The dtype in which a runtime that :attr:`accumulates_grads` holds ``entry``'s
+        summed grad: by default the reduce dtype (the gathers' backward casts each
+        microbatch's grad to it before it is returned unreduced), else the param's."""
+        return entry.reduce_dtype or entry.dtype
 
     def gather_once(self, paths: list[str], params: dict[str, Any]) -> dict[str, Any] | None:
         """The compute tensors of ``paths`` from ``params`` (autograd leaves made of the
