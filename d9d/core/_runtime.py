@@ -265,10 +265,12 @@ class Differentiation:
         args: Its positional inputs.
         kwargs: Its keyword inputs.
         has_aux: ``fn`` returns ``(value, aux)``.
-        run: ``run(args, kwargs, weighted) -> (value, aux, grads, weight)``: one forward and
-            backward of ``fn`` on those inputs; ``weight`` is the valid-token count its token
-            means recorded (None if none did); with ``weighted`` the grads are those of
-            ``weight * value``.
+        run: ``run(args, kwargs, weighted, into=None) -> (value, aux, grads, weight)``: one
+            forward and backward of ``fn`` on those inputs; ``weight`` is the valid-token
+            count its token means recorded (None if none did); with ``weighted`` the grads
+            are those of ``weight * value``; with ``into`` (grads of an earlier run, laid out
+            as these, which it writes) each grad is added into its tensor in place as the
+            backward makes it, and that tensor is returned as the grad.
         split: ``split(parts) -> [(args, kwargs), ...]``: equal slices (dim 0) of the inputs.
         check_value: ``check_value(value)`` raises unless ``fn``'s value is a 0-d float.
         gather: ``gather(paths, leaves) -> {path: tensor}``: the compute tensors of the
