@@ -62,7 +62,8 @@ class _HeldAfterLastBackward(_HeldAtReduction):
     """Also records the most bytes alive (storages ops returned, ``inputs`` left out) at any op
     from the end of the ``backwards``-th backward (the step's last microbatch's; an op runs
     in a backward while autograd's engine has a graph task) to the first grad reduction: the
-    running sum of the grads, and under a copy of them beside it, that microbatch's grads."""
+    running sum of the grads and, where they are added after its backward returned them
+    whole, that microbatch's grads."""
 
     def __init__(self, inputs: Any, backwards: int) -> None:
         super().__init__(inputs)
