@@ -102,12 +102,15 @@ def _differentiate(
     args: Any,
     kwargs: Any,
     weighted: bool = False,
+    into: list[torch.Tensor] | None = None,
     *,
     has_aux: bool,
 ) -> tuple[torch.Tensor, Any, list[torch.Tensor], torch.Tensor | None]:
     """``(value, aux, grads, weight)``; ``weight`` is the valid-token count the value's token
     means recorded (None if none did), and with ``weighted`` the grads are those of
-    ``weight * value``, ready to be summed over microbatches."""
+    ``weight * value``, ready to be summed over microbatches. With ``into`` (grads of an
+    earlier call, laid out as these) each grad is added into its tensor in place as the
+    backward produces it, and that tensor is returned as the grad (:func:`_grads`)."""
     leaves, spec = tree.flatten(params)
     with torch.enable_grad(), count_tokens() as counts:
         inputs = [_differentiable(leaf) for leaf in leaves]
@@ -117,7 +120,7 @@ def _differentiate(
         _check_value(value, has_aux=has_aux)
         weight = torch.stack(counts).sum().to(value.dtype) if counts else None
         scaled = value * weight if weighted and weight is not None else value
-        grads = _grads_of(scaled, inputs)
+        grads = _grads_of(scaled, inputs, into or [])
     aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
     return value.detach(), aux, list(grads), weight
 
@@ -141,9 +144,28 @@ def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.detach().requires_grad_(True)
 
 
-def _grads(value: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    with backward_region():
-        return torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+def _grads(
+    value: torch.Tensor, inputs: list[torch.Tensor], into: list[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """The grads of ``value`` w.r.t. ``inputs``; with ``into`` (one tensor per input), each
+    input's grad is added into its tensor in place when the backward has computed it, and
+    the backward drops it there: a microbatch's grads never exist whole beside the running
+    sum, as FSDP2 accumulates into ``.grad`` (docs/sharding.md). An input that the value does
+    not use gets zeros, not its ``into`` tensor."""
+    pairs = zip(inputs, into, strict=True) if into else ()
+    handles = [x.register_hook(functools.partial(_added_into, t)) for x, t in pairs]
+    try:
+        with backward_region():
+            return torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _added_into(total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A leaf's hook: ``grad`` added into ``total`` in place, which ``autograd.grad`` then
+    returns in its stead (the same sum as ``total + grad``, bit for bit)."""
+    return total.add_(grad)
 
 
 # Each is one opaque node of a ``jit`` graph (``allow_in_graph``), which AOTAutograd traces

@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ._autodiff import stack_aux
 from ._context import current
+from ._gather import local_like
 from ._runtime import Differentiation
 
 __all__ = ["sum_microbatches"]
@@ -45,11 +47,11 @@ def sum_microbatches(
     previous, step.defer_reduction = step.defer_reduction, defer_reduction
     try:
         for args, kwargs in job.split(microbatches):
-            value, aux, grads, weight = job.run(args, kwargs, True)
+            value, aux, grads, weight = job.run(args, kwargs, True, total)
             values.append(value if weight is None else value * weight)
             weights.append(weight)
             auxes.append(aux)
-            total = grads if total is None else _added(total, grads)
+            total = _owned(grads) if total is None else _added(total, grads)
     finally:
         step.defer_reduction = previous
     if any(w is None for w in weights) and any(w is not None for w in weights):
@@ -62,11 +64,25 @@ def sum_microbatches(
     return torch.stack(values).sum(), aux, total, count
 
 
-def _added(total: list[Any], grads: list[Any]) -> list[Any]:
-    """``total`` plus ``grads``, element by element, each of both dropped once added: the
-    whole grads of a deferred step are held as the running sum and one microbatch's, never
-    a third copy (``step.memory``'s ``accumulated_grads``)."""
+def _owned(grads: list[Any]) -> list[Any]:
+    """The first microbatch's ``grads`` copied, one at a time, into buffers of their own that
+    later microbatches are added into in place: a grad the backward returned may share its
+    tensor with another param's (one op can hand the same grad to two inputs) or be a
+    broadcast's expanded view, which an in-place add would corrupt or refuse."""
     for i, grad in enumerate(grads):
-        total[i] = total[i] + grad
+        # The local tensor's copy: DTensor's own clone reduces a Partial grad.
+        grads[i] = (
+            local_like(grad.to_local().clone(), grad) if isinstance(grad, DTensor) else grad.clone()
+        )
+    return grads
+
+
+def _added(total: list[Any], grads: list[Any]) -> list[Any]:
+    """``total`` plus ``grads``, element by element. The backward has added each grad of
+    ``total``'s layout into it in place and returned it (``Differentiation.run``'s
+    ``into``); one it did not (an unused param's zeros) is added here."""
+    for i, grad in enumerate(grads):
+        if grad is not total[i]:
+            total[i] = total[i] + grad
         grads[i] = None
     return total

@@ -41,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import PlanError
+from ._param_plan import ParamPlan
 from ._plan import Plan
 from ._structure import Block, Slot, Structure
 
@@ -264,10 +265,12 @@ class Differentiation:
         args: Its positional inputs.
         kwargs: Its keyword inputs.
         has_aux: ``fn`` returns ``(value, aux)``.
-        run: ``run(args, kwargs, weighted) -> (value, aux, grads, weight)``: one forward and
-            backward of ``fn`` on those inputs; ``weight`` is the valid-token count its token
-            means recorded (None if none did); with ``weighted`` the grads are those of
-            ``weight * value``.
+        run: ``run(args, kwargs, weighted, into=None) -> (value, aux, grads, weight)``: one
+            forward and backward of ``fn`` on those inputs; ``weight`` is the valid-token
+            count its token means recorded (None if none did); with ``weighted`` the grads
+            are those of ``weight * value``; with ``into`` (grads of an earlier run, laid out
+            as these, which it writes) each grad is added into its tensor in place as the
+            backward makes it, and that tensor is returned as the grad.
         split: ``split(parts) -> [(args, kwargs), ...]``: equal slices (dim 0) of the inputs.
         check_value: ``check_value(value)`` raises unless ``fn``'s value is a 0-d float.
         gather: ``gather(paths, leaves) -> {path: tensor}``: the compute tensors of the
@@ -297,7 +300,8 @@ class Runtime:
             (:meth:`differentiate`); at most one runtime of a step may.
         accumulates_grads: This runtime's differentiation holds every param's grad whole
             (in its compute layout, unreduced) from the first microbatch's backward and
-            reduces their sum once a step (``step.memory``'s ``accumulated_grads``).
+            reduces their sum once a step (``step.memory``'s ``accumulated_grads``, in
+            :meth:`accumulated_dtype`).
         shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
             over the same params) runs this runtime too; False for one whose hooks belong to
             the training step alone (``fault_tolerant``'s quorum and commit vote).
@@ -359,6 +363,12 @@ class Runtime:
         """``(value, aux, grads)`` of ``job``; each grad laid out as its param's optimizer
         state is kept (``state_kept``: the stored layout but under ZeRO-1/2)."""
         raise NotImplementedError(f"{type(self).__name__} does not drive differentiation")
+
+    def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:
+        """The dtype in which a runtime that :attr:`accumulates_grads` holds ``entry``'s
+        summed grad: by default the reduce dtype (the gathers' backward casts each
+        microbatch's grad to it before it is returned unreduced), else the param's."""
+        return entry.reduce_dtype or entry.dtype
 
     def gather_once(self, paths: list[str], params: dict[str, Any]) -> dict[str, Any] | None:
         """The compute tensors of ``paths`` from ``params`` (autograd leaves made of the

@@ -46,9 +46,11 @@ class Memory:
     ``accumulated_grads``: the whole, unreduced grads a step that reduces once a step holds
     from its first microbatch's backward to that reduction (``shard_params(microbatches=k)``
     with ``k > 1``, every ``pipeline`` step): each param's grad in its compute layout (a
-    ZeRO-3 param's whole, not its shard), in its reduce dtype; 0 when each block's grads are
-    reduced as its backward ends. They are held beside the last microbatch's activations,
-    not at the update: :attr:`total` leaves them out, :attr:`at_reduction` counts them.
+    ZeRO-3 param's whole, not its shard), in the dtype the accumulating runtime sums it in
+    (``Runtime.accumulated_dtype``: ``shard_params``' reduce dtype, a pipeline stage's
+    compute dtype); 0 when each block's grads are reduced as its backward ends. They are
+    held beside the last microbatch's activations, not at the update: :attr:`total` leaves
+    them out, :attr:`at_reduction` counts them.
     """
 
     params: int
@@ -417,11 +419,12 @@ class TransformedStep:
                 local = entry.local_shape(plan.mesh, entry.state_kept)
                 grad_bytes += math.prod(local) * entry.dtype.itemsize
         accumulated = 0
-        if any(r.accumulates_grads for r in self.runtimes):
+        accumulating = next((r for r in self.runtimes if r.accumulates_grads), None)
+        if accumulating is not None:
             for path in params:
                 entry = plan.entries[path]
                 local = entry.local_shape(plan.mesh, entry.compute)
-                accumulated += math.prod(local) * (entry.reduce_dtype or entry.dtype).itemsize
+                accumulated += math.prod(local) * accumulating.accumulated_dtype(entry).itemsize
         on_device = on_host = 0
         for leaf, apart in zip(tree.leaves(opt_state), kept_apart(opt_state, plan), strict=True):
             if apart:

@@ -58,12 +58,67 @@ class _HeldAtReduction(TorchDispatchMode):
         return out
 
 
-def _held(shard: str, microbatches: int) -> tuple[int, Any, int]:
+class _HeldAfterLastBackward(_HeldAtReduction):
+    """Also records the most bytes alive (storages ops returned, ``inputs`` left out) at any op
+    from the end of the ``backwards``-th backward (the step's last microbatch's; an op runs
+    in a backward while autograd's engine has a graph task) to the first grad reduction: the
+    running sum of the grads and, where they are added after its backward returned them
+    whole, that microbatch's grads."""
+
+    def __init__(self, inputs: Any, backwards: int) -> None:
+        super().__init__(inputs)
+        self.backwards, self.ended, self.in_backward = backwards, 0, False
+        self.after_last: int | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not any(issubclass(t, DTensor) for t in types):
+            in_backward = torch._C._current_graph_task_id() != -1
+            self.ended += self.in_backward and not in_backward
+            self.in_backward = in_backward
+            if self.ended == self.backwards and self.held is None:
+                alive = sum(n for ref, n in self.outputs.values() if not ref.expired())
+                self.after_last = max(self.after_last or 0, alive)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _held_after_last_backward(shard: str) -> tuple[int, Any]:
     mesh = d9d.make_mesh("cpu", fsdp=2)
     model = llama()()
     opt = optimizer()
     step = train_step(model, opt)
-    step = d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=microbatches)(step)
+    step = d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=2)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    with _HeldAfterLastBackward((params, state, batch), backwards=2) as seen:
+        step(params, state, batch)
+    assert seen.after_last is not None and seen.held is not None
+    return sum(_storages(params, state).values()) + seen.after_last, step.memory(params, state)
+
+
+def _held_after_last_backward_per_shard() -> dict[str, tuple[int, Any]]:
+    return {s: _held_after_last_backward(s) for s in ("params", "grads", "opt_state")}
+
+
+def test_the_last_microbatch_adds_its_grads_into_the_sum_as_its_backward_makes_them() -> None:
+    """fsdp=2, 2 microbatches, tiny Llama, float32, AdamW: from the end of the last
+    microbatch's backward to the grads' reduction a rank holds its stored params, its
+    optimizer state and one whole copy of the grads (each microbatch's grads are added into
+    the running sum in place as its backward makes them): ``at_reduction`` and, of what the
+    step made, only 0-d tensors, at most 32 B (the microbatches' losses, weighed losses and
+    token counts while they are stacked and summed), under ZeRO-1, 2 and 3. Adding a
+    microbatch's whole grads to the sum after its backward returned them held the model's
+    500,992 B more (two copies)."""
+    for runs in run_on_ranks(_held_after_last_backward_per_shard, 2):
+        for shard, (held, memory) in runs.items():
+            assert held == memory.at_reduction + 32, (shard, held, memory)
+
+
+def _held(shard: str, microbatches: int, **precision: torch.dtype) -> tuple[int, Any, int]:
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model = llama()()
+    opt = optimizer()
+    step = train_step(model, opt)
+    step = d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=microbatches, **precision)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     batch = step.shard_batch(batches(256, steps=1)[0])
     with _HeldAtReduction((params, state, batch)) as seen:
@@ -128,3 +183,77 @@ def test_a_pipeline_stage_holds_its_whole_grads_at_the_reduction() -> None:
         for shard, (held, memory, stage) in runs.items():
             assert memory.accumulated_grads == stage, (shard, memory)
             assert held >= memory.at_reduction + stage, (shard, held, memory)
+
+
+_MIXED = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+
+
+def _held_mixed() -> dict[str, tuple[int, Any, int]]:
+    return {s: _held(s, 2, **_MIXED) for s in ("params", "grads")}
+
+
+def test_accumulation_in_bf16_compute_holds_float32_sums() -> None:
+    """fsdp=2, 2 microbatches, float32 params gathered and computed in bf16, grads reduced in
+    float32: each microbatch's grads are cast to float32 as its backward makes them and
+    summed so, and at the reduction a rank holds exactly ``at_reduction`` plus the loss, with
+    ``accumulated_grads`` the model's elements in float32 (ZeRO-3 and ZeRO-2)."""
+    for runs in run_on_ranks(_held_mixed, 2):
+        for shard, (held, memory, whole) in runs.items():
+            assert memory.accumulated_grads == whole, (shard, memory)
+            assert held == memory.at_reduction + 4, (shard, held, memory)
+
+
+class _SummedInBackward(_HeldAtReduction):
+    """Also records, at the first grad reduction, ``{dtype: bytes}`` of the storages alive
+    then that an earlier backward pass made (an op ran while autograd's engine had another
+    graph task than the reduction's): the sums a pipeline stage's ``.grad`` accumulated
+    over its microbatches, where the backward that reduces them is a pass of its own."""
+
+    def __init__(self, inputs: Any) -> None:
+        super().__init__(inputs)
+        self.made: dict[int, tuple[StorageWeakRef, int, torch.dtype, int]] = {}
+        self.summed: dict[torch.dtype, int] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        task = torch._C._current_graph_task_id()
+        if self.held is None and func.__name__.split(".")[0] in _REDUCTIONS:
+            self.summed = {}
+            for ref, made_in, dtype, size in self.made.values():
+                if not ref.expired() and made_in not in (-1, task):
+                    self.summed[dtype] = self.summed.get(dtype, 0) + size
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for leaf in out if isinstance(out, tuple | list) else (out,):
+            if type(leaf) is torch.Tensor:
+                ref = StorageWeakRef(leaf.untyped_storage())
+                known = self.made.get(ref.cdata)
+                if known is None or known[0].expired():  # where it was made, not written
+                    size = leaf.untyped_storage().nbytes()
+                    self.made[ref.cdata] = (ref, task, leaf.dtype, size)
+        return out
+
+
+def _summed_in_stage() -> tuple[dict[torch.dtype, int], Any, int]:
+    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
+    model = llama()()
+    opt = optimizer()
+    step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
+    step = d9d.shard_params(mesh, "fsdp", **_MIXED)(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256, steps=1)[0])
+    with _SummedInBackward((params, state, batch)) as seen:
+        step(params, state, batch)
+    assert seen.summed is not None
+    return seen.summed, step.memory(params, state), sum(model.params[p].numel() for p in params)
+
+
+def test_a_pipeline_stage_sums_its_grads_in_the_compute_dtype() -> None:
+    """pp=2 x fsdp=2 (ZeRO-3), float32 params gathered and computed in bf16, grads reduced in
+    float32: a stage's weights are the gathered bf16 tensors, whose ``.grad`` sums the
+    microbatches in bf16, so what the schedule's backward passes made and is alive at the
+    reduction is the stage's elements in bf16, and ``accumulated_grads`` counts that (it
+    counted them in the reduce dtype, twice as many bytes)."""
+    for summed, memory, elements in run_on_ranks(_summed_in_stage, 4, method="fork", timeout=300):
+        assert summed == {torch.bfloat16: 2 * elements}, (summed, elements)
+        assert memory.accumulated_grads == 2 * elements, memory

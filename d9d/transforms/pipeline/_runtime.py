@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Differentiation, Runtime
 from ._executor import SCHEDULES, PipelineLayout, run_pipeline
@@ -27,6 +28,12 @@ class PipelineRuntime(Runtime):
 
     def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
         return run_pipeline(job, self.plan, self.layout)
+
+    def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:
+        """The compute dtype: the stage's weights are the gathered tensors, whose ``.grad``
+        sums the microbatches in their dtype (bf16 under ``param_dtype=torch.bfloat16``);
+        the reduce dtype is cast to only when the sums are reduced."""
+        return entry.compute_dtype or entry.dtype
 
     def enter_apply(self, call: ApplyCall) -> None:
         enter_stage(self.layout, call)

@@ -22,6 +22,6 @@ def accumulate(job: Differentiation, microbatches: int) -> tuple[torch.Tensor, A
     """``(value, aux, grads)`` of ``job`` over ``microbatches`` equal slices of its batch."""
     value, aux, grads, weight = sum_microbatches(job, microbatches, defer_reduction=True)
     count = microbatches if weight is None else weight.clamp(min=1)
-    for i, grad in enumerate(grads):  # one whole grad at a time: no second list of them
-        grads[i] = grad / count
+    for grad in grads:  # in place: the sums are buffers of their own (sum_microbatches)
+        grad.div_(count)
     return value / count, aux, grads
