@@ -205,13 +205,38 @@ def test_a_round_a_group_dies_in_is_dropped_and_the_survivor_goes_on(tmp_path: P
     assert counts["participants"] == [2, 2, 1]
     expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), None, (0,)])
     assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
-    said = [
-        line for line in (tmp_path / "group0.err").read_text().splitlines() if "diloco:" in line
-    ]
+    said = _said(tmp_path, "group0")
     assert said == [
         "diloco: a replica group failed during the outer round after inner step 4; round "
         "dropped, this group goes on from the last synced params",
         "diloco: 1 replica group(s) left; outer rounds continue on 1",
+    ]
+
+
+def _kill_and_restart(tmp_path: Path, steps: int, inner_steps: int, death: str) -> None:
+    """Groups 0 and 1 on a lighthouse that forms no quorum of one (``min_replicas=2``); group
+    1 dies as ``death`` says (SIGKILL by itself), is restarted with ``--join``, and both run
+    to their ends."""
+    lighthouse = _lighthouse(min_replicas=2)
+    args = (f"--steps={steps}", f"--inner-steps={inner_steps}", "--outer=nesterov")
+    try:
+        survivor = _start(lighthouse, tmp_path, "group0", "--group=0", *args)
+        victim = _start(lighthouse, tmp_path, "group1", "--group=1", death, *args)
+        _go(survivor)
+        _go(victim)
+        assert victim.wait(timeout=240) == -9
+        restarted = _start(lighthouse, tmp_path, "group1b", "--group=1", "--join", *args)
+        _go(restarted)
+        assert restarted.wait(timeout=240) == 0
+        assert survivor.wait(timeout=240) == 0
+    finally:
+        lighthouse.shutdown()
+
+
+def _said(tmp_path: Path, name: str) -> list[str]:
+    """The ``diloco:`` lines the group ``name`` wrote to its stderr."""
+    return [
+        line for line in (tmp_path / f"{name}.err").read_text().splitlines() if "diloco:" in line
     ]
 
 
@@ -222,20 +247,7 @@ def test_a_group_killed_inside_a_round_restarts_and_rejoins_bitwise(tmp_path: Pa
     # the survivor's round 3 waits for the restarted group, which heals there from the
     # survivor's state and takes part in it; round 4 runs on both groups' own batches.
     steps, inner_steps = 8, 2
-    lighthouse = _lighthouse(min_replicas=2)
-    args = (f"--steps={steps}", f"--inner-steps={inner_steps}", "--outer=nesterov")
-    try:
-        survivor = _start(lighthouse, tmp_path, "group0", "--group=0", *args)
-        victim = _start(lighthouse, tmp_path, "group1", "--group=1", "--die-in-round=1", *args)
-        _go(survivor)
-        _go(victim)
-        assert victim.wait(timeout=240) == -9
-        restarted = _start(lighthouse, tmp_path, "group1b", "--group=1", "--join", *args)
-        _go(restarted)
-        assert restarted.wait(timeout=240) == 0
-        assert survivor.wait(timeout=240) == 0
-    finally:
-        lighthouse.shutdown()
+    _kill_and_restart(tmp_path, steps, inner_steps, "--die-in-round=1")
     log, counts, got = _result(tmp_path, 0)
     assert [r["step"] for r in log] == list(range(steps))  # no restart, none repeated
     assert [r["rounds"] for r in log] == [0, 1, 1, 1, 1, 2, 2, 3]  # round 2 dropped
@@ -249,9 +261,7 @@ def test_a_group_killed_inside_a_round_restarts_and_rejoins_bitwise(tmp_path: Pa
         steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), None, (0,), (0, 1)], rejoins={2: (1, 0)}
     )
     assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
-    said = [
-        line for line in (tmp_path / "group1b.err").read_text().splitlines() if "diloco:" in line
-    ]
+    said = _said(tmp_path, "group1b")
     assert said == [
         "diloco: this replica group rejoined after outer round 1, at inner step 6, with a live "
         "peer's params, anchor and optimizer states"
@@ -268,20 +278,7 @@ def test_a_group_killed_before_the_first_round_restarts_and_rejoins_bitwise(
     # heals it at the survivor's first round (min_replicas=2: that round waits for it), where
     # it takes part with the survivor's state; round 2 runs on both groups' own batches.
     steps, inner_steps = 6, 3
-    lighthouse = _lighthouse(min_replicas=2)
-    args = (f"--steps={steps}", f"--inner-steps={inner_steps}", "--outer=nesterov")
-    try:
-        survivor = _start(lighthouse, tmp_path, "group0", "--group=0", *args)
-        victim = _start(lighthouse, tmp_path, "group1", "--group=1", "--die-at-step=1", *args)
-        _go(survivor)
-        _go(victim)
-        assert victim.wait(timeout=240) == -9
-        restarted = _start(lighthouse, tmp_path, "group1b", "--group=1", "--join", *args)
-        _go(restarted)
-        assert restarted.wait(timeout=240) == 0
-        assert survivor.wait(timeout=240) == 0
-    finally:
-        lighthouse.shutdown()
+    _kill_and_restart(tmp_path, steps, inner_steps, "--die-at-step=1")
     log, counts, got = _result(tmp_path, 0)
     assert [r["step"] for r in log] == list(range(steps))  # no restart, none repeated
     assert [r["rounds"] for r in log] == [0, 0, 1, 1, 1, 2]  # both rounds committed
@@ -293,9 +290,7 @@ def test_a_group_killed_before_the_first_round_restarts_and_rejoins_bitwise(
         assert torch.equal(got[k], rejoined_got[k]), k
     expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), (0, 1)], rejoins={0: (1, 0)})
     assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
-    said = [
-        line for line in (tmp_path / "group1b.err").read_text().splitlines() if "diloco:" in line
-    ]
+    said = _said(tmp_path, "group1b")
     assert said == [
         "diloco: this replica group rejoined after outer round 0, at inner step 3, with a live "
         "peer's params, anchor and optimizer states"
