@@ -27,7 +27,8 @@ class MetaKernelCache(TorchDispatchMode):
     runs its kernel.
 
     Enter it before the modes that must see every op (counters): it answers below them.
-    ``calls`` and ``hits`` count the ops it saw and answered from the cache."""
+    ``calls`` counts the ops it saw, ``hits`` those it answered from the cache, ``kernels``
+    the distinct calls it could answer and ran the kernel of (once each)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,6 +37,7 @@ class MetaKernelCache(TorchDispatchMode):
         self._plain: dict[Any, bool] = {}
         self.calls = 0
         self.hits = 0
+        self.kernels = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -44,6 +46,7 @@ class MetaKernelCache(TorchDispatchMode):
         if key is None:
             return func(*args, **kwargs)
         if key not in self._outputs:
+            self.kernels += 1
             out = func(*args, **kwargs)
             self._outputs[key] = _described(out)
             return out
