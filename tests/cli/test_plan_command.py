@@ -231,14 +231,15 @@ MOE_LAYOUTS = {
     "pp=2 interleaved_zb x fsdp=2": (_sizes(pp=2, fsdp=2), "interleaved_zb", 4, 4),
     "pp=2 x tp=2": (_sizes(pp=2, tp=2), "1f1b", 2, 4),
     "pp=2 x ep=2": ({**_sizes(pp=2), "ep": 2}, "1f1b", 2, 4),
+    "pp=2 zbv x ep=2": ({**_sizes(pp=2), "ep": 2}, "zbv", 4, 4),  # rank 0 holds the last stage
 }
 
 
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_plan_collectives_of_a_pipelined_moe_equal_a_real_step(name: str) -> None:
-    """The MoE's aux outputs come from the last stage, which rank 0 does not hold: its dry
-    run counts one microbatch of each stage action and makes the aux outputs' structure
-    itself. Every count and byte equals ``step.comms`` on rank 0 of gloo ranks running the
+    """The MoE's aux outputs come from the last stage, which rank 0 does not hold (but
+    under zbv): its dry run counts one microbatch of each stage action and makes the aux
+    outputs' structure itself. Every count and byte equals ``step.comms`` on rank 0 of gloo ranks running the
     whole step, but the all-to-all bytes on ep, which follow the real step's routing (the
     plan's are uniform routing's: ``test_expert_parallel_plan_counts_uniform_...``)."""
     sizes, schedule, microbatches, n_layers = MOE_LAYOUTS[name]

@@ -33,6 +33,7 @@ from ...core._context import running
 from ...core._step import TransformedStep
 from ...errors import DryRunError
 from ...testing import KeptBytes
+from ._meta_kernels import MetaKernelCache
 
 __all__ = ["DryRun", "count_collectives", "dry_run", "group_labels", "meta_as_cpu"]
 
@@ -207,7 +208,7 @@ def dry_run(
     counter = CollectiveCounter(step.mesh, labels)
     kept = KeptBytes((params, opt_state, batch))
     try:
-        with _frozen(), counter, kept, meta_as_cpu(), running(step.context()):
+        with _frozen(), MetaKernelCache(), counter, kept, meta_as_cpu(), running(step.context()):
             step.run(params, opt_state, batch)
     except DryRunError as error:
         return DryRun(None, kept.before_backward, error)

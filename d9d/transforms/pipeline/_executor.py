@@ -55,14 +55,19 @@ _c10d = torch.ops._c10d_functional
 @dataclass(frozen=True)
 class ScheduleKind:
     """A ``torch.distributed.pipelining`` schedule: its class, stage placement, the stages
-    per rank it runs (None: any), whether it runs several, and whether it takes input and
-    weight grads in separate backward passes (zero bubble)."""
+    per rank it runs (None: any), whether it runs several, whether it takes input and
+    weight grads in separate backward passes (zero bubble), and whether every microbatch
+    of a stage runs the same actions, so that a dry run may count it from its first
+    (``uniform``; DualPipeV takes some backwards whole, input and weight grads in one
+    pass, and splits others: its first stage-15 backward of DeepSeek-V3 under pp=8 is a
+    whole one, and sampled it counted 1,086 all-to-alls for the schedule's 861)."""
 
     name: str
     style: str
     virtual_stages: int | None
     multi: bool
     zero_bubble: bool = False
+    uniform: bool = True
 
 
 SCHEDULES = {
@@ -71,7 +76,7 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleKind("ScheduleInterleaved1F1B", "loop", None, True),
     "interleaved_zb": ScheduleKind("ScheduleInterleavedZeroBubble", "loop", None, True, True),
     "zbv": ScheduleKind("ScheduleZBVZeroBubble", "v", 2, True, True),
-    "dualpipev": ScheduleKind("ScheduleDualPipeV", "v", 2, True, True),
+    "dualpipev": ScheduleKind("ScheduleDualPipeV", "v", 2, True, True, uniform=False),
 }
 
 
@@ -289,7 +294,12 @@ def run_pipeline(
         with torch.enable_grad(), span("schedule", -1, count):
             if sampled:
                 zero_bubble = SCHEDULES[layout.schedule].zero_bubble
-                run_sampled(runtime.schedule, runtime.shapes, layout, count, zero_bubble)
+                run_sampled(runtime.schedule, runtime.shapes, layout, count, zero_bubble, **extra)
+                # The schedule hands the last stage's losses over at its end, which a
+                # sampled run does not reach: stand-ins of their shape (meta has no values).
+                losses[:] = [torch.zeros((), dtype=runtime.loss_dtype, device="meta")] * (
+                    count if last else 0
+                )
             else:
                 runtime.schedule.step(mb=torch.arange(count), **extra)
     finally:
@@ -321,15 +331,18 @@ def run_pipeline(
 
 def _sampled(job: Differentiation, layout: PipelineLayout, device: torch.device) -> bool:
     """Whether this rank's schedule is counted from one microbatch of each stage action
-    (``_stage_trace.run_sampled``): a dry run on meta of a loss with aux outputs, on a rank
-    without the last stage. Such a rank would receive the aux outputs from the last stage
-    as a Python object (``_aux_on_every_rank``), which no meta tensor carries; it makes
-    their structure itself (:func:`_aux_on_meta`). And the whole schedule on meta is slow:
-    on DeepSeek-V3's rank 0 under pp=8 (10 blocks, 16 microbatches of 1F1B) it took 12.4 s
-    (profiled) of a 17 s plan; up to the first backward, 1.7 s (docs/plan.md)."""
+    (``_stage_trace.run_sampled``): a dry run on meta of a loss with aux outputs, under a
+    schedule whose microbatches all run the same actions (``ScheduleKind.uniform``). A rank
+    without the last stage would receive the aux outputs from it as a Python object
+    (``_aux_on_every_rank``), which no meta tensor carries; a sampled rank makes their
+    structure itself (:func:`_aux_on_meta`). And the whole schedule on meta is slow: on
+    DeepSeek-V3's rank 0 under pp=8 (10 blocks, 16 microbatches of 1F1B) it took 12.4 s
+    (profiled) of a 17 s plan, up to the first backward 1.7 s; under zbv, where rank 0
+    holds the last stage too, the plan took 13.3 s CPU whole, 9.4 s sampled (docs/plan.md)."""
     if device.type != "meta" or not job.has_aux:
         return False
-    return layout.owner(layout.split.count - 1) != layout.rank
+    last = layout.owner(layout.split.count - 1) == layout.rank
+    return SCHEDULES[layout.schedule].uniform or not last
 
 
 def _aux_on_meta(

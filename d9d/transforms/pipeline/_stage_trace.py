@@ -83,9 +83,15 @@ def sampled_actions(
 
 
 def run_sampled(
-    schedule: Any, shapes: dict[int, Any], layout: Any, count: int, zero_bubble: bool
+    schedule: Any,
+    shapes: dict[int, Any],
+    layout: Any,
+    count: int,
+    zero_bubble: bool,
+    **step_kwargs: Any,
 ) -> None:
     """Run ``schedule`` (of ``layout``, a ``PipelineLayout``) over ``count`` microbatches
+    (``step_kwargs``: the last stage's ``target`` and ``losses``, where this rank holds it)
     until each local stage has run each of its actions once, and count the whole schedule
     from those: each action's collectives ``count`` times, and per microbatch a send or
     receive of each tensor crossing to a stage on another rank (forward: the activation
@@ -98,7 +104,7 @@ def run_sampled(
         sampled_actions(needed) as units,
         contextlib.suppress(ScheduleSampled),
     ):
-        schedule.step(mb=torch.arange(count))
+        schedule.step(mb=torch.arange(count), **step_kwargs)
     missing = sorted(needed - units.keys())
     if missing:  # a schedule whose first actions differ from its later ones is not sampled
         raise errors.DryRunError(
