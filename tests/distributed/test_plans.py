@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 from unittest import mock
 
@@ -227,7 +226,6 @@ def test_prefetch_holds_at_most_the_next_block_as_well() -> None:
 
 
 def test_8b_plan_on_64_simulated_ranks_without_allocating() -> None:
-    start = time.perf_counter()
     with fake_world(64):
         mesh = d9d.make_mesh("cpu", dp=8, fsdp=8)
         with torch.device("meta"):
@@ -238,8 +236,8 @@ def test_8b_plan_on_64_simulated_ranks_without_allocating() -> None:
         table = step.plan.table(max_rows=10)
         memory = step.memory(params, state)
         explained = step.plan.explain("layers.0.attn.wq.weight")
-    assert time.perf_counter() - start < 30
     assert all(p.device.type == "meta" for p in params.values())
+    assert all(leaf.device.type == "meta" for leaf in d9d.tree.leaves(state))
     total = LlamaConfig.preset("8b").num_params * 4
     assert memory.params == step.plan.bytes_per_rank() == total // 8
     assert "layers.31.mlp.w_down.weight" in table and "fsdp:S(0)" in table and "291 params" in table
