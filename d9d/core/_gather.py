@@ -27,7 +27,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ._context import current
+from ._codec_statistics import gathering_axes, shard_statistics, shard_values
 from ._grad_reduce import deferring, nested, padded, reduce_many, reduce_to, scaled_grad, unreduced
 from ._param_plan import ParamPlan
 from ._plan import Plan
@@ -35,7 +35,6 @@ from ._plan import Plan
 __all__ = [
     "IssuedGather",
     "coalescible",
-    "codec_statistics",
     "distribute",
     "gather",
     "gather_many",
@@ -103,9 +102,9 @@ class _Gather(torch.autograd.Function):
         local, statistic = stored.to_local(), None
         if entry.codec.statistic_op is not None:  # over the gathering axes (no cast has one:
             # a jitted step never looks a group up here)
-            names = [mesh.get_group(i).group_name for i in _gathering_axes(entry)]
-            (statistic,) = _statistics([entry], [local], names, mesh)
-        encoded = entry.codec.encode(local, _shard_values(entry, mesh, statistic))
+            names = [mesh.get_group(i).group_name for i in gathering_axes(entry)]
+            (statistic,) = shard_statistics([entry], [local], names, mesh)
+        encoded = entry.codec.encode(local, shard_values(entry, mesh, statistic))
         stored = local_like(encoded, stored)
         gathered = stored.redistribute(mesh, entry.compute).to_local()
         decoded = entry.codec.decode(gathered, statistic)
@@ -124,137 +123,6 @@ class _Gather(torch.autograd.Function):
         if not ctx.defer:
             out = reduce_to(out, entry.grad_kept).to(ctx.dtype)
         return out, None, None
-
-
-def _gathering_axes(entry: ParamPlan) -> list[int]:
-    """The mesh axes ``entry`` is gathered over (stored and computed laid out differently)."""
-    pairs = zip(entry.storage, entry.compute, strict=True)
-    return [i for i, (stored, used) in enumerate(pairs) if stored != used]
-
-
-# What a rank that holds no value of an index gives to the all-reduce of a statistic.
-_IDENTITY = {"max": -math.inf, "sum": 0.0}
-
-
-def _indices(entry: ParamPlan, mesh: DeviceMesh, placements: tuple) -> tuple[int, int]:
-    """``(first, count)``: the indices of dim ``entry.codec.statistic_dim`` that a rank
-    holds of ``entry``'s param laid out ``placements``: each mesh axis that shards the dim
-    cuts what the axes before it left into chunks of ``ceil(rows / ranks)`` (DTensor's
-    layout). Plain integers from the mesh coordinate: DTensor's own
-    ``compute_local_shape_and_global_offset`` computes offsets as tensors, which under
-    ``torch.compile`` become unbacked symbols."""
-    dim, coordinate = entry.codec.statistic_dim, mesh.get_coordinate()
-    first, count = 0, entry.shape[dim]
-    for axis, placement in enumerate(placements):
-        if isinstance(placement, Shard) and placement.dim == dim:
-            chunk = -(-count // mesh.shape[axis])
-            start = min(coordinate[axis] * chunk, count)
-            first, count = first + start, min(chunk, count - start)
-    return first, count
-
-
-def _laid_out(entry: ParamPlan, mesh: DeviceMesh, values: torch.Tensor) -> torch.Tensor:
-    """A shard's statistic as the gathered tensor's: unchanged without ``statistic_dim``;
-    with it, the shard's values at its offset among the gathered tensor's indices, the op's
-    identity elsewhere (``Cast``'s doc), so that the all-reduce combines values of one
-    index only."""
-    if entry.codec.statistic_dim is None:
-        return values
-    first, count = _indices(entry, mesh, entry.storage)
-    start, total = _indices(entry, mesh, entry.compute)
-    if values.numel() != count:
-        raise ValueError(
-            f"{entry.path}: its gather codec's statistic has {values.numel()} values for a "
-            f"shard of {count} indices of dim {entry.codec.statistic_dim}: one per index"
-        )
-    before, after = first - start, total - count - (first - start)
-    if before == after == 0:
-        return values
-    fill = _IDENTITY[entry.codec.statistic_op]
-    return torch.cat([values.new_full((before,), fill), values, values.new_full((after,), fill)])
-
-
-def _shard_values(
-    entry: ParamPlan, mesh: DeviceMesh, statistic: torch.Tensor | None
-) -> torch.Tensor | None:
-    """What ``encode`` takes of the all-reduced ``statistic``: the shard's indices of its
-    ``statistic_dim`` (all of it without one)."""
-    if statistic is None or entry.codec.statistic_dim is None:
-        return statistic
-    first, count = _indices(entry, mesh, entry.storage)
-    start, _ = _indices(entry, mesh, entry.compute)
-    return statistic[first - start : first - start + count]
-
-
-def _reduced_statistics(
-    entries: Sequence[ParamPlan],
-    shards: Sequence[torch.Tensor],
-    groups: Sequence[str],
-    mesh: DeviceMesh,
-) -> list[torch.Tensor]:
-    """Each shard's ``codec.statistic`` (laid out as the gathered tensor's:
-    :func:`_laid_out`), all-reduced with the codecs' one ``statistic_op`` over the process
-    ``groups``: one collective per group for all of them."""
-    own = [
-        _laid_out(e, mesh, e.codec.statistic(shard).float().reshape(-1))
-        for e, shard in zip(entries, shards, strict=True)
-    ]
-    flat = torch.cat(own)
-    for group in groups:
-        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, entries[0].codec.statistic_op, group))
-    return list(flat.split([s.numel() for s in own]))
-
-
-def codec_statistics(plan: Plan, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """``{path: all-reduced codec statistic}`` of every stored param in ``params`` whose codec
-    has one (``Cast``'s doc): one all-reduce per op and gathering axes for all of them.
-
-    A statistic depends only on the stored shard, which does not change within a step, so a
-    step takes them once, before its first gather (``StepContext.codec_statistics``), not
-    once per gather: a unit's forward gather, its regather for the backward, and each
-    microbatch's would each all-reduce the same values.
-    """
-    found: dict[tuple, list[str]] = {}
-    for path, stored in params.items():
-        entry = plan.entries.get(path)
-        if entry is None or entry.codec is None or entry.codec.statistic_op is None:
-            continue
-        if not isinstance(stored, DTensor):
-            continue
-        groups = tuple(plan.group_names[i] for i in _gathering_axes(entry))
-        found.setdefault((entry.codec.statistic_op, groups), []).append(path)
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for (_, groups), paths in found.items():
-            entries = [plan.entries[p] for p in paths]
-            shards = [params[p].to_local() for p in paths]
-            reduced = _reduced_statistics(entries, shards, groups, plan.mesh)
-            out.update(zip(paths, reduced, strict=True))
-    return out
-
-
-def _statistics(
-    entries: Sequence[ParamPlan], shards: list[torch.Tensor], groups: list[str], mesh: DeviceMesh
-) -> list[torch.Tensor | None]:
-    """Each shard's all-reduced codec statistic (None for a shard with no codec or a codec
-    without statistic: a cast): the running step's (:func:`codec_statistics`), else
-    all-reduced here over the process ``groups`` (the gathering axes), one collective per
-    group and op for all of them."""
-    out: list[torch.Tensor | None] = [None] * len(shards)
-    step = current()
-    known = {} if step is None or step.codec_statistics is None else step.codec_statistics
-    wanted = [i for i, e in enumerate(entries) if e.codec is not None and e.codec.statistic_op]
-    for i in [i for i in wanted if entries[i].path in known]:
-        out[i] = known[entries[i].path]
-    missing = [i for i in wanted if out[i] is None]
-    for op in dict.fromkeys(entries[i].codec.statistic_op for i in missing):
-        members = [i for i in missing if entries[i].codec.statistic_op == op]
-        reduced = _reduced_statistics(
-            [entries[i] for i in members], [shards[i] for i in members], groups, mesh
-        )
-        for i, value in zip(members, reduced, strict=True):
-            out[i] = value
-    return out
 
 
 @dataclass(frozen=True)
@@ -346,7 +214,7 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
             locals_ = [t.to_local() for t in stored]
-            statistics[key] = _statistics(entries, locals_, [group], plan.mesh)
+            statistics[key] = shard_statistics(entries, locals_, [group], plan.mesh)
             flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], statistics[key])
             buffers[key] = _c10d.all_gather_into_tensor(flat, plan.mesh.shape[axis], group)
     return IssuedGather(tuple(paths), buffers, statistics)
@@ -463,7 +331,7 @@ def _flat_shards(
         encoded = (
             local.to(entry.compute_dtype or entry.dtype)
             if codec is None
-            else codec.encode(local, _shard_values(entry, tensor.device_mesh, statistic))
+            else codec.encode(local, shard_values(entry, tensor.device_mesh, statistic))
         )
         rows = encoded.movedim(dim, 0)
         pieces.append(padded(rows, -(-entry.shape[dim] // ranks)).reshape(-1))
@@ -500,7 +368,7 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.defer = deferring()
         if issued is None:
-            statistics = _statistics(entries, [t.to_local() for t in stored], [group], mesh)
+            statistics = shard_statistics(entries, [t.to_local() for t in stored], [group], mesh)
             flat = _flat_shards(list(stored), list(entries), axis, ranks, statistics)
             buffer = _c10d.all_gather_into_tensor(flat, ranks, group)
         else:

@@ -21,9 +21,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from .. import tree
 from ..errors import IndivisibleError, PlanError
 from ._batch_check import BatchSignature, batch_signature, check_batch
+from ._codec_statistics import codec_statistics
 from ._comm_count import CollectiveCounter, CommStats
 from ._context import StepContext, current, running
-from ._gather import codec_statistics, distribute
+from ._gather import distribute
 from ._mesh import make_mesh
 from ._param_plan import ParamPlan
 from ._phase import Phase

@@ -6,7 +6,7 @@ crosses the wire, and the weight is not quantized a second time.
 whole matrix as a block computes with it (``fp8_quantize``: ``amax / 448``). Each rank holds
 a shard, so the shards' amaxes are all-reduced (``max``, over the gathering axis: one float32
 per weight; the step takes all of them in one all-reduce as it starts, since it does not
-change the stored shards: ``codec_statistics`` in ``d9d/core/_gather.py``); the gather then
+change the stored shards: ``codec_statistics`` in ``d9d/core/_codec_statistics.py``); the gather then
 quantizes its shard with that scale, all-gathers the fp8 data (1 byte per element) and
 rebuilds the weight as :class:`Fp8Weight` (data and the scale every rank holds already).
 Each element is quantized from the value the block would compute with (the stored shard
