@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ._context import current
 from ._param_plan import ParamPlan
 from ._plan import Plan
+from ._shard_rows import shard_rows
 
 __all__ = ["codec_statistics", "gathering_axes", "shard_statistics", "shard_values"]
 
@@ -49,9 +50,8 @@ def _indices(entry: ParamPlan, mesh: DeviceMesh, placements: tuple) -> tuple[int
     first, count = 0, entry.shape[dim]
     for axis, placement in enumerate(placements):
         if isinstance(placement, Shard) and placement.dim == dim:
-            chunk = -(-count // mesh.shape[axis])
-            start = min(coordinate[axis] * chunk, count)
-            first, count = first + start, min(chunk, count - start)
+            start, count = shard_rows(count, mesh.shape[axis], coordinate[axis])
+            first += start
     return first, count
 
 

@@ -29,6 +29,7 @@ CORE_BASE = (
     "d9d.core._index_checks",
     "d9d.core._embedding_ids",
     "d9d.core._grad_mode",
+    "d9d.core._shard_rows",
 )
 # Every module of d9d/core/, its base included, read off the folder: a new one is covered here
 # without an entry.

@@ -34,6 +34,7 @@ from ...core._gather import coalescible, gather_many, gather_params
 from ...core._grad_reduce import reducible
 from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
+from ...core._shard_rows import shard_rows
 from ...errors import PlanError
 from ._zero_reduce import gather_wholes
 
@@ -164,21 +165,14 @@ def _slice_of(whole: DTensor, entry: ParamPlan) -> DTensor:
     of the stored tensor where the slice is part of it, so the step holds no copy of it;
     else (its kept dim sharded by another axis too) one all-gather by DTensor."""
     axis = _sharding_axis(entry)
-    match entry.state_kept[axis]:
-        case Shard(dim=dim) if not any(
-            isinstance(p, Shard) and p.dim == dim for p in entry.storage
-        ):
-            pass
-        case Shard():
-            return whole.redistribute(whole.device_mesh, entry.state_kept)
-        case other:
-            raise PlanError(f"ZeRO keeps the optimizer state Shard(dim) on its axis, not {other}")
-    mesh, local = whole.device_mesh, whole.to_local()
-    # DTensor's Shard(dim) rows of a rank: torch.chunk's, the last ranks' short or empty.
-    rows, ranks = local.shape[dim], mesh.size(axis)
-    size = -(-rows // ranks)
-    start = min(mesh.get_local_rank(axis) * size, rows)
-    view = local.narrow(dim, start, min(size, rows - start))
+    kept = entry.state_kept[axis]
+    if not isinstance(kept, Shard):
+        raise PlanError(f"ZeRO keeps the optimizer state Shard(dim) on its axis, not {kept}")
+    if any(isinstance(p, Shard) and p.dim == kept.dim for p in entry.storage):
+        return whole.redistribute(whole.device_mesh, entry.state_kept)
+    mesh, local, dim = whole.device_mesh, whole.to_local(), kept.dim
+    start, count = shard_rows(local.shape[dim], mesh.size(axis), mesh.get_local_rank(axis))
+    view = local.narrow(dim, start, count)
     return DTensor.from_local(
         view,
         mesh,

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ...core._shard_rows import shard_rows
 from ...errors import IndivisibleError
 
 __all__ = ["HEAD_AXES", "PARTIAL_GRAD_AXES", "SEQUENCE_DIM", "ActivationLayout"]
@@ -83,9 +84,7 @@ class ActivationLayout:
 
     def rows(self, total: int) -> tuple[int, int]:
         """``(first, count)`` of this rank's rows of a dim of ``total`` (``torch.chunk``)."""
-        chunk = -(-total // self.size)
-        first = min(self.rank * chunk, total)
-        return first, min(chunk, total - first)
+        return shard_rows(total, self.size, self.rank)
 
     def _local(self, x: torch.Tensor, source: list, target: list) -> torch.Tensor:
         dtensor = DTensor.from_local(x, self.mesh, source, run_check=False)
