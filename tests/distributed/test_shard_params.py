@@ -98,10 +98,12 @@ def test_jit_equals_one_device(layout: str) -> None:
 @pytest.mark.compile
 @pytest.mark.usefixtures("math_attention")
 def test_jit_hf_llama_equals_one_device() -> None:
-    """The captured graph on eager kernels (``aot_eager``), so at the eager test's tolerance:
-    inductor's code for Hugging Face modules is tested under ``tp=2`` (test_tensor_parallel.py)
-    and for ``fsdp=2`` on d9d's Llama above; inductor here cost about 80 s of CI."""
-    _check("hf", "fsdp=2", torch.float64, jit="aot_eager", n_layers=1)
+    """float32 tolerance: Hugging Face RMSNorm and rotary embedding compute in float32 even for
+    float64 inputs, and inductor fuses them differently from eager. Measured: 1.4e-9 relative on
+    the loss, up to 2.3e-7 absolute (9e-6 relative) on params of scale 2e-2 after AdamW. The
+    one test of inductor's code for Hugging Face modules (tp=2's runs on eager kernels)."""
+    tol = {"rtol": 1e-5, "atol": 1e-6}
+    _check("hf", "fsdp=2", torch.float64, jit=True, n_layers=1, tol=tol)
 
 
 def test_gradient_accumulation_equals_one_device_and_reduces_once() -> None:

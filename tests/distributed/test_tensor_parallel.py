@@ -152,8 +152,10 @@ def test_jit_equals_one_device(layout: str) -> None:
 @pytest.mark.compile
 @pytest.mark.usefixtures("math_attention")
 def test_jit_hf_llama_equals_one_device() -> None:
-    """float32 tolerance: Hugging Face norms compute in float32 (see test_shard_params.py)."""
-    _check("hf", "tp=2", torch.float64, jit=True, n_layers=1, tol={"rtol": 1e-5, "atol": 1e-6})
+    """The captured graph on eager kernels (``aot_eager``), at the eager test's tolerance:
+    inductor's code for Hugging Face modules is tested under ``fsdp=2`` (test_shard_params.py)
+    and for ``tp=2`` on d9d's Llama above; inductor here cost about 80 s of CI."""
+    _check("hf", "tp=2", torch.float64, jit="aot_eager", n_layers=1)
 
 
 @pytest.mark.compile
