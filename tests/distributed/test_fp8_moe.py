@@ -122,8 +122,8 @@ def test_fp8_experts_under_fsdp_and_tp_within_fp8_noise_of_one_device(axes, reci
 
 def test_fp8_gather_of_a_moe_bitwise_without_it():
     """fsdp=2, tensorwise, the whole model: the attention's weights and the routed experts'
-    are all-gathered in fp8 (``test_fp8_gather_experts.py`` for the experts alone), and the
-    step is bitwise the one that gathers them in float32."""
+    are all-gathered in fp8 (``test_fp8_gather_experts.py``: 3 AdamW steps, four layouts),
+    and the step is bitwise the one that gathers them in float32."""
     axes = {"fsdp": 2}
     want = run_on_ranks(_grads, 2, axes, "tensorwise", None, False, False)
     got = run_on_ranks(_grads, 2, axes, "tensorwise", None, False, True)
