@@ -104,6 +104,7 @@ class StepTransform(Protocol):
     def claimed_axes(self) -> tuple[str, ...]: ...
     def data_axes(self) -> tuple[str, ...]: ...
     def token_axes(self) -> tuple[str, ...]: ...
+    def for_model(self, model: Model | None) -> StepTransform: ...
     def rewrite(self, entry: ParamPlan) -> ParamPlan: ...
     def lay_out(self, plan: Plan, model: Model | None) -> Plan: ...
     def runtime(self, plan: Plan, model: Model | None) -> Runtime | None: ...
@@ -230,8 +231,10 @@ class TransformedStep:
         model: Model | None = None,
     ) -> Plan:
         """The plan for ``params`` (tensors or meta tensors; only shapes and dtypes are read);
-        ``model`` is needed by ``pipeline``, which cuts it into stages."""
+        ``model`` is needed by ``pipeline``, which cuts it into stages, and by the rules that
+        read what a param's module is (:meth:`~d9d.transforms.Transform.for_model`)."""
         _check_all_axes_used(self.transforms, self.mesh)
+        transforms = tuple(t.for_model(model) for t in self.transforms)
         entries = {}
         replicated = (Replicate(),) * self.mesh.ndim
         for path, leaf in params.items():
@@ -244,11 +247,11 @@ class TransformedStep:
                 compute=replicated,
                 grad=replicated,
             )
-            for transform in self.transforms:
+            for transform in transforms:
                 entry = transform.rewrite(entry)
             entries[path] = entry
         plan = Plan(self.mesh, entries)
-        for transform in self.transforms:
+        for transform in transforms:
             plan = transform.lay_out(plan, model)
         names = plan.names
         plan.token_groups = tuple(

@@ -54,6 +54,14 @@ class Transform(abc.ABC):
         the data axes): losses and grads are means over their ranks' tokens."""
         return self.data_axes()
 
+    def for_model(self, model: Model | None) -> Transform:
+        """This transform as it plans the params of ``model`` (the one passed to
+        ``step.place``, or None), for :meth:`rewrite` and :meth:`lay_out`: a rule that
+        depends on what a param's module is, not on the param's plan alone, reads the
+        model here, once per plan (default: itself)."""
+        del model
+        return self
+
     @abc.abstractmethod
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         """The param's plan after this transform."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from ._detect import is_hf_model
 
-__all__ = ["experts_call_names", "experts_interface_refusal"]
+__all__ = ["experts_call_names", "experts_interface_refusal", "interface_experts"]
 
 _INTERFACE = "experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])"
 
@@ -67,3 +67,24 @@ def experts_interface_refusal(module: nn.Module, experts: int) -> str | None:
                 "experts, so that a rank cannot hold a slice of the experts"
             )
     return None
+
+
+def interface_experts(module: nn.Module) -> dict[str, int]:
+    """``{path: E}`` of the submodules of ``module`` that are ``transformers`` experts modules
+    of the standard interface (see the module docstring): each holds params of its own, every
+    one of them a stack of its ``num_experts`` experts ``E`` on dim 0. What a param is follows
+    from its module, not from its name or its logical axes: GPT-OSS's ``down_proj_bias [E, H]``
+    is one expert's bias per row, while its router's ``weight [E, H]`` (a module called with
+    the tokens alone) is not.
+
+    Example:
+        >>> interface_experts(nn.Linear(2, 2))
+        {}
+    """
+    found = {}
+    for path, sub in module.named_modules():
+        count = getattr(sub, "num_experts", None)
+        own = next(sub.parameters(recurse=False), None) is not None
+        if own and isinstance(count, int) and experts_interface_refusal(sub, count) is None:
+            found[path] = count
+    return found

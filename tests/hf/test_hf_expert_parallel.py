@@ -1,9 +1,10 @@
 """Hugging Face MoE models under ``expert_parallel``, through ``transformers``' own experts
 interface: Qwen3-MoE and Mixtral (4 experts, top-2, both layers sparse) under ``ep=2``, and
 Qwen3-MoE under ``ep=2 x fsdp=2``, equal one device fed the whole batch (float64, 5 AdamW
-steps, uneven ignored labels), and with the grouped_mm implementation in float32; each rank stores half the experts, and one step's all-to-all
-bytes follow from its routing; an experts module of another interface is refused by name
-(``docs/moe.md``)."""
+steps, uneven ignored labels), and with the grouped_mm implementation in float32; so does
+GPT-OSS at ``ep=2``, its experts' biases split over ep as their weights are; each rank stores
+half the experts, and one step's all-to-all bytes follow from its routing; an experts module
+of another interface is refused by name (``docs/moe.md``)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,44 @@ def test_grouped_mm_experts_under_ep_equal_one_device() -> None:
         dtype=torch.float32,
         opt="sgd",
     )
+
+
+def _split_rank(model_fn, paths: tuple[str, ...]):
+    mesh = d9d.make_mesh("cpu", ep=2)
+    model, opt = model_fn(), optimizer()
+    step = d9d.expert_parallel(mesh)(train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    placed = {p: (step.plan.explain(p), tuple(params[p].to_local().shape)) for p in paths}
+    return placed, step.memory(params, state)
+
+
+def test_gpt_oss_under_ep_equals_one_device_its_expert_biases_split() -> None:
+    """GPT-OSS (the sweep's tiny config: 4 experts, top-2, experts with biases and a clamped
+    swiglu, attention sinks) at ep=2 equals one device. Its experts module's params are split
+    over ep by what they are, params of transformers' experts interface, each rank holding 2
+    of the 4 experts of each: the biases too, though ``down_proj_bias [E, H]`` has the logical
+    axes of its router's ``weight [E, H]``, which stays whole with the router's bias."""
+    model_fn = _sweep_family("gpt_oss")
+    expected = reference(model_fn, data(STEPS))
+    assert_equivalent(
+        model_fn, LAYOUTS["ep=2"][1], {"ep": 2}, data(STEPS), expected, dtype=torch.float64
+    )
+    layer = "model.layers.0.mlp."
+    split = {"experts.gate_up_proj_bias": (2, 80), "experts.down_proj_bias": (2, 48)}
+    whole = {"router.weight": (4, 48), "router.bias": (4,)}
+    paths = tuple(layer + name for name in (*split, *whole))
+    params = model_fn().params
+    experts = sum(v.numel() * 8 for n, v in params.items() if ".experts." in n)
+    dense = sum(v.numel() * 8 for n, v in params.items() if ".experts." not in n)
+    for placed, memory in run_on_ranks(_split_rank, 2, model_fn, paths):
+        for name, shape in split.items():
+            why, local = placed[layer + name]
+            assert "2 of 4 experts per rank of 'ep'" in why and "grads scaled by 1/2" in why
+            assert local == shape
+        for name, shape in whole.items():
+            why, local = placed[layer + name]
+            assert "replicated over 'ep'" in why and local == shape
+        assert memory.params == dense + experts // 2
 
 
 def _routed_ids(model: d9d.Model, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -242,15 +281,6 @@ REFUSALS = {
         r"experts\(hidden_states\), not as experts\(hidden_states \[T, H\], top_k_index \[T, k\], "
         r"top_k_weights \[T, k\]\); expert_parallel cannot run the 'llama4_text' family's "
         r"experts; shard them with d9d\.shard_params\(mesh, axis='ep'\) instead",
-    ),
-    # GPT-OSS's down_proj_bias [E, H] has the axes of a router: expert_parallel cannot tell it
-    # from one, so it would stay whole.
-    "gpt_oss": (
-        lambda: _sweep_family("gpt_oss"),
-        r".* \(GptOssExperts\), which expert_parallel cannot run on the rows it dispatches: its "
-        r"param 'model\.layers\.0\.mlp\.experts\.down_proj_bias' has logical axes \('experts', "
-        r"'embed'\), not those of an expert weight .*; expert_parallel cannot run the 'gpt_oss' "
-        r"family's experts",
     ),
     "qwen3_moe, num_experts changed": (
         _misnumbered_qwen3_moe,

@@ -13,19 +13,36 @@ routing weights and sums each token's rows, as the module would have.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from ...core._runtime import ApplyCall, Interception
+from ...hf._experts import interface_experts
 from ...kernels import DispatchGroup, combine, dispatch, dispatch_layout
 
-__all__ = ["HFExperts", "intercept_hf_experts"]
+if TYPE_CHECKING:
+    from ...core._model import Model
+
+__all__ = ["HFExperts", "hf_expert_params", "intercept_hf_experts"]
 
 HFExperts = tuple[str, int, tuple[str, ...]]
 """An experts module as the runtime keeps it: its path, its expert count ``E`` and the names
 of its forward's three parameters."""
+
+
+def hf_expert_params(model: Model) -> frozenset[str]:
+    """The paths of every param of ``model``'s Hugging Face experts modules of
+    ``transformers``' interface (``d9d.hf``'s ``interface_experts``): each an ``[E, ...]``
+    stack that the module's forward indexes by expert, so each rank holds ``E / ep`` of it,
+    a bias as much as a weight."""
+    structure = model.structure
+    return frozenset(
+        structure.canonical(f"{path}.{name}")
+        for path in interface_experts(structure.module)
+        for name, _ in structure.modules[path].named_parameters()
+    )
 
 
 def intercept_hf_experts(call: ApplyCall, experts: HFExperts, group: DispatchGroup) -> None:

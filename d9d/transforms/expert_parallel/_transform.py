@@ -2,8 +2,10 @@
 rest of the model.
 
 A stacked expert weight (logical axes ``("experts", ...)`` with an ``expert_mlp`` dim: the
-``w_gate``/``w_up``/``w_down`` of a ``d9d.moe`` layer, the ``gate_up_proj``/``down_proj`` of a
-Hugging Face experts module) is stored, computed with and updated
+``w_gate``/``w_up``/``w_down`` of a ``d9d.moe`` layer), and every param of a Hugging Face
+experts module of ``transformers``' interface (its weights and biases, each ``[E, ...]``:
+known by its module, as GPT-OSS's ``down_proj_bias [E, H]`` has a router weight's axes),
+is stored, computed with and updated
 ``Shard(0)`` over the axis: each rank holds ``E / ep`` experts and their optimizer state.
 Every other param is replicated over the axis and its grad averaged over it, as over a
 data-parallel axis, since the axis' ranks pass different batches.
@@ -16,7 +18,7 @@ the axis (``docs/moe.md``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,7 +32,7 @@ from ...errors import PlanError
 from ...hf import family_of
 from ...hf._experts import experts_call_names, experts_interface_refusal
 from ...moe import Experts, MoE
-from ._hf_experts import HFExperts
+from ._hf_experts import HFExperts, hf_expert_params
 from ._runtime import ExpertParallelRuntime
 
 if TYPE_CHECKING:
@@ -40,8 +42,10 @@ __all__ = ["ExpertParallel", "expert_parallel", "is_expert_weight"]
 
 
 def is_expert_weight(entry: ParamPlan) -> bool:
-    """Whether ``entry`` is a stacked routed-expert weight: logical axes starting with
-    ``experts`` and naming an ``expert_mlp`` dim (a router's are ``("experts", "embed")``)."""
+    """Whether ``entry`` is a stacked routed-expert weight by its logical axes alone: axes
+    starting with ``experts`` and naming an ``expert_mlp`` dim (a router's are ``("experts",
+    "embed")``). A Hugging Face experts module's params are known by their module instead
+    (``for_model``): a bias ``[E, H]`` may have a router's axes."""
     axes = entry.axes
     return axes is not None and len(axes) > 1 and axes[0] == "experts" and "expert_mlp" in axes
 
@@ -54,6 +58,8 @@ class ExpertParallel(Transform):
     phase: ClassVar[Phase] = Phase.COMPUTE_LAYOUT
     mesh: DeviceMesh
     axis: str = "ep"
+    hf_expert_params: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    """The params of the planned model's Hugging Face experts modules (set by ``for_model``)."""
 
     def __post_init__(self) -> None:
         self._axis_index(self.axis, "axis")
@@ -72,9 +78,14 @@ class ExpertParallel(Transform):
         """Ranks on the axis."""
         return self.mesh.shape[self._axis_index(self.axis, "axis")]
 
+    def for_model(self, model: Model | None) -> ExpertParallel:
+        if model is None:
+            return self
+        return replace(self, hf_expert_params=hf_expert_params(model))
+
     def rewrite(self, entry: ParamPlan) -> ParamPlan:
         index = self._axis_index(self.axis, "axis")
-        if not is_expert_weight(entry):
+        if not (is_expert_weight(entry) or entry.path in self.hf_expert_params):
             return entry.with_axis(
                 index,
                 storage=Replicate(),
@@ -120,9 +131,10 @@ def _experts_modules(
 ) -> tuple[tuple[str, ...], tuple[HFExperts, ...]]:
     """The paths of the d9d.moe MoE layers whose experts modules own the plan's expert
     weights, and the Hugging Face experts modules that own the others, checked."""
+    hf_params = hf_expert_params(model) if model is not None else frozenset()
     owners: dict[str, list[str]] = {}
     for entry in plan.entries.values():
-        if is_expert_weight(entry):
+        if is_expert_weight(entry) or entry.path in hf_params:
             owners.setdefault(entry.path.rpartition(".")[0], []).append(entry.path)
     if not owners:
         raise PlanError(
@@ -170,17 +182,6 @@ def _hf_experts(
     experts = plan.entries[params[0]].shape[0]
     why = experts_interface_refusal(module, experts)
     if why is None:
-        for name, _ in module.named_parameters():
-            entry = plan.entries.get(f"{path}.{name}")
-            if entry is not None and not is_expert_weight(entry):
-                why = (
-                    f"its param {entry.path!r} has logical axes {entry.axes}, not those of an "
-                    "expert weight (starting with 'experts' and naming 'expert_mlp'), so that "
-                    f"{transform.axis!r} would keep it whole while its forward indexes it by "
-                    "local expert"
-                )
-                break
-    if why is None:
         return path, experts, experts_call_names(module)
     family = family_of(model.module)
     if family is None:
@@ -202,9 +203,10 @@ def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
     """Shard the routed experts over a mesh axis; the axis is a data axis for the rest.
 
     Each rank of ``axis`` stores, computes with and updates ``E / ep`` experts of every
-    ``d9d.moe`` layer (or Hugging Face experts module) (stacked expert weights ``Shard(0)`` over ``axis``, their optimizer state
-    too) and passes its own batch (:meth:`~d9d.transforms.TransformedStep.data_rank` counts
-    ``axis``). Each MoE layer's ``dispatch(x, expert_ids, weights)`` becomes
+    ``d9d.moe`` layer or Hugging Face experts module (its stacked expert weights, and every
+    ``[E, ...]`` param of a Hugging Face experts module, biases too, ``Shard(0)`` over
+    ``axis``, with their optimizer state) and passes its own batch
+    (:meth:`~d9d.transforms.TransformedStep.data_rank` counts ``axis``). Each MoE layer's ``dispatch(x, expert_ids, weights)`` becomes
     ``d9d.kernels.dispatch`` (each token sent once to every rank owning one of its experts,
     by uneven all-to-all), the local experts' grouped GEMMs, and ``d9d.kernels.combine``
     (each token's weighted sum over a rank's experts sent back); the backward runs the
