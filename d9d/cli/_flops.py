@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from ..models import LlamaConfig, MoEConfig
 
-__all__ = ["PEAK_BF16_FLOPS", "mfu", "peak_bf16_flops", "train_flops_per_token"]
+__all__ = [
+    "PEAK_BF16_FLOPS",
+    "PEAK_FP8_FLOPS",
+    "mfu",
+    "peak_bf16_flops",
+    "peak_fp8_flops",
+    "train_flops_per_token",
+]
 
 PEAK_BF16_FLOPS = (
     ("H200", 989e12),
@@ -16,6 +23,14 @@ PEAK_BF16_FLOPS = (
 """Dense (no sparsity) bf16 tensor-core peak FLOP/s per device, from NVIDIA's datasheets, as
 ``(substring of torch.cuda.get_device_name(), flops)``; the first match wins. H100 is the SXM
 part; other devices have no MFU."""
+
+PEAK_FP8_FLOPS = (
+    ("H200", 1979e12),
+    ("H100 PCIe", 1513e12),
+    ("H100", 1979e12),
+)
+"""Dense fp8 (e4m3/e5m2) tensor-core peak FLOP/s, twice the bf16 peak, as
+:data:`PEAK_BF16_FLOPS`; the A100 has no fp8 tensor cores."""
 
 
 def train_flops_per_token(config: LlamaConfig | MoEConfig, seq_len: int) -> int:
@@ -51,10 +66,21 @@ def train_flops_per_token(config: LlamaConfig | MoEConfig, seq_len: int) -> int:
 def peak_bf16_flops(device_name: str) -> float | None:
     """The dense bf16 peak FLOP/s of a device named like ``"NVIDIA H100 80GB HBM3"``, or
     None for a device not in :data:`PEAK_BF16_FLOPS`."""
-    for part, flops in PEAK_BF16_FLOPS:
-        if part in device_name:
-            return flops
-    return None
+    return _peak(PEAK_BF16_FLOPS, device_name)
+
+
+def peak_fp8_flops(device_name: str) -> float | None:
+    """The dense fp8 peak FLOP/s of a device, or None for one not in :data:`PEAK_FP8_FLOPS`.
+
+    Example:
+        >>> peak_fp8_flops("NVIDIA H200")
+        1979000000000000.0
+    """
+    return _peak(PEAK_FP8_FLOPS, device_name)
+
+
+def _peak(table: tuple[tuple[str, float], ...], device_name: str) -> float | None:
+    return next((flops for part, flops in table if part in device_name), None)
 
 
 def mfu(flops_per_token: int, tokens_per_s: float, peak_flops: float, devices: int) -> float:

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import doctest
+
 import pytest
 import torch
 
-from d9d.cli._flops import mfu, peak_bf16_flops, train_flops_per_token
+from d9d.cli import _flops
+from d9d.cli._flops import mfu, peak_bf16_flops, peak_fp8_flops, train_flops_per_token
 from d9d.cli.train._metrics import SpeedMeter
 from d9d.models import LlamaConfig, MoEConfig
 
@@ -40,6 +43,19 @@ def test_peak_flops_per_device(name: str, peak: float | None) -> None:
     assert peak_bf16_flops(name) == peak
 
 
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 1979e12),
+        ("NVIDIA H100 PCIe", 1513e12),
+        ("NVIDIA H200", 1979e12),
+        ("NVIDIA A100-SXM4-80GB", None),
+    ],
+)
+def test_fp8_peak_flops_per_device(name: str, peak: float | None) -> None:
+    assert peak_fp8_flops(name) == peak
+
+
 def test_mfu_is_achieved_over_peak_flops() -> None:
     # 1e6 FLOPs/token at 1e8 tokens/s on 2 devices of 1e15 FLOP/s: 5%.
     assert mfu(1_000_000, 1e8, 1e15, 2) == pytest.approx(0.05)
@@ -72,3 +88,36 @@ def test_gpu_of_unknown_peak_has_no_mfu_and_says_so(
         "no MFU in the metrics: the peak FLOP/s of 'Tesla T4' is not known"
         in capsys.readouterr().err
     )
+
+
+def test_fp8_run_states_mfu_against_the_fp8_peak_and_the_bf16_one_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    speed = SpeedMeter(
+        tokens_per_step=1000, flops_per_token=1979, device=torch.device("cuda"), devices=1, fp8=True
+    )
+    figures = speed.measure(steps=1, seconds=1e-9)
+    assert figures["mfu"] == pytest.approx(1.0)
+    assert figures["mfu_bf16"] == pytest.approx(1979 / 989)
+
+
+def test_fp8_run_on_a_gpu_without_an_fp8_peak_states_the_bf16_mfu_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    speed = SpeedMeter(
+        tokens_per_step=1000, flops_per_token=312, device=torch.device("cuda"), devices=1, fp8=True
+    )
+    assert speed.measure(steps=1, seconds=1e-9).keys() == {
+        "tokens_per_s",
+        "step_time_s",
+        "mfu_bf16",
+    }
+    assert (
+        "no fp8 MFU in the metrics: the fp8 peak FLOP/s of 'NVIDIA A100" in capsys.readouterr().err
+    )
+
+
+def test_docstring_examples_run() -> None:
+    assert doctest.testmod(_flops, raise_on_error=True).attempted == 2

@@ -25,8 +25,9 @@ def progress_line(record: dict[str, float], total: int) -> str:
     for name in ("peak_memory_gib", "peak_rss_gib"):
         if name in record:
             parts.append(f"{name.removesuffix('_gib')} {record[name]:.2f} GiB")
-    if "mfu" in record:
-        parts.append(f"mfu {record['mfu']:.1%}")
+    for name in ("mfu", "mfu_bf16"):
+        if name in record:
+            parts.append(f"{name} {record[name]:.1%}")
     for name in ("aux_loss", "load_balance", "eval_loss"):
         if name in record:
             parts.append(f"{name} {record[name]:.4f}")

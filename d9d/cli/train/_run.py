@@ -94,7 +94,7 @@ class TrainRun:
         records: One record per step logged by this call: ``step``, ``loss``,
             ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``elapsed_s``, the peak
             memory (``peak_memory_gib`` on GPU, ``peak_rss_gib`` on CPU), ``mfu`` on a GPU of
-            known peak, ``aux_loss`` and ``load_balance`` of an MoE, and ``eval_loss`` and
+            known peak (with ``--fp8``: against the fp8 peak, and ``mfu_bf16``), ``aux_loss`` and ``load_balance`` of an MoE, and ``eval_loss`` and
             ``eval_perplexity`` at evaluated steps.
         first_step: Steps done before this call (the restored checkpoint's step, or 0).
         last_step: Steps done after it.
@@ -268,6 +268,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         train_flops_per_token(model_config, config.seq_len),
         device,
         dist.get_world_size() if dist.is_initialized() else 1,
+        fp8=config.fp8 is not None,
     )
     profile_steps = config.profile_steps if config.profile else 0
     try:
