@@ -7,6 +7,8 @@ fed both batches up to the kill and the survivor's alone after it. (c) The kille
 restarted and rejoins: it takes the survivor's live params and optimizer state at its first
 quorum, both step on together, and their params and optimizer state end bitwise equal.
 (d) A group of another layout that joins late is refused by name, and the survivor goes on.
+(e) Two replica groups of pp=2 each (a pipeline inside each group), no failure: equal to one
+device fed both groups' batches (float64, AdamW).
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep: see
 ``ft_replica.py``.
@@ -86,9 +88,9 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def _reference(data: list[dict]) -> tuple[torch.Tensor, dict]:
+def _reference(data: list[dict], n_layers: int = 1) -> tuple[torch.Tensor, dict]:
     torch.manual_seed(0)
-    return reference(llama(torch.float64, n_layers=1), data)
+    return reference(llama(torch.float64, n_layers=n_layers), data)
 
 
 def _both(step: int) -> dict:
@@ -250,3 +252,31 @@ def test_a_late_group_of_another_layout_is_refused_and_the_survivor_goes_on(
         lighthouse.shutdown()
     log = _log(tmp_path / "group0.jsonl")
     assert [r["step"] for r in log if r["committed"]] == list(range(steps))
+
+
+@pytest.mark.timeout(300)
+def test_two_pipelined_replica_groups_equal_one_device_fed_both(tmp_path: Path) -> None:
+    # Each group is two forked ranks, one stage each; rank r of one group all-reduces its
+    # stage's grads with rank r of the other. The groups meet at step 0 (--wait-at 0).
+    lighthouse = _lighthouse()
+    try:
+        procs = [
+            _start(lighthouse, g, tmp_path / f"group{g}.jsonl", "--pp=2", "--wait-at=0")
+            for g in (0, 1)
+        ]
+        for proc in procs:
+            _finish(proc)
+    finally:
+        lighthouse.shutdown()
+    losses, params = _reference([_both(s) for s in range(STEPS)], n_layers=2)
+    for g in (0, 1):
+        log = _log(tmp_path / f"group{g}.jsonl")
+        assert [(r["step"], r["committed"], r["participants"]) for r in log] == [
+            (s, True, 2) for s in range(STEPS)
+        ]
+        torch.testing.assert_close(
+            torch.tensor([r["loss"] for r in log], dtype=torch.float64), losses, rtol=1e-12, atol=0
+        )
+        stages = [torch.load(tmp_path / f"group{g}.jsonl.rank{r}.params.pt") for r in (0, 1)]
+        assert not set(stages[0]) & set(stages[1])  # each rank holds its own stage
+        assert_trees_all_close({**stages[0], **stages[1]}, params, rtol=1e-10, atol=1e-12)
