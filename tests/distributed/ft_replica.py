@@ -6,8 +6,8 @@ It talks to the test on stdin/stdout, one line each way, so that every ordering 
 relies on is an event and not a delay: it prints ``ready`` once its manager heartbeats and
 waits for ``go``; with ``--pause-after K,L,...`` it prints ``paused`` after committing each
 of those steps and waits for ``go`` again; with ``--die-after K`` it SIGKILLs itself after
-committing step K; with ``--wait-at K`` it asks for quorums before step K until one holds
-two groups (the lighthouse forms a quorum of the groups that were in the last one at once,
+committing step K; with ``--wait-at K,L,...`` it asks for quorums before step K until one holds
+two groups, once each (the lighthouse forms a quorum of the groups that were in the last one at once,
 without waiting for a group that asks for the first time), once; ``--axis dp`` names its
 mesh axis ``dp`` instead of ``fsdp`` (another layout). Each attempted step goes to ``--out`` as a JSON line; the final params and
 optimizer state are saved beside it.
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--pause-after", default="")
     parser.add_argument("--die-after", type=int, default=-1)
-    parser.add_argument("--wait-at", type=int, default=-1)
+    parser.add_argument("--wait-at", default="")
     parser.add_argument("--axis", default="fsdp")
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
@@ -122,16 +122,16 @@ def _train(args: argparse.Namespace, port: int, *, rank: int, world: int) -> Non
     else:
         step = ft(d9d.pipeline(mesh, microbatches=2)(train_step(model, opt)))
     pauses = {int(k) for k in args.pause_after.split(",") if k}
+    waits = {int(k) for k in args.wait_at.split(",") if k}
     params, state = step.place(model.params, opt.init(model.params), model=model)
     if world == 1:
         _wait_for_go()
     with open(args.out if rank == 0 else os.devnull, "w") as log:
         while manager.current_step() < args.steps:
             manager.start_quorum()  # a restarted group rejoins here: its step jumps
-            while manager.current_step() == args.wait_at and manager.num_participants() < 2:
+            while manager.current_step() in waits and manager.num_participants() < 2:
                 manager.start_quorum()  # no other group takes part in these: no step runs
-            if manager.current_step() == args.wait_at:  # two groups: wait only this once
-                args.wait_at = -1
+            waits.discard(manager.current_step())  # two groups: wait only this once
             at = manager.current_step()
             params, state, metrics = step(params, state, batch_of(args.group, at))
             committed = manager.current_step() == at + 1
