@@ -3,7 +3,7 @@
 
 Why a transform of its own and not ``shard_params(replicate_axis=..., fault_tolerant=...)``:
 the replica groups are not an axis of the step's mesh. Each group is a ``torchrun`` job of its
-own with its own mesh (any layout inside: fsdp, tp, ...), and the groups reach each other only
+own with its own mesh (any layout inside: fsdp, tp, pp, ...), and the groups reach each other only
 through the manager's process group, whose members change from step to step. A mesh axis has
 a fixed size and a fixed ``DeviceMesh`` group; this reduction has neither, so it lives outside
 the plan: the transform claims no mesh axis and rewrites no param's plan, and its runtime
