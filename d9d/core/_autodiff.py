@@ -73,7 +73,9 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         )
         if driver is None:
             with named_inputs(fn, args, kwargs):
-                value, aux, grads, _ = _differentiate(fn, params, args, kwargs, has_aux=has_aux)
+                value, aux, grads, weight = _differentiate(
+                    fn, params, args, kwargs, has_aux=has_aux
+                )
         else:
             job = Differentiation(
                 fn=fn,
@@ -87,9 +89,11 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                 gather=functools.partial(_gather_once, step, [leaf for _, leaf in pairs]),
             )
             with named_inputs(fn, args, kwargs):
-                value, aux, grads = driver.differentiate(job)
+                value, aux, grads, weight = driver.differentiate(job)
         plan = step.plan if step is not None else None
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
+        for runtime in step.runtimes if step is not None else ():
+            value, grads = runtime.reduce_differentiated(value, grads, weight)
         grads = tree.unflatten(tree.structure(params), grads)
         return ((value, aux), grads) if has_aux else (value, grads)
 

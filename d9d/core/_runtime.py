@@ -359,10 +359,26 @@ class Runtime:
         the step returns the params and optimizer state it was called with."""
         return True
 
-    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
-        """``(value, aux, grads)`` of ``job``; each grad laid out as its param's optimizer
-        state is kept (``state_kept``: the stored layout but under ZeRO-1/2)."""
+    def differentiate(
+        self, job: Differentiation
+    ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
+        """``(value, aux, grads, weight)`` of ``job``; each grad laid out as its param's
+        optimizer state is kept (``state_kept``: the stored layout but under ZeRO-1/2). The
+        value and grads are means over ``weight`` valid tokens (the count the loss's token
+        means recorded), or over the inputs alike when ``weight`` is None."""
         raise NotImplementedError(f"{type(self).__name__} does not drive differentiation")
+
+    def reduce_differentiated(
+        self, value: torch.Tensor, grads: list[Any], weight: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[Any]]:
+        """The value and grads ``d9d.value_and_grad`` returns, from those its
+        differentiation made (driven by a runtime or not): means over ``weight`` valid
+        tokens (None: no count), each grad laid out as its param's optimizer state is kept.
+        Called for every runtime, in transform order. Default: unchanged;
+        ``fault_tolerant`` under a driver of its own (a pipeline's executor) averages them
+        over the live replica groups here."""
+        del weight
+        return value, grads
 
     def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:
         """The dtype in which a runtime that :attr:`accumulates_grads` holds ``entry``'s

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import multiprocessing
 import os
 import pickle
@@ -178,6 +179,12 @@ def run_processes(
     """Run ``fn`` on ``world_size`` child processes started with ``method``."""
     context = multiprocessing.get_context(method)
     deadline = time.monotonic() + timeout
+    if method == "fork":
+        # A forked child would collect this process's cyclic garbage (an earlier step's
+        # meshes and DTensors, and the process groups they hold) without the threads those
+        # were made with: a fork after in-process steps hung in the children's garbage
+        # collection until run_on_ranks' timeout (tests/distributed/test_fault_tolerant_lone.py).
+        gc.collect()
     procs: list[BaseProcess] = []
     readers: list[Connection] = []
     with tempfile.TemporaryDirectory(prefix="d9d-ranks-") as folder:

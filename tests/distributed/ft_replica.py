@@ -6,11 +6,16 @@ It talks to the test on stdin/stdout, one line each way, so that every ordering 
 relies on is an event and not a delay: it prints ``ready`` once its manager heartbeats and
 waits for ``go``; with ``--pause-after K,L,...`` it prints ``paused`` after committing each
 of those steps and waits for ``go`` again; with ``--die-after K`` it SIGKILLs itself after
-committing step K; with ``--wait-at K`` it asks for quorums before step K until one holds
-two groups (the lighthouse forms a quorum of the groups that were in the last one at once,
+committing step K; with ``--wait-at K,L,...`` it asks for quorums before step K until one holds
+two groups, once each (the lighthouse forms a quorum of the groups that were in the last one at once,
 without waiting for a group that asks for the first time), once; ``--axis dp`` names its
 mesh axis ``dp`` instead of ``fsdp`` (another layout). Each attempted step goes to ``--out`` as a JSON line; the final params and
 optimizer state are saved beside it.
+
+With ``--pp 2`` the group is two ranks (forked processes, each with its own Manager of the
+group) of the tiny Llama of two blocks under ``pipeline(pp=2, microbatches=2)``; each rank
+saves its stage's params (``.rank{r}.params.pt``). Forked ranks have no stdin: there the
+test talks to none, and the groups meet through ``--wait-at 0``.
 
 It starts each step's quorum itself, before it picks the step's batch: a group started
 behind the others (a restart) rejoins at that quorum, where its step count jumps to the
@@ -31,6 +36,7 @@ from equivalence import llama, optimizer, train_step
 from torchft import Manager, ProcessGroupGloo
 
 import d9d
+from d9d.testing import run_on_ranks
 
 VOCAB = 128
 
@@ -64,22 +70,41 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--pause-after", default="")
     parser.add_argument("--die-after", type=int, default=-1)
-    parser.add_argument("--wait-at", type=int, default=-1)
+    parser.add_argument("--wait-at", default="")
     parser.add_argument("--axis", default="fsdp")
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.pp == 1:
+        store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        _train(args, store.port, rank=0, world=1)
+        return
+    if args.pause_after:
+        raise SystemExit("--pause-after talks on stdin, which the forked ranks of --pp lack")
+    run_on_ranks(_pipeline_rank, args.pp, args, method="fork", timeout=240)
 
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+
+def _pipeline_rank(args: argparse.Namespace) -> None:
+    rank = torch.distributed.get_rank()
+    store = None
+    if rank == 0:  # the group's store, which its managers meet through
+        store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    port = [store.port if store is not None else None]
+    torch.distributed.broadcast_object_list(port, src=0)
+    _train(args, port[0], rank=rank, world=args.pp)
+
+
+def _train(args: argparse.Namespace, port: int, *, rank: int, world: int) -> None:
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=60)),
         load_state_dict=None,  # fault_tolerant registers the params and optimizer state
         state_dict=None,
         min_replica_size=1,
         use_async_quorum=False,
-        rank=0,
-        world_size=1,
+        rank=rank,
+        world_size=world,
         store_addr="localhost",
-        store_port=store.port,
+        store_port=port,
         lighthouse_addr=args.lighthouse,
         replica_id=f"group{args.group}",
         hostname="localhost",
@@ -87,21 +112,26 @@ def main() -> None:
         timeout=timedelta(seconds=60),
         quorum_timeout=timedelta(seconds=120),
     )
-    mesh = d9d.make_mesh("cpu", **{args.axis: 1})
+    mesh = d9d.make_mesh("cpu", **({args.axis: 1} if args.pp == 1 else {"pp": args.pp}))
     torch.manual_seed(0)
-    model, opt = llama(torch.float64, n_layers=1)(), optimizer("adamw")
+    model = llama(torch.float64, n_layers=1 if args.pp == 1 else 2)()
+    opt = optimizer("adamw")
     ft = d9d.fault_tolerant(manager, starts_quorum=False)
-    step = ft(d9d.shard_params(mesh, args.axis)(train_step(model, opt)))
+    if args.pp == 1:
+        step = ft(d9d.shard_params(mesh, args.axis)(train_step(model, opt)))
+    else:
+        step = ft(d9d.pipeline(mesh, microbatches=2)(train_step(model, opt)))
     pauses = {int(k) for k in args.pause_after.split(",") if k}
+    waits = {int(k) for k in args.wait_at.split(",") if k}
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    _wait_for_go()
-    with open(args.out, "w") as log:
+    if world == 1:
+        _wait_for_go()
+    with open(args.out if rank == 0 else os.devnull, "w") as log:
         while manager.current_step() < args.steps:
             manager.start_quorum()  # a restarted group rejoins here: its step jumps
-            while manager.current_step() == args.wait_at and manager.num_participants() < 2:
+            while manager.current_step() in waits and manager.num_participants() < 2:
                 manager.start_quorum()  # no other group takes part in these: no step runs
-            if manager.current_step() == args.wait_at:  # two groups: wait only this once
-                args.wait_at = -1
+            waits.discard(manager.current_step())  # two groups: wait only this once
             at = manager.current_step()
             params, state, metrics = step(params, state, batch_of(args.group, at))
             committed = manager.current_step() == at + 1
@@ -112,10 +142,11 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if committed and at in pauses:
                 _wait_for_go()
-    torch.save({k: v.full_tensor() for k, v in params.items()}, args.out + ".params.pt")
+    saved = args.out if world == 1 else f"{args.out}.rank{rank}"
+    torch.save({k: v.full_tensor() for k, v in params.items()}, saved + ".params.pt")
     leaves = d9d.tree.leaves(state)
     kept = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in leaves]
-    torch.save([x for x in kept if torch.is_tensor(x)], args.out + ".opt_state.pt")
+    torch.save([x for x in kept if torch.is_tensor(x)], saved + ".opt_state.pt")
     manager.shutdown(wait=False)
 
 

@@ -7,6 +7,10 @@ fed both batches up to the kill and the survivor's alone after it. (c) The kille
 restarted and rejoins: it takes the survivor's live params and optimizer state at its first
 quorum, both step on together, and their params and optimizer state end bitwise equal.
 (d) A group of another layout that joins late is refused by name, and the survivor goes on.
+(e) Two replica groups of pp=2 each (a pipeline inside each group, its ranks forked): equal to
+one device fed both groups' batches while both live, and the survivor's alone after one is
+killed; the restarted group rejoins, each rank taking its own stage's state from the same
+rank of the survivor, and both end bitwise equal.
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep: see
 ``ft_replica.py``.
@@ -86,9 +90,9 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def _reference(data: list[dict]) -> tuple[torch.Tensor, dict]:
+def _reference(data: list[dict], n_layers: int = 1) -> tuple[torch.Tensor, dict]:
     torch.manual_seed(0)
-    return reference(llama(torch.float64, n_layers=1), data)
+    return reference(llama(torch.float64, n_layers=n_layers), data)
 
 
 def _both(step: int) -> dict:
@@ -250,3 +254,57 @@ def test_a_late_group_of_another_layout_is_refused_and_the_survivor_goes_on(
         lighthouse.shutdown()
     log = _log(tmp_path / "group0.jsonl")
     assert [r["step"] for r in log if r["committed"]] == list(range(steps))
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_replica_groups_equal_one_device_and_a_killed_one_rejoins_bitwise(
+    tmp_path: Path,
+) -> None:
+    # Each group is two forked ranks, one stage each; rank r of one group all-reduces its
+    # stage's grads with rank r of the other, and a restarted rank r takes rank r's state.
+    # Forked ranks read no stdin, so the ordering is the lighthouse's: the groups meet at
+    # step 0 (--wait-at 0), group 1 dies after committing step 1, the survivor waits at step
+    # 3 for the restarted group, which rejoins at step 2 or 3, whenever its quorum meets the
+    # survivor's (so each step's data is read from the survivor's log).
+    steps = 5
+    lighthouse = _lighthouse()
+    try:
+        survivor = _start(
+            lighthouse, 0, tmp_path / "group0.jsonl", "--pp=2", "--wait-at=0,3", steps=steps
+        )
+        victim = _start(
+            lighthouse, 1, tmp_path / "group1.jsonl", "--pp=2", "--wait-at=0", "--die-after=1"
+        )
+        assert victim.wait(timeout=240) != 0  # its ranks SIGKILLed themselves
+        restarted = _start(
+            lighthouse, 1, tmp_path / "group1b.jsonl", "--pp=2", "--wait-at=0", steps=steps
+        )
+        _finish(restarted)
+        _finish(survivor)
+    finally:
+        lighthouse.shutdown()
+    log = _log(tmp_path / "group0.jsonl")
+    assert [r["step"] for r in log if r["committed"]] == list(range(steps))
+    both = [r["participants"] == 2 for r in log if r["committed"]]
+    assert both[:2] == [True, True] and both[3:] == [True, True]
+    data = [_both(s) if two else batch_of(0, s) for s, two in enumerate(both)]
+    losses, params = _reference(data, n_layers=2)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in log if r["committed"]], dtype=torch.float64),
+        losses,
+        rtol=1e-12,
+        atol=0,
+    )
+    rejoined = _log(tmp_path / "group1b.jsonl")
+    assert rejoined[0]["step"] in (2, 3) and rejoined[-1]["step"] == steps - 1
+    assert all(r["committed"] and r["participants"] == 2 for r in rejoined)
+    stages = []
+    for rank in (0, 1):  # the restarted group's state equals the survivor's, bit for bit
+        for suffix in (".params.pt", ".opt_state.pt"):
+            a = torch.load(tmp_path / f"group0.jsonl.rank{rank}{suffix}")
+            b = torch.load(tmp_path / f"group1b.jsonl.rank{rank}{suffix}")
+            a, b = (list(a.values()), list(b.values())) if isinstance(a, dict) else (a, b)
+            assert len(a) == len(b) and all(map(torch.equal, a, b)), suffix
+        stages.append(torch.load(tmp_path / f"group1b.jsonl.rank{rank}.params.pt"))
+    assert not set(stages[0]) & set(stages[1])  # each rank holds its own stage
+    assert_trees_all_close({**stages[0], **stages[1]}, params, rtol=1e-10, atol=1e-12)

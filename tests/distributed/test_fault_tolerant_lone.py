@@ -17,6 +17,7 @@ from lone_manager import LoneManager
 
 import d9d
 from d9d.errors import PlanError
+from d9d.testing import run_on_ranks
 from d9d.transforms.fault_tolerant import FaultTolerantRuntime
 
 F64 = torch.float64
@@ -216,6 +217,56 @@ def test_fault_tolerant_refuses_microbatches_of_another_transform():
     model, opt, step = _build(LoneManager([]), microbatches=2)
     with pytest.raises(PlanError, match=r"both run d9d\.value_and_grad"):
         step.place(model.params, opt.init(model.params), model=model)
+
+
+def _pipelined_rank() -> None:
+    """A lone group of pp=2 x fsdp=2 (this rank's stage, its fsdp shard) against the same
+    pipelined step without fault_tolerant: asserts, raising on failure."""
+    mesh = d9d.make_mesh("cpu", pp=2, fsdp=2)
+
+    def build(manager=None, **ft):
+        torch.manual_seed(0)
+        model, opt = llama(F64, n_layers=2)(), optimizer("adamw")
+        step = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
+        step = d9d.shard_params(mesh, "fsdp")(step)
+        return model, opt, step if manager is None else d9d.fault_tolerant(manager, **ft)(step)
+
+    model, opt, step = build(LoneManager([]), microbatches=2)
+    with pytest.raises(
+        PlanError, match=r"fault_tolerant\(microbatches=2\) does not run under a pi"
+    ):
+        step.place(model.params, opt.init(model.params), model=model)
+    data = batches(128, global_batch=4, steps=3)
+    for batch in data:  # uneven valid tokens over the microbatches and fsdp ranks
+        batch["labels"] = batch["labels"].clone()
+        batch["labels"][0, 5:] = -100
+    manager = LoneManager([True, False, True])
+    got = _run_sharded(*build(manager), data)
+    given_params, given_state, params, state, _ = got[1]  # refused: the step's inputs back
+    assert params is given_params and state is given_state
+    _assert_runs_equal([got[0], got[2]], _run_sharded(*build(), [data[0], data[2]]))
+    # This rank's stage, its fsdp shard: the all-reduce carries its local pieces only.
+    numel = sum(v.to_local().numel() for v in params.values())
+    assert numel < sum(v.numel() for v in model.params.values()) // 2
+    assert manager.calls[:3] == [
+        "start_quorum",
+        f"allreduce torch.float64 {numel + 2}",
+        "should_commit",
+    ]
+
+
+def _run_sharded(model, opt, step, data):
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    out = []
+    for batch in data:
+        new_params, new_state, metrics = step(params, state, step.shard_batch(batch))
+        out.append((params, state, new_params, new_state, metrics["loss"]))
+        params, state = new_params, new_state
+    return out
+
+
+def test_a_lone_pipelined_group_equals_the_plain_pipeline_and_a_refused_commit_keeps_the_inputs():
+    run_on_ranks(_pipelined_rank, 4, method="fork")
 
 
 def test_fault_tolerant_refuses_jit():

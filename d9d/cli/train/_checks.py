@@ -127,11 +127,15 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
     ft = "--fault-tolerant"
     refused = {  # flag: (given, why)
         "--jit": (config.jit, "the quorum and commit vote are host calls each step"),
-        "--pp": ((config.pp or 1) > 1, "the pipeline executor drives the backward itself"),
     }
     for flag, (given, why) in refused.items():
         if given:
             raise ConfigError(f"{ft} does not run with {flag} yet: {why}; drop {flag}")
+    if config.diloco is not None and (config.pp or 1) > 1:
+        raise ConfigError(
+            "--diloco does not run with --pp yet: no test has run a DiLoCo outer round over "
+            "pipeline stages; drop --pp, or --diloco (--fault-tolerant alone runs with --pp)"
+        )
     if config.diloco is not None and config.save_every % config.diloco:
         raise ConfigError(
             f"--save-every {config.save_every} is not a multiple of --diloco "

@@ -6,6 +6,12 @@ group's plan keeps them: a shard per rank under fsdp). Each rank all-reduces its
 pieces with the same rank of every other live group, as torchft's ``Manager.allreduce``
 pairs them; every live group holds the same layout, so the pieces line up.
 
+Under a runtime that drives the differentiation itself (a pipeline's executor, which runs
+the schedule's backwards and reduces each stage's accumulated grads inside the group once), the
+reduction over the groups runs after it, once a step (``reduce_differentiated``): each rank
+all-reduces the grads of its own stages with the same rank, holding the same stages, of
+every live group.
+
 A group whose step is behind the quorum's (restarted after a failure) is healed by torchft
 at the quorum: the runtime registers its state dict with the manager, serving the params and
 optimizer state the step was called with, and takes a peer's in their place (``_rejoin``).
@@ -45,15 +51,23 @@ STATE_KEY = "d9d.fault_tolerant"
 
 
 class FaultTolerantRuntime(Runtime):
-    """The runtime of ``fault_tolerant`` with ``manager``."""
+    """The runtime of ``fault_tolerant`` with ``manager``; with ``after_driver``, another
+    runtime drives the differentiation and the grads are reduced over the groups after it."""
 
-    drives_differentiation = True
     shared = False  # an eval step sharing the plan neither starts a quorum nor votes
 
-    def __init__(self, manager: Any, *, starts_quorum: bool = True, microbatches: int = 1) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        *,
+        starts_quorum: bool = True,
+        microbatches: int = 1,
+        after_driver: bool = False,
+    ) -> None:
         self.manager = manager
         self.starts_quorum = starts_quorum
         self.microbatches = microbatches
+        self.drives_differentiation = not after_driver
         self.groups = GroupCount(_log, "fault_tolerant", "steps")
         self.peer = PeerState(
             manager, STATE_KEY, "fault_tolerant", "runtime.serve(params, opt_state)"
@@ -97,9 +111,32 @@ class FaultTolerantRuntime(Runtime):
         returned (a restored checkpoint, before any step ran)."""
         self.peer.serve(params, opt_state)
 
-    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
+    def differentiate(
+        self, job: Differentiation
+    ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
         value, aux, grads, weight = self._run(job)
+        value, grads, count = self._over_groups(value, grads, weight)
+        return value, aux, grads, count
+
+    def reduce_differentiated(
+        self, value: torch.Tensor, grads: list[Any], weight: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[Any]]:
+        if self.drives_differentiation:  # reduced in ``differentiate``
+            return value, grads
+        if weight is not None:  # the group's means, back to sums over its tokens
+            grads = [_times(g, weight) for g in grads]
+        value, grads, _ = self._over_groups(value, grads, weight)
+        return value, grads
+
+    def _over_groups(
+        self, value: torch.Tensor, grads: list[Any], weight: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[Any], torch.Tensor | None]:
+        """``(value, grads, count)`` over the live groups, from the group's mean ``value``
+        and its ``grads``: sums over its ``weight`` valid tokens, or means when ``weight``
+        is None (every live group then weighs the same). ``count``: the live groups'
+        valid tokens."""
         pieces = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        count = None
         if weight is None:
             # No token count: every live group weighs the same (the manager divides the sums
             # by the number of participants).
@@ -122,7 +159,7 @@ class FaultTolerantRuntime(Runtime):
             for r, g in zip(reduced[:-1], grads, strict=True)
         ]
         self.groups.update(self.manager)
-        return value, aux, out
+        return value, out, count
 
     def _run(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any], Any]:
         """``(value, aux, grads, weight)`` of the group's batch: the value a token mean over
@@ -143,3 +180,12 @@ class FaultTolerantRuntime(Runtime):
         if not kept:
             _log.warning("fault_tolerant: a replica group failed during the step; update dropped")
         return kept
+
+
+def _times(grad: Any, weight: torch.Tensor) -> Any:
+    """``grad`` (a DTensor's local piece in its stead) times ``weight``, multiplied in
+    float32 at least: a bfloat16 weight would round token counts above 256."""
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    wide = torch.promote_types(local.dtype, torch.float32)
+    scaled = (local.to(wide) * weight.to(wide)).to(local.dtype)
+    return local_like(scaled, grad) if isinstance(grad, DTensor) else scaled

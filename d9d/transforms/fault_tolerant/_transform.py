@@ -3,7 +3,7 @@
 
 Why a transform of its own and not ``shard_params(replicate_axis=..., fault_tolerant=...)``:
 the replica groups are not an axis of the step's mesh. Each group is a ``torchrun`` job of its
-own with its own mesh (any layout inside: fsdp, tp, ...), and the groups reach each other only
+own with its own mesh (any layout inside: fsdp, tp, pp, ...), and the groups reach each other only
 through the manager's process group, whose members change from step to step. A mesh axis has
 a fixed size and a fixed ``DeviceMesh`` group; this reduction has neither, so it lives outside
 the plan: the transform claims no mesh axis and rewrites no param's plan, and its runtime
@@ -69,13 +69,21 @@ class FaultTolerant(Transform):
 
     def runtime(self, plan: Plan, model: Model | None) -> FaultTolerantRuntime:
         del model
-        if plan.stage_group is not None:
+        # Stages over ranks (pipeline): the stage executor drives d9d.value_and_grad, its
+        # schedule's backwards and the once-a-step reduction inside the group; the reduction
+        # over the groups follows it (``reduce_differentiated``).
+        staged = plan.stage_group is not None
+        if staged and self.microbatches > 1:
             raise PlanError(
-                f"{self} does not compose with pipeline yet: the pipeline executor drives "
-                "d9d.value_and_grad, and so does the replica groups' reduction; drop one"
+                f"fault_tolerant(microbatches={self.microbatches}) does not run under a "
+                "pipeline, whose executor runs the step's microbatches itself: give them to "
+                "pipeline(microbatches=...) and drop fault_tolerant's"
             )
         return FaultTolerantRuntime(
-            self.manager, starts_quorum=self.starts_quorum, microbatches=self.microbatches
+            self.manager,
+            starts_quorum=self.starts_quorum,
+            microbatches=self.microbatches,
+            after_driver=staged,
         )
 
 
@@ -122,8 +130,13 @@ def fault_tolerant(
     token mean over every live group's whole batch. ``shard_params(microbatches=k)`` under
     this transform is refused (both would drive the backward): give ``k`` here instead.
 
-    Not yet: ``pipeline`` and ``d9d.jit`` are refused by name; ``step.comms`` does not count
-    the manager's traffic.
+    Under ``pipeline`` the stage executor drives the backward; the reduction over the
+    groups follows it, once a step: each rank all-reduces its own stages' grads (reduced
+    inside the group) with the same rank of every live group, which holds the same stages.
+    Its microbatches are ``pipeline``'s (``microbatches`` here must be 1).
+
+    Not yet: ``d9d.jit`` is refused by name; ``step.comms`` does not count the manager's
+    traffic.
 
     Args:
         manager: A ``torchft.Manager`` of this rank (its ``pg`` a ``ProcessGroupGloo`` or
@@ -141,8 +154,8 @@ def fault_tolerant(
 
     Raises:
         PlanError: ``manager`` is not a torchft ``Manager``, or ``microbatches`` is not a
-            positive int; the step is pipelined or accumulates microbatches under another
-            transform (when placed), or is jitted.
+            positive int; the step accumulates microbatches under another transform, or
+            ``microbatches`` > 1 under ``pipeline`` (when placed), or is jitted.
 
     Example:
         >>> import d9d

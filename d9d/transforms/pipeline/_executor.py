@@ -269,9 +269,10 @@ class _ZeroGradsFor(torch.autograd.Function):
 
 def run_pipeline(
     job: Differentiation, plan: Plan, layout: PipelineLayout
-) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
-    """``(mean loss, aux, grads)`` of ``job`` over the layout's microbatches, run stage by
-    stage under its schedule; grads laid out like the stored params."""
+) -> tuple[torch.Tensor, Any, list[torch.Tensor], torch.Tensor | None]:
+    """``(mean loss, aux, grads, weight)`` of ``job`` over the layout's microbatches, run
+    stage by stage under its schedule; grads laid out like the stored params, the loss and
+    grads means over ``weight`` valid tokens (None: the loss counted none), on every rank."""
     chunks = job.split(layout.microbatches)
     paths = [path for path, _ in job.pairs]
     stored = [leaf.detach().requires_grad_(True) for _, leaf in job.pairs]
@@ -306,7 +307,7 @@ def run_pipeline(
         runtime.box[0] = None
         for module in runtime.modules.values():  # the cached stages must not keep them alive
             module._parameters.clear()
-    value, total = _loss_on_every_rank(losses, runner, runtime, last, layout)
+    value, total, weight = _loss_on_every_rank(losses, runner, runtime, last, layout)
     # Divided in place: a second whole copy of the stage's grads would be held beside them
     # (step.memory's accumulated_grads counts one).
     compute_grads = [
@@ -326,7 +327,7 @@ def run_pipeline(
         aux = _aux_on_meta(job, plan, layout, chunks, weights)
     elif job.has_aux:
         aux = _aux_on_every_rank(runner, count, layout)
-    return value, aux, grads
+    return value, aux, grads, weight
 
 
 def _sampled(job: Differentiation, layout: PipelineLayout, device: torch.device) -> bool:
@@ -386,22 +387,25 @@ def _loss_on_every_rank(
     runtime: _Runtime,
     last: bool,
     layout: PipelineLayout,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, total weight)`` on every pipeline rank (one all-reduce): the last stage's
-    microbatch losses, each weighed by its valid-token count (or all alike when the loss
-    counts none), and the total the summed grads are divided by."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(loss, total weight, token count)`` on every pipeline rank (one all-reduce): the
+    last stage's microbatch losses, each weighed by its valid-token count (or all alike
+    when the loss counts none), the total the summed grads are divided by, and the valid
+    tokens counted in float64 (None when the loss counts none)."""
     dtype = runtime.loss_dtype
-    packed = torch.zeros(3, dtype=torch.float64, device=runtime.device)
+    packed = torch.zeros(4, dtype=torch.float64, device=runtime.device)
     if last:
         weights = list(runner.weights.values())
         packed[0] = torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
         packed[1] = LOSS_DTYPES.index(dtype)
         packed[2] = len(losses) if weights[0] is None else torch.stack(weights).sum()
+        packed[3] = weights[0] is not None
     packed = _c10d.wait_tensor(_c10d.all_reduce(packed, "sum", layout.group.group_name))
     total = packed[2].clamp(min=1)
+    counted = packed.is_meta or bool(packed[3])  # on meta: as a loss that counts
     if not packed.is_meta:  # a dry run on meta has no values: it keeps its own dtype
         dtype = LOSS_DTYPES[int(packed[1])]
-    return (packed[0] / total).to(dtype), total
+    return (packed[0] / total).to(dtype), total, packed[2] if counted else None
 
 
 def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> Any:

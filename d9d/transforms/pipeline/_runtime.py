@@ -26,7 +26,9 @@ class PipelineRuntime(Runtime):
         self.layout = layout
         self.plan = plan
 
-    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
+    def differentiate(
+        self, job: Differentiation
+    ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
         return run_pipeline(job, self.plan, self.layout)
 
     def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:

@@ -18,10 +18,13 @@ from ...core._runtime import Differentiation
 __all__ = ["accumulate"]
 
 
-def accumulate(job: Differentiation, microbatches: int) -> tuple[torch.Tensor, Any, list[Any]]:
-    """``(value, aux, grads)`` of ``job`` over ``microbatches`` equal slices of its batch."""
+def accumulate(
+    job: Differentiation, microbatches: int
+) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
+    """``(value, aux, grads, weight)`` of ``job`` over ``microbatches`` equal slices of its
+    batch: the mean over its ``weight`` valid tokens (None: the loss counted none)."""
     value, aux, grads, weight = sum_microbatches(job, microbatches, defer_reduction=True)
     count = microbatches if weight is None else weight.clamp(min=1)
     for grad in grads:  # in place: the sums are buffers of their own (sum_microbatches)
         grad.div_(count)
-    return value / count, aux, grads
+    return value / count, aux, grads, weight

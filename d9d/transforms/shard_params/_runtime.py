@@ -84,7 +84,9 @@ class ShardParamsRuntime(Runtime):
             )
         return None
 
-    def differentiate(self, job: Differentiation) -> tuple[torch.Tensor, Any, list[Any]]:
+    def differentiate(
+        self, job: Differentiation
+    ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
         return accumulate(job, self.microbatches)
 
     def enter_apply(self, call: ApplyCall) -> None:
