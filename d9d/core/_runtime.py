@@ -374,9 +374,8 @@ class Runtime:
         """The value and grads ``d9d.value_and_grad`` returns, from those its
         differentiation made (driven by a runtime or not): means over ``weight`` valid
         tokens (None: no count), each grad laid out as its param's optimizer state is kept.
-        Called for every runtime, in transform order. Default: unchanged;
-        ``fault_tolerant`` under a driver of its own (a pipeline's executor) averages them
-        over the live replica groups here."""
+        Called for every runtime, in transform order. Default: unchanged; a runtime that
+        reduces over replica groups while another runtime drives averages them here."""
         del weight
         return value, grads
 
