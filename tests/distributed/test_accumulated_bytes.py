@@ -136,12 +136,13 @@ def test_whole_grads_held_at_the_reduction_under_accumulation_are_step_memory() 
     """fsdp=2, 2 microbatches, tiny Llama, float32, AdamW: when the summed grads are reduced a
     rank holds its stored params, its optimizer state and every param's grad whole (the
     model's float32 bytes, ZeRO-3's too), exactly ``step.memory().at_reduction``, and nothing
-    else the step made but the loss (one float32): more than ``total`` (at the update) by
+    else the step made but the loss and its token count (one float32 each; the count goes on to
+    ``Runtime.reduce_differentiated``): more than ``total`` (at the update) by
     the whole grads less the kept ones."""
     for runs in run_on_ranks(_held_per_shard, 2, 2):
         for shard, (held, memory, whole) in runs.items():
             assert memory.accumulated_grads == whole, (shard, memory)
-            assert held == memory.at_reduction + 4, (shard, held, memory)
+            assert held == memory.at_reduction + 8, (shard, held, memory)
             assert memory.at_reduction - memory.total == whole - memory.grads, shard
 
 
@@ -195,12 +196,13 @@ def _held_mixed() -> dict[str, tuple[int, Any, int]]:
 def test_accumulation_in_bf16_compute_holds_float32_sums() -> None:
     """fsdp=2, 2 microbatches, float32 params gathered and computed in bf16, grads reduced in
     float32: each microbatch's grads are cast to float32 as its backward makes them and
-    summed so, and at the reduction a rank holds exactly ``at_reduction`` plus the loss, with
+    summed so, and at the reduction a rank holds exactly ``at_reduction`` plus the loss and
+    its token count, with
     ``accumulated_grads`` the model's elements in float32 (ZeRO-3 and ZeRO-2)."""
     for runs in run_on_ranks(_held_mixed, 2):
         for shard, (held, memory, whole) in runs.items():
             assert memory.accumulated_grads == whole, (shard, memory)
-            assert held == memory.at_reduction + 4, (shard, held, memory)
+            assert held == memory.at_reduction + 8, (shard, held, memory)
 
 
 class _SummedInBackward(_HeldAtReduction):
