@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from ... import tree
 from ...core._autodiff import stack_aux
 from ...core._comm_count import recording_into
-from ...core._context import count_tokens
+from ...core._context import count_tokens, record_step_tokens
 from ...core._gather import distribute, local_like
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
@@ -389,18 +389,22 @@ def _loss_on_every_rank(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, total weight)`` on every pipeline rank (one all-reduce): the last stage's
     microbatch losses, each weighed by its valid-token count (or all alike when the loss
-    counts none), and the total the summed grads are divided by."""
+    counts none), and the total the summed grads are divided by. A counted total is the
+    step's tokens on every rank (``record_step_tokens``), as the last stage counted them."""
     dtype = runtime.loss_dtype
-    packed = torch.zeros(3, dtype=torch.float64, device=runtime.device)
+    packed = torch.zeros(4, dtype=torch.float64, device=runtime.device)
     if last:
         weights = list(runner.weights.values())
         packed[0] = torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
         packed[1] = LOSS_DTYPES.index(dtype)
         packed[2] = len(losses) if weights[0] is None else torch.stack(weights).sum()
+        packed[3] = weights[0] is not None
     packed = _c10d.wait_tensor(_c10d.all_reduce(packed, "sum", layout.group.group_name))
     total = packed[2].clamp(min=1)
     if not packed.is_meta:  # a dry run on meta has no values: it keeps its own dtype
         dtype = LOSS_DTYPES[int(packed[1])]
+        if packed[3]:
+            record_step_tokens([packed[2].to(torch.int64)])
     return (packed[0] / total).to(dtype), total
 
 
