@@ -1,9 +1,11 @@
 """``d9d.diloco`` in one process, against a stand-in for a torchft Manager of a lone replica
 group (its all-reduce over one participant is the identity): rounds come every H steps with
-one all-reduce each (of each rank's shard in a group of fsdp=2, which equals one rank), a
-refused round goes back to the last synced params, the state's memory is counted, a jitted
-inner step equals the eager one, and what is not supported is refused by name. The real lighthouse and replica
-groups: tests/distributed/test_diloco.py."""
+one all-reduce each (of each rank's shard in a group of fsdp=2, which equals one rank, and
+the tokens the group trained on in the round, counted over its data ranks, or over its
+pipeline stages from the last one), a refused round goes back to the last synced params,
+the state's memory is counted, a jitted inner step equals the eager one, and what is not
+supported is refused by name. The real lighthouse and replica groups:
+tests/distributed/test_diloco.py."""
 
 from __future__ import annotations
 

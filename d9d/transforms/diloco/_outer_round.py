@@ -1,5 +1,6 @@
 """One outer round of ``diloco``: the pseudo-gradients averaged over the live replica groups
-through the torchft ``Manager``, the outer optimizer applied to the anchor, and the vote.
+through the torchft ``Manager`` (each weighed by its group's tokens, or all alike), the outer
+optimizer applied to the anchor, and the vote.
 
 Each rank works on its local pieces (a shard per rank under fsdp): every live group holds the
 same layout, and ``Manager.allreduce`` pairs rank ``r`` of each group, so the pieces line up.

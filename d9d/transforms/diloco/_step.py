@@ -89,11 +89,11 @@ class DiLoCoStep(OutermostStep):
                 "outer round is the only exchange between replica groups"
             )
         # torchft heals a group behind the live ones (restarted) at a quorum with their state:
-        # params, inner state, anchor, outer state and inner step.
+        # params, inner state, anchor, outer state, inner step and the round's tokens.
         self.peer = PeerState(self.manager, STATE_KEY, "diloco", "step.serve(params, state)")
         anchor = tree.map(torch.clone, params)
-        zero = torch.zeros((), dtype=torch.int64)
-        state = DiLoCoState(opt_state, anchor, self.outer.init(anchor), zero, zero)
+        inner_step, tokens = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        state = DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step, tokens)
         self.serve(params, state)
         if self.manager.current_step() == 0:
             _count_rounds(self.manager, NOT_STARTED)
@@ -185,7 +185,7 @@ class DiLoCoStep(OutermostStep):
 
     def memory(self, params: Any, state: DiLoCoState) -> Memory:
         """The wrapped step's ``memory``, its optimizer state counting the anchor, the outer
-        state and the step counter too (bytes per rank)."""
+        state and the step and token counters too (bytes per rank)."""
         inner = self.step.memory(params, state.inner)
         extra = sum(_local_bytes(leaf) for leaf in tree.leaves(state[1:]))
         return Memory(inner.params, inner.grads, inner.opt_state + extra, inner.host_opt_state)
