@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from .. import tree
 from ..errors import IndivisibleError
 from ._backward_region import backward_region
-from ._context import StepContext, count_tokens, current, differentiating
+from ._context import StepContext, count_tokens, current, differentiating, record_step_tokens
 from ._embedding_ids import named_inputs
 from ._gather import gather_params
 from ._grad_reduce import reduce_to
@@ -111,10 +111,11 @@ def _differentiate(
     has_aux: bool,
 ) -> tuple[torch.Tensor, Any, list[torch.Tensor], torch.Tensor | None]:
     """``(value, aux, grads, weight)``; ``weight`` is the valid-token count the value's token
-    means recorded (None if none did), and with ``weighted`` the grads are those of
-    ``weight * value``, ready to be summed over microbatches. With ``into`` (grads of an
-    earlier call, laid out as these) each grad is added into its tensor in place as the
-    backward produces it, and that tensor is returned as the grad (:func:`_grads`)."""
+    means recorded (None if none did; added to the running step's ``tokens``), and with
+    ``weighted`` the grads are those of ``weight * value``, ready to be summed over
+    microbatches. With ``into`` (grads of an earlier call, laid out as these) each grad is
+    added into its tensor in place as the backward produces it, and that tensor is returned
+    as the grad (:func:`_grads`)."""
     leaves, spec = tree.flatten(params)
     with torch.enable_grad(), count_tokens() as counts:
         inputs = [_differentiable(leaf) for leaf in leaves]
@@ -125,6 +126,7 @@ def _differentiate(
         weight = torch.stack(counts).sum().to(value.dtype) if counts else None
         scaled = value * weight if weighted and weight is not None else value
         grads = _grads_of(scaled, inputs, into or [])
+    record_step_tokens(counts)  # as counted: a bfloat16 weight rounds counts above 256
     aux = tree.map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
     return value.detach(), aux, list(grads), weight
 

@@ -26,10 +26,12 @@ __all__ = [
     "count_tokens",
     "current",
     "differentiating",
+    "record_step_tokens",
     "record_tokens",
     "running",
     "sequence_attention",
     "step_op",
+    "watching_steps",
 ]
 
 
@@ -58,6 +60,11 @@ class StepContext:
             made of it (a detached alias), so that a runtime can tell its own tensors in
             what ``apply`` receives by identity (ZeRO-1/2's slices), which Dynamo traces
             where it cannot compare data pointers (:func:`differentiating`).
+        tokens: The valid tokens the step's differentiated losses counted, summed over its
+            ``value_and_grad`` calls and microbatches, each count over every rank that holds
+            other tokens (:func:`record_step_tokens`); None while none was counted, and when
+            no wrapper watches the step. What a wrapper that weighs whole steps against each
+            other reads once the call returns (:func:`watching_steps`).
     """
 
     plan: Plan
@@ -67,6 +74,7 @@ class StepContext:
     sequence_groups: tuple[tuple[str, int], ...] = ()
     codec_statistics: dict[str, torch.Tensor] | None = None
     differentiated: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    tokens: torch.Tensor | None = None
 
 
 class _State(threading.local):
@@ -74,6 +82,7 @@ class _State(threading.local):
 
     def __init__(self) -> None:
         self.step: StepContext | None = None
+        self.watched: list[StepContext] | None = None
 
 
 _state = _State()
@@ -89,6 +98,8 @@ def running(step: StepContext | None) -> Iterator[StepContext | None]:
     """Make ``step`` the running step for the duration of the block."""
     previous = _state.step
     _state.step = step
+    if step is not None and _state.watched is not None:
+        _state.watched.append(step)
     try:
         yield step
     finally:
@@ -110,6 +121,19 @@ def count_tokens() -> Iterator[list[torch.Tensor]]:
         yield counts
     finally:
         step.token_counts = previous
+
+
+@contextmanager
+def watching_steps() -> Iterator[list[StepContext]]:
+    """Within the block, the context of each step that starts running on this thread is
+    appended to the yielded list, so that a wrapper calling a step reads what the step
+    recorded there (its ``tokens``) once the call returns, under ``d9d.jit`` too."""
+    previous = _state.watched
+    _state.watched = watched = []
+    try:
+        yield watched
+    finally:
+        _state.watched = previous
 
 
 @contextmanager
@@ -135,6 +159,18 @@ def record_tokens(count: torch.Tensor) -> None:
     step = _state.step
     if step is not None and step.token_counts is not None:
         step.token_counts.append(count)
+
+
+def record_step_tokens(counts: list[torch.Tensor]) -> None:
+    """Add ``counts``, the valid tokens a differentiated loss counted (each the same on every
+    rank that holds other tokens), to the running step's ``tokens``, while a wrapper watches
+    the step (:func:`watching_steps`): else nothing is computed or kept, so that a step
+    nobody weighs holds what it held before (``tests/distributed/test_accumulated_bytes.py``
+    counts its bytes)."""
+    step = _state.step
+    if step is not None and _state.watched is not None and counts:
+        count = torch.stack(counts).sum()
+        step.tokens = count if step.tokens is None else step.tokens + count
 
 
 def sequence_attention() -> Callable[..., Any] | None:

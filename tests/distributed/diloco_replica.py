@@ -34,12 +34,16 @@ def inner_optimizer() -> d9d.optim.GradientTransformation:
     return d9d.optim.sgd(INNER_LR, momentum=0.9, weight_decay=0.1)
 
 
-def batch_of(group: int, step: int) -> dict:
+def batch_of(group: int, step: int, ignored: int = 0) -> dict:
     """Replica group ``group``'s batch at ``step``: 2 rows of 16 tokens, every label counted
-    (equal token counts: DiLoCo weighs every group alike)."""
+    but, in group 1's rows, the first ``ignored`` (-100): the groups then train on uneven
+    token counts, each the same share of the tokens at every step."""
     g = torch.Generator().manual_seed(1000 * step + group)
     tokens = torch.randint(0, VOCAB, (2, 17), generator=g)
-    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    labels = tokens[:, 1:].clone()
+    if group == 1:
+        labels[:, :ignored] = -100
+    return {"tokens": tokens[:, :-1], "labels": labels}
 
 
 class CountingManager:
@@ -79,6 +83,7 @@ def main() -> None:
     parser.add_argument("--die-in-round", type=int, default=-1)
     parser.add_argument("--die-at-step", type=int, default=-1)
     parser.add_argument("--join", action="store_true")
+    parser.add_argument("--ignored", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -118,7 +123,7 @@ def main() -> None:
         while (at := int(state.inner_step)) < args.steps:
             if at == args.die_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            params, state, metrics = step(params, state, batch_of(args.group, at))
+            params, state, metrics = step(params, state, batch_of(args.group, at, args.ignored))
             line = {"step": at, "loss": metrics["loss"].item(), "rounds": real.current_step()}
             log.write(json.dumps(line) + "\n")
             log.flush()

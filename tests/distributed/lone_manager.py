@@ -14,6 +14,7 @@ class LoneManager:
         self.votes = list(votes)
         self.calls: list[str] = []
         self.state_fns: dict[str, tuple] = {}  # key: (load_state_dict, state_dict)
+        self.reduced: list[torch.Tensor] = []  # copies of what each allreduce carried
         self.step = 0
 
     def register_state_dict_fn(self, key: str, load: object, save: object) -> None:
@@ -33,6 +34,7 @@ class LoneManager:
 
     def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> LoneManager:
         self.calls.append(f"allreduce {tensor.dtype} {tensor.numel()}")
+        self.reduced.append(tensor.clone())
         return self
 
     def wait(self) -> None:

@@ -1,7 +1,9 @@
 """``d9d.diloco`` on a real torchft lighthouse: replica groups as processes of their own.
 
 (a) H=1 with a plain outer SGD of lr 1 equals synchronous data parallelism: one device fed
-both groups' batches (float64, inner SGD with momentum and weight decay, linear in the grads).
+both groups' batches (float64, inner SGD with momentum and weight decay, linear in the grads),
+with labels ignored unevenly between the groups: each group's pseudo-gradient weighs by its
+share of the tokens.
 (b) H=3 with the default outer Nesterov equals DiLoCo simulated in one process with
 ``torch.optim.SGD(nesterov=True)`` as the outer optimizer; both groups end bitwise equal, and
 the manager saw one all-reduce of every param element per round (counted outside d9d).
@@ -72,8 +74,11 @@ def _go(proc: subprocess.Popen) -> None:
     proc.stdin.close()
 
 
-def _run_groups(tmp_path: Path, steps: int, inner_steps: int, outer: str, die: int = -1) -> list:
-    """Both groups' runs, group 1 dying inside round ``die`` (>= 0); their return codes."""
+def _run_groups(
+    tmp_path: Path, steps: int, inner_steps: int, outer: str, die: int = -1, ignored: int = 0
+) -> list:
+    """Both groups' runs, group 1 dying inside round ``die`` (>= 0) and ignoring the first
+    ``ignored`` labels of its rows; their return codes."""
     lighthouse = _lighthouse()
     try:
         procs = [
@@ -82,7 +87,7 @@ def _run_groups(tmp_path: Path, steps: int, inner_steps: int, outer: str, die: i
                 tmp_path,
                 f"group{group}",
                 *(f"--group={group}", f"--steps={steps}", f"--inner-steps={inner_steps}"),
-                f"--outer={outer}",
+                *(f"--outer={outer}", f"--ignored={ignored}"),
                 *([f"--die-in-round={die}"] if group == 1 else []),
             )
             for group in (0, 1)
@@ -155,26 +160,30 @@ def _numel() -> int:
 
 @pytest.mark.timeout(300)
 def test_one_inner_step_and_outer_sgd_of_lr_1_is_data_parallelism(tmp_path: Path) -> None:
-    steps = 4
-    assert _run_groups(tmp_path, steps, inner_steps=1, outer="sgd1") == [0, 0]
+    # Group 1 ignores 5 of each row's 16 labels: 32 tokens a step against group 0's 22.
+    steps, ignored = 4, 5
+    assert _run_groups(tmp_path, steps, inner_steps=1, outer="sgd1", ignored=ignored) == [0, 0]
     model, params = _fresh()
     opt = inner_optimizer()
     step, state, losses = train_step(model, opt), opt.init(params), []
     for at in range(steps):
-        a, b = batch_of(0, at), batch_of(1, at)
+        a, b = batch_of(0, at, ignored), batch_of(1, at, ignored)
         params, state, metrics = step(params, state, {k: torch.cat([a[k], b[k]]) for k in a})
         losses.append(metrics["loss"])
     logs = [_result(tmp_path, g) for g in (0, 1)]
-    # Each group logs its own loss; with equal token counts their mean is the global one.
-    mean = [(x["loss"] + y["loss"]) / 2 for x, y in zip(logs[0][0], logs[1][0], strict=True)]
+    # Each group logs its own loss, the mean over its tokens: weighed by their counts, the
+    # global one.
+    mean = [
+        (32 * x["loss"] + 22 * y["loss"]) / 54 for x, y in zip(logs[0][0], logs[1][0], strict=True)
+    ]
     torch.testing.assert_close(
         torch.tensor(mean, dtype=torch.float64), torch.stack(losses), rtol=1e-12, atol=0
     )
     for log, counts, got in logs:
         assert [r["rounds"] for r in log] == [1, 2, 3, 4]
         assert counts == {
-            "allreduces": steps,
-            "elements": steps * _numel(),
+            "allreduces": steps,  # the group's token count in its float64 collective
+            "elements": steps * (_numel() + 1),
             "participants": [2] * 4,
         }
         assert_trees_all_close(got, params, rtol=1e-10, atol=1e-12)
@@ -187,8 +196,9 @@ def test_outer_nesterov_every_three_steps_matches_a_simulation(tmp_path: Path) -
     expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1), (0, 1)])
     (log0, counts0, got0), (log1, counts1, got1) = (_result(tmp_path, g) for g in (0, 1))
     assert [r["rounds"] for r in log0] == [r["rounds"] for r in log1] == [0, 0, 1, 1, 1, 2]
-    # One all-reduce per round (one dtype), of every local param element.
-    assert counts0 == counts1 == {"allreduces": 2, "elements": 2 * _numel(), "participants": [2, 2]}
+    # One all-reduce per round (one dtype), of every local param element and the tokens.
+    elements = 2 * (_numel() + 1)
+    assert counts0 == counts1 == {"allreduces": 2, "elements": elements, "participants": [2, 2]}
     for k in got0:
         assert torch.equal(got0[k], got1[k]), k  # every group goes on from the same params
     assert_trees_all_close(got0, expected, rtol=1e-10, atol=1e-12)

@@ -1,9 +1,11 @@
 """``d9d.diloco`` in one process, against a stand-in for a torchft Manager of a lone replica
 group (its all-reduce over one participant is the identity): rounds come every H steps with
-one all-reduce each (of each rank's shard in a group of fsdp=2, which equals one rank), a
-refused round goes back to the last synced params, the state's memory is counted, a jitted
-inner step equals the eager one, and what is not supported is refused by name. The real lighthouse and replica
-groups: tests/distributed/test_diloco.py."""
+one all-reduce each (of each rank's shard in a group of fsdp=2, which equals one rank, and
+the tokens the group trained on in the round, counted over its data ranks, or over its
+pipeline stages from the last one), a refused round goes back to the last synced params,
+the state's memory is counted, a jitted inner step equals the eager one, and what is not
+supported is refused by name. The real lighthouse and replica groups:
+tests/distributed/test_diloco.py."""
 
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ from d9d.errors import ConfigError, PlanError
 F64 = torch.float64
 
 
-def _build(manager, inner_steps=2, outer=None, jit=False, fsdp=1):
+def _build(manager, inner_steps=2, outer=None, jit=False, fsdp=1, weighting="tokens"):
     torch.manual_seed(0)
     model, opt = llama(F64, n_layers=1)(), d9d.optim.adamw(1e-2)
     inner = d9d.shard_params(d9d.make_mesh("cpu", fsdp=fsdp), "fsdp")(train_step(model, opt))
     if jit:
         inner = d9d.jit(inner, backend="aot_eager")
-    step = d9d.diloco(manager, inner_steps=inner_steps, outer=outer)(inner)
+    step = d9d.diloco(manager, inner_steps=inner_steps, outer=outer, weighting=weighting)(inner)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     return step, params, state
 
@@ -41,10 +43,13 @@ def _whole(params: dict) -> dict:
     return {k: v.full_tensor() for k, v in params.items()}
 
 
-def test_a_round_every_h_steps_and_a_refused_one_goes_back_to_the_last_synced_params() -> None:
+@pytest.mark.parametrize(("weighting", "count"), [("tokens", 1), ("equal", 0)])
+def test_a_round_every_h_steps_and_a_refused_one_goes_back_to_the_last_synced_params(
+    weighting: str, count: int
+) -> None:
     manager = LoneManager(votes=[True, False])
-    step, params, state = _build(manager, inner_steps=2)
-    numel = sum(v.numel() for v in params.values())
+    step, params, state = _build(manager, inner_steps=2, weighting=weighting)
+    numel = sum(v.numel() for v in params.values()) + count  # the group's tokens last
     seen = []
     for i in range(4):
         params, state, _ = step(params, state, _batch(i))
@@ -58,17 +63,21 @@ def test_a_round_every_h_steps_and_a_refused_one_goes_back_to_the_last_synced_pa
     assert int(state.inner_step) == 4
 
 
-def _sharded_run() -> tuple[dict, list[str]]:
+def _sharded_run() -> tuple[dict, list[str], list[float]]:
     manager = LoneManager(votes=[True, True])
     step, params, state = _build(manager, inner_steps=2, fsdp=2)
     rank = torch.distributed.get_rank()
     for i in range(4):  # this rank's rows of the batch of 4
         params, state, _ = step(params, state, {k: v.chunk(2)[rank] for k, v in _four(i).items()})
-    return _whole(params), manager.calls
+    return _whole(params), manager.calls, [float(t[-1]) for t in manager.reduced]
 
 
 def _four(i: int) -> dict:
-    return {k: torch.cat([_batch(i)[k], _batch(10 + i)[k]]) for k in ("tokens", "labels")}
+    """Rows of two batches; the first row ignores ``i + 3`` labels, so that the ranks of a
+    group of two count different tokens."""
+    four = {k: torch.cat([_batch(i)[k], _batch(10 + i)[k]]) for k in ("tokens", "labels")}
+    four["labels"][0, : i + 3] = -100
+    return four
 
 
 def test_a_group_of_two_fsdp_ranks_reduces_its_shards_and_equals_one_rank() -> None:
@@ -78,14 +87,37 @@ def test_a_group_of_two_fsdp_ranks_reduces_its_shards_and_equals_one_rank() -> N
     for i in range(4):
         params, state, _ = step(params, state, _four(i))
     expected = _whole(params)
-    for rank, (got, calls) in enumerate(ranks):
+    # The tokens of each round's two steps, over the group's two ranks: 64 labels a step.
+    tokens = [float(sum(64 - (i + 3) for i in steps)) for steps in ((0, 1), (2, 3))]
+    assert [float(t[-1]) for t in manager.reduced] == tokens == [121.0, 117.0]
+    for rank, (got, calls, counted) in enumerate(ranks):
         d9d.testing.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
-        # each rank all-reduces its own shard (dim 0 cut as torch.chunk cuts it), per round
+        # each rank all-reduces its own shard (dim 0 cut as torch.chunk cuts it) and the
+        # group's tokens, per round
         shard = sum(
             v[0].numel() * len(torch.arange(v.shape[0]).chunk(2)[rank]) for v in expected.values()
         )
-        round_calls = ["start_quorum", f"allreduce torch.float64 {shard}", "should_commit"]
+        round_calls = ["start_quorum", f"allreduce torch.float64 {shard + 1}", "should_commit"]
         assert calls == round_calls * 2
+        assert counted == tokens
+
+
+def _pipelined_run() -> list[float]:
+    manager = LoneManager(votes=[True])
+    torch.manual_seed(0)
+    model, opt = llama(F64, n_layers=2)(), d9d.optim.adamw(1e-2)
+    mesh = d9d.make_mesh("cpu", pp=2)
+    inner = d9d.pipeline(mesh, microbatches=2)(train_step(model, opt))
+    step = d9d.diloco(manager, inner_steps=2)(inner)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    for i in range(2):
+        params, state, _ = step(params, state, _four(i))
+    return [float(t[-1]) for t in manager.reduced]
+
+
+def test_a_pipelined_group_weighs_its_round_by_the_last_stage_count_on_every_rank() -> None:
+    # Only the last stage computes the loss; the first stage's round carries its count too.
+    assert d9d.testing.run_on_ranks(_pipelined_run, 2, method="fork") == [[121.0]] * 2
 
 
 def test_memory_counts_the_anchor_and_the_outer_momentum() -> None:
@@ -94,8 +126,8 @@ def test_memory_counts_the_anchor_and_the_outer_momentum() -> None:
     inner = step.step.memory(params, state.inner)
     got = step.memory(params, state)
     # the anchor and Nesterov's buffer (a copy of the params each), scale_by_learning_rate's
-    # int64 count and float32 learning rate, the inner step counter
-    assert got.opt_state - inner.opt_state == 2 * param_bytes + 8 + 4 + 8
+    # int64 count and float32 learning rate, the inner step and token counters
+    assert got.opt_state - inner.opt_state == 2 * param_bytes + 8 + 4 + 8 + 8
     assert (got.params, got.grads) == (inner.params, inner.grads)
 
 
@@ -105,6 +137,10 @@ def test_memory_counts_the_anchor_and_the_outer_momentum() -> None:
         ({"inner_steps": 0}, r"diloco\(inner_steps=0\) must be an int >= 1"),
         ({"inner_steps": True}, r"diloco\(inner_steps=True\) must be an int >= 1"),
         ({"inner_steps": 8, "outer": 0.7}, r"diloco\(outer=0.7\) must be a d9d.optim Gradient"),
+        (
+            {"inner_steps": 8, "weighting": "mean"},
+            r"diloco\(weighting='mean'\) must be one of \('tokens', 'equal'\)",
+        ),
     ],
 )
 def test_bad_options_are_refused_by_name(options: dict, match: str) -> None:
@@ -147,6 +183,30 @@ def test_the_step_takes_its_diloco_state() -> None:
         step(params, state.inner, _batch(0))
 
 
+def test_a_loss_that_counts_no_tokens_is_refused_under_token_weighting() -> None:
+    torch.manual_seed(0)
+    model, opt = llama(F64, n_layers=1)(), d9d.optim.sgd(0.1)
+
+    def inner(params, opt_state, batch):  # a loss without d9d.losses.token_mean
+        loss_fn = lambda p: model.apply(p, batch["tokens"]).square().mean()  # noqa: E731
+        loss, grads = d9d.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return d9d.optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    def build(weighting: str) -> tuple:
+        manager = LoneManager(votes=[True])
+        step = d9d.diloco(manager, inner_steps=1, weighting=weighting)(inner)
+        return manager, step, *step.place(model.params, opt.init(model.params), model=model)
+
+    manager, step, params, state = build("equal")
+    step(params, state, _batch(0))  # the groups weigh alike: the pseudo-gradients alone
+    numel = sum(v.numel() for v in params.values())
+    assert manager.calls == ["start_quorum", f"allreduce torch.float64 {numel}", "should_commit"]
+    _, step, params, state = build("tokens")
+    with pytest.raises(PlanError, match=r"this inner step's loss counted none .*'equal'\)"):
+        step(params, state, _batch(0))
+
+
 @pytest.mark.compile
 def test_a_jitted_inner_step_equals_the_eager_one() -> None:
     results = []
@@ -184,7 +244,7 @@ def test_a_group_that_heals_inside_a_round_finishes_it_and_goes_on_bitwise() -> 
     late_params = {k: v + 1 for k, v in late_params.items()}  # not what the peer holds
     late.state_fns["d9d.diloco"][0](peer.served)  # torchft hands it over at the quorum
     late_params, late_state = late_step.join(late_params, late_state)
-    numel = sum(v.numel() for v in params.values())
+    numel = sum(v.numel() for v in params.values()) + 1  # and the tokens the peer counted
     # The peer's round run to its end, in the quorum the caller started: no quorum of its own.
     assert late.calls == [f"allreduce torch.float64 {numel}", "should_commit"]
     assert int(late_state.inner_step) == 2

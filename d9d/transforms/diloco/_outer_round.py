@@ -1,5 +1,6 @@
 """One outer round of ``diloco``: the pseudo-gradients averaged over the live replica groups
-through the torchft ``Manager``, the outer optimizer applied to the anchor, and the vote.
+through the torchft ``Manager`` (each weighed by its group's tokens, or all alike), the outer
+optimizer applied to the anchor, and the vote.
 
 Each rank works on its local pieces (a shard per rank under fsdp): every live group holds the
 same layout, and ``Manager.allreduce`` pairs rank ``r`` of each group, so the pieces line up.
@@ -22,20 +23,31 @@ __all__ = ["outer_round"]
 
 
 def outer_round(
-    manager: Any, outer: GradientTransformation, anchor: Any, outer_state: Any, params: Any
+    manager: Any,
+    outer: GradientTransformation,
+    anchor: Any,
+    outer_state: Any,
+    params: Any,
+    tokens: torch.Tensor | None,
 ) -> tuple[Any, Any, bool]:
     """``(anchor, outer_state, committed)`` after one outer round from ``params``.
 
-    The pseudo-gradient is ``anchor - params``, averaged over the live groups with equal
-    weight (as in DiLoCo and torchft); the outer optimizer takes it as the anchor's grad.
-    When ``manager.should_commit()`` says no (a group failed during the round), the anchor and
-    the outer state come back as they were. The caller has started the round's quorum.
+    The pseudo-gradient is ``anchor - params``, averaged over the live groups: weighed by
+    ``tokens``, the valid tokens this group trained on in the round, over the live groups'
+    total (each group's pseudo-gradient times its count, summed with the counts in the same
+    all-reduce, then divided); with ``tokens`` None, with equal weight (as in DiLoCo and
+    torchft). The outer optimizer takes it as the anchor's grad. When
+    ``manager.should_commit()`` says no (a group failed during the round), the anchor and the
+    outer state come back as they were. The caller has started the round's quorum.
     """
     anchor_leaves, spec = tree.flatten(anchor)
     pseudo = [
         _local(a) - _local(p) for a, p in zip(anchor_leaves, tree.leaves(params), strict=True)
     ]
-    averaged = all_reduce_over_groups(manager, pseudo, ReduceOp.AVG)
+    if tokens is None:
+        averaged = all_reduce_over_groups(manager, pseudo, ReduceOp.AVG)
+    else:
+        averaged = _token_mean(manager, pseudo, tokens)
     if not manager.should_commit():
         return anchor, outer_state, False
     grads = tree.unflatten(
@@ -47,6 +59,24 @@ def outer_round(
     )
     updates, outer_state = outer.update(grads, outer_state, anchor)
     return apply_updates(anchor, updates), outer_state, True
+
+
+def _token_mean(
+    manager: Any, pseudo: list[torch.Tensor], tokens: torch.Tensor
+) -> list[torch.Tensor]:
+    """``pseudo`` averaged over the live groups, each weighed by its ``tokens`` over their
+    total: what synchronous data parallelism weighs each group's grads by."""
+    # float32 at least, and in the first leaf's dtype where wider, so that with one dtype the
+    # counts travel in the pseudo-gradients' collective: a bfloat16 count rounds above 256.
+    wide = torch.promote_types(pseudo[0].dtype, torch.float32)
+    weight = tokens.to(device=pseudo[0].device, dtype=wide)
+    reduced = all_reduce_over_groups(
+        manager, [*(p * weight for p in pseudo), weight.reshape(1)], ReduceOp.SUM
+    )
+    # A round in which no group counted a token averages to zeros, as the token mean of no
+    # token is 0. A 0-d total keeps each leaf's dtype, and divides at its full precision.
+    total = reduced[-1].reshape(()).clamp(min=1)
+    return [r / total for r in reduced[:-1]]
 
 
 def _local(leaf: torch.Tensor) -> torch.Tensor:

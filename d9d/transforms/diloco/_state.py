@@ -23,3 +23,7 @@ class DiLoCoState(NamedTuple):
     outer: Any
     # A 0-d int64 CPU tensor: inner steps taken since the start of the run.
     inner_step: Any
+    # A 0-d int64 tensor: the valid tokens this group's inner steps trained on since the
+    # anchor (their losses' counts over the group's data ranks), its weight in the next round;
+    # 0 after each round. On the device the loss counted them on.
+    tokens: Any

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ... import tree
+from ...core._context import StepContext, watching_steps
 from ...core._runtime import Runtime
 from ...core._step import Memory, OutermostStep
 from ...errors import PlanError
@@ -32,12 +33,18 @@ class DiLoCoStep(OutermostStep):
     """
 
     def __init__(
-        self, step: Any, manager: Any, inner_steps: int, outer: GradientTransformation
+        self,
+        step: Any,
+        manager: Any,
+        inner_steps: int,
+        outer: GradientTransformation,
+        weighting: str,
     ) -> None:
         self.step = step
         self.manager = manager
         self.inner_steps = inner_steps
         self.outer = outer
+        self.weighting = weighting
         self.groups = GroupCount(_log, "diloco", "outer rounds")
         self.peer: PeerState | None = None  # built at place: one step per manager
         functools.update_wrapper(self, step, updated=())
@@ -69,7 +76,8 @@ class DiLoCoStep(OutermostStep):
 
         Returns:
             ``(params, DiLoCoState(inner=opt_state, anchor=a copy of params, outer=
-            outer.init(params), inner_step=0))``, every tree laid out like the placed params.
+            outer.init(params), inner_step=0, tokens=0))``, every tree laid out like the
+            placed params.
         """
         params, opt_state = self.step.place(params, opt_state, **kwargs)
         voting = [type(r).__name__ for r in self.step.runtimes if _votes(r)]
@@ -81,11 +89,11 @@ class DiLoCoStep(OutermostStep):
                 "outer round is the only exchange between replica groups"
             )
         # torchft heals a group behind the live ones (restarted) at a quorum with their state:
-        # params, inner state, anchor, outer state and inner step.
+        # params, inner state, anchor, outer state, inner step and the round's tokens.
         self.peer = PeerState(self.manager, STATE_KEY, "diloco", "step.serve(params, state)")
         anchor = tree.map(torch.clone, params)
-        inner_step = torch.zeros((), dtype=torch.int64)
-        state = DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step)
+        inner_step, tokens = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        state = DiLoCoState(opt_state, anchor, self.outer.init(anchor), inner_step, tokens)
         self.serve(params, state)
         if self.manager.current_step() == 0:
             _count_rounds(self.manager, NOT_STARTED)
@@ -99,8 +107,10 @@ class DiLoCoStep(OutermostStep):
             )
         if self.manager.current_step() == NOT_STARTED:
             _count_rounds(self.manager, 0)  # this group trains: at round 0 with the others
-        params, inner, metrics = self.step(params, state.inner, batch)
-        state = DiLoCoState(inner, state.anchor, state.outer, state.inner_step + 1)
+        with watching_steps() as ran:
+            params, inner, metrics = self.step(params, state.inner, batch)
+        tokens = state.tokens + self._counted(ran) if self.weighting == "tokens" else state.tokens
+        state = DiLoCoState(inner, state.anchor, state.outer, state.inner_step + 1, tokens)
         if int(state.inner_step) % self.inner_steps == 0:
             # A group healing at this round's quorum takes what this one all-reduces.
             self._serving().serve(params, state, in_round=True)
@@ -149,18 +159,33 @@ class DiLoCoStep(OutermostStep):
             )
         if not in_round:
             return params, state
+        weight = state.tokens if self.weighting == "tokens" else None
         anchor, outer_state, committed = outer_round(
-            self.manager, self.outer, state.anchor, state.outer, params
+            self.manager, self.outer, state.anchor, state.outer, params, weight
         )
         self._log_round(committed, int(state.inner_step))
         # Copies: a jitted inner step updates its params in place, and the anchor must stay
-        # as the round left it.
+        # as the round left it. The round's tokens are spent, committed or dropped.
         params = tree.map(torch.clone, anchor)
-        return params, DiLoCoState(state.inner, anchor, outer_state, state.inner_step)
+        zero = torch.zeros((), dtype=torch.int64)
+        return params, DiLoCoState(state.inner, anchor, outer_state, state.inner_step, zero)
+
+    def _counted(self, ran: list[StepContext]) -> torch.Tensor:
+        """The valid tokens the inner step's losses counted, over the group's data ranks."""
+        counts = [context.tokens for context in ran if context.tokens is not None]
+        if not counts:
+            raise PlanError(
+                "diloco(weighting='tokens') weighs each replica group by the valid tokens its "
+                "inner steps trained on, but this inner step's loss counted none (no "
+                "d9d.losses.token_mean or cross_entropy under d9d.value_and_grad); compute the "
+                "loss with them, or weigh every group alike: "
+                "d9d.diloco(manager, inner_steps=H, weighting='equal')"
+            )
+        return torch.stack(counts).sum()
 
     def memory(self, params: Any, state: DiLoCoState) -> Memory:
         """The wrapped step's ``memory``, its optimizer state counting the anchor, the outer
-        state and the step counter too (bytes per rank)."""
+        state and the step and token counters too (bytes per rank)."""
         inner = self.step.memory(params, state.inner)
         extra = sum(_local_bytes(leaf) for leaf in tree.leaves(state[1:]))
         return Memory(inner.params, inner.grads, inner.opt_state + extra, inner.host_opt_state)

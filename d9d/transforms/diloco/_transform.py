@@ -38,6 +38,9 @@ MANAGER_METHODS = (
 rejoin (its state registered when the step is placed, its count of rounds -1 until the
 group's first inner step)."""
 
+WEIGHTINGS = ("tokens", "equal")
+"""How an outer round weighs each live group's pseudo-gradient."""
+
 
 @dataclass(frozen=True)
 class DiLoCo:
@@ -46,6 +49,7 @@ class DiLoCo:
     manager: Any
     inner_steps: int
     outer: GradientTransformation
+    weighting: str = "tokens"
 
     def __post_init__(self) -> None:
         missing = [m for m in MANAGER_METHODS if not callable(getattr(self.manager, m, None))]
@@ -69,17 +73,27 @@ class DiLoCo:
                 f"diloco(outer={self.outer!r}) must be a d9d.optim GradientTransformation, "
                 "such as d9d.optim.sgd(0.7, momentum=0.9, nesterov=True)"
             )
+        if self.weighting not in WEIGHTINGS:
+            raise ConfigError(
+                f"diloco(weighting={self.weighting!r}) must be one of {WEIGHTINGS}: 'tokens' "
+                "weighs each group's pseudo-gradient by the valid tokens it trained on in the "
+                "round, 'equal' weighs every group alike"
+            )
 
     def __call__(self, step: Any) -> DiLoCoStep:
         if isinstance(step, DiLoCoStep):
             raise PlanError("diloco was applied twice to one step; apply it once")
         if not isinstance(step, TransformedStep | OutermostStep):
             step = TransformedStep(step, ())  # a step of one device, its params placed as given
-        return DiLoCoStep(step, self.manager, self.inner_steps, self.outer)
+        return DiLoCoStep(step, self.manager, self.inner_steps, self.outer, self.weighting)
 
 
 def diloco(
-    manager: Any, *, inner_steps: int, outer: GradientTransformation | None = None
+    manager: Any,
+    *,
+    inner_steps: int,
+    outer: GradientTransformation | None = None,
+    weighting: str = "tokens",
 ) -> DiLoCo:
     """Run a step as DiLoCo's inner step: replica groups meet every ``inner_steps`` steps.
 
@@ -87,12 +101,23 @@ def diloco(
     step on its own batches with its own (inner) optimizer, without talking to the other
     groups. After every ``inner_steps`` calls comes an outer round: the manager's quorum
     starts; each rank all-reduces its pseudo-gradient ``anchor - params`` (``anchor``: the
-    params at the last round) with the same rank of every live group, averaged with equal
-    weight per group, one collective per dtype and 25 MiB bucket; if ``manager.should_commit()``, the outer
-    optimizer steps the anchor with it, and every group goes on from the new anchor (bitwise
-    equal on all of them). A round that does not commit (a group failed during it) leaves the
-    anchor and the outer state as they were, and the group goes on from the last synced
-    params; the inner optimizer's state is kept, as torchft's ``DiLoCo`` does.
+    params at the last round) with the same rank of every live group, one collective per
+    dtype and 25 MiB bucket; if ``manager.should_commit()``, the outer optimizer steps the
+    anchor with their average, and every group goes on from the new anchor (bitwise equal on
+    all of them). A round that does not commit (a group failed during it) leaves the anchor
+    and the outer state as they were, and the group goes on from the last synced params; the
+    inner optimizer's state is kept, as torchft's ``DiLoCo`` does.
+
+    The average weighs each live group by the valid tokens it trained on in the round
+    (``weighting="tokens"``, the default): the counts its inner steps' losses recorded
+    through :func:`d9d.losses.token_mean` (labels not ignored, over all the group's data
+    ranks), summed over its H steps and divided by the live groups' total, all-reduced with
+    the pseudo-gradients. So with ``inner_steps=1``, an outer ``sgd(1.0)`` and a plain inner
+    SGD, DiLoCo is synchronous data parallelism however unevenly labels are ignored (with
+    inner momentum too, while each group's share of the tokens stays the same from step to
+    step). An inner step whose loss counts no tokens is refused by name under it.
+    ``weighting="equal"`` weighs every group alike, as the DiLoCo paper (whose workers see
+    equal batches) and torchft do.
 
     The step's loss is the group's own (inner steps do not communicate); the manager's step
     (``manager.current_step()``) counts committed rounds, -1 from ``place`` until the group's
@@ -113,6 +138,8 @@ def diloco(
         outer: The outer optimizer, applied to the averaged pseudo-gradient as the anchor's
             grad. Default ``d9d.optim.sgd(0.7, momentum=0.9, nesterov=True)``, the DiLoCo
             paper's.
+        weighting: ``"tokens"`` (default): each group's pseudo-gradient weighs by the valid
+            tokens it trained on in the round; ``"equal"``: every group weighs alike.
 
     Returns:
         The wrapper: apply it to a step (above every transform, and above ``d9d.jit``). The wrapped step's ``place(params, opt_state)`` returns
@@ -120,9 +147,11 @@ def diloco(
 
     Raises:
         ConfigError: ``manager`` is not a torchft ``Manager``, ``inner_steps`` is not an
-            int >= 1, or ``outer`` is not a ``GradientTransformation``.
+            int >= 1, ``outer`` is not a ``GradientTransformation``, or ``weighting`` is
+            neither ``"tokens"`` nor ``"equal"``.
         PlanError: the step is already under ``diloco``, or (when placed) votes on each
-            step's commit (``d9d.fault_tolerant``).
+            step's commit (``d9d.fault_tolerant``), or (when called, under
+            ``weighting="tokens"``) its loss counted no tokens.
 
     Example:
         >>> import d9d
@@ -131,6 +160,5 @@ def diloco(
         ...
         d9d.errors.ConfigError: diloco needs a torchft.Manager, got object without ...
     """
-    return DiLoCo(
-        manager, inner_steps, sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
-    )
+    outer = sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
+    return DiLoCo(manager, inner_steps, outer, weighting)

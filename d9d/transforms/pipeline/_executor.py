@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from ... import tree
 from ...core._autodiff import stack_aux
 from ...core._comm_count import recording_into
-from ...core._context import count_tokens
+from ...core._context import count_tokens, record_step_tokens
 from ...core._gather import distribute, local_like
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
@@ -391,7 +391,8 @@ def _loss_on_every_rank(
     """``(loss, total weight, token count)`` on every pipeline rank (one all-reduce): the
     last stage's microbatch losses, each weighed by its valid-token count (or all alike
     when the loss counts none), the total the summed grads are divided by, and the valid
-    tokens counted in float64 (None when the loss counts none)."""
+    tokens counted in float64 (None when the loss counts none). A counted total is also the
+    step's tokens on every rank (``record_step_tokens``), as the last stage counted them."""
     dtype = runtime.loss_dtype
     packed = torch.zeros(4, dtype=torch.float64, device=runtime.device)
     if last:
@@ -405,6 +406,8 @@ def _loss_on_every_rank(
     counted = packed.is_meta or bool(packed[3])  # on meta: as a loss that counts
     if not packed.is_meta:  # a dry run on meta has no values: it keeps its own dtype
         dtype = LOSS_DTYPES[int(packed[1])]
+        if packed[3]:
+            record_step_tokens([packed[2].to(torch.int64)])
     return (packed[0] / total).to(dtype), total, packed[2] if counted else None
 
 
