@@ -5,10 +5,12 @@ Every stage is one command of this interpreter that writes one JSON report to ``
 prints each result row as a JSON line as soon as it has it, so a stage cut off by its budget
 still leaves the rows it measured in the suite's record. The budgets come from the runs on an
 H100 (2026-11-25: 495 s in one call cut four stages short) and an H200 (2026-11-26: env 11 s,
-jit 137 s, kernels cut at 170 s, mfu 117 s, moe 26 s, profile 65 s; host_state not yet run).
-They add up to 720 s, run as the two calls of ``CALLS``: 510 s and 230 s of stages (env in
-both), which with the machine's start, the
-wheels' install and the summary fit the 15 minutes of device time a session is lent.
+jit 137 s, kernels cut at 170 s, mfu 117 s, moe 26 s, profile 65 s; host_state and fp8 not yet
+run). They add up to 860 s, run as the two calls of ``CALLS``: 510 s and 370 s of stages (env in
+both). On the H200 the first call took 446 s of wall time and the second, then env, moe and
+profile, 113 s, of 12 minutes of device time with the machine's start; host_state (75 s) and
+fp8 (140 s) add at most 215 s to the second call, which keeps the two calls, the wheels'
+install and the summary within the 15 minutes of device time a session is lent.
 """
 
 from __future__ import annotations
@@ -117,6 +119,22 @@ STAGES = (
         smoke=f"benchmarks/gpu/profile_step.py {TINY_MODEL} --batch 2 --warmup 1 --steps 1 "
         "--out {out}",
     ),
+    # Not yet run on a GPU: the budget is a guess. The linear part first (12 small static
+    # compiles, about 3 s each as the jit stage's fp8 compile tests took on the H200), then the
+    # e2e step in bf16 (the profile stage's graph, from the shared inductor cache) and in
+    # tensorwise only (a fresh compile of about a minute, as the mfu stage's): tensorwise is the
+    # recipe whose GEMM is cuBLAS's fastest (1414 TFLOP/s forward on the H200 against rowwise's
+    # 1374; blockwise's Triton GEMM is slower than bf16's), so the one most likely to reach
+    # issue 28's 1.3x; rowwise and blockwise end to end would each need another minute.
+    Stage(
+        "fp8",
+        "one linear fwd+bwd in fp8 (each recipe) against compiled bf16; the 1b step's tokens/s",
+        140,
+        gpu=f"benchmarks/fp8.py --m 8192 --warmup 3 --reps 10 {MFU_MODEL} --batch 8 --steps 5 "
+        "--e2e-recipes tensorwise --out {out}",
+        smoke=f"benchmarks/fp8.py {TINY_MODEL} --layers 1 --batch 2 --steps 1 --m 32 "
+        "--shapes 64x96 --warmup 0 --reps 1 --e2e-recipes tensorwise --out {out}",
+    ),
     # Not yet run on a GPU: the budget is a guess (1.24 B params: 10 GB of AdamW state on the
     # host, 15 GB copied per step; its rows print as they come, so a cut keeps them).
     Stage(
@@ -130,5 +148,6 @@ STAGES = (
 )
 
 # The two calls a GPU window runs (``run.sh OUT --only ...``), back to back on one warm machine
-# (about 9.5 and 4 minutes): the env report in both, so that each call's folder names its device.
-CALLS = (("env", "jit", "kernels", "mfu"), ("env", "moe", "profile", "host_state"))
+# (about 9.5 and at most 6.5 minutes): the env report in both, so that each call's folder names
+# its device. fp8 runs after profile, whose compiled bf16 step its e2e part reuses from the cache.
+CALLS = (("env", "jit", "kernels", "mfu"), ("env", "moe", "profile", "fp8", "host_state"))

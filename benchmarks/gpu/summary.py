@@ -242,6 +242,51 @@ def _host_state(report: dict) -> str:
     )
 
 
+def _fp8(report: dict) -> str:
+    rows = report.get("rows", [])
+    linear = [
+        ("shape", "M x K x N"),
+        ("recipe", "recipe"),
+        ("mode", "mode"),
+        ("median_ms", "ms"),
+        ("min_ms", "min ms"),
+        ("max_ms", "max ms"),
+        ("tflop_per_s", "TFLOP/s"),
+        ("speedup", "speedup"),
+        ("output_sqnr_db", "out dB"),
+        ("input_grad_sqnr_db", "dx dB"),
+        ("weight_grad_sqnr_db", "dw dB"),
+        ("error", "error"),
+    ]
+    e2e = [
+        ("recipe", "recipe"),
+        ("preset", "preset"),
+        ("layers", "blocks"),
+        ("batch", "batch"),
+        ("seq", "seq"),
+        ("step_ms_median", "step ms"),
+        ("step_ms_min", "min ms"),
+        ("step_ms_max", "max ms"),
+        ("tokens_per_s", "tokens/s"),
+        ("ratio_to_bf16", "ratio"),
+        ("peak_memory_gib", "peak GiB"),
+        ("error", "error"),
+    ]
+    parts = [
+        f"speedup: the {report.get('baseline')} linear's median over each row's; ratio: tokens/s "
+        f"over {report.get('dtype')}'s; dB: SQNR of the output and grads against float32"
+    ]
+    for part, columns in (("linear", linear), ("e2e", e2e)):
+        shown = [
+            row | {"error": _short(row["error"])} if "error" in row else row
+            for row in rows
+            if row.get("part") == part
+        ]
+        if shown:
+            parts.append(f"{part}:\n\n" + _columns(shown, columns))
+    return "\n\n".join(parts)
+
+
 def _partial(report: dict) -> str:
     rows = report.get("partial_rows", [])
     if not rows:
@@ -258,6 +303,7 @@ _SECTIONS: dict[str, Callable[[dict], str]] = {
     "mfu": _mfu,
     "moe": _moe,
     "profile": _profile,
+    "fp8": _fp8,
     "host_state": _host_state,
 }
 

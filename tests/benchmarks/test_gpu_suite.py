@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
-STAGES = ["env", "jit", "kernels", "mfu", "moe", "profile", "host_state"]
+STAGES = ["env", "jit", "kernels", "mfu", "moe", "profile", "fp8", "host_state"]
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +51,7 @@ def test_smoke_run_writes_every_stage_a_summary_and_the_log(tmp_path: Path) -> N
         "layer", "grouped_gemm", "permute"
     }  # fmt: skip
     assert reports["profile"]["top"] and reports["profile"]["timeline"] is None  # no GPU
+    _check_fp8_rows(reports["fp8"]["rows"])
     host = reports["host_state"]["results"]
     assert host["host"]["memory_bytes"]["opt_state_on_device"] == 0
     assert (
@@ -62,6 +63,21 @@ def test_smoke_run_writes_every_stage_a_summary_and_the_log(tmp_path: Path) -> N
         assert f"## {stage} — cpu" in text
     assert "every stage ok" in (out / "run.log").read_text()
     print(f"smoke run: {seconds:.1f} s")
+
+
+def _check_fp8_rows(rows: list[dict]) -> None:
+    """The fp8 stage's rows: every recipe's linear against the baseline's, then the step."""
+    linear = {row["recipe"]: row for row in rows if row["part"] == "linear"}
+    assert list(linear) == ["bfloat16", "tensorwise", "rowwise", "blockwise"]
+    baseline = linear["bfloat16"]["median_ms"]
+    for row in linear.values():
+        assert row["speedup"] == pytest.approx(baseline / row["median_ms"], rel=1e-2)
+        assert min(row[f"{name}_sqnr_db"] for name in ("output", "input_grad", "weight_grad")) > 17
+    e2e = {row["recipe"]: row for row in rows if row["part"] == "e2e"}
+    assert list(e2e) == ["bfloat16", "tensorwise"]
+    ratio = e2e["tensorwise"]["tokens_per_s"] / e2e["bfloat16"]["tokens_per_s"]
+    assert e2e["tensorwise"]["ratio_to_bf16"] == pytest.approx(ratio, rel=1e-2)
+    assert e2e["tensorwise"]["losses"] == pytest.approx(e2e["bfloat16"]["losses"], rel=0.02)
 
 
 def _moe_rows(report: dict) -> list[dict]:
