@@ -84,6 +84,17 @@ def test_plan_says_which_linears_compute_in_fp8_and_why_not():
     assert "embed.weight" not in cells  # an embedding is no linear
 
 
+def test_a_model_that_is_one_linear_stays_in_high_precision_and_says_why():
+    """The root module: no runtime can stand in for it (it once failed to place with
+    ``KeyError: '.weight'``)."""
+    model = d9d.functionalize(torch.nn.Linear(64, 96, bias=False))
+    step = d9d.fp8(recipe="tensorwise")(lambda p, s, b: (p, s, {}))
+    params, state = step.place(model.params, (), model=model)
+    assert _cells(step) == {"weight": "-"}
+    assert "the model's root module" in step.plan.explain("weight")
+    step(params, state, {})
+
+
 def test_the_plan_says_the_experts_compute_in_fp8_and_the_router_does_not():
     model = d9d.functionalize(MoE(MoEConfig.tiny()))
     step = d9d.fp8(recipe="tensorwise")(lambda p, s, b: (p, s, {}))

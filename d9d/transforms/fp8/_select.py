@@ -94,17 +94,17 @@ def choose(
     choices = []
     for path, module in structure.modules.items():
         if isinstance(module, MoE):
-            weight = structure.canonical(f"{path}.router.weight")
+            weight = structure.canonical(_child(path, "router.weight"))
             choices.append(Choice(f"{path}.router", weight, None, _ROUTER, "router"))
         if isinstance(module, Experts):
             why = _not_matched(path, include, exclude)
             for name, _ in module.named_parameters(recurse=False):
-                weight = structure.canonical(f"{path}.{name}")
+                weight = structure.canonical(_child(path, name))
                 choices.append(Choice(path, weight, None if why else recipe, why, "experts"))
             continue
         if not isinstance(module, nn.Linear):
             continue
-        weight = structure.canonical(f"{path}.weight")
+        weight = structure.canonical(_child(path, "weight"))
         entry = plan.entries[weight]
         out_features, in_features = entry.local_shape(plan.mesh, entry.compute)
         dims = {"in_features": in_features, "out_features": out_features}
@@ -122,6 +122,11 @@ def choose(
     return tuple(choices)
 
 
+def _child(path: str, name: str) -> str:
+    """The path of ``name`` under the module at ``path`` (``""``: the root module)."""
+    return f"{path}.{name}" if path else name
+
+
 def _why_not(
     path: str,
     dims: dict[str, int],
@@ -133,6 +138,8 @@ def _why_not(
     why = _not_matched(path, include, exclude)
     if why:
         return why
+    if not path:
+        return "the model's root module, for which no runtime can stand in: wrap it in another"
     if blocks and not path.startswith(blocks):
         return "the output head (a linear outside the blocks)"
     if path.rpartition(".")[2] in _ROUTER_NAMES:
