@@ -172,7 +172,7 @@ def _copy_chain(
     layout = _layout(root)
     kept = None if layout is None else [s for s in layout[2] if s in downstream]
     env: dict[fx.Node, fx.Node] = {}
-    if layout is None or len(kept) == len(layout[2]):
+    if layout is None or len(kept) in (0, len(layout[2])):
         wanted = downstream | _encoding(root.all_input_nodes)
     else:
         pieces, view, slices = layout
