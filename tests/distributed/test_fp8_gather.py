@@ -198,14 +198,14 @@ def test_fp8_gather_without_shard_params_refused():
 def _jit_rank(order: str) -> list[tuple]:
     """3 AdamW steps (clipping) of the fp8-gathered step eager and under
     ``d9d.jit(backend="aot_eager", fullgraph=True)``, float32 on fsdp=2, each gathered unit
-    once (``reshard_after_forward=False``: eager regathers in the backward otherwise, where
-    the compiled graph keeps what autograd saves): losses, params, the traces, and the
-    collectives of the eager step (``step.comms``) and of the compiled graphs."""
+    gathered again for the backward (``reshard_after_forward``, the default; under jit by
+    ``shard_params``' graph pass): losses, params, the traces, and the collectives of the
+    eager step (``step.comms``) and of the compiled graphs."""
 
     def build():
         mesh = d9d.make_mesh("cpu", fsdp=2)
         model, opt = llama(torch.float32, 1)(), optimizer()
-        storage = d9d.shard_params(mesh, reshard_after_forward=False)
+        storage = d9d.shard_params(mesh)
         fp8 = d9d.fp8(mesh, "tensorwise", gather_in_fp8=True)
         inner, outer = (fp8, storage) if order == "shard_params outside" else (storage, fp8)
         return mesh, outer(inner(train_step(model, opt))), model, opt

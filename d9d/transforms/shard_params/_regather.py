@@ -4,8 +4,8 @@ Autograd saves the gathered copy of a param that a matmul uses, which would keep
 block's gathered params alive until the backward. Under a plan whose params say
 ``regather``, saved-tensor hooks replace each saved gathered param by a handle, and the
 backward gathers it again (with the params gathered together with it, in one collective)
-when it needs it, as FSDP2 reshards after forward. Eager only: under ``torch.compile`` the
-compiler decides what to save.
+when it needs it, as FSDP2 reshards after forward. Eager only: Dynamo traces no saved-tensor
+hooks, and under ``d9d.jit`` the runtime's graph pass does the same (:mod:`._regather_graph`).
 
 Backward prefetch: units (params gathered together) are ordered by their last use in the
 forward (the last tensor of theirs saved), which is the reverse of the order in which the

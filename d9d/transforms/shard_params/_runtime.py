@@ -3,7 +3,8 @@
 Inside one ``Model.apply`` the core gathers the params outside blocks when the forward
 starts and a block's params when the block starts, through the call's ``gather``. This
 runtime takes that ``gather`` over (eager only, but for ZeRO-1/2's: under
-``torch.compile`` the compiler schedules the collectives and decides what to save):
+``torch.compile`` the compiler schedules the collectives, and with ``regather`` the runtime's
+graph pass gathers again for the backward, :mod:`._regather_graph`):
 
 - with params whose :class:`~._schedule.Schedule` says ``prefetch``, each block's
   all-gather is issued while the block before it computes (:mod:`._prefetch`);
@@ -21,9 +22,11 @@ the first step, that the optimizer updates there (:mod:`._host_state`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import fx
 
 from ...core._gather import gather_params
 from ...core._plan import Plan
@@ -33,6 +36,7 @@ from ._accumulate import accumulate
 from ._host_state import check_offloaded
 from ._prefetch import ForwardPrefetch
 from ._regather import Regather
+from ._regather_graph import marked_gather, regather
 from ._schedule import schedule_of
 from ._zero import Zero
 
@@ -84,6 +88,11 @@ class ShardParamsRuntime(Runtime):
             )
         return None
 
+    def graph_passes(self) -> tuple[Callable[[fx.GraphModule], fx.GraphModule], ...]:
+        """Under ``d9d.jit``, the backward's reads of gathered params gathered again
+        (:mod:`._regather_graph`), when params say ``regather``."""
+        return (regather,) if self.regathers else ()
+
     def differentiate(
         self, job: Differentiation
     ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
@@ -93,6 +102,8 @@ class ShardParamsRuntime(Runtime):
         if torch.compiler.is_compiling():
             if self.zero is not None:
                 call.gather = functools.partial(_zero_gather, self.zero, call)
+            elif self.regathers:
+                call.gather = functools.partial(marked_gather, call.gather)
             return
         regather = (
             Regather(call.plan, call.params, self.again, self.early) if self.regathers else None
