@@ -41,7 +41,7 @@ def grads_of_stored(
                 f"pipeline sums the grad of {path!r} in {grad.dtype}, wider than its compute "
                 f"dtype {tensor.dtype}, and reduces it through the backward of the gather "
                 f"that made it, which is {type(node).__name__}, not an autograd function's; "
-                "reduce in the compute dtype (shard_params(reduce_dtype=None))"
+                f"reduce in the compute dtype (shard_params(reduce_dtype={tensor.dtype}))"
             )
         wide.setdefault(node, {})
     outputs: list[torch.Tensor | GradientEdge] = []
@@ -56,7 +56,7 @@ def grads_of_stored(
         for node, given in wide.items():
             # As the engine calls it: a zero grad for an output that has none.
             inputs = [
-                given.get(i, torch.zeros(m.shape, dtype=m.dtype, device=m.device))
+                given[i] if i in given else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
                 for i, m in enumerate(node._input_metadata)
             ]
             returned = node.apply(*inputs)  # one per forward argument
