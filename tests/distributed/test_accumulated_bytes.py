@@ -250,12 +250,13 @@ def _summed_in_stage() -> tuple[dict[torch.dtype, int], Any, int]:
     return seen.summed, step.memory(params, state), sum(model.params[p].numel() for p in params)
 
 
-def test_a_pipeline_stage_sums_its_grads_in_the_compute_dtype() -> None:
-    """pp=2 x fsdp=2 (ZeRO-3), float32 params gathered and computed in bf16, grads reduced in
-    float32: a stage's weights are the gathered bf16 tensors, whose ``.grad`` sums the
-    microbatches in bf16, so what the schedule's backward passes made and is alive at the
-    reduction is the stage's elements in bf16, and ``accumulated_grads`` counts that (it
-    counted them in the reduce dtype, twice as many bytes)."""
+def test_a_pipeline_stage_sums_its_bf16_grads_in_float32() -> None:
+    """pp=2 x fsdp=2 (ZeRO-3) under 1F1B, float32 params gathered and computed in bf16, grads
+    reduced in float32, 2 microbatches: a stage moves each microbatch's bf16 grad of a weight
+    into that weight's float32 sum as the backward puts it in ``.grad``, so what the
+    schedule's backward passes made and is alive at the reduction is the stage's elements in
+    float32 and nothing in bf16, exactly ``accumulated_grads`` (which counted them in bf16,
+    half as many bytes, when ``.grad`` summed them)."""
     for summed, memory, elements in run_on_ranks(_summed_in_stage, 4, method="fork", timeout=300):
-        assert summed == {torch.bfloat16: 2 * elements}, (summed, elements)
-        assert memory.accumulated_grads == 2 * elements, memory
+        assert summed == {torch.float32: 4 * elements}, (summed, elements)
+        assert memory.accumulated_grads == 4 * elements, memory

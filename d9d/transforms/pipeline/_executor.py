@@ -36,9 +36,11 @@ from ...core._gather import distribute, local_like
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
 from ...errors import PlanError
+from ._grad_sums import GradSums, accumulated_dtype
 from ._stage_shapes import LOSS_DTYPES, probe
 from ._stage_trace import TracedStage, run_sampled, span
 from ._stages import StageSplit
+from ._wide_backward import grads_of_stored
 
 __all__ = [
     "SCHEDULES",
@@ -176,6 +178,12 @@ class _StageModule(nn.Module):
         # ``mb``: this microbatch's index, chunked by the schedule like any batch kwarg.
         return self.runner[0].run_stage(self.stage, inputs, int(mb.reshape(-1)[0]))
 
+    def take_grads(self) -> None:
+        """Move the grads a weight pass put in the params' ``.grad`` into their sums."""
+        sums = self.runner[0].sums
+        if sums is not None:
+            sums.take(self.parameters())
+
 
 @dataclass
 class _Runtime:
@@ -193,7 +201,12 @@ class _Runner:
     """One step's call of the loss function, stage by stage and microbatch by microbatch."""
 
     def __init__(
-        self, job: Differentiation, params: _StageParams, chunks: list[Any], layout: PipelineLayout
+        self,
+        job: Differentiation,
+        params: _StageParams,
+        chunks: list[Any],
+        layout: PipelineLayout,
+        sums: GradSums | None = None,
     ) -> None:
         self.fn, self.params, self.chunks, self.has_aux, self.layout = (
             job.fn,
@@ -202,6 +215,7 @@ class _Runner:
             job.has_aux,
             layout,
         )
+        self.sums = sums  # the weight grads' sums (None: a run that takes no grads)
         self.check_value = job.check_value
         self.aux: dict[int, Any] = {}
         self.weights: dict[int, torch.Tensor | None] = {}
@@ -279,7 +293,8 @@ def run_pipeline(
     with torch.enable_grad():
         gathered = job.gather(paths, stored)
     weights = {p: nn.Parameter(gathered[p].detach()) for p in paths}
-    runner = _Runner(job, _StageParams(weights, layout.split), chunks, layout)
+    sums = GradSums(weights, {p: accumulated_dtype(plan.entries[p]) for p in paths})
+    runner = _Runner(job, _StageParams(weights, layout.split), chunks, layout, sums)
     runtime = _runtime(runner, layout, chunks)
     runtime.box[0] = runner
     for stage, module in runtime.modules.items():
@@ -304,23 +319,20 @@ def run_pipeline(
             else:
                 runtime.schedule.step(mb=torch.arange(count), **extra)
     finally:
+        sums.close()
         runtime.box[0] = None
         for module in runtime.modules.values():  # the cached stages must not keep them alive
             module._parameters.clear()
     value, total, weight = _loss_on_every_rank(losses, runner, runtime, last, layout)
     # Divided in place: a second whole copy of the stage's grads would be held beside them
     # (step.memory's accumulated_grads counts one).
-    compute_grads = [
-        weights[p].grad.div_(total) if weights[p].grad is not None else torch.zeros_like(weights[p])
-        for p in paths
-    ]
-    grads = torch.autograd.grad(
-        [gathered[p] for p in paths],
-        stored,
-        grad_outputs=compute_grads,
-        allow_unused=True,
-        materialize_grads=True,
-    )
+    compute_grads = []
+    for p in paths:
+        summed = sums.grad(weights[p])
+        compute_grads.append(
+            summed.div_(total) if summed is not None else torch.zeros_like(weights[p])
+        )
+    grads = grads_of_stored(paths, [gathered[p] for p in paths], compute_grads, stored)
     grads = [_sum_tied(g, p, layout) for g, p in zip(grads, paths, strict=True)]
     aux = None
     if job.has_aux and sampled:
@@ -476,6 +488,7 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
             group=layout.group,
         )
         stage.axis_name = layout.axis
+        stage.after_weight_pass = modules[s].take_grads
         stages.append(stage)
     kind = SCHEDULES[layout.schedule]
     schedule_type = getattr(pipelining.schedules, kind.name)

@@ -11,6 +11,7 @@ from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Differentiation, Runtime
 from ._executor import SCHEDULES, PipelineLayout, run_pipeline
+from ._grad_sums import accumulated_dtype
 from ._stage_apply import enter_stage
 
 __all__ = ["PipelineRuntime"]
@@ -32,10 +33,10 @@ class PipelineRuntime(Runtime):
         return run_pipeline(job, self.plan, self.layout)
 
     def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:
-        """The compute dtype: the stage's weights are the gathered tensors, whose ``.grad``
-        sums the microbatches in their dtype (bf16 under ``param_dtype=torch.bfloat16``);
-        the reduce dtype is cast to only when the sums are reduced."""
-        return entry.compute_dtype or entry.dtype
+        """The reduce dtype, or the compute dtype where that is wider: a stage sums each
+        weight's microbatch grads in it (float32 sums of bf16 weights under
+        ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``; ``_grad_sums.py``)."""
+        return accumulated_dtype(entry)
 
     def enter_apply(self, call: ApplyCall) -> None:
         enter_stage(self.layout, call)

@@ -14,7 +14,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -182,7 +182,10 @@ _D9D_ERRORS = tuple(getattr(errors, name) for name in errors.__all__)
 
 class TracedStage(pipelining.PipelineStage):
     """A ``PipelineStage`` that reports the bytes it sends and receives to ``step.comms``
-    and its compute spans to :func:`stage_spans`."""
+    and its compute spans to :func:`stage_spans`; ``after_weight_pass`` runs after each
+    zero-bubble weight pass (the executor moves the grads into their sums there)."""
+
+    after_weight_pass: Callable[[], None] = staticmethod(lambda: None)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with _action("F", self.stage_index, fwd_chunk_id):
@@ -208,9 +211,13 @@ class TracedStage(pipelining.PipelineStage):
     ) -> Any:
         # The weight grads in one backward pass, not one per param group: a block under
         # remat is recomputed once in it, not once per weight (``_weight_pass.py``).
-        if backward_type == "weight":
-            bwd_kwargs = {**bwd_kwargs, "param_groups": one_param_group(bwd_kwargs["param_groups"])}
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type != "weight":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        bwd_kwargs = {**bwd_kwargs, "param_groups": one_param_group(bwd_kwargs["param_groups"])}
+        out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # torch's weight pass adds the grads to ``.grad`` itself, firing no grad hook.
+        self.after_weight_pass()
+        return out
 
     # torch 2.13's schedules open with a vote passed down the stages and back: STATIC (1)
     # when every stage has fixed shapes without DTensors, as every d9d stage has. On meta
