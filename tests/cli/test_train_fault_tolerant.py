@@ -30,11 +30,17 @@ def _losses(out: Path) -> list[float]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("layout", "batch"),
-    [("--fsdp=2", 4), ("--tp=2", 4), ("--fsdp=2 --grad-accum=2", 8)],
-    ids=["fsdp2", "tp2", "fsdp2_grad_accum2"],
+    [
+        ("--fsdp=2", 4),
+        ("--tp=2", 4),
+        ("--fsdp=2 --grad-accum=2", 8),
+        ("--pp=2 --microbatches=2", 4),
+    ],
+    ids=["fsdp2", "tp2", "fsdp2_grad_accum2", "pp2"],
 )
 def test_two_replica_groups_train_as_one_process(tmp_path: Path, layout: str, batch: int) -> None:
-    """Each group a torchrun of two ranks, sharded (fsdp=2) or tensor-parallel (tp=2) inside;
+    """Each group a torchrun of two ranks, sharded (fsdp=2), tensor-parallel (tp=2) or
+    pipelined (pp=2, its stages' grads all-reduced over the groups after the schedule) inside;
     with --grad-accum 2 (a row per microbatch and rank), the all-reduce over the groups runs
     once after both microbatches."""
     pytest.importorskip("torchft.coordination")
