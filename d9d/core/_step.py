@@ -49,9 +49,9 @@ class Memory:
     with ``k > 1``, every ``pipeline`` step): each param's grad in its compute layout (a
     ZeRO-3 param's whole, not its shard), in the dtype the accumulating runtime sums it in
     (``Runtime.accumulated_dtype``: ``shard_params``' reduce dtype, a pipeline stage's
-    reduce or, where wider, compute dtype); 0 when each block's grads are reduced as its backward ends. They are
-    held beside the last microbatch's activations, not at the update: :attr:`total` leaves
-    them out, :attr:`at_reduction` counts them.
+    reduce or, where wider, compute dtype); 0 when each block's grads are reduced as its
+    backward ends. They are held beside the last microbatch's activations, not at the
+    update: :attr:`total` leaves them out, :attr:`at_reduction` counts them.
     """
 
     params: int
