@@ -6,11 +6,11 @@ It talks to the test on stdin/stdout, one line each way, so that every ordering 
 relies on is an event and not a delay: it prints ``ready`` once its manager heartbeats and
 waits for ``go``; with ``--pause-after K,L,...`` it prints ``paused`` after committing each
 of those steps and waits for ``go`` again; with ``--die-after K`` it SIGKILLs itself after
-committing step K; with ``--wait-at K,L,...`` it asks for quorums before step K until one holds
-two groups, once each (the lighthouse forms a quorum of the groups that were in the last one at once,
-without waiting for a group that asks for the first time), once; ``--axis dp`` names its
-mesh axis ``dp`` instead of ``fsdp`` (another layout). Each attempted step goes to ``--out`` as a JSON line; the final params and
-optimizer state are saved beside it.
+committing step K; with ``--wait-at K,L,...`` it asks for quorums before each of those steps
+until one holds two groups (the lighthouse forms a quorum of the groups that were in the last
+one at once, without waiting for a group that asks for the first time); ``--axis dp`` names
+its mesh axis ``dp`` instead of ``fsdp`` (another layout). Each attempted step goes to
+``--out`` as a JSON line; the final params and optimizer state are saved beside it.
 
 With ``--pp 2`` the group is two ranks (forked processes, each with its own Manager of the
 group) of the tiny Llama of two blocks under ``pipeline(pp=2, microbatches=2)``; each rank

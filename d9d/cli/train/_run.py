@@ -94,7 +94,8 @@ class TrainRun:
         records: One record per step logged by this call: ``step``, ``loss``,
             ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``elapsed_s``, the peak
             memory (``peak_memory_gib`` on GPU, ``peak_rss_gib`` on CPU), ``mfu`` on a GPU of
-            known peak (with ``--fp8``: against the fp8 peak, and ``mfu_bf16``), ``aux_loss`` and ``load_balance`` of an MoE, and ``eval_loss`` and
+            known peak (with ``--fp8``: against the fp8 peak, and ``mfu_bf16``),
+            ``aux_loss`` and ``load_balance`` of an MoE, and ``eval_loss`` and
             ``eval_perplexity`` at evaluated steps.
         first_step: Steps done before this call (the restored checkpoint's step, or 0).
         last_step: Steps done after it.
