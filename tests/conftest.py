@@ -4,6 +4,7 @@ tests first."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,19 @@ def _fresh_dynamo(request: pytest.FixtureRequest) -> None:
     fullgraph=True)`` found "no compiled frames" after other compiled tests on its worker."""
     if request.node.get_closest_marker("compile") is not None:
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def fresh_processes() -> multiprocessing.context.ForkServerContext:
+    """Start child processes from a fork server: a fresh process with torch and d9d imported,
+    started once per xdist worker. A child forked from the test process inherits the locks its
+    threads (xdist's, an earlier test's gloo or store threads) held at the fork, and cyclic
+    garbage whose collection waits on those threads: such a child hung before joining its
+    group (CI, tests/core/test_process_group.py). tensorstore also aborts a forked child that
+    uses it once the parent has."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "d9d.cli"])
+    return context
 
 
 @pytest.fixture(scope="session", autouse=True)

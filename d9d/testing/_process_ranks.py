@@ -5,6 +5,11 @@ so no port races between parallel test runs), runs ``fn``, destroys the group an
 back ``pickle.dumps`` of its return value, or its formatted traceback, through a pipe. A
 rank still running at the deadline is asked for its Python stacks (``faulthandler`` on
 SIGUSR1, into a file beside the store) before it is stopped, so a hang says where it hung.
+Two things make that answer certain on a loaded machine: each child starts with SIGUSR1
+blocked, so one that has not yet installed the handler keeps the signal pending instead of
+dying of it, and the handler chains to Python's C-level signal handler, which writes a byte
+to the wakeup fd (a file beside the stacks) once the stacks are written, so the parent
+waits for that byte rather than for a fixed time.
 Plain ``pickle`` copies tensor storage; ``multiprocessing``'s own pickler would pass shared
 memory that dies with the child.
 """
@@ -21,7 +26,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -31,8 +36,9 @@ import torch.distributed as dist
 
 from ._outcome import FAILURE_GRACE_S, STOP_GRACE_S, RankOutcome, summarize
 
-# How long a rank asked for its stacks at the deadline gets to write them.
-STACKS_GRACE_S = 0.5
+# How long a rank asked for its stacks at the deadline may take to write them. Spent only
+# where a rank does not answer: a rank that answers ends the wait.
+STACKS_GRACE_S = 10.0
 
 __all__ = ["run_processes"]
 
@@ -49,8 +55,7 @@ def _rank_main(
     # After fork it is also required: GNU OpenMP's pool does not survive fork once the
     # parent used it, and a forked child's first parallel op (a 2000x2000 matmul) hung.
     torch.set_num_threads(1)
-    stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 (open while the rank runs)
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    _answer_stacks_requests(store_path, rank)
     failed_at = None
     try:
         fn, args, kwargs = call
@@ -86,8 +91,38 @@ def _rank_main(
     writer.close()
 
 
+def _answer_stacks_requests(store_path: str, rank: int) -> None:
+    """On SIGUSR1, write every thread's Python stack to the stacks file, then a byte to the
+    done file. SIGUSR1 is blocked until both are set up (it was blocked before the fork)."""
+    stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 (open while the rank runs)
+    done = os.open(
+        _stacks_path(store_path, rank) + ".done", os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK
+    )
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    signal.set_wakeup_fd(done, warn_on_full_buffer=False)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+
+
+@contextlib.contextmanager
+def _stacks_requests_held() -> Iterator[None]:
+    """SIGUSR1 blocked in this thread, so the children forked or spawned from it start with
+    it blocked and keep a request for their stacks pending until they can answer it."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _stacks_path(store_path: str, rank: int) -> str:
     return f"{store_path}.stacks-{rank}"
+
+
+def _stacks_written(store_path: str, rank: int) -> bool:
+    with contextlib.suppress(OSError):
+        return os.path.getsize(_stacks_path(store_path, rank) + ".done") > 0
+    return False
 
 
 def _stacks_at_deadline(
@@ -99,7 +134,11 @@ def _stacks_at_deadline(
     asked = [r for r in ranks if procs[r].is_alive() and procs[r].pid is not None]
     for rank in asked:
         os.kill(procs[rank].pid, signal.SIGUSR1)  # type: ignore[arg-type]
-    time.sleep(STACKS_GRACE_S)
+    answer_by = time.monotonic() + STACKS_GRACE_S
+    waiting = list(asked)
+    while waiting and time.monotonic() < answer_by:
+        time.sleep(0.01)
+        waiting = [r for r in waiting if procs[r].is_alive() and not _stacks_written(store_path, r)]
     stacks = {}
     for rank in asked:
         with contextlib.suppress(OSError), open(_stacks_path(store_path, rank)) as file:
@@ -178,7 +217,6 @@ def run_processes(
 ) -> list[RankOutcome]:
     """Run ``fn`` on ``world_size`` child processes started with ``method``."""
     context = multiprocessing.get_context(method)
-    deadline = time.monotonic() + timeout
     if method == "fork":
         # A forked child would collect this process's cyclic garbage (an earlier step's
         # meshes and DTensors, and the process groups they hold) without the threads those
@@ -190,26 +228,19 @@ def run_processes(
     with tempfile.TemporaryDirectory(prefix="d9d-ranks-") as folder:
         store_path = os.path.join(folder, "store")
         try:
-            for rank in range(world_size):
-                reader, writer = context.Pipe(duplex=False)
-                readers.append(reader)
-                proc = context.Process(
-                    target=_rank_main,
-                    args=(
-                        rank,
-                        world_size,
-                        backend,
-                        store_path,
-                        (fn, args, kwargs),
-                        writer,
-                    ),
-                    name=f"d9d-rank-{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                procs.append(proc)
-                writer.close()
-            collected = _collect(readers, procs, deadline)
+            with _stacks_requests_held():
+                for rank in range(world_size):
+                    reader, writer = context.Pipe(duplex=False)
+                    readers.append(reader)
+                    rank_args = (rank, world_size, backend, store_path, (fn, args, kwargs), writer)
+                    proc = context.Process(
+                        target=_rank_main, args=rank_args, name=f"d9d-rank-{rank}", daemon=True
+                    )
+                    proc.start()
+                    procs.append(proc)
+                    writer.close()
+            # Counted from here: forking a large test process on a loaded machine is slow.
+            collected = _collect(readers, procs, time.monotonic() + timeout)
             stuck = [rank for rank, o in enumerate(collected) if o is None]
             stacks = _stacks_at_deadline(procs, stuck, store_path) if stuck else {}
         finally:

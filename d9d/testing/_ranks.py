@@ -99,10 +99,12 @@ def run_on_ranks(
         method: ``"thread"``, ``"fork"`` or ``"spawn"`` (default ``"thread"``).
         backend: The process group backend for ``"fork"`` and ``"spawn"`` (default
             ``"gloo"``); ``"thread"`` accepts only ``"gloo"``, which it stands in for.
-        timeout: Seconds the whole run may take, start-up included (default 120). Ranks
-            still running then are stopped: processes are terminated and then killed,
-            threads get ``SystemExit`` raised in them (a thread inside one long C call
-            cannot be stopped and is left as a daemon thread; the error says so).
+        timeout: Seconds the ranks may take from when they are started, their process
+            group's set-up included (default 120). Ranks still running then are asked
+            for their Python stacks (the error shows them) and stopped: processes are
+            terminated and then killed, threads get ``SystemExit`` raised in them (a
+            thread inside one long C call cannot be stopped and is left as a daemon
+            thread; the error says so).
         **kwargs: Keyword arguments for ``fn``.
 
     Returns:

@@ -112,7 +112,6 @@ def run_threads(
 
     outcomes: list[RankOutcome | None] = [None] * world_size
     finished = threading.Condition()
-    deadline = time.monotonic() + timeout
     store = dist.HashStore()
     if not torch.cuda.is_available():
         # Tracing (fake tensors) without a usable GPU installs a no-op CUDA device guard on
@@ -144,6 +143,7 @@ def run_threads(
     try:
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + timeout
         with finished:
             while None in outcomes:
                 if any(o is not None and o.status == "raised" for o in outcomes):

@@ -49,13 +49,11 @@ def _writer(directory: Path, ready: Path, stage: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage", ["mid-write", "before-commit"])
-def test_kill_9_during_async_save_keeps_previous_checkpoint(tmp_path: Path, stage: str) -> None:
+def test_kill_9_during_async_save_keeps_previous_checkpoint(
+    tmp_path: Path, stage: str, fresh_processes: multiprocessing.context.ForkServerContext
+) -> None:
     ready = tmp_path / "ready"
-    # Not forked from this process: tensorstore aborts a forked child that uses it once the
-    # parent has. A fork server is a fresh process that has not.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "d9d.checkpoint"])
-    writer = context.Process(target=_writer, args=(tmp_path / "run", ready, stage))
+    writer = fresh_processes.Process(target=_writer, args=(tmp_path / "run", ready, stage))
     writer.start()
     deadline = time.monotonic() + 30
     while not ready.exists() and writer.is_alive() and time.monotonic() < deadline:

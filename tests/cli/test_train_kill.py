@@ -68,11 +68,10 @@ def _kill_at(context, out: Path, step: int, log: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_kill_9_at_random_steps_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    # Not forked from this process: tensorstore aborts a forked child that uses it once the
-    # parent has. A fork server is a fresh process that has not.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "d9d.cli"])
+def test_kill_9_at_random_steps_then_resume_equals_an_uninterrupted_run(
+    tmp_path: Path, fresh_processes: multiprocessing.context.ForkServerContext
+) -> None:
+    context = fresh_processes
     log = tmp_path / "log.txt"
     straight = context.Process(
         target=_train, args=([*_ARGS, "--out", str(tmp_path / "straight")], str(log))

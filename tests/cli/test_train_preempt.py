@@ -91,16 +91,16 @@ def test_sigterm_saves_the_step_in_flight_exits_143_and_resumes_exactly(
 def _train_signalled_twice(out: Path) -> None:
     import torch
 
-    torch.set_num_threads(1)  # a forked child's OpenMP pool is not the parent's
+    torch.set_num_threads(1)  # as torchrun sets it for several ranks on one host
     with pytest.MonkeyPatch.context() as patch:
         _sigterm_before_call(patch, 2, times=2)
         os._exit(main(_args(out)))
 
 
-def test_a_second_sigterm_ends_the_run_at_once(tmp_path: Path) -> None:
-    child = multiprocessing.get_context("fork").Process(
-        target=_train_signalled_twice, args=(tmp_path,)
-    )
+def test_a_second_sigterm_ends_the_run_at_once(
+    tmp_path: Path, fresh_processes: multiprocessing.context.ForkServerContext
+) -> None:
+    child = fresh_processes.Process(target=_train_signalled_twice, args=(tmp_path,))
     child.start()
     child.join(300)
     assert child.exitcode == -signal.SIGTERM  # killed in step 2, before finishing it

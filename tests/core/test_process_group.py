@@ -1,4 +1,4 @@
-"""``d9d.init_process_group`` outside torchrun, and two rounds of forked workers on one agent
+"""``d9d.init_process_group`` outside torchrun, and two rounds of workers on one agent
 store (a real torchrun with restarts: tests/cli/test_train_restarts.py and
 tests/cli/test_train_multinode.py)."""
 
@@ -39,7 +39,9 @@ def _worker(env: dict[str, str], results: Any) -> None:
 
 
 @pytest.mark.distributed
-def test_ranks_restarted_different_times_join_one_new_round() -> None:
+def test_ranks_restarted_different_times_join_one_new_round(
+    fresh_processes: multiprocessing.context.ForkServerContext,
+) -> None:
     """torchrun's agent store outlives a round, and each agent counts only its own failures:
     the second round's rank 0 comes from a node whose worker died (restart count 1), rank 1
     from a node that was only asked to join the new round (count 0). They join one group
@@ -47,9 +49,8 @@ def test_ranks_restarted_different_times_join_one_new_round() -> None:
     agent = dist.TCPStore(
         "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
     )
-    fork = multiprocessing.get_context("fork")
     for counts in (("0", "0"), ("1", "0")):
-        results = fork.Queue()
+        results = fresh_processes.Queue()
         workers = []
         for rank, count in enumerate(counts):
             env = {
@@ -60,7 +61,7 @@ def test_ranks_restarted_different_times_join_one_new_round() -> None:
                 "RANK": str(rank),
                 "WORLD_SIZE": "2",
             }
-            workers.append(fork.Process(target=_worker, args=(env, results)))
+            workers.append(fresh_processes.Process(target=_worker, args=(env, results)))
         for worker in workers:
             worker.start()
         try:
