@@ -1,6 +1,7 @@
 """What ``fault_tolerant`` and ``diloco`` share over torchft's replica groups: tensors
-all-reduced through the ``Manager`` in buckets of one dtype, and the one log line a rank
-writes when the number of live groups changes."""
+all-reduced through the ``Manager`` in buckets of one dtype, sums over each group's tokens
+turned into the token mean of every live group, and the one log line a rank writes when the
+number of live groups changes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-__all__ = ["BUCKET_BYTES", "GroupCount", "all_reduce_over_groups"]
+__all__ = ["BUCKET_BYTES", "GroupCount", "all_reduce_over_groups", "token_mean_over_groups"]
 
 
 BUCKET_BYTES = 25 * 2**20
@@ -45,6 +46,22 @@ def all_reduce_over_groups(
             for i, piece in zip(which, pieces, strict=True):
                 out[i] = piece.view(tensors[i].shape)
     return [t for t in out if t is not None]
+
+
+def token_mean_over_groups(
+    manager: Any, sums: list[torch.Tensor], tokens: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``(means, total)``: each of ``sums`` (this group's sum over its ``tokens`` valid
+    tokens) summed over the live groups and divided by ``total``, their tokens in all: the
+    weighing of synchronous data parallelism. The count travels with ``sums[0]``, in its
+    dtype or float32 where wider (a bfloat16 count rounds above 256). A step or round in
+    which no group counted a token gives zeros, as the token mean of no token is 0."""
+    wide = torch.promote_types(sums[0].dtype, torch.float32)
+    count = tokens.to(device=sums[0].device, dtype=wide).reshape(1)
+    reduced = all_reduce_over_groups(manager, [*sums, count], ReduceOp.SUM)
+    # A 0-d total keeps each sum's dtype, and divides at its full precision.
+    total = reduced[-1].reshape(()).clamp(min=1)
+    return [r / total for r in reduced[:-1]], total
 
 
 class GroupCount:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ... import tree
 from ...core._gather import local_like
 from ...optim import GradientTransformation, apply_updates
-from .._replica_groups import all_reduce_over_groups
+from .._replica_groups import all_reduce_over_groups, token_mean_over_groups
 
 __all__ = ["outer_round"]
 
@@ -47,7 +47,10 @@ def outer_round(
     if tokens is None:
         averaged = all_reduce_over_groups(manager, pseudo, ReduceOp.AVG)
     else:
-        averaged = _token_mean(manager, pseudo, tokens)
+        # float32 at least: a bfloat16 count rounds above 256.
+        wide = torch.promote_types(pseudo[0].dtype, torch.float32)
+        weight = tokens.to(device=pseudo[0].device, dtype=wide)
+        averaged, _ = token_mean_over_groups(manager, [p * weight for p in pseudo], tokens)
     if not manager.should_commit():
         return anchor, outer_state, False
     grads = tree.unflatten(
@@ -59,24 +62,6 @@ def outer_round(
     )
     updates, outer_state = outer.update(grads, outer_state, anchor)
     return apply_updates(anchor, updates), outer_state, True
-
-
-def _token_mean(
-    manager: Any, pseudo: list[torch.Tensor], tokens: torch.Tensor
-) -> list[torch.Tensor]:
-    """``pseudo`` averaged over the live groups, each weighed by its ``tokens`` over their
-    total: what synchronous data parallelism weighs each group's grads by."""
-    # float32 at least, and in the first leaf's dtype where wider, so that with one dtype the
-    # counts travel in the pseudo-gradients' collective: a bfloat16 count rounds above 256.
-    wide = torch.promote_types(pseudo[0].dtype, torch.float32)
-    weight = tokens.to(device=pseudo[0].device, dtype=wide)
-    reduced = all_reduce_over_groups(
-        manager, [*(p * weight for p in pseudo), weight.reshape(1)], ReduceOp.SUM
-    )
-    # A round in which no group counted a token averages to zeros, as the token mean of no
-    # token is 0. A 0-d total keeps each leaf's dtype, and divides at its full precision.
-    total = reduced[-1].reshape(()).clamp(min=1)
-    return [r / total for r in reduced[:-1]]
 
 
 def _local(leaf: torch.Tensor) -> torch.Tensor:

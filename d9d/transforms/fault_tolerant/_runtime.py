@@ -30,7 +30,7 @@ from ...core._gather import local_like
 from ...core._microbatches import sum_microbatches
 from ...core._runtime import Differentiation, Runtime
 from .._rejoin import PeerState
-from .._replica_groups import GroupCount, all_reduce_over_groups
+from .._replica_groups import GroupCount, all_reduce_over_groups, token_mean_over_groups
 
 __all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]
 
@@ -140,23 +140,21 @@ class FaultTolerantRuntime(Runtime):
         if weight is None:
             # No token count: every live group weighs the same (the manager divides the sums
             # by the number of participants).
-            reduced = all_reduce_over_groups(
+            *means, value = all_reduce_over_groups(
                 self.manager, [*pieces, value.reshape(1)], ReduceOp.AVG
             )
-            value = reduced[-1].reshape(())
+            value = value.reshape(())
         else:
             # float32 at least: a bfloat16 loss would round token counts above 256.
             wide = torch.promote_types(value.dtype, torch.float32)
-            totals = torch.stack([value.to(wide) * weight.to(wide), weight.to(wide)])
-            reduced = all_reduce_over_groups(self.manager, [*pieces, totals], ReduceOp.SUM)
-            total_value, count = reduced[-1].unbind()
-            count = count.clamp(min=1)
-            value = (total_value / count).to(value.dtype)
-            # A 0-d count keeps each grad's dtype, and divides at its full precision.
-            reduced = [*(r / count for r in reduced[:-1]), reduced[-1]]
+            value_sum = (value.to(wide) * weight.to(wide)).reshape(1)
+            (mean, *means), count = token_mean_over_groups(
+                self.manager, [value_sum, *pieces], weight
+            )
+            value = mean.reshape(()).to(value.dtype)
         out = [
-            local_like(r, g) if isinstance(g, DTensor) else r
-            for r, g in zip(reduced[:-1], grads, strict=True)
+            local_like(m, g) if isinstance(g, DTensor) else m
+            for m, g in zip(means, grads, strict=True)
         ]
         self.groups.update(self.manager)
         return value, out, count
