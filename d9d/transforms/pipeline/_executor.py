@@ -190,6 +190,7 @@ class _Runtime:
     """Stage modules, ``PipelineStage``s and the schedule for one batch signature."""
 
     modules: dict[int, _StageModule]
+    stages: list[pipelining.PipelineStage]
     schedule: Any
     shapes: dict[int, tuple[list[Any], list[Any]]]  # the probe's, per local stage
     box: list[Any]
@@ -321,6 +322,11 @@ def run_pipeline(
     finally:
         sums.close()
         runtime.box[0] = None
+        for stage in runtime.stages:
+            # torch clears a stage's per-microbatch state when its next step starts: the grads
+            # zero-bubble's input pass leaves on the received activations would be held
+            # through the reduction, the update and until the next step.
+            stage.clear_runtime_states()
         for module in runtime.modules.values():  # the cached stages must not keep them alive
             module._parameters.clear()
     value, total, weight = _loss_on_every_rank(losses, runner, runtime, last, layout)
@@ -506,7 +512,7 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
         ) from error
     last = layout.split.count - 1
     loss_dtype = shapes[last][1][0][1] if last in shapes else torch.float32
-    return _Runtime(modules, schedule, shapes, box, loss_dtype, device)
+    return _Runtime(modules, stages, schedule, shapes, box, loss_dtype, device)
 
 
 def _example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
