@@ -119,11 +119,13 @@ def _simulate(
     momentum: float,
     rounds: list,
     rejoins: dict[int, tuple[int, int]] | None = None,
+    groups: int = 2,
 ):
-    """DiLoCo in one process: each group's inner steps with d9d's step, the outer step with
-    ``torch.optim.SGD`` on the anchor; ``rounds[i]`` the groups averaged in round ``i``, or
-    None for a round that does not commit; ``rejoins[i] = (dst, src)``: group ``dst`` takes
-    group ``src``'s params and inner state before round ``i``. Group 0's final params."""
+    """DiLoCo in one process: each of ``groups`` groups' inner steps with d9d's step, the
+    outer step with ``torch.optim.SGD`` on the anchor; ``rounds[i]`` the groups averaged in
+    round ``i``, or None for a round that does not commit; ``rejoins[i] = (dst, src)``: group
+    ``dst`` takes group ``src``'s params and inner state before round ``i``. Group 0's final
+    params."""
     model, params = _fresh()
     opt = inner_optimizer()
     step = train_step(model, opt)
@@ -131,27 +133,27 @@ def _simulate(
     # d9d's schedules give the learning rate as a float32 tensor (0.7 is 0.699999988).
     lr = torch.tensor(outer_lr, dtype=torch.float32).item()
     outer = torch.optim.SGD(anchor.values(), lr=lr, momentum=momentum, nesterov=momentum > 0)
-    groups = [[tree.map(torch.clone, params), opt.init(params)] for _ in range(2)]
+    states = [[tree.map(torch.clone, params), opt.init(params)] for _ in range(groups)]
     for at in range(steps):
-        for g, (p, s) in enumerate(groups):
-            groups[g][0], groups[g][1], _ = step(p, s, batch_of(g, at))
+        for g, (p, s) in enumerate(states):
+            states[g][0], states[g][1], _ = step(p, s, batch_of(g, at))
         if (at + 1) % inner_steps:
             continue
         at_round = (at + 1) // inner_steps - 1
         if at_round in (rejoins or {}):
             dst, src = rejoins[at_round]
-            groups[dst] = [
-                tree.map(torch.clone, groups[src][0]),
-                tree.map(torch.clone, groups[src][1]),
+            states[dst] = [
+                tree.map(torch.clone, states[src][0]),
+                tree.map(torch.clone, states[src][1]),
             ]
         averaged = rounds[at_round]
         if averaged is not None:
             for k, a in anchor.items():
-                a.grad = torch.stack([a.detach() - groups[g][0][k] for g in averaged]).mean(0)
+                a.grad = torch.stack([a.detach() - states[g][0][k] for g in averaged]).mean(0)
             outer.step()
-        for group in groups:
-            group[0] = {k: a.detach().clone() for k, a in anchor.items()}
-    return groups[0][0]
+        for state in states:
+            state[0] = {k: a.detach().clone() for k, a in anchor.items()}
+    return states[0][0]
 
 
 def _numel() -> int:
@@ -223,22 +225,28 @@ def test_a_round_a_group_dies_in_is_dropped_and_the_survivor_goes_on(tmp_path: P
     ]
 
 
-def _kill_and_restart(tmp_path: Path, steps: int, inner_steps: int, death: str) -> None:
-    """Groups 0 and 1 on a lighthouse that forms no quorum of one (``min_replicas=2``); group
-    1 dies as ``death`` says (SIGKILL by itself), is restarted with ``--join``, and both run
-    to their ends."""
-    lighthouse = _lighthouse(min_replicas=2)
+def _kill_and_restart(
+    tmp_path: Path, steps: int, inner_steps: int, death: str, groups: int = 2
+) -> None:
+    """Groups 0 to ``groups - 1`` on a lighthouse that forms no quorum without all of them
+    (``min_replicas=groups``); group 1 dies as ``death`` says (SIGKILL by itself), is
+    restarted with ``--join``, and all run to their ends."""
+    lighthouse = _lighthouse(min_replicas=groups)
     args = (f"--steps={steps}", f"--inner-steps={inner_steps}", "--outer=nesterov")
     try:
-        survivor = _start(lighthouse, tmp_path, "group0", "--group=0", *args)
+        survivors = [
+            _start(lighthouse, tmp_path, f"group{g}", f"--group={g}", *args)
+            for g in range(groups)
+            if g != 1
+        ]
         victim = _start(lighthouse, tmp_path, "group1", "--group=1", death, *args)
-        _go(survivor)
-        _go(victim)
+        for proc in [*survivors, victim]:
+            _go(proc)
         assert victim.wait(timeout=240) == -9
         restarted = _start(lighthouse, tmp_path, "group1b", "--group=1", "--join", *args)
         _go(restarted)
         assert restarted.wait(timeout=240) == 0
-        assert survivor.wait(timeout=240) == 0
+        assert [proc.wait(timeout=240) for proc in survivors] == [0] * len(survivors)
     finally:
         lighthouse.shutdown()
 
@@ -303,5 +311,25 @@ def test_a_group_killed_before_the_first_round_restarts_and_rejoins_bitwise(
     said = _said(tmp_path, "group1b")
     assert said == [
         "diloco: this replica group rejoined after outer round 0, at inner step 3, with a live "
+        "peer's params, anchor and optimizer states"
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_a_group_rejoining_among_three_weighs_nothing_in_its_round(tmp_path: Path) -> None:
+    # Rounds after inner steps 2, 4, 6. Group 1 dies inside round 2 (dropped), restarts and
+    # heals at round 3 from a live peer (torchft picks which): its pseudo-gradient is that
+    # peer's, so it weighs 0 and round 3 averages groups 0 and 2 alone. Counted as a copy,
+    # the peer would weigh twice: (2 g_peer + g_other) / 3.
+    steps, inner_steps = 6, 2
+    _kill_and_restart(tmp_path, steps, inner_steps, "--die-in-round=1", groups=3)
+    got = {g: _result(tmp_path, g)[2] for g in ("0", "2", "1b")}
+    for k in got["0"]:
+        assert torch.equal(got["0"][k], got["2"][k]) and torch.equal(got["0"][k], got["1b"][k])
+    expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1, 2), None, (0, 2)], groups=3)
+    assert_trees_all_close(got["0"], expected, rtol=1e-10, atol=1e-12)
+    said = _said(tmp_path, "group1b")
+    assert said == [
+        "diloco: this replica group rejoined after outer round 1, at inner step 6, with a live "
         "peer's params, anchor and optimizer states"
     ]

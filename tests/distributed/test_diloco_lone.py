@@ -43,13 +43,13 @@ def _whole(params: dict) -> dict:
     return {k: v.full_tensor() for k, v in params.items()}
 
 
-@pytest.mark.parametrize(("weighting", "count"), [("tokens", 1), ("equal", 0)])
+@pytest.mark.parametrize("weighting", ["tokens", "equal"])
 def test_a_round_every_h_steps_and_a_refused_one_goes_back_to_the_last_synced_params(
-    weighting: str, count: int
+    weighting: str,
 ) -> None:
     manager = LoneManager(votes=[True, False])
     step, params, state = _build(manager, inner_steps=2, weighting=weighting)
-    numel = sum(v.numel() for v in params.values()) + count  # the group's tokens last
+    numel = sum(v.numel() for v in params.values()) + 1  # the group's weight last
     seen = []
     for i in range(4):
         params, state, _ = step(params, state, _batch(i))
@@ -199,8 +199,8 @@ def test_a_loss_that_counts_no_tokens_is_refused_under_token_weighting() -> None
         return manager, step, *step.place(model.params, opt.init(model.params), model=model)
 
     manager, step, params, state = build("equal")
-    step(params, state, _batch(0))  # the groups weigh alike: the pseudo-gradients alone
-    numel = sum(v.numel() for v in params.values())
+    step(params, state, _batch(0))  # the groups weigh alike: the pseudo-gradients and a 1
+    numel = sum(v.numel() for v in params.values()) + 1
     assert manager.calls == ["start_quorum", f"allreduce torch.float64 {numel}", "should_commit"]
     _, step, params, state = build("tokens")
     with pytest.raises(PlanError, match=r"this inner step's loss counted none .*'equal'\)"):
@@ -233,18 +233,36 @@ class _Serving(LoneManager):
         self.served = self.state_fns["d9d.diloco"][1]()
 
 
+class _Meeting(LoneManager):
+    """Adds ``others`` (what the other groups all-reduce, call by call) to this group's first
+    all-reduces, as its round's all-reduce with them does; alone after those."""
+
+    def __init__(self, votes: list[bool], others: list[torch.Tensor]) -> None:
+        super().__init__(votes)
+        self.others = list(others)
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: object = None) -> LoneManager:
+        super().allreduce(tensor, reduce_op)
+        if self.others:
+            tensor.add_(self.others.pop(0))
+        return self
+
+
 def test_a_group_that_heals_inside_a_round_finishes_it_and_goes_on_bitwise() -> None:
     peer = _Serving(votes=[True, True])
     step, params, state = _build(peer, inner_steps=2)
     for i in range(2):
         params, state, _ = step(params, state, _batch(i))
     assert peer.served["in_round"] is True
-    late = LoneManager(votes=[True, True])
+    # The late group's round meets the peer's all-reduce; it adds nothing of its own (its
+    # pseudo-gradient is a copy of the peer's, weighing 0), so the round is the peer's.
+    late = _Meeting(votes=[True, True], others=peer.reduced)
     late_step, late_params, late_state = _build(late, inner_steps=2)
     late_params = {k: v + 1 for k, v in late_params.items()}  # not what the peer holds
     late.state_fns["d9d.diloco"][0](peer.served)  # torchft hands it over at the quorum
     late_params, late_state = late_step.join(late_params, late_state)
-    numel = sum(v.numel() for v in params.values()) + 1  # and the tokens the peer counted
+    assert not late.reduced[0].any()  # zeros: the pseudo-gradient and the count weigh 0
+    numel = sum(v.numel() for v in params.values()) + 1  # and the group's weight
     # The peer's round run to its end, in the quorum the caller started: no quorum of its own.
     assert late.calls == [f"allreduce torch.float64 {numel}", "should_commit"]
     assert int(late_state.inner_step) == 2

@@ -1,6 +1,7 @@
 """One outer round of ``diloco``: the pseudo-gradients averaged over the live replica groups
-through the torchft ``Manager`` (each weighed by its group's tokens, or all alike), the outer
-optimizer applied to the anchor, and the vote.
+through the torchft ``Manager`` (each weighed by its group's tokens, or all alike, a group
+that rejoined at the round not at all), the outer optimizer applied to the anchor, and the
+vote.
 
 Each rank works on its local pieces (a shard per rank under fsdp): every live group holds the
 same layout, and ``Manager.allreduce`` pairs rank ``r`` of each group, so the pieces line up.
@@ -11,13 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from ... import tree
 from ...core._gather import local_like
 from ...optim import GradientTransformation, apply_updates
-from .._replica_groups import all_reduce_over_groups, token_mean_over_groups
+from .._replica_groups import token_mean_over_groups
 
 __all__ = ["outer_round"]
 
@@ -28,29 +28,26 @@ def outer_round(
     anchor: Any,
     outer_state: Any,
     params: Any,
-    tokens: torch.Tensor | None,
+    weight: torch.Tensor,
 ) -> tuple[Any, Any, bool]:
     """``(anchor, outer_state, committed)`` after one outer round from ``params``.
 
-    The pseudo-gradient is ``anchor - params``, averaged over the live groups: weighed by
-    ``tokens``, the valid tokens this group trained on in the round, over the live groups'
-    total (each group's pseudo-gradient times its count, summed with the counts in the same
-    all-reduce, then divided); with ``tokens`` None, with equal weight (as in DiLoCo and
-    torchft). The outer optimizer takes it as the anchor's grad. When
-    ``manager.should_commit()`` says no (a group failed during the round), the anchor and the
-    outer state come back as they were. The caller has started the round's quorum.
+    The pseudo-gradient is ``anchor - params``, averaged over the live groups, each weighed
+    by its ``weight`` over their total (each group's pseudo-gradient times its weight,
+    summed with the weights in the same all-reduce, then divided): the valid tokens the
+    group trained on in the round, 1 for every group alike, 0 for a group that took its
+    peer's state at this round's quorum. The outer optimizer takes it as the anchor's grad.
+    When ``manager.should_commit()`` says no (a group failed during the round), the anchor
+    and the outer state come back as they were. The caller has started the round's quorum.
     """
     anchor_leaves, spec = tree.flatten(anchor)
     pseudo = [
         _local(a) - _local(p) for a, p in zip(anchor_leaves, tree.leaves(params), strict=True)
     ]
-    if tokens is None:
-        averaged = all_reduce_over_groups(manager, pseudo, ReduceOp.AVG)
-    else:
-        # float32 at least: a bfloat16 count rounds above 256.
-        wide = torch.promote_types(pseudo[0].dtype, torch.float32)
-        weight = tokens.to(device=pseudo[0].device, dtype=wide)
-        averaged, _ = token_mean_over_groups(manager, [p * weight for p in pseudo], tokens)
+    # float32 at least: a bfloat16 count rounds above 256.
+    wide = torch.promote_types(pseudo[0].dtype, torch.float32)
+    scale = weight.to(device=pseudo[0].device, dtype=wide)
+    averaged, _ = token_mean_over_groups(manager, [p * scale for p in pseudo], weight)
     if not manager.should_commit():
         return anchor, outer_state, False
     grads = tree.unflatten(

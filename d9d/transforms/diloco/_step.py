@@ -148,7 +148,8 @@ class DiLoCoStep(OutermostStep):
         """After a quorum: a peer's state if this group healed at it, and the round when one
         follows (the peer's, or this group's own)."""
         taken = self._serving().take(params, state)
-        if taken is not None:
+        healed = taken is not None
+        if healed:
             params, state, flags = taken
             in_round = bool(flags["in_round"])
             _log.warning(
@@ -159,7 +160,14 @@ class DiLoCoStep(OutermostStep):
             )
         if not in_round:
             return params, state
-        weight = state.tokens if self.weighting == "tokens" else None
+        if healed:
+            # Its params and count are its peer's: counted once, by the peer. The round
+            # averages over the groups that trained in it.
+            weight = torch.zeros((), dtype=torch.int64)
+        elif self.weighting == "tokens":
+            weight = state.tokens
+        else:
+            weight = torch.ones((), dtype=torch.int64)
         anchor, outer_state, committed = outer_round(
             self.manager, self.outer, state.anchor, state.outer, params, weight
         )
