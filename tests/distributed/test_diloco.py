@@ -12,7 +12,8 @@ on from the last synced params, and its next round runs alone; it logs one line 
 (d) That group restarted rejoins at the survivor's next round with its state (params, inner
 state, anchor, outer state, inner step): the survivor never repeats a step, and both groups
 end bitwise equal, equal to the rounds simulated in one process. (e) So does a group killed
-before the first round committed, at the survivor's first round.
+before the first round committed, at the survivor's first round. (f) Among three groups, the
+restarted group weighs nothing in the round it rejoins at (its pseudo-gradient is a copy).
 
 Every ordering is an event (a line on a pipe, a process's exit), none a sleep.
 """

@@ -128,8 +128,7 @@ def diloco(
     state, inner step; key ``"d9d.diloco"``, registered at ``place``) and takes part in that
     round with it, weighing 0 (its pseudo-gradient is its peer's: the round averages over
     the groups that trained in it), so that every group goes on from the round's anchor,
-    bitwise. A loop
-    calls ``manager.start_quorum()`` before its first step and then
+    bitwise. A loop calls ``manager.start_quorum()`` before its first step and then
     ``params, state = step.join(params, state)``; one that restores a checkpoint serves it
     first with ``step.serve(params, state)``.
 
