@@ -88,7 +88,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         Path(args.result).write_text(json.dumps({**result, "attempt": attempt}))
-    dist.barrier()  # ranks leave together: one tearing gloo down while a peer works can abort
     dist.destroy_process_group()
 
 
