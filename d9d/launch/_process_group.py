@@ -12,6 +12,7 @@ workers find the dead round's keys still there: gloo reads a dead peer's address
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from datetime import timedelta
 
@@ -34,7 +35,9 @@ def init_process_group(
     rank), so a job restarted by ``torchrun --max-restarts N`` after a rank died starts
     cleanly, on one node or many, and that every store wait and collective gives up after
     ``timeout`` with an error instead of hanging.
-    On CUDA it also selects the device of ``LOCAL_RANK``.
+    On CUDA it also selects the device of ``LOCAL_RANK``. It turns ``faulthandler`` on, so
+    that a rank killed by a fatal signal (SIGSEGV, SIGABRT from C++'s ``std::terminate``)
+    prints every thread's Python stack to stderr, where torchrun's report says only the signal.
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, ... (default: NCCL with CUDA, else gloo).
@@ -53,6 +56,7 @@ def init_process_group(
             "d9d.init_process_group joins a torchrun job, but RANK is not set: launch with "
             "`torchrun --nproc-per-node N script.py`"
         )
+    faulthandler.enable(all_threads=True)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
