@@ -74,7 +74,7 @@ def test_a_carried_state_enters_the_stage_leaf_by_leaf() -> None:
     its structure; a count that does not match the state is named."""
     from d9d.core._structure import Block
     from d9d.models.moe import MoEState
-    from d9d.transforms.pipeline._executor import StageRun
+    from d9d.transforms.pipeline._layout import StageRun
     from d9d.transforms.pipeline._stage_apply import _enter_block
 
     sent = (torch.ones(2, 3), torch.tensor(0.5), torch.ones(1, 4))

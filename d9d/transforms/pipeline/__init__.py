@@ -2,8 +2,8 @@
 ``torch.distributed.pipelining`` schedule; the split, the stage apply, the executor, the
 probe of activation shapes and the trace of stage spans."""
 
-from ._executor import SCHEDULES as SCHEDULES
-from ._executor import PipelineLayout as PipelineLayout
+from ._layout import SCHEDULES as SCHEDULES
+from ._layout import PipelineLayout as PipelineLayout
 from ._runtime import PipelineRuntime as PipelineRuntime
 from ._stage_trace import stage_spans as stage_spans
 from ._stages import StageSplit as StageSplit

@@ -10,8 +10,9 @@ import torch
 from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Differentiation, Runtime
-from ._executor import SCHEDULES, PipelineLayout, run_pipeline
+from ._executor import run_pipeline
 from ._grad_sums import accumulated_dtype
+from ._layout import SCHEDULES, PipelineLayout
 from ._stage_apply import enter_stage
 
 __all__ = ["PipelineRuntime"]

@@ -28,7 +28,7 @@ from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Interception, replace_activation
 from ...core._structure import Block
 from ...errors import PlanError
-from ._executor import PipelineLayout, StageDone, StageRun
+from ._layout import PipelineLayout, StageDone, StageRun
 
 __all__ = ["enter_stage"]
 

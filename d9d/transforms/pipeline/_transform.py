@@ -22,7 +22,7 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import PlanError
-from ._executor import SCHEDULES, PipelineLayout, stage_owner
+from ._layout import SCHEDULES, PipelineLayout, stage_owner
 from ._runtime import PipelineRuntime
 from ._stages import StageSplit, split_stages
 
