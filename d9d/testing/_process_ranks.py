@@ -95,9 +95,7 @@ def _answer_stacks_requests(store_path: str, rank: int) -> None:
     """On SIGUSR1, write every thread's Python stack to the stacks file, then a byte to the
     done file. SIGUSR1 is blocked until both are set up (it was blocked before the fork)."""
     stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 (open while the rank runs)
-    done = os.open(
-        _stacks_path(store_path, rank) + ".done", os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK
-    )
+    done = os.open(_done_path(store_path, rank), os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK)
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     signal.set_wakeup_fd(done, warn_on_full_buffer=False)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=True)
@@ -119,9 +117,14 @@ def _stacks_path(store_path: str, rank: int) -> str:
     return f"{store_path}.stacks-{rank}"
 
 
+def _done_path(store_path: str, rank: int) -> str:
+    """Where a rank's handler writes a byte once its stacks are written."""
+    return f"{_stacks_path(store_path, rank)}.done"
+
+
 def _stacks_written(store_path: str, rank: int) -> bool:
     with contextlib.suppress(OSError):
-        return os.path.getsize(_stacks_path(store_path, rank) + ".done") > 0
+        return os.path.getsize(_done_path(store_path, rank)) > 0
     return False
 
 

@@ -207,8 +207,9 @@ def expert_parallel(mesh: DeviceMesh, axis: str = "ep") -> ExpertParallel:
     ``[E, ...]`` param of a Hugging Face experts module, biases too, ``Shard(0)`` over
     ``axis``, with their optimizer state) and passes its own batch
     (:meth:`~d9d.transforms.TransformedStep.data_rank` counts ``axis``). Each MoE layer's
-    ``dispatch(x, expert_ids, weights)`` becomes ``d9d.kernels.dispatch`` (each token sent once to every rank owning one of its experts,
-    by uneven all-to-all), the local experts' grouped GEMMs, and ``d9d.kernels.combine``
+    ``dispatch(x, expert_ids, weights)`` becomes ``d9d.kernels.dispatch`` (each token sent
+    once to every rank owning one of its experts, by uneven all-to-all), the local experts'
+    grouped GEMMs, and ``d9d.kernels.combine``
     (each token's weighted sum over a rank's experts sent back); the backward runs the
     reverse all-to-alls. A Hugging Face experts module of ``transformers``' interface
     (``experts(hidden_states, top_k_index, top_k_weights)``, stacked ``[E, ...]`` params) runs
