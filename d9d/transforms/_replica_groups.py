@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-__all__ = ["BUCKET_BYTES", "GroupCount", "all_reduce_over_groups", "token_mean_over_groups"]
+__all__ = [
+    "BUCKET_BYTES",
+    "GroupCount",
+    "all_reduce_over_groups",
+    "token_mean_over_groups",
+    "tokens_like",
+]
 
 
 BUCKET_BYTES = 25 * 2**20
@@ -56,12 +62,17 @@ def token_mean_over_groups(
     weighing of synchronous data parallelism. The count travels with ``sums[0]``, in its
     dtype or float32 where wider (a bfloat16 count rounds above 256). A step or round in
     which no group counted a token gives zeros, as the token mean of no token is 0."""
-    wide = torch.promote_types(sums[0].dtype, torch.float32)
-    count = tokens.to(device=sums[0].device, dtype=wide).reshape(1)
+    count = tokens_like(tokens, sums[0]).reshape(1)
     reduced = all_reduce_over_groups(manager, [*sums, count], ReduceOp.SUM)
     # A 0-d total keeps each sum's dtype, and divides at its full precision.
     total = reduced[-1].reshape(()).clamp(min=1)
     return [r / total for r in reduced[:-1]], total
+
+
+def tokens_like(tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (a count) in ``like``'s floating dtype, or float32 where that is wider (a
+    bfloat16 count rounds above 256), on ``like``'s device."""
+    return tokens.to(device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
 
 
 class GroupCount:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ... import tree
 from ...core._gather import local_like
 from ...optim import GradientTransformation, apply_updates
-from .._replica_groups import token_mean_over_groups
+from .._replica_groups import token_mean_over_groups, tokens_like
 
 __all__ = ["outer_round"]
 
@@ -44,9 +44,7 @@ def outer_round(
     pseudo = [
         _local(a) - _local(p) for a, p in zip(anchor_leaves, tree.leaves(params), strict=True)
     ]
-    # float32 at least: a bfloat16 count rounds above 256.
-    wide = torch.promote_types(pseudo[0].dtype, torch.float32)
-    scale = weight.to(device=pseudo[0].device, dtype=wide)
+    scale = tokens_like(weight, pseudo[0])
     averaged, _ = token_mean_over_groups(manager, [p * scale for p in pseudo], weight)
     if not manager.should_commit():
         return anchor, outer_state, False

@@ -30,7 +30,12 @@ from ...core._gather import local_like
 from ...core._microbatches import sum_microbatches
 from ...core._runtime import Differentiation, Runtime
 from .._rejoin import PeerState
-from .._replica_groups import GroupCount, all_reduce_over_groups, token_mean_over_groups
+from .._replica_groups import (
+    GroupCount,
+    all_reduce_over_groups,
+    token_mean_over_groups,
+    tokens_like,
+)
 
 __all__ = ["MANAGER_METHODS", "FaultTolerantRuntime"]
 
@@ -145,9 +150,8 @@ class FaultTolerantRuntime(Runtime):
             )
             value = value.reshape(())
         else:
-            # float32 at least: a bfloat16 loss would round token counts above 256.
-            wide = torch.promote_types(value.dtype, torch.float32)
-            value_sum = (value.to(wide) * weight.to(wide)).reshape(1)
+            count = tokens_like(weight, value)
+            value_sum = (value.to(count.dtype) * count).reshape(1)
             (mean, *means), count = token_mean_over_groups(
                 self.manager, [value_sum, *pieces], weight
             )
