@@ -188,6 +188,6 @@ def _times(grad: Any, weight: torch.Tensor) -> Any:
     """``grad`` (a DTensor's local piece in its stead) times ``weight``, multiplied in
     float32 at least: a bfloat16 weight would round token counts above 256."""
     local = grad.to_local() if isinstance(grad, DTensor) else grad
-    wide = torch.promote_types(local.dtype, torch.float32)
-    scaled = (local.to(wide) * weight.to(wide)).to(local.dtype)
+    count = tokens_like(weight, local)
+    scaled = (local.to(count.dtype) * count).to(local.dtype)
     return local_like(scaled, grad) if isinstance(grad, DTensor) else scaled
