@@ -12,6 +12,7 @@ workers find the dead round's keys still there: gloo reads a dead peer's address
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 from datetime import timedelta
@@ -19,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ._exit import wait_for_collective_threads
 from ._rendezvous_round import round_scope
 
 __all__ = ["init_process_group"]
@@ -37,7 +39,9 @@ def init_process_group(
     ``timeout`` with an error instead of hanging.
     On CUDA it also selects the device of ``LOCAL_RANK``. It turns ``faulthandler`` on, so
     that a rank killed by a fatal signal (SIGSEGV, SIGABRT from C++'s ``std::terminate``)
-    prints every thread's Python stack to stderr, where torchrun's report says only the signal.
+    prints every thread's Python stack to stderr, where torchrun's report says only the signal,
+    and makes the process wait at exit until gloo's worker threads have let go of the tensors
+    of the last collectives (``_exit.py``: otherwise a rank can abort at exit under load).
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, ... (default: NCCL with CUDA, else gloo).
@@ -57,6 +61,8 @@ def init_process_group(
             "`torchrun --nproc-per-node N script.py`"
         )
     faulthandler.enable(all_threads=True)
+    atexit.unregister(wait_for_collective_threads)  # once, however often a process joins
+    atexit.register(wait_for_collective_threads)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
