@@ -22,14 +22,23 @@ let go of. Linux only (``/proc``); elsewhere it returns at once.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 
-__all__ = ["wait_for_collective_threads"]
+__all__ = ["wait_at_exit_for_collective_threads", "wait_for_collective_threads"]
 
 # The name gloo gives its worker threads (ProcessGroupGloo's run loop), as /proc shows it.
 GLOO_WORKER_NAME = "pt_gloo_runloop"
 TASKS = "/proc/self/task"
+
+
+def wait_at_exit_for_collective_threads() -> None:
+    """Make this process run :func:`wait_for_collective_threads` at exit (once, however often
+    it is asked): for a process that joins gloo groups (``init_process_group``, a torchft
+    replica group's manager)."""
+    atexit.unregister(wait_for_collective_threads)
+    atexit.register(wait_for_collective_threads)
 
 
 def wait_for_collective_threads(limit_s: float = 10.0) -> bool:

@@ -12,7 +12,6 @@ workers find the dead round's keys still there: gloo reads a dead peer's address
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import os
 from datetime import timedelta
@@ -20,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._exit import wait_for_collective_threads
+from ._exit import wait_at_exit_for_collective_threads
 from ._rendezvous_round import round_scope
 
 __all__ = ["init_process_group"]
@@ -61,8 +60,7 @@ def init_process_group(
             "`torchrun --nproc-per-node N script.py`"
         )
     faulthandler.enable(all_threads=True)
-    atexit.unregister(wait_for_collective_threads)  # once, however often a process joins
-    atexit.register(wait_for_collective_threads)
+    wait_at_exit_for_collective_threads()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
+from ...launch._exit import wait_at_exit_for_collective_threads
 from ...transforms.diloco import DiLoCoStep, diloco
 from ...transforms.fault_tolerant import FaultTolerantRuntime, fault_tolerant
 from .._config import TrainConfig
@@ -182,6 +183,7 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         rank, world, address, port = 0, 1, "localhost", store.port
     group = ProcessGroupNCCL(timeout) if torch.cuda.is_available() else ProcessGroupGloo(timeout)
+    wait_at_exit_for_collective_threads()  # a group of one process joins no other gloo group
     manager = Manager(
         pg=group,
         load_state_dict=None,  # fault_tolerant and ReplicaGroup.follow register theirs
