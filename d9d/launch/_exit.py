@@ -8,7 +8,8 @@ the interpreter, CPython ends the worker with ``pthread_exit`` as it takes the G
 crosses a ``noexcept`` destructor, and the rank dies of ``terminate called without an active
 exception`` (SIGABRT) after all its work is done (pytorch/pytorch#190489). A group that
 outlives ``destroy_process_group()`` (a ``DeviceMesh`` holds its groups) leaves its workers
-running into finalization; on a loaded machine a worker lags the main thread by many
+running into finalization (that call shuts a group's backend down, and gloo's shutdown is the
+``Backend`` default, which does nothing; NCCL's has one of its own); on a loaded machine a worker lags the main thread by many
 milliseconds. Seen in CI: rank 1 of ``d9d train --fsdp 2`` and of ``docs/huggingface.md``'s
 ``train_hf.py``; reproduced by 2 ranks pinned to one busy core (18 aborts in 20 runs).
 
