@@ -163,6 +163,8 @@ def test_what_diloco_cannot_wrap_is_refused_by_name() -> None:
         d9d.shard_params(mesh, "fsdp")(step)
     with pytest.raises(PlanError, match=r"jit was applied to a step under d9d.diloco.*d9d.jit\("):
         d9d.jit(step)
+    with pytest.raises(PlanError, match=r"diloco wraps d9d.jit of a plain function"):
+        wrap(d9d.jit(lambda params, opt_state, batch: (params, opt_state, {})))
 
 
 def test_fault_tolerant_inside_is_refused_when_placed() -> None:

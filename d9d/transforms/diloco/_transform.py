@@ -85,6 +85,12 @@ class DiLoCo:
             raise PlanError("diloco was applied twice to one step; apply it once")
         if not isinstance(step, TransformedStep | OutermostStep):
             step = TransformedStep(step, ())  # a step of one device, its params placed as given
+        if isinstance(step, OutermostStep) and not isinstance(step.step, TransformedStep):
+            raise PlanError(
+                "diloco wraps d9d.jit of a plain function, whose params nothing places (diloco "
+                "places its inner step's): compile a transformed step, such as d9d.jit(d9d."
+                "shard_params(d9d.make_mesh(fsdp=1), 'fsdp')(step)), or drop d9d.jit"
+            )
         return DiLoCoStep(step, self.manager, self.inner_steps, self.outer, self.weighting)
 
 
