@@ -464,8 +464,9 @@ def reason_group(reason: str) -> str:
     return re.sub(r"\b\d+(\.\d+)?\b", "N", text)[:160]
 
 
-def table(cells: list[Cell]) -> str:
-    """The Markdown summary: a family count per layout and result, refusals by reason."""
+def table(cells: list[Cell], refusals: bool = True) -> str:
+    """The Markdown summary: a family count per layout and result, and (``refusals``) the
+    refusals by reason."""
     by_layout: dict[str, Counter] = defaultdict(Counter)
     for cell in cells:
         by_layout[cell.layout][cell.result.split(" ")[0]] += 1
@@ -479,12 +480,12 @@ def table(cells: list[Cell]) -> str:
             counts = by_layout[layout]
             row = [layout, str(sum(counts.values()))] + [str(counts[r]) for r in results]
             lines.append("| " + " | ".join(row) + " |")
-    refusals = Counter(
+    reasons = Counter(
         (c.layout, reason_group(c.reason)) for c in cells if c.result.startswith("refused")
     )
-    if refusals:
+    if refusals and reasons:
         lines += ["", "| layout | refusals | reason |", "|---|---|---|"]
-        for (layout, reason), count in sorted(refusals.items(), key=lambda x: (x[0][0], -x[1])):
+        for (layout, reason), count in sorted(reasons.items(), key=lambda x: (x[0][0], -x[1])):
             lines.append(f"| {layout} | {count} | {reason.replace('|', '/')} |")
     return "\n".join(lines)
 
@@ -493,10 +494,17 @@ _BEGIN = "<!-- sweep table: begin (python sweep.py --all --write-docs, from test
 _END = "<!-- sweep table: end -->"
 
 
-def write_docs(cells: list[Cell], path: Path) -> None:
-    text = path.read_text()
-    start, end = text.index(_BEGIN) + len(_BEGIN), text.index(_END)
-    path.write_text(text[:start] + "\n" + table(cells) + "\n" + text[end:])
+def write_docs(cells: list[Cell], root: Path) -> None:
+    """The table into ``docs/huggingface.md`` and its counts into ``README.md``, each between
+    :data:`_BEGIN` and :data:`_END`."""
+    for name, summary in (
+        ("docs/huggingface.md", table(cells)),
+        ("README.md", table(cells, False)),
+    ):
+        path = root / name
+        text = path.read_text()
+        start, end = text.index(_BEGIN) + len(_BEGIN), text.index(_END)
+        path.write_text(text[:start] + "\n" + summary + "\n" + text[end:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -531,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1))
     print(table(cells))
     if args.write_docs:
-        write_docs(cells, Path(__file__).parents[2] / "docs" / "huggingface.md")
+        write_docs(cells, Path(__file__).parents[2])
 
 
 if __name__ == "__main__":
