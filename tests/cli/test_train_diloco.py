@@ -25,6 +25,26 @@ ARGS = [
 ]
 
 
+# `d9d` with --jit compiling on eager kernels (aot_eager), as inductor's first compile costs
+# about 20 s here: the flag's path through `d9d train` is the same. It prints how many graphs
+# the jitted step traced.
+JITTED = (
+    sys.executable,
+    "-c",
+    "\n".join(
+        [
+            "import sys, d9d, d9d.cli.train._run as run",
+            "jitted = []",
+            "run._jit = lambda step: jitted.append(d9d.jit(step, backend='aot_eager')) or jitted[0]",
+            "from d9d.cli import main",
+            "code = main(sys.argv[1:])",
+            "print(f'jitted: {[j.traces for j in jitted]} graphs')",
+            "sys.exit(code)",
+        ]
+    ),
+)
+
+
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
@@ -35,7 +55,10 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
+def test_two_diloco_groups_each_train_on_their_own_rows_one_of_them_jitted(
+    tmp_path: Path,
+) -> None:
+    """Group 1 runs with --jit: its inner steps compiled, its outer rounds with group 0's."""
     pytest.importorskip("torchft.coordination")
     assert main([*ARGS, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
     lighthouse = ft_lighthouse()
@@ -46,9 +69,10 @@ def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
         groups = [
             subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "d9d", *ARGS, "--log-every=1"),
+                    *((sys.executable, "-m", "d9d") if g == 0 else JITTED),
+                    *(*ARGS, "--log-every=1"),
                     *("--steps=4", "--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
-                    "--diloco=2",
+                    *("--diloco=2", *(("--jit",) if g == 1 else ())),
                     *(f"--replica-group-id={g}", "--replica-groups=2"),
                     f"--out={tmp_path / f'group{g}'}",
                 ],
@@ -66,6 +90,7 @@ def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
         lighthouse.shutdown()
     for code, log in zip(codes, logs, strict=True):
         assert code == 0, log.read_text()[-3000:]
+    assert "jitted: [1] graphs" in logs[1].read_text()  # one graph for every inner step
     one = _losses(tmp_path / "one")
     outs = [tmp_path / f"group{g}" for g in (0, 1)]
     first, second = (_losses(out) for out in outs)
@@ -75,7 +100,7 @@ def test_two_diloco_groups_each_train_on_their_own_rows(tmp_path: Path) -> None:
     assert first[0] != pytest.approx(second[0], rel=1e-3)
     assert (first[0] + second[0]) / 2 == pytest.approx(one[0], rel=1e-5)
     # Each group evaluates its own params, which an outer round (after steps 2 and 4) made
-    # the same on both.
+    # the same on both, bit for bit, whether their inner steps were compiled or not.
     evals = [{r["step"]: r.get("eval_loss") for r in _records(out)} for out in outs]
     assert None not in (evals[0][2], evals[0][4])
     assert (evals[0][2], evals[0][4]) == (evals[1][2], evals[1][4])

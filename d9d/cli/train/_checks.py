@@ -126,7 +126,11 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
         raise ValueError("--fault-tolerant needs the torchft package: pip install 'd9d[ft]'")
     ft = "--fault-tolerant"
     refused = {  # flag: (given, why)
-        "--jit": (config.jit, "the quorum and commit vote are host calls each step"),
+        "--jit": (
+            config.jit and config.diloco is None,
+            "the quorum and commit vote are host calls each step (--diloco H compiles its "
+            "inner steps, between which no group calls another)",
+        ),
     }
     for flag, (given, why) in refused.items():
         if given:

@@ -21,7 +21,7 @@ from rich.console import Console
 from ... import checkpoint, data, optim
 from ...core._mesh import make_mesh
 from ...core._model import functionalize
-from ...core._step import TransformedStep
+from ...core._step import OutermostStep, TransformedStep
 from ...errors import DataError
 from ...launch._process_group import init_process_group
 from ...models import Llama, LlamaConfig, MoE, MoEConfig
@@ -181,6 +181,19 @@ def _init_distributed(config: TrainConfig) -> bool:
     return True
 
 
+def _transformed(step: Any) -> Any:
+    """The step under ``diloco`` and ``jit``, if any."""
+    while isinstance(step, OutermostStep):
+        step = step.step
+    return step
+
+
+def _jit(step: Any) -> Any:
+    from ...core._jit import jit  # inductor's import costs each eager rank about 2 s
+
+    return jit(step)
+
+
 def _config_json(config: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(asdict(config), default=str))
 
@@ -210,6 +223,8 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     step = _parallel(
         config, (make_moe_train_step if moe else make_train_step)(model, opt, grad_norm=True)
     )
+    if config.jit and config.diloco is not None:  # diloco compiles its inner step, not its rounds
+        step = _jit(step if isinstance(step, TransformedStep) else TransformedStep(step, ()))
     if replica is not None:
         step = replica.wrap(step)
     params = stored_params(config, {k: v.clone() for k, v in model.params.items()})
@@ -223,7 +238,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     if config.eval_every:
         evaluator = Evaluator(
             model,
-            step.step if isinstance(step, DiLoCoStep) else step,  # the inner step's plan
+            _transformed(step),  # the inner step's plan, under diloco
             held_out,
             batches=config.eval_batches,
             batch_size=config.batch_size,
@@ -234,10 +249,8 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         held = held_out.size if config.eval_every else 0
         rows = header_lines(config, model_config, model, step, loader.tokens.size, held, device)
         print_header(console or Console(), rows)
-    if config.jit:
-        from ...core._jit import jit  # inductor's import costs each eager rank about 2 s
-
-        step = jit(step)
+    if config.jit and config.diloco is None:
+        step = _jit(step)
 
     def restore_one(path: Path, restore_rng: bool) -> checkpoint.TrainState:
         return checkpoint.restore_train_state(
