@@ -9,9 +9,10 @@ crosses a ``noexcept`` destructor, and the rank dies of ``terminate called witho
 exception`` (SIGABRT) after all its work is done (pytorch/pytorch#190489). A group that
 outlives ``destroy_process_group()`` (a ``DeviceMesh`` holds its groups) leaves its workers
 running into finalization (that call shuts a group's backend down, and gloo's shutdown is the
-``Backend`` default, which does nothing; NCCL's has one of its own); on a loaded machine a worker lags the main thread by many
-milliseconds. Seen in CI: rank 1 of ``d9d train --fsdp 2`` and of ``docs/huggingface.md``'s
-``train_hf.py``; reproduced by 2 ranks pinned to one busy core (18 aborts in 20 runs).
+``Backend`` default, which does nothing; NCCL's has one of its own); on a loaded machine a
+worker lags the main thread by many milliseconds. Seen in CI: rank 1 of ``d9d train --fsdp 2``
+and of ``docs/huggingface.md``'s ``train_hf.py``; reproduced by 2 ranks and 3 busy loops on one
+core (18 aborts in 20 runs one afternoon, 3 in 6 another).
 
 :func:`wait_for_collective_threads` runs at exit (``atexit``, the interpreter still whole)
 and releases the GIL until every worker thread is asleep in two readings in a row. A worker
