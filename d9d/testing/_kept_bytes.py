@@ -11,6 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import tree
+from ..launch._exit import wait_for_collective_threads
 
 __all__ = ["KeptBytes"]
 
@@ -73,7 +74,10 @@ class KeptBytes(TorchDispatchMode):
 
     def alive(self, skip: set[int] = frozenset()) -> int:
         """Bytes of the recorded storages still alive, but those at addresses ``skip`` (e.g.
-        params that ops returned views of)."""
+        params that ops returned views of). A storage that only a gloo worker thread still
+        holds, its collective done, is let go first (the worker can lag the caller by
+        milliseconds on a loaded machine: ``d9d/launch/_exit.py``)."""
+        wait_for_collective_threads()
         gc.collect()
         return sum(
             size
