@@ -5,6 +5,13 @@ The threaded group (``torch.testing._internal.distributed.multi_threaded_pg``, t
 so every thread holds its own default group and collectives hand tensors between threads.
 Starting four ranks this way takes milliseconds, against about 8 s for four spawned
 gloo processes on a 2-core machine.
+
+Rank 0's thread runs each collective for all ranks, on a ``Collective`` object that holds
+every rank's tensors and that each rank references until it returns from the collective.
+A rank that lags there (the GIL, a loaded machine) would keep the others' tensors alive
+after they have moved on, so what a rank measures as alive (``KeptBytes``) would depend on
+another thread's timing: the collective lets go of them once it has run
+(:func:`_releasing_collective`).
 """
 
 from __future__ import annotations
@@ -100,6 +107,28 @@ def _wait_until_exited(native_ids: list[int | None], limit_s: float = 1.0) -> No
             time.sleep(0.001)
 
 
+class _ReleasedAfterWork:
+    """A threaded collective's work that then drops every rank's tensors from the list it
+    was given (the ``Collective``'s own): each rank returns its own from its own frame."""
+
+    def __init__(self, work: Any) -> None:
+        self.inner = work
+
+    def work(self, data: list[Any]) -> None:
+        try:
+            self.inner.work(data)
+        finally:
+            data[:] = [None] * len(data)
+
+
+def _releasing_collective(base: type) -> type:
+    class _ReleasingCollective(base):  # type: ignore[misc, valid-type]
+        def __init__(self, world_size: int, collective: Any, pg: Any) -> None:
+            super().__init__(world_size, _ReleasedAfterWork(collective), pg)
+
+    return _ReleasingCollective
+
+
 def run_threads(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -126,6 +155,8 @@ def run_threads(
     # registry per thread, as it is per process for real ranks.
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     world = threaded._install_threaded_pg()
+    collective = threaded.Collective
+    threaded.Collective = _releasing_collective(collective)
     if not hasattr(type(world), "comms"):
         # torch 2.11's destroy_process_group iterates the world's ``comms`` (torchcomms
         # communicators), which that version's threaded world lacks; a threaded group has none.
@@ -185,6 +216,7 @@ def run_threads(
     finally:
         torch.set_num_threads(intra_op_threads)
         threaded.ProcessLocalGroup.reset()
+        threaded.Collective = collective
         threaded._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     return [o for o in outcomes if o is not None]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,6 +139,36 @@ def test_tree_assertion_on_dtensor_names_the_path() -> None:
         r".*Worst leaf 'layers.0.w'.*index \(2, 0\): actual=1.0, expected=0.0",
     ):
         run_on_ranks(compare, 2)
+
+
+def test_a_thread_rank_that_lags_after_a_collective_holds_no_other_rank_s_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 runs each threaded collective for every rank; while it lags before returning
+    (here 1 s, held on purpose), rank 1's tensor is no longer kept alive by it, so what rank
+    1 measures as alive does not depend on rank 0's timing (``KeptBytes`` at a ZeRO update
+    once counted another rank's reduce-scatter buffers that way)."""
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
+
+    join = threaded.Collective.join
+
+    def lagging_join(self: Any, rank: int, data: Any) -> Any:
+        out = join(self, rank, data)
+        if rank == 0:
+            time.sleep(1.0)  # this frame still holds the collective
+        return out
+
+    monkeypatch.setattr(threaded.Collective, "join", lagging_join)
+
+    def rank() -> bool:
+        x = torch.ones(1000)
+        alive = weakref.ref(x)
+        dist.all_reduce(x)
+        del x
+        gc.collect()
+        return alive() is None
+
+    assert run_on_ranks(rank, 2) == [True, True]
 
 
 @pytest.mark.parametrize("method", ["thread", "fork"])
