@@ -7,7 +7,10 @@ inner_steps=H, outer=sgd(lr, momentum, nesterov=momentum > 0))`` on a real torch
 lighthouse, once per ``--outer LR:MOMENTUM`` (default: the DiLoCo paper's Nesterov, 0.7:0.9,
 and plain averaging, 1:0). The synchronous baseline is one device fed both halves (what data
 parallelism over the two groups computes) with the same optimizer. Every run starts from the
-same seeded params and is scored on the same held-out windows. JSON out:
+same seeded params and is scored on the same held-out windows. With ``--sync-steps S`` the
+groups start DiLoCo from the synchronous run's params and optimizer state after its first S
+steps (the DiLoCo paper starts from a pretrained model) and run it for the remaining steps.
+JSON out:
 
     python benchmarks/diloco.py --steps 200 --inner-steps 8 --out benchmarks/results/diloco-cpu.json
 """
@@ -119,16 +122,20 @@ def _group(args: argparse.Namespace) -> None:
         quorum_timeout=timedelta(seconds=300),
     )
     model, opt = _model(), _inner(args)
+    params, state = dict(model.params), opt.init(model.params)
+    synchronous = make_train_step(model, opt)
+    for batch in train[: args.sync_steps]:  # the same in every group, as in _synchronous
+        params, state, _ = synchronous(params, state, batch)
     mesh = d9d.make_mesh("cpu", fsdp=1)
     inner = d9d.shard_params(mesh, "fsdp")(make_train_step(model, opt))
     lr, momentum = _outer(args.outer[0])
     outer = d9d.optim.sgd(lr, momentum=momentum, nesterov=momentum > 0)
     step = d9d.diloco(manager, inner_steps=args.inner_steps, outer=outer)(inner)
-    params, state = step.place(model.params, opt.init(model.params), model=model)
+    params, state = step.place(params, state, model=model)
     print("ready", flush=True)
     sys.stdin.readline()
     losses = []
-    for batch in train:
+    for batch in train[args.sync_steps :]:
         params, state, metrics = step(params, state, _half(batch, args.group))
         losses.append(metrics["loss"].item())
     whole = {k: v.full_tensor() for k, v in params.items()}
@@ -190,7 +197,16 @@ def _diloco(args: argparse.Namespace, outer: str) -> list[dict]:
         lighthouse.shutdown()
 
 
-KEYS = ("steps", "inner_steps", "batch_size", "seq_len", "lr", "corpus_bytes", "eval_batches")
+KEYS = (
+    "steps",
+    "sync_steps",
+    "inner_steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "corpus_bytes",
+    "eval_batches",
+)
 
 
 def _options(args: argparse.Namespace) -> list[str]:
@@ -204,6 +220,9 @@ def _tail_mean(losses: list[float], n: int = 10) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--sync-steps", type=int, default=0, help="synchronous steps before DiLoCo starts"
+    )
     parser.add_argument("--inner-steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8, help="rows per group and step")
     parser.add_argument("--seq-len", type=int, default=128)
