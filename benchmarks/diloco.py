@@ -9,8 +9,9 @@ and plain averaging, 1:0). The synchronous baseline is one device fed both halve
 parallelism over the two groups computes) with the same optimizer. Every run starts from the
 same seeded params and is scored on the same held-out windows. With ``--sync-steps S`` the
 groups start DiLoCo from the synchronous run's params and optimizer state after its first S
-steps (the DiLoCo paper starts from a pretrained model) and run it for the remaining steps.
-JSON out:
+steps (the DiLoCo paper starts from a pretrained model) and run it for the remaining steps;
+with ``--warmup-steps W`` DiLoCo's own warm-up (``d9d.diloco(warmup_steps=W)``: an averaging
+round after each of the first W steps) stands in for them. JSON out:
 
     python benchmarks/diloco.py --steps 200 --inner-steps 8 --out benchmarks/results/diloco-cpu.json
 """
@@ -130,7 +131,9 @@ def _group(args: argparse.Namespace) -> None:
     inner = d9d.shard_params(mesh, "fsdp")(make_train_step(model, opt))
     lr, momentum = _outer(args.outer[0])
     outer = d9d.optim.sgd(lr, momentum=momentum, nesterov=momentum > 0)
-    step = d9d.diloco(manager, inner_steps=args.inner_steps, outer=outer)(inner)
+    step = d9d.diloco(
+        manager, inner_steps=args.inner_steps, outer=outer, warmup_steps=args.warmup_steps
+    )(inner)
     params, state = step.place(params, state, model=model)
     print("ready", flush=True)
     sys.stdin.readline()
@@ -200,6 +203,7 @@ def _diloco(args: argparse.Namespace, outer: str) -> list[dict]:
 KEYS = (
     "steps",
     "sync_steps",
+    "warmup_steps",
     "inner_steps",
     "batch_size",
     "seq_len",
@@ -222,6 +226,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument(
         "--sync-steps", type=int, default=0, help="synchronous steps before DiLoCo starts"
+    )
+    parser.add_argument(
+        "--warmup-steps", type=int, default=0, help="diloco's warm-up: averaging rounds each step"
     )
     parser.add_argument("--inner-steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8, help="rows per group and step")

@@ -56,6 +56,7 @@ class TrainConfig:
     replica_group_id: int | None = None  # this group's index, 0 .. replica_groups - 1
     replica_groups: int | None = None  # how many groups the global batch is split over
     diloco: int | None = None  # with fault_tolerant: DiLoCo, an outer round every N steps
+    diloco_warmup: int = 0  # with diloco: the first steps, each followed by an averaging round
     tensorboard: bool = True  # event files in out/tensorboard, if tensorboard is installed
     wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline: to out/wandb only)
     wandb_project: str = "d9d"

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from ft_groups import kill_and_restart, signal_all, start_group, steps_logged, wait_for
@@ -18,6 +19,8 @@ from ft_groups import lighthouse as ft_lighthouse
 from d9d.cli import main
 from d9d.cli._config import TrainConfig
 from d9d.cli.train._checks import check_flags
+from d9d.cli.train._replica_group import ReplicaGroup
+from d9d.transforms.diloco._transform import MANAGER_METHODS
 
 ARGS = [
     *("train", "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-tensorboard"),
@@ -193,8 +196,22 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
             {**FT, "replica_group_id": 0, "diloco": 8, "steps": 20},
             r"--steps 20 is not a multiple of --diloco 8: the last 4 steps",
         ),
+        ({"diloco_warmup": 8}, r"--diloco-warmup only applies with --diloco H"),
+        (
+            {**FT, "replica_group_id": 0, "diloco": 8, "diloco_warmup": 12},
+            r"--diloco-warmup 12 must be >= 0 and a multiple of --diloco 8",
+        ),
     ],
 )
 def test_diloco_flags_are_checked(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         check_flags(TrainConfig(**fields))
+
+
+def test_the_diloco_warmup_flag_reaches_the_diloco_step() -> None:
+    config = TrainConfig(**FT, replica_group_id=0, diloco=4, diloco_warmup=8, steps=16)
+    check_flags(config)
+    manager = SimpleNamespace(**{name: lambda *a, **k: None for name in MANAGER_METHODS})
+    group = ReplicaGroup(manager, None, 2, 1.0, config.diloco, 1, config.diloco_warmup)
+    step = group.wrap(lambda params, state, batch: (params, state, {}))
+    assert (step.inner_steps, step.warmup_steps) == (4, 8)

@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--die-at-step", type=int, default=-1)
     parser.add_argument("--join", action="store_true")
     parser.add_argument("--ignored", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -111,7 +112,9 @@ def main() -> None:
     torch.manual_seed(0)
     model, opt = llama(torch.float64, n_layers=1)(), inner_optimizer()
     inner = d9d.shard_params(mesh, "fsdp")(train_step(model, opt))
-    step = d9d.diloco(manager, inner_steps=args.inner_steps, outer=outer)(inner)
+    step = d9d.diloco(
+        manager, inner_steps=args.inner_steps, outer=outer, warmup_steps=args.warmup_steps
+    )(inner)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":

@@ -76,10 +76,17 @@ def _go(proc: subprocess.Popen) -> None:
 
 
 def _run_groups(
-    tmp_path: Path, steps: int, inner_steps: int, outer: str, die: int = -1, ignored: int = 0
+    tmp_path: Path,
+    steps: int,
+    inner_steps: int,
+    outer: str,
+    die: int = -1,
+    ignored: int = 0,
+    warmup: int = 0,
 ) -> list:
     """Both groups' runs, group 1 dying inside round ``die`` (>= 0) and ignoring the first
-    ``ignored`` labels of its rows; their return codes."""
+    ``ignored`` labels of its rows, after ``warmup`` steps each followed by an averaging
+    round; their return codes."""
     lighthouse = _lighthouse()
     try:
         procs = [
@@ -88,7 +95,7 @@ def _run_groups(
                 tmp_path,
                 f"group{group}",
                 *(f"--group={group}", f"--steps={steps}", f"--inner-steps={inner_steps}"),
-                *(f"--outer={outer}", f"--ignored={ignored}"),
+                *(f"--outer={outer}", f"--ignored={ignored}", f"--warmup-steps={warmup}"),
                 *([f"--die-in-round={die}"] if group == 1 else []),
             )
             for group in (0, 1)
@@ -121,9 +128,11 @@ def _simulate(
     rounds: list,
     rejoins: dict[int, tuple[int, int]] | None = None,
     groups: int = 2,
+    warmup: int = 0,
 ):
     """DiLoCo in one process: each of ``groups`` groups' inner steps with d9d's step, the
-    outer step with ``torch.optim.SGD`` on the anchor; ``rounds[i]`` the groups averaged in
+    outer step with ``torch.optim.SGD`` on the anchor (after each of the first ``warmup``
+    steps, the anchor the groups' mean instead); ``rounds[i]`` the groups averaged in
     round ``i``, or None for a round that does not commit; ``rejoins[i] = (dst, src)``: group
     ``dst`` takes group ``src``'s params and inner state before round ``i``. Group 0's final
     params."""
@@ -138,9 +147,16 @@ def _simulate(
     for at in range(steps):
         for g, (p, s) in enumerate(states):
             states[g][0], states[g][1], _ = step(p, s, batch_of(g, at))
+        if at < warmup:
+            mean = {k: torch.stack([s[0][k] for s in states]).mean(0) for k in anchor}
+            for k, a in anchor.items():
+                a.data.copy_(mean[k])
+            for state in states:
+                state[0] = {k: a.detach().clone() for k, a in anchor.items()}
+            continue
         if (at + 1) % inner_steps:
             continue
-        at_round = (at + 1) // inner_steps - 1
+        at_round = (at + 1 - warmup) // inner_steps - 1
         if at_round in (rejoins or {}):
             dst, src = rejoins[at_round]
             states[dst] = [
@@ -204,6 +220,22 @@ def test_outer_nesterov_every_three_steps_matches_a_simulation(tmp_path: Path) -
     assert counts0 == counts1 == {"allreduces": 2, "elements": elements, "participants": [2, 2]}
     for k in got0:
         assert torch.equal(got0[k], got1[k]), k  # every group goes on from the same params
+    assert_trees_all_close(got0, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_a_warm_up_of_averaging_rounds_then_outer_nesterov_matches_a_simulation(
+    tmp_path: Path,
+) -> None:
+    steps, inner_steps, warmup = 6, 2, 2
+    assert _run_groups(tmp_path, steps, inner_steps, "nesterov", warmup=warmup) == [0, 0]
+    expected = _simulate(steps, inner_steps, 0.7, 0.9, rounds=[(0, 1)] * 2, warmup=warmup)
+    (log0, counts0, got0), (log1, counts1, got1) = (_result(tmp_path, g) for g in (0, 1))
+    assert [r["rounds"] for r in log0] == [r["rounds"] for r in log1] == [1, 2, 2, 3, 3, 4]
+    elements = 4 * (_numel() + 1)
+    assert counts0 == counts1 == {"allreduces": 4, "elements": elements, "participants": [2] * 4}
+    for k in got0:
+        assert torch.equal(got0[k], got1[k]), k
     assert_trees_all_close(got0, expected, rtol=1e-10, atol=1e-12)
 
 

@@ -23,13 +23,15 @@ from d9d.errors import ConfigError, PlanError
 F64 = torch.float64
 
 
-def _build(manager, inner_steps=2, outer=None, jit=False, fsdp=1, weighting="tokens"):
+def _build(manager, inner_steps=2, outer=None, jit=False, fsdp=1, weighting="tokens", warmup=0):
     torch.manual_seed(0)
     model, opt = llama(F64, n_layers=1)(), d9d.optim.adamw(1e-2)
     inner = d9d.shard_params(d9d.make_mesh("cpu", fsdp=fsdp), "fsdp")(train_step(model, opt))
     if jit:
         inner = d9d.jit(inner, backend="aot_eager")
-    step = d9d.diloco(manager, inner_steps=inner_steps, outer=outer, weighting=weighting)(inner)
+    step = d9d.diloco(
+        manager, inner_steps=inner_steps, outer=outer, weighting=weighting, warmup_steps=warmup
+    )(inner)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     return step, params, state
 
@@ -60,6 +62,31 @@ def test_a_round_every_h_steps_and_a_refused_one_goes_back_to_the_last_synced_pa
     for k, v in seen[3][1].items():  # round 2 refused: the params of round 1, bit for bit
         assert torch.equal(v, seen[1][1][k]), k
     assert not torch.equal(seen[2][1]["head.weight"], seen[1][1]["head.weight"])
+    assert int(state.inner_step) == 4
+
+
+def test_a_warm_up_averages_after_every_step_then_rounds_come_every_h() -> None:
+    """warmup_steps=2, H=2: rounds after steps 1, 2 (plain averages: alone, a group keeps its
+    params, and the outer Nesterov has not counted a step), then 4 and 6 with the outer step
+    (which moves the params past the inner step's)."""
+    manager = LoneManager(votes=[True] * 4)
+    step, params, state = _build(manager, inner_steps=2, warmup=2)
+    torch.manual_seed(0)
+    model, opt = llama(F64, n_layers=1)(), d9d.optim.adamw(1e-2)
+    alone, alone_state = model.params, opt.init(model.params)
+    plain = train_step(model, opt)
+    rounds, counts = [], []
+    for i in range(4):
+        params, state, _ = step(params, state, _batch(i))
+        alone, alone_state, _ = plain(alone, alone_state, _batch(i))
+        rounds.append(manager.calls.count("start_quorum"))
+        manager.calls.clear()
+        counts.append(int(state.outer[-1].count))
+        if i < 2:  # each warm-up round averaged one group: its own params
+            d9d.testing.assert_trees_all_close(_whole(params), alone, rtol=1e-12, atol=1e-14)
+    assert rounds == [1, 1, 0, 1]
+    assert counts == [0, 0, 0, 1]
+    assert not torch.allclose(_whole(params)["head.weight"], alone["head.weight"])
     assert int(state.inner_step) == 4
 
 
@@ -137,6 +164,14 @@ def test_memory_counts_the_anchor_and_the_outer_momentum() -> None:
         ({"inner_steps": 0}, r"diloco\(inner_steps=0\) must be an int >= 1"),
         ({"inner_steps": True}, r"diloco\(inner_steps=True\) must be an int >= 1"),
         ({"inner_steps": 8, "outer": 0.7}, r"diloco\(outer=0.7\) must be a d9d.optim Gradient"),
+        (
+            {"inner_steps": 4, "warmup_steps": 6},
+            r"diloco\(warmup_steps=6\) must be an int >= 0 and a multiple of inner_steps=4",
+        ),
+        (
+            {"inner_steps": 4, "warmup_steps": -4},
+            r"diloco\(warmup_steps=-4\) must be an int >= 0",
+        ),
         (
             {"inner_steps": 8, "weighting": "mean"},
             r"diloco\(weighting='mean'\) must be one of \('tokens', 'equal'\)",

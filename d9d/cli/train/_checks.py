@@ -105,6 +105,16 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
             f"{config.steps % config.diloco} steps would never be averaged, and the replica "
             "groups would end with different params; pass a multiple"
         )
+    if config.diloco_warmup and config.diloco is None:
+        raise ValueError("--diloco-warmup only applies with --diloco H; add it, or drop it")
+    if config.diloco is not None and (
+        config.diloco_warmup < 0 or config.diloco_warmup % config.diloco
+    ):
+        raise ValueError(
+            f"--diloco-warmup {config.diloco_warmup} must be >= 0 and a multiple of --diloco "
+            f"{config.diloco}, so that outer rounds still come at multiples of it (where "
+            "checkpoints are saved)"
+        )
     if not config.fault_tolerant:
         given = [
             flag

@@ -176,11 +176,11 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         help="under torchrun: seconds a collective may wait for a peer before the run stops "
         "with an error (default %(default)s)",
     )
-    _add_fault_tolerance(run)
+    _add_fault_tolerance(run, defaults)
     _add_watch(run, defaults)
 
 
-def _add_fault_tolerance(run: argparse.ArgumentParser) -> None:
+def _add_fault_tolerance(run: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     """The flags of a torchft replica group (docs/fault_tolerance.md)."""
     run.add_argument(
         "--fault-tolerant",
@@ -201,6 +201,15 @@ def _add_fault_tolerance(run: argparse.ArgumentParser) -> None:
         metavar="H",
         help="with --fault-tolerant: DiLoCo, the groups train apart and average their params "
         "every H steps (outer Nesterov SGD, lr 0.7, momentum 0.9; docs/fault_tolerance.md)",
+    )
+    run.add_argument(
+        "--diloco-warmup",
+        type=int,
+        metavar="W",
+        default=defaults.diloco_warmup,
+        help="with --diloco H: the first W steps (a multiple of H) each end in a round that "
+        "averages the groups' params, before the outer rounds every H steps (default "
+        "%(default)s)",
     )
 
 

@@ -59,6 +59,8 @@ class ReplicaGroup:
             every step.
         microbatches: ``--grad-accum`` microbatches per step, accumulated by
             ``d9d.fault_tolerant`` (1 under DiLoCo, whose inner step accumulates them).
+        diloco_warmup: DiLoCo's first steps each followed by an averaging round
+            (``--diloco-warmup``).
     """
 
     def __init__(
@@ -69,12 +71,14 @@ class ReplicaGroup:
         timeout_s: float,
         diloco: int | None = None,
         microbatches: int = 1,
+        diloco_warmup: int = 0,
     ) -> None:
         self.manager = manager
         self.store = store
         self.groups = groups
         self.timeout_s = timeout_s
         self.diloco = diloco
+        self.diloco_warmup = diloco_warmup
         self.microbatches = microbatches
         self.loader: Any = None
         self.position: dict[str, int] | None = None  # that of the batch in hand, if one is
@@ -87,7 +91,9 @@ class ReplicaGroup:
         """``step`` as a step of this group: fault-tolerant (whose quorum this starts), or
         DiLoCo's inner step (whose outer rounds start their own)."""
         if self.diloco is not None:
-            self._step = diloco(self.manager, inner_steps=self.diloco)(step)
+            self._step = diloco(
+                self.manager, inner_steps=self.diloco, warmup_steps=self.diloco_warmup
+            )(step)
         else:
             self._step = fault_tolerant(
                 self.manager, starts_quorum=False, microbatches=self.microbatches
@@ -207,6 +213,7 @@ def join_replica_group(config: TrainConfig) -> ReplicaGroup:
         config.dist_timeout,
         config.diloco,
         replica_microbatches(config),
+        config.diloco_warmup,
     )
 
 

@@ -1,4 +1,5 @@
-"""``DiLoCoStep``: a step run as DiLoCo's inner step, with an outer round every H calls."""
+"""``DiLoCoStep``: a step run as DiLoCo's inner step, with an outer round every H calls (every call
+of a warm-up)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ...core._context import StepContext, watching_steps
 from ...core._runtime import Runtime
 from ...core._step import Memory, OutermostStep
 from ...errors import PlanError
-from ...optim import GradientTransformation
+from ...optim import GradientTransformation, sgd
 from .._rejoin import PeerState
 from .._replica_groups import GroupCount
 from ._outer_round import outer_round
@@ -39,12 +40,14 @@ class DiLoCoStep(OutermostStep):
         inner_steps: int,
         outer: GradientTransformation,
         weighting: str,
+        warmup_steps: int = 0,
     ) -> None:
         self.step = step
         self.manager = manager
         self.inner_steps = inner_steps
         self.outer = outer
         self.weighting = weighting
+        self.warmup_steps = warmup_steps
         self.groups = GroupCount(_log, "diloco", "outer rounds")
         self.peer: PeerState | None = None  # built at place: one step per manager
         functools.update_wrapper(self, step, updated=())
@@ -111,7 +114,8 @@ class DiLoCoStep(OutermostStep):
             params, inner, metrics = self.step(params, state.inner, batch)
         tokens = state.tokens + self._counted(ran) if self.weighting == "tokens" else state.tokens
         state = DiLoCoState(inner, state.anchor, state.outer, state.inner_step + 1, tokens)
-        if int(state.inner_step) % self.inner_steps == 0:
+        done = int(state.inner_step)
+        if done <= self.warmup_steps or done % self.inner_steps == 0:
             # A group healing at this round's quorum takes what this one all-reduces.
             self._serving().serve(params, state, in_round=True)
             self.manager.start_quorum()
@@ -168,9 +172,16 @@ class DiLoCoStep(OutermostStep):
             weight = state.tokens
         else:
             weight = torch.ones((), dtype=torch.int64)
-        anchor, outer_state, committed = outer_round(
-            self.manager, self.outer, state.anchor, state.outer, params, weight
-        )
+        if int(state.inner_step) <= self.warmup_steps:  # the plain average; the outer waits
+            plain = _AVERAGE.init(state.anchor)
+            anchor, _, committed = outer_round(
+                self.manager, _AVERAGE, state.anchor, plain, params, weight
+            )
+            outer_state = state.outer
+        else:
+            anchor, outer_state, committed = outer_round(
+                self.manager, self.outer, state.anchor, state.outer, params, weight
+            )
         self._log_round(committed, int(state.inner_step))
         # Copies: a jitted inner step updates its params in place, and the anchor must stay
         # as the round left it. The round's tokens are spent, committed or dropped.
@@ -214,6 +225,9 @@ class DiLoCoStep(OutermostStep):
             return
         self.groups.update(self.manager)
 
+
+_AVERAGE = sgd(1.0)
+"""A warm-up round's outer step: the anchor moves by the whole averaged pseudo-gradient."""
 
 STATE_KEY = "d9d.diloco"
 """The key of ``diloco``'s part of torchft's state dict of a replica group."""

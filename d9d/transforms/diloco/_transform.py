@@ -50,6 +50,7 @@ class DiLoCo:
     inner_steps: int
     outer: GradientTransformation
     weighting: str = "tokens"
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         missing = [m for m in MANAGER_METHODS if not callable(getattr(self.manager, m, None))]
@@ -73,6 +74,18 @@ class DiLoCo:
                 f"diloco(outer={self.outer!r}) must be a d9d.optim GradientTransformation, "
                 "such as d9d.optim.sgd(0.7, momentum=0.9, nesterov=True)"
             )
+        warmup = self.warmup_steps
+        if (
+            isinstance(warmup, bool)
+            or not isinstance(warmup, int)
+            or warmup < 0
+            or warmup % self.inner_steps
+        ):
+            raise ConfigError(
+                f"diloco(warmup_steps={warmup!r}) must be an int >= 0 and a multiple of "
+                f"inner_steps={self.inner_steps}: the first inner steps, each followed by a "
+                "round that averages the groups' params, before rounds come every inner_steps"
+            )
         if self.weighting not in WEIGHTINGS:
             raise ConfigError(
                 f"diloco(weighting={self.weighting!r}) must be one of {WEIGHTINGS}: 'tokens' "
@@ -91,7 +104,9 @@ class DiLoCo:
                 "places its inner step's): compile a transformed step, such as d9d.jit(d9d."
                 "shard_params(d9d.make_mesh(fsdp=1), 'fsdp')(step)), or drop d9d.jit"
             )
-        return DiLoCoStep(step, self.manager, self.inner_steps, self.outer, self.weighting)
+        return DiLoCoStep(
+            step, self.manager, self.inner_steps, self.outer, self.weighting, self.warmup_steps
+        )
 
 
 def diloco(
@@ -100,6 +115,7 @@ def diloco(
     inner_steps: int,
     outer: GradientTransformation | None = None,
     weighting: str = "tokens",
+    warmup_steps: int = 0,
 ) -> DiLoCo:
     """Run a step as DiLoCo's inner step: replica groups meet every ``inner_steps`` steps.
 
@@ -125,6 +141,13 @@ def diloco(
     ``weighting="equal"`` weighs every group alike, as the DiLoCo paper (whose workers see
     equal batches) and torchft do.
 
+    Warm-up (``warmup_steps=W``): the first W inner steps are each followed by a round whose
+    outer step is the plain average (the anchor becomes the groups' weighted mean of params;
+    the outer optimizer and its state wait), as post-local SGD starts local SGD (Lin et al.,
+    2020) and the DiLoCo paper starts from a pretrained model; rounds then come every H
+    steps. Trained from scratch, the outer momentum that hurts in the first rounds helps
+    once the groups start from trained params (``docs/fault_tolerance.md``).
+
     The step's loss is the group's own (inner steps do not communicate); the manager's step
     (``manager.current_step()``) counts committed rounds, -1 from ``place`` until the group's
     first inner step (so that a group restarted before the first round is behind, and healed).
@@ -147,6 +170,8 @@ def diloco(
             paper's.
         weighting: ``"tokens"`` (default): each group's pseudo-gradient weighs by the valid
             tokens it trained on in the round; ``"equal"``: every group weighs alike.
+        warmup_steps: W, the first inner steps each followed by an averaging round, a
+            multiple of ``inner_steps`` (default 0: none).
 
     Returns:
         The wrapper: apply it to a step (above every transform, and above ``d9d.jit``). The wrapped step's ``place(params, opt_state)`` returns
@@ -154,8 +179,9 @@ def diloco(
 
     Raises:
         ConfigError: ``manager`` is not a torchft ``Manager``, ``inner_steps`` is not an
-            int >= 1, ``outer`` is not a ``GradientTransformation``, or ``weighting`` is
-            neither ``"tokens"`` nor ``"equal"``.
+            int >= 1, ``outer`` is not a ``GradientTransformation``, ``weighting`` is
+            neither ``"tokens"`` nor ``"equal"``, or ``warmup_steps`` is not an int >= 0
+            and a multiple of ``inner_steps``.
         PlanError: the step is already under ``diloco``, or (when placed) votes on each
             step's commit (``d9d.fault_tolerant``), or (when called, under
             ``weighting="tokens"``) its loss counted no tokens.
@@ -168,4 +194,4 @@ def diloco(
         d9d.errors.ConfigError: diloco needs a torchft.Manager, got object without ...
     """
     outer = sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
-    return DiLoCo(manager, inner_steps, outer, weighting)
+    return DiLoCo(manager, inner_steps, outer, weighting, warmup_steps)
