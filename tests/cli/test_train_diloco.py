@@ -61,7 +61,8 @@ def _losses(out: Path) -> list[float]:
 def test_two_diloco_groups_each_train_on_their_own_rows_one_of_them_jitted(
     tmp_path: Path,
 ) -> None:
-    """Group 1 runs with --jit: its inner steps compiled, its outer rounds with group 0's."""
+    """Group 1 runs with --jit: its inner steps compiled, its outer rounds with group 0's,
+    after a warm-up round (--diloco-warmup 2: rounds after steps 1, 2 and 4)."""
     pytest.importorskip("torchft.coordination")
     assert main([*ARGS, "--log-every", "1", "--out", str(tmp_path / "one")]) == 0
     lighthouse = ft_lighthouse()
@@ -75,7 +76,8 @@ def test_two_diloco_groups_each_train_on_their_own_rows_one_of_them_jitted(
                     *((sys.executable, "-m", "d9d") if g == 0 else JITTED),
                     *(*ARGS, "--log-every=1"),
                     *("--steps=4", "--fault-tolerant", f"--lighthouse={lighthouse.address()}"),
-                    *("--diloco=2", *(("--jit",) if g == 1 else ())),
+                    *("--diloco=2", "--diloco-warmup=2", "--eval-every=1"),
+                    *(("--jit",) if g == 1 else ()),
                     *(f"--replica-group-id={g}", "--replica-groups=2"),
                     f"--out={tmp_path / f'group{g}'}",
                 ],
@@ -102,11 +104,13 @@ def test_two_diloco_groups_each_train_on_their_own_rows_one_of_them_jitted(
     # round after step 2): different losses, whose mean is the one-process loss of all rows.
     assert first[0] != pytest.approx(second[0], rel=1e-3)
     assert (first[0] + second[0]) / 2 == pytest.approx(one[0], rel=1e-5)
-    # Each group evaluates its own params, which an outer round (after steps 2 and 4) made
-    # the same on both, bit for bit, whether their inner steps were compiled or not.
+    # Each group evaluates its own params, which a round (the warm-up's after step 1, the
+    # outer ones after steps 2 and 4) made the same on both, bit for bit, whether their
+    # inner steps were compiled or not; after step 3 (no round) they differ.
     evals = [{r["step"]: r.get("eval_loss") for r in _records(out)} for out in outs]
-    assert None not in (evals[0][2], evals[0][4])
-    assert (evals[0][2], evals[0][4]) == (evals[1][2], evals[1][4])
+    assert None not in (evals[0][1], evals[0][2], evals[0][3], evals[0][4])
+    assert [evals[0][s] for s in (1, 2, 4)] == [evals[1][s] for s in (1, 2, 4)]
+    assert evals[0][3] != evals[1][3]
 
 
 @pytest.mark.distributed
