@@ -160,7 +160,7 @@ def add_offload_opt_state(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep AdamW's state in host memory and run its update there, the grads "
         "copied to the host and the updates back (shard_params' opt_state_device='cpu' with "
-        "d9d.optim.offloaded); not with --jit, --pp or --master-weights",
+        "d9d.optim.offloaded); not with --jit or --master-weights",
     )
 
 

@@ -142,7 +142,7 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     # Only the axes in use: DTensor's sharding propagation slows down steeply with the
     # number of mesh dims (a foreach op on a 5-D mesh takes minutes to plan).
     axes = {name: size for name, size in {**sizes, "fsdp": fsdp}.items() if size > 1}
-    # Before the one-rank fsdp axis below: --dtype or --grad-accum adds it, not ranks.
+    # Before the one-rank axis below: --dtype or --grad-accum adds it, not ranks.
     if config.zero != 3 and axes.get("fsdp", 1) == 1:
         raise ValueError(
             f"--zero {config.zero} shards over --fsdp, which is 1 here; give --fsdp more "
@@ -150,7 +150,10 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
         )
     options = shard_options(config)
     if options and not {"dp", "fsdp"} & set(axes):
-        axes["fsdp"] = 1  # shard_params' precision and accumulation, over one rank
+        # shard_params' precision, accumulation and host state over one rank, on a replicate
+        # axis: nothing to gather or reduce (a one-rank fsdp axis would copy every param
+        # through a collective each step).
+        axes["dp"] = 1
     mesh = make_mesh(**(axes or {"fsdp": 1}))
     if "dp" in axes or "fsdp" in axes:
         shard_axis = "fsdp" if "fsdp" in axes else None

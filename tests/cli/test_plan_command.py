@@ -403,6 +403,11 @@ def test_microbatches_without_a_pipeline_are_refused() -> None:
         show_plan("tiny", fsdp=2, microbatches=4)
 
 
+def test_a_schedule_without_a_pipeline_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"--schedule zbv orders the microbatches of pipeline"):
+        show_plan("tiny", fsdp=2, schedule="zbv")
+
+
 def test_pipeline_plan_counts_the_accumulated_grads_instead_of_the_kept() -> None:
     """pp=2 x fsdp=2 (ZeRO-3): the stage's grads summed whole over its microbatches are twice
     its fsdp-sharded params, shown on their own line, and the total holds them, not grads."""

@@ -40,7 +40,9 @@ def test_train_writes_metrics_plot_and_config(
     }  # fmt: skip
     assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "run" / "config.json").read_text())["steps"] == 4
-    assert "loss" in capsys.readouterr().out
+    # The summary's first loss is step 2's, the first one logged, and says so.
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert f"loss {first:.3f} (step 2) -> {last:.3f} in 4 steps (1-4)" in capsys.readouterr().out
 
 
 def test_train_is_deterministic_for_a_seed(tmp_path: Path) -> None:

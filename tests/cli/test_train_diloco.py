@@ -194,7 +194,7 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        ({"diloco": 8}, r"--diloco only apply with --fault-tolerant"),
+        ({"diloco": 8}, r"--diloco only applies with --fault-tolerant"),
         ({**FT, "replica_group_id": 0, "diloco": 0}, r"--diloco H must be >= 1 inner steps"),
         (
             {**FT, "replica_group_id": 0, "diloco": 8, "steps": 20},

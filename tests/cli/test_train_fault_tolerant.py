@@ -89,7 +89,7 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
     ("fields", "error", "match"),
     [
         ({"fault_tolerant": True}, ValueError, r"--fault-tolerant needs --lighthouse, --replica"),
-        ({"lighthouse": "x"}, ValueError, r"--lighthouse only apply with --fault-tolerant"),
+        ({"lighthouse": "x"}, ValueError, r"--lighthouse only applies with --fault-tolerant"),
         ({**FT, "replica_group_id": 2}, ValueError, r"--replica-group-id must be in 0 \.\."),
         ({**FT, "replica_group_id": 0, "jit": True}, ConfigError, r"not run with --jit yet"),
         (

@@ -11,9 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+import d9d
 from d9d.cli import main
+from d9d.cli._config import TrainConfig
+from d9d.cli._train_step import _optimizer, _parallel, make_train_step
+from d9d.models import Llama, LlamaConfig
+from d9d.testing import run_on_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +48,27 @@ def test_grad_accum_and_bf16_equal_the_runs_they_stand_for(tmp_path: Path) -> No
     leaves = json.loads((tmp_path / "bf16/checkpoints/step_3/metadata.json").read_text())["leaves"]
     dtypes = {leaf["dtype"] for path, leaf in leaves.items() if path.startswith("params.")}
     assert dtypes == {"float32"}  # ... over float32 master weights
+
+
+def _one_process_collectives(flags: dict) -> int:
+    config = TrainConfig(batch_size=4, seq_len=32, **flags)
+    torch.manual_seed(0)
+    model = d9d.functionalize(Llama(LlamaConfig.tiny()))
+    opt = _optimizer(config)
+    step = _parallel(config, make_train_step(model, opt))
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    tokens = torch.randint(0, 256, (4, 33))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    return step.comms(params, state, batch).total_count()
+
+
+@pytest.mark.parametrize(
+    "flags", [{"dtype": "bfloat16"}, {"grad_accum": 2}, {"offload_opt_state": True}]
+)
+def test_one_process_runs_these_flags_with_no_collective(flags: dict) -> None:
+    """In one process each puts shard_params over a one-rank replicate axis: nothing to
+    gather or reduce (a one-rank fsdp axis copied every param through a collective)."""
+    assert run_on_ranks(_one_process_collectives, 1, flags) == [0]
 
 
 @pytest.mark.parametrize(

@@ -112,6 +112,19 @@ def test_eval_holds_out_the_end_of_the_tokens(tmp_path: Path) -> None:
         (["--eval-batches", "0"], r"--eval-batches must be >= 1, got 0"),
         (["--profile-steps", "0"], r"--profile-steps must be >= 1, got 0"),
         (["--eval-every", "2"], r"the held-out tokens \(\d+\) are too few for one eval batch"),
+        (
+            ["--eval-every", "2", "--eval-fraction", "0.5", "--eval-batches", "40"],
+            r"pack into \d+ windows of 17 tokens, fewer than --eval-batches 40 x --batch-size 2",
+        ),
+        (["--eval-batches", "2"], r"--eval-batches 2 only applies with --eval-every; add it"),
+        (["--eval-fraction", "0.1"], r"--eval-fraction 0.1 only applies with --eval-every"),
+        (["--profile-steps", "2"], r"--profile-steps 2 only applies with --profile"),
+        (["--wandb-project", "x"], r"--wandb-project x only applies with --wandb"),
+        (["--microbatches", "3"], r"--microbatches 3 only applies with --pp"),
+        (
+            ["--schedule", "dualpipev", "--microbatches", "4"],
+            r"--microbatches 4 and --schedule dualpipev only apply with --pp \(a pipeline's",
+        ),
     ],
 )
 def test_bad_watch_flags_are_one_line_errors(

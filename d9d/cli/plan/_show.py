@@ -125,6 +125,11 @@ def show_plan(
             "give --pp ranks (gradient accumulation without a pipeline is d9d train's "
             "--grad-accum, which d9d plan does not model)"
         )
+    if schedule != "1f1b" and pp == 1:
+        raise ValueError(
+            f"--schedule {schedule} orders the microbatches of pipeline stages, and --pp is 1; "
+            "give --pp ranks, or drop --schedule"
+        )
     chunks = microbatches or 2 * pp if pp > 1 else 1
     ranks = math.prod(sizes.values())
     with fake_world(ranks):

@@ -29,6 +29,34 @@ def check_flags(config: TrainConfig) -> None:
     for name in ("dp", "fsdp", "ep", "tp", "cp", "pp", "microbatches"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
+    defaults = TrainConfig()
+    if (config.pp or 1) == 1:
+        given = [
+            f"--{name} {getattr(config, name)}"
+            for name in ("microbatches", "schedule")
+            if getattr(config, name) != getattr(defaults, name)
+        ]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(
+                f"{' and '.join(given)} only {verb} with --pp (a pipeline's microbatches and "
+                "schedule); give --pp ranks, or drop them (accumulation without a pipeline "
+                "is --grad-accum)"
+            )
+    watch_flags = {  # flag: (value, default, the flag it modifies)
+        "--eval-fraction": (config.eval_fraction, defaults.eval_fraction, "--eval-every"),
+        "--eval-batches": (config.eval_batches, defaults.eval_batches, "--eval-every"),
+        "--profile-steps": (config.profile_steps, defaults.profile_steps, "--profile"),
+        "--wandb-project": (config.wandb_project, defaults.wandb_project, "--wandb"),
+    }
+    enabled = {
+        "--eval-every": config.eval_every > 0,
+        "--profile": config.profile,
+        "--wandb": config.wandb,
+    }
+    for flag, (value, default, needs) in watch_flags.items():
+        if value != default and not enabled[needs]:
+            raise ValueError(f"{flag} {value} only applies with {needs}; add it, or drop {flag}")
     if config.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {config.grad_accum}")
     if config.grad_accum > 1 and (config.pp or 1) > 1:
@@ -122,7 +150,8 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
             if value is not None
         ]
         if given:
-            raise ValueError(f"{', '.join(given)} only apply with --fault-tolerant; add it")
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(f"{', '.join(given)} only {verb} with --fault-tolerant; add it")
         return
     missing = [flag for flag, value in ft_flags.items() if value is None]
     if missing:

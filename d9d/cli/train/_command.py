@@ -34,8 +34,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
         return 0
     first, last = result.records[0], result.records[-1]
+    # The first logged step, which is the first step only when --log-every is 1.
+    since = "" if first["step"] == result.first_step + 1 else f" (step {first['step']:.0f})"
     print(
-        f"loss {first['loss']:.3f} -> {last['loss']:.3f} in {result.last_step - result.first_step} "
-        f"steps ({result.first_step + 1}-{result.last_step}), {last['elapsed_s']:.1f} s; {wrote}"
+        f"loss {first['loss']:.3f}{since} -> {last['loss']:.3f} in "
+        f"{result.last_step - result.first_step} steps ({result.first_step + 1}-"
+        f"{result.last_step}), {last['elapsed_s']:.1f} s; {wrote}"
     )
     return code
