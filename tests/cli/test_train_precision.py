@@ -18,6 +18,8 @@ import d9d
 from d9d.cli import main
 from d9d.cli._config import TrainConfig
 from d9d.cli._train_step import _optimizer, _parallel, make_train_step
+from d9d.cli.train._run import _check_microbatches
+from d9d.errors import ConfigError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import run_on_ranks
 
@@ -76,6 +78,12 @@ def test_one_process_runs_these_flags_with_no_collective(flags: dict) -> None:
     [
         (["--grad-accum", "0"], r"--grad-accum must be >= 1, got 0"),
         (["--grad-accum", "2", "--pp", "2"], r"--grad-accum does not combine with --pp"),
+        (
+            ["--grad-accum", "3", "--batch-size", "8"],
+            r"--batch-size 8 gives each of the 1 data-parallel rank\(s\) 8 sequences, which "
+            r"do not split into --grad-accum 3 microbatches; pass a --batch-size that is a "
+            r"multiple of 3",
+        ),
         (["--dtype", "float16"], r"invalid choice: 'float16'"),
         (["--opt-state-dtype", "int8"], r"--opt-state-dtype: invalid choice: 'int8'"),
         (
@@ -206,3 +214,9 @@ def test_plan_shows_the_mixed_precision_adam_of_master_weights() -> None:
         value = {line.split()[0]: line.split()[-2:] for line in lines if line.startswith("  ")}
         assert (value["params"], value["grads"]) == (params, grads)
         assert value["optimizer"] == human(12 * n // 2 + 20).split()
+
+
+def test_pipeline_microbatches_that_do_not_split_a_rank_s_rows_name_the_flags() -> None:
+    with pytest.raises(ConfigError, match=r"do not split into --microbatches 4 \(by default 2 x"):
+        _check_microbatches(TrainConfig(pp=2, fsdp=2, batch_size=12), data_ranks=2)
+    _check_microbatches(TrainConfig(pp=2, fsdp=2, batch_size=16), data_ranks=2)

@@ -22,7 +22,7 @@ from ... import checkpoint, data, optim
 from ...core._mesh import make_mesh
 from ...core._model import functionalize
 from ...core._step import OutermostStep, TransformedStep
-from ...errors import DataError
+from ...errors import ConfigError, DataError
 from ...launch._process_group import init_process_group
 from ...models import Llama, LlamaConfig, MoE, MoEConfig
 from ...models.moe import make_train_step as make_moe_train_step
@@ -232,6 +232,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     if isinstance(step, TransformedStep | DiLoCoStep):
         params, opt_state = step.place(params, opt_state, model=model)
         loader = _loader(config, loader.tokens, *_data_rank(step, replica, config))
+        _check_microbatches(config, _data_rank(step, replica, config)[1])
     if replica is not None:
         replica.follow(loader)
     evaluator = None
@@ -310,6 +311,25 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     if preemption.stopped_at is not None:
         return TrainRun(records, first_step, preemption.stopped_at, preempted=True)
     return TrainRun(records, first_step, max(first_step, config.steps))
+
+
+def _check_microbatches(config: TrainConfig, data_ranks: int) -> None:
+    """Refuse, naming the flags, a rank's rows that do not split into its microbatches."""
+    pp = config.pp or 1
+    splits = {
+        "--grad-accum": config.grad_accum,
+        "--microbatches": (config.microbatches or 2 * pp) if pp > 1 else 1,
+    }
+    rows = config.batch_size // data_ranks
+    for flag, count in splits.items():
+        if count > 1 and rows % count:
+            default = " (by default 2 x --pp)" if flag == "--microbatches" else ""
+            raise ConfigError(
+                f"--batch-size {config.batch_size} gives each of the {data_ranks} "
+                f"data-parallel rank(s) {rows} sequences, which do not split into {flag} "
+                f"{count}{default} microbatches; pass a --batch-size that is a multiple of "
+                f"{data_ranks * count}, or another {flag}"
+            )
 
 
 def _data_rank(
