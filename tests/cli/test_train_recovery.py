@@ -224,6 +224,22 @@ def test_resume_refuses_a_changed_schedule_or_model_flag(
     )
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--opt-state-dtype", "bfloat16"], r"--opt-state-dtype bfloat16 \(was float32\)"),
+        (["--offload-opt-state"], r"--offload-opt-state True \(was False\)"),
+    ],
+)
+def test_resume_refuses_a_changed_optimizer_state_layout_by_name(
+    run: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main([*_args(run, "--resume", "--allow-config-change"), *flags]) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1
+    assert re.search(message + r": the checkpoint's optimizer state is laid out", err[0])
+
+
 def test_allow_config_change_resumes_with_the_new_flags(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,7 +1,8 @@
 """How ``d9d train --resume`` / ``--resume-from`` picks, checks and restores a checkpoint.
 
 * The flags that change the schedule or the model must equal the ``config.json`` of the run
-  that wrote the checkpoint, unless ``--allow-config-change``.
+  that wrote the checkpoint, unless ``--allow-config-change``; those that lay the optimizer
+  state out (``STATE_FLAGS``) must equal it.
 * ``--resume`` tries every ``step_<N>`` folder newest first and falls back past damaged ones
   (no ``COMMIT`` or ``metadata.json``, unparsable metadata, a chunk failing its checksum);
   ``--resume-from PATH`` restores exactly PATH or fails. Every rank must read its slices;
@@ -28,7 +29,7 @@ from ... import checkpoint
 from ...checkpoint import _format
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
-__all__ = ["SCHEDULE_FLAGS", "check_unchanged", "restore", "say", "set_aside_newer"]
+__all__ = ["SCHEDULE_FLAGS", "STATE_FLAGS", "check_unchanged", "restore", "say", "set_aside_newer"]
 
 # Flags that change the model, the learning-rate schedule or the data order.
 SCHEDULE_FLAGS = (
@@ -46,6 +47,15 @@ SCHEDULE_FLAGS = (
     "vocab_size",
     "eval_fraction",
 )
+
+
+# Flags that change the optimizer state's layout: a checkpoint restores only into its own.
+STATE_FLAGS = ("offload_opt_state", "opt_state_dtype", "master_weights", "diloco")
+
+
+def _layout(name: str, value: Any) -> Any:
+    """What of a ``STATE_FLAGS`` value lays the state out: ``--diloco``'s H does not."""
+    return value is not None if name == "diloco" else value
 
 
 def say(text: str) -> None:
@@ -88,6 +98,17 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
     if not isinstance(saved, dict):
         say(f"warning: cannot check the flags against {str(saved_file)!r} (not a JSON object)")
         return
+    laid_out = [
+        f"{_flag(name)} {current.get(name)} (was {saved[name]})"
+        for name in STATE_FLAGS
+        if name in saved and _layout(name, saved[name]) != _layout(name, current.get(name))
+    ]
+    if laid_out:
+        raise ConfigError(
+            f"{', '.join(laid_out)}: the checkpoint's optimizer state is laid out for the "
+            f"run that wrote it ({str(saved_file)!r}) and cannot be restored into this one's; "
+            "pass the old value to resume it"
+        )
     old, new = _schedule(saved), _schedule(current)
     changed = [
         f"{_flag(name)} {new[name]} (was {old[name]})"
