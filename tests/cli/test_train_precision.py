@@ -217,6 +217,10 @@ def test_plan_shows_the_mixed_precision_adam_of_master_weights() -> None:
 
 
 def test_pipeline_microbatches_that_do_not_split_a_rank_s_rows_name_the_flags() -> None:
-    with pytest.raises(ConfigError, match=r"do not split into --microbatches 4 \(by default 2 x"):
+    with pytest.raises(ConfigError, match=r"do not split into --microbatches 4 \(2 x --pp by"):
         _check_microbatches(TrainConfig(pp=2, fsdp=2, batch_size=12), data_ranks=2)
+    with pytest.raises(
+        ConfigError, match=r"6 sequences, which do not split into --microbatches 4 "
+    ):
+        _check_microbatches(TrainConfig(pp=2, microbatches=4, batch_size=12), data_ranks=2)
     _check_microbatches(TrainConfig(pp=2, fsdp=2, batch_size=16), data_ranks=2)

@@ -323,7 +323,7 @@ def _check_microbatches(config: TrainConfig, data_ranks: int) -> None:
     rows = config.batch_size // data_ranks
     for flag, count in splits.items():
         if count > 1 and rows % count:
-            default = " (by default 2 x --pp)" if flag == "--microbatches" else ""
+            default = " (2 x --pp by default)" if config.microbatches is None and pp > 1 else ""
             raise ConfigError(
                 f"--batch-size {config.batch_size} gives each of the {data_ranks} "
                 f"data-parallel rank(s) {rows} sequences, which do not split into {flag} "
