@@ -119,6 +119,17 @@ def with_fp8(config: TrainConfig, mesh: Any, step: Any) -> Any:
     )(step)
 
 
+def _check_fp8_gather(config: TrainConfig, fsdp: int) -> None:
+    """``--fp8-gather`` needs weights that ``shard_params`` all-gathers: ``--fsdp`` ranks under
+    ``--zero 3``."""
+    if config.fp8_gather and (fsdp == 1 or config.zero != 3):
+        raise ValueError(
+            f"--fp8-gather all-gathers the fp8 weights of --fsdp ranks under --zero 3, and "
+            f"this run has --fsdp {fsdp} and --zero {config.zero}: give --fsdp ranks with "
+            "--zero 3 (the default), or drop --fp8-gather"
+        )
+
+
 def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     """``step`` under the transforms of the job's ``pp x dp x fsdp x cp x tp`` mesh (``fsdp``:
     the ranks the others leave), or as it is outside a job."""
@@ -128,6 +139,7 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
             "with `torchrun --nproc-per-node N -m d9d train ...`, or drop --zero"
         )
     if not dist.is_initialized():
+        _check_fp8_gather(config, fsdp=1)
         return step
     world = dist.get_world_size()
     sizes = {name: getattr(config, name) or 1 for name in _AXES if name != "fsdp"}
@@ -148,6 +160,7 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
             f"--zero {config.zero} shards over --fsdp, which is 1 here; give --fsdp more "
             "ranks, or drop --zero"
         )
+    _check_fp8_gather(config, fsdp)
     options = shard_options(config)
     if options and not {"dp", "fsdp"} & set(axes):
         # shard_params' precision, accumulation and host state over one rank, on a replicate

@@ -73,6 +73,11 @@ def test_fp8_exclude_keeps_the_matched_linears_in_high_precision(tmp_path: Path)
         (["--fp8-exclude", "attn"], r"--fp8-exclude chooses what --fp8 computes in fp8; pass"),
         (["--fp8-gather"], r"--fp8-gather chooses what --fp8 computes in fp8; pass --fp8"),
         (["--fp8", "rowwise", "--fp8-gather"], r"--fp8-gather all-gathers tensorwise .*rowwise"),
+        (
+            ["--fp8", "tensorwise", "--fp8-gather", "--steps", "1", "--batch-size", "2"],
+            r"--fp8-gather all-gathers the fp8 weights of --fsdp ranks under --zero 3, and this "
+            r"run has --fsdp 1",
+        ),
     ],
 )
 def test_fp8_options_without_their_recipe_refused(
