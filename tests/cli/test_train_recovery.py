@@ -266,6 +266,19 @@ def test_resume_from_a_path(run: Path, reference: list, capsys: pytest.CaptureFi
     ]
 
 
+@pytest.mark.parametrize("given", ["run", "checkpoints"])
+def test_resume_from_a_run_folder_names_its_newest_checkpoint(
+    run: Path, capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    folder = run if given == "run" else run / "checkpoints"
+    assert main(_args(run, "--resume-from", str(folder))) == 2
+    err = _err(capsys).strip().splitlines()
+    newest = run / "checkpoints" / "step_3"
+    assert len(err) == 1
+    assert "is a run's folder, not a checkpoint; pass one of its checkpoints, the newest " in err[0]
+    assert f"--resume-from '{newest}', or --resume with --out '{run}'" in err[0]
+
+
 def test_resume_from_a_damaged_path_is_one_line_naming_the_file(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -29,7 +29,15 @@ from ... import checkpoint
 from ...checkpoint import _format
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
-__all__ = ["SCHEDULE_FLAGS", "STATE_FLAGS", "check_unchanged", "restore", "say", "set_aside_newer"]
+__all__ = [
+    "SCHEDULE_FLAGS",
+    "STATE_FLAGS",
+    "check_is_checkpoint",
+    "check_unchanged",
+    "restore",
+    "say",
+    "set_aside_newer",
+]
 
 # Flags that change the model, the learning-rate schedule or the data order.
 SCHEDULE_FLAGS = (
@@ -127,6 +135,19 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
         "changes the schedule or the model. Pass the old values to resume that run, or "
         "--allow-config-change to resume with the new ones"
     )
+
+
+def check_is_checkpoint(path: Path) -> None:
+    """Refuse ``--resume-from`` given a run's folder (or its ``checkpoints``), naming the
+    newest checkpoint in it."""
+    held = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = [folder for _, folder in _format.step_folders(held)]
+    if not (path / _format.COMMIT).is_file() and steps:
+        raise CheckpointNotFoundError(
+            f"--resume-from {str(path)!r} is a run's folder, not a checkpoint; pass one of its "
+            f"checkpoints, the newest being --resume-from {str(steps[-1])!r}, or --resume "
+            f"with --out {str(held.parent)!r}"
+        )
 
 
 def _agree(problem: BaseException | None) -> BaseException | None:

@@ -203,6 +203,8 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     config = replace(config, warmup=min(config.warmup, config.steps - 1))  # what the schedule uses
     directory = config.out / "checkpoints"
     resuming = config.resume or config.resume_from is not None
+    if config.resume_from is not None:
+        resume.check_is_checkpoint(config.resume_from)
     if resuming and (config.resume_from or checkpoint.all_checkpoints(directory)):
         source = config.resume_from.parent if config.resume_from else directory
         resume.check_unchanged(
