@@ -120,6 +120,7 @@ def test_eval_holds_out_the_end_of_the_tokens(tmp_path: Path) -> None:
         (["--eval-fraction", "0.1"], r"--eval-fraction 0.1 only applies with --eval-every"),
         (["--profile-steps", "2"], r"--profile-steps 2 only applies with --profile"),
         (["--wandb-project", "x"], r"--wandb-project x only applies with --wandb"),
+        (["--profile", "--steps", "1"], r"--profile traces from the second step .* --steps 1"),
         (["--microbatches", "3"], r"--microbatches 3 only applies with --pp"),
         (
             ["--schedule", "dualpipev", "--microbatches", "4"],

@@ -57,6 +57,11 @@ def check_flags(config: TrainConfig) -> None:
     for flag, (value, default, needs) in watch_flags.items():
         if value != default and not enabled[needs]:
             raise ValueError(f"{flag} {value} only applies with {needs}; add it, or drop {flag}")
+    if config.profile and config.steps < 2:
+        raise ValueError(
+            f"--profile traces from the second step of a run (the first allocates and "
+            f"compiles), and --steps {config.steps} runs none; pass --steps 2 or more"
+        )
     if config.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {config.grad_accum}")
     if config.grad_accum > 1 and (config.pp or 1) > 1:
