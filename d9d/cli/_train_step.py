@@ -119,6 +119,13 @@ def with_fp8(config: TrainConfig, mesh: Any, step: Any) -> Any:
     )(step)
 
 
+def pipeline_microbatches(config: TrainConfig) -> int:
+    """The microbatches a step is split into under ``--pp``: ``--microbatches``, by default
+    2 x ``--pp``; 1 without a pipeline."""
+    pp = config.pp or 1
+    return (config.microbatches or 2 * pp) if pp > 1 else 1
+
+
 def _check_fp8_gather(config: TrainConfig, fsdp: int) -> None:
     """``--fp8-gather`` needs weights that ``shard_params`` all-gathers: ``--fsdp`` ranks under
     ``--zero 3``."""
@@ -185,7 +192,7 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
         step = pipeline(
             mesh,
             schedule=config.schedule,
-            microbatches=config.microbatches or 2 * sizes["pp"],
+            microbatches=pipeline_microbatches(config),
             virtual_stages=2 if SCHEDULES[config.schedule].multi else 1,
         )(step)
     return step

@@ -13,7 +13,6 @@ import torch
 from ... import data, losses
 from ...core._model import Model
 from ...core._step import TransformedStep
-from ...data._packing import num_windows
 from ...errors import DataError
 
 __all__ = ["Evaluator", "split_held_out"]
@@ -85,7 +84,7 @@ class Evaluator:
                 f"{batch_size} x {seq_len + 1} tokens: raise --eval-fraction, or lower "
                 f"--batch-size or --seq-len ({error})"
             ) from None
-        windows = num_windows(held_out.size, seq_len)
+        windows = data.num_windows(held_out.size, seq_len)
         if windows < batches * batch_size:  # the loader would wrap: windows seen twice
             raise DataError(
                 f"the held-out tokens ({held_out.size}) pack into {windows} windows of "

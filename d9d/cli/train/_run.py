@@ -30,7 +30,7 @@ from ...transforms.diloco import DiLoCoStep
 from .._config import TrainConfig
 from .._flops import train_flops_per_token
 from .._precision import shard_options, stored_params
-from .._train_step import _AXES, _optimizer, _parallel, make_train_step
+from .._train_step import _AXES, _optimizer, _parallel, make_train_step, pipeline_microbatches
 from . import _resume as resume
 from ._checkpoints import Checkpointer, check_finite
 from ._checks import check_flags as _check
@@ -233,8 +233,9 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     opt_state = opt.init(params)
     if isinstance(step, TransformedStep | DiLoCoStep):
         params, opt_state = step.place(params, opt_state, model=model)
-        loader = _loader(config, loader.tokens, *_data_rank(step, replica, config))
-        _check_microbatches(config, _data_rank(step, replica, config)[1])
+        data_rank, data_ranks = _data_rank(step, replica, config)
+        loader = _loader(config, loader.tokens, data_rank, data_ranks)
+        _check_microbatches(config, data_ranks)
     if replica is not None:
         replica.follow(loader)
     evaluator = None
@@ -317,15 +318,12 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
 
 def _check_microbatches(config: TrainConfig, data_ranks: int) -> None:
     """Refuse, naming the flags, a rank's rows that do not split into its microbatches."""
-    pp = config.pp or 1
-    splits = {
-        "--grad-accum": config.grad_accum,
-        "--microbatches": (config.microbatches or 2 * pp) if pp > 1 else 1,
-    }
+    splits = {"--grad-accum": config.grad_accum, "--microbatches": pipeline_microbatches(config)}
     rows = config.batch_size // data_ranks
     for flag, count in splits.items():
         if count > 1 and rows % count:
-            default = " (2 x --pp by default)" if config.microbatches is None and pp > 1 else ""
+            by_default = flag == "--microbatches" and config.microbatches is None
+            default = " (2 x --pp by default)" if by_default else ""
             raise ConfigError(
                 f"--batch-size {config.batch_size} gives each of the {data_ranks} "
                 f"data-parallel rank(s) {rows} sequences, which do not split into {flag} "
