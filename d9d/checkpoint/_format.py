@@ -30,6 +30,7 @@ from urllib.parse import quote
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from . import _claim
+from ._layout import dtype_from_name
 
 __all__ = [
     "all_checkpoints",
@@ -74,7 +75,15 @@ def array_file(path: str) -> str:
     return f"arrays/{name}"
 
 
-_CODECS = ({"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"})
+_CHECKSUM = {"name": "crc32c"}
+
+
+def _codecs(dtype: str) -> list[dict[str, Any]]:
+    """Little-endian bytes, then their CRC32C; a one-byte dtype has no byte order, and
+    tensorstore writes its ``bytes`` codec without one, so the spec leaves it out too."""
+    if dtype_from_name(dtype).itemsize == 1:
+        return [{"name": "bytes"}, _CHECKSUM]
+    return [{"name": "bytes", "configuration": {"endian": "little"}}, _CHECKSUM]
 
 
 def array_spec(root: Path, record: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +101,7 @@ def array_spec(root: Path, record: dict[str, Any]) -> dict[str, Any]:
             "shape": record["shape"],
             "data_type": record["dtype"],
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": record["chunks"]}},
-            "codecs": list(_CODECS),
+            "codecs": _codecs(record["dtype"]),
         },
     }
 
