@@ -71,6 +71,9 @@ def cross_entropy(
         0.1269
     """
     _check_args(logits, labels, z_loss, reduction)
+    # int64 before any arithmetic: a narrow dtype wraps comparisons and offsets (uint8 labels
+    # read `labels >= 300` as `labels >= 44`), and gather takes only int32/int64 indices.
+    labels = labels.long()
     dtype = torch.promote_types(logits.dtype, torch.float32)
     valid = labels != ignore_index
     outside = valid & ((labels < 0) | (labels >= logits.shape[-1]))

@@ -47,6 +47,21 @@ def test_custom_ignore_index() -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32], ids=str)
+def test_labels_of_any_integer_dtype(dtype: torch.dtype) -> None:
+    # 300 classes: uint8 labels compared with the vocab size once wrapped it to 44
+    # (every label >= 44 "outside"), and gather refused indices narrower than int32.
+    logits, labels = _case(4, 6, vocab=300)
+    labels = labels.clamp(max=torch.iinfo(dtype).max)
+    ignore = -100 if dtype.is_signed else 255
+    labels[labels == -100] = ignore
+    got = cross_entropy(logits, labels.to(dtype), ignore_index=ignore, reduction="none")
+    expected = F.cross_entropy(
+        logits.reshape(-1, 300), labels.flatten(), ignore_index=ignore, reduction="none"
+    )
+    torch.testing.assert_close(got, expected.reshape(got.shape))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_logits_are_computed_in_fp32(dtype: torch.dtype) -> None:
     logits, labels = _case(4, 9, dtype=dtype)
