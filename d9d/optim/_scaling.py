@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -63,8 +64,12 @@ def scale(step_size: float) -> GradientTransformation:
         >>> s.update({"w": torch.ones(2)}, s.init({"w": torch.ones(2)}))[0]["w"]
         tensor([-2., -2.])
     """
-    if isinstance(step_size, bool) or not isinstance(step_size, numbers.Real):
-        raise ValueError(f"step_size must be a real number, got {step_size=}")
+    if (
+        isinstance(step_size, bool)
+        or not isinstance(step_size, numbers.Real)
+        or not math.isfinite(step_size)
+    ):
+        raise ValueError(f"step_size must be a finite real number, got {step_size=}")
 
     def init(params: Any) -> ScaleState:
         del params

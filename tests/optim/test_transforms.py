@@ -102,6 +102,8 @@ def test_chain_rejects_a_non_transformation() -> None:
         (lambda: optim.lion(1e-4, b1=1.5), ValueError, r"b1=1\.5"),
         (lambda: optim.clip_by_global_norm(0.0), ValueError, r"max_norm=0\.0"),
         (lambda: optim.scale(True), ValueError, r"step_size=True"),
+        (lambda: optim.scale(float("nan")), ValueError, r"finite .* step_size=nan"),
+        (lambda: optim.scale(-float("inf")), ValueError, r"finite .* step_size=-inf"),
     ],
 )
 def test_bad_hyperparameters_are_rejected_eagerly(build, error: type, match: str) -> None:
