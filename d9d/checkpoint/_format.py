@@ -18,6 +18,7 @@ it is rotation trash, or by :func:`sweep`). A committed checkpoint whose ``metad
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -55,6 +56,8 @@ _TMP = ".tmp-"
 _TRASH = f"{_TMP}deleted-"
 _KEYS = ("format", "step", "world_size", "leaves", "metadata")
 _LEAF_KEYS = {"array": ("shape", "dtype", "chunks", "file"), "value": ("value",)}
+# The longest file name (in bytes) of the usual file systems (ext4, xfs, btrfs, APFS).
+_NAME_MAX = 255
 
 
 def step_path(directory: Path, step: int) -> Path:
@@ -68,10 +71,17 @@ def tmp_path(directory: Path, step: int, nonce: str) -> Path:
 
 
 def array_file(path: str) -> str:
-    """The folder (relative to the checkpoint) of the array of leaf ``path``."""
+    """The folder (relative to the checkpoint) of the array of leaf ``path``.
+
+    The path URL-quoted; one longer than a file name may be (255 bytes) is cut and ends
+    with a hash of the whole path instead. Restores read the name from the metadata.
+    """
     name = quote(path, safe="") or "root"
     if not name.strip("."):  # "." and ".." are not folder names
         name = name.replace(".", "%2E")
+    if len(name) > _NAME_MAX:
+        digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+        name = f"{name[: _NAME_MAX - len(digest) - 1]}~{digest}"
     return f"arrays/{name}"
 
 

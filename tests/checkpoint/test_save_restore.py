@@ -82,6 +82,17 @@ def test_one_byte_dtypes_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
         assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_leaf_paths_longer_than_a_file_name_round_trip(tmp_path: Path) -> None:
+    # A leaf's array folder is its URL-quoted path; past 255 bytes the save failed
+    # ("File name too long"). Such names are now cut and end with a hash of the path.
+    tree = {"x" * 300: torch.arange(3.0), "x" * 299 + "y": torch.ones(2), "ü" * 100: torch.zeros(1)}
+    path = checkpoint.save(tmp_path, tree, step=1).wait()
+    folders = [p.name for p in (path / "arrays").iterdir()]
+    assert len(folders) == 3 and max(len(name) for name in folders) == 255
+    assert_trees_all_equal(checkpoint.restore(path, _meta(tree)), tree)
+    assert_trees_all_equal(checkpoint.restore(path), tree)
+
+
 @pytest.fixture(scope="module")
 def fsdp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``TREE`` saved by 4 ranks under ``fsdp=4`` (Shard(0), uneven and empty shards)."""
