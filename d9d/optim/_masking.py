@@ -74,7 +74,7 @@ def _selector(mask: Mask) -> Callable[[Any], list[bool]]:
     match mask:
         case str():
             by_leaf = _regex_selector([mask])
-        case list() | tuple() if mask and all(isinstance(m, str) for m in mask):
+        case list() | tuple() if all(isinstance(m, str) for m in mask):
             by_leaf = _regex_selector(mask)
         case _ if callable(mask):
             by_leaf = mask

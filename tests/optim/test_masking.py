@@ -60,6 +60,16 @@ def test_masked_everything_out_is_a_no_op() -> None:
     assert int(state.inner_state.count) == 1
 
 
+@pytest.mark.parametrize("mask", [[], ()], ids=["list", "tuple"])
+def test_an_empty_list_of_regexes_selects_nothing(mask) -> None:
+    # It was taken for a pytree mask and refused as not laid out like the params.
+    opt = optim.adamw(0.1, weight_decay=0.5, mask=mask)
+    decayed, _ = opt.update(PARAMS, opt.init(PARAMS), PARAMS)
+    plain = optim.adamw(0.1, weight_decay=0.0)
+    undecayed, _ = plain.update(PARAMS, plain.init(PARAMS), PARAMS)
+    assert all(torch.equal(decayed[path], undecayed[path]) for path in PARAMS)
+
+
 def test_nested_masks_compose() -> None:
     inner = optim.masked(optim.scale(10.0), {path: path.startswith("embed") for path in PARAMS})
     opt = optim.masked(inner, MASKS["regex"])
