@@ -47,7 +47,11 @@ def global_norm(updates: Any) -> torch.Tensor:
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
         tensor(5.)
     """
-    check_not_offloaded("global_norm (clip_by_global_norm)")
+    check_not_offloaded(
+        "global_norm (clip_by_global_norm)",
+        "the norm would be this rank's alone",
+        "take it before, on the device: chain(clip_by_global_norm(1.0), offloaded(adamw(...)))",
+    )
     leaves = tree.leaves(updates)
     dtype = torch.float64 if any(leaf.dtype == torch.float64 for leaf in leaves) else torch.float32
     square = _squared_norm(leaves, dtype)

@@ -62,7 +62,8 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     Raises:
         TypeError: ``inner`` is not a ``GradientTransformation``.
         PlanError: at ``update``, ``inner`` takes a global norm (``clip_by_global_norm``,
-            ``global_norm``).
+            ``global_norm``) or rounds stochastically (``stochastic_round``: wrap this
+            instead, ``stochastic_round(offloaded(adamw(...)))``).
 
     Example:
         >>> import torch, d9d.optim as optim
@@ -116,9 +117,10 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def check_not_offloaded(what: str) -> None:
-    """Raise unless ``offloaded``'s inner update is not running: ``what`` (a global norm)
-    would see this rank's shards only there.
+def check_not_offloaded(what: str, why: str, instead: str) -> None:
+    """Raise unless ``offloaded``'s inner update is not running: ``what`` needs more than
+    this rank's shards, which is all it would see there (``why``); ``instead`` says where
+    it belongs.
 
     Raises:
         PlanError: it is running.
@@ -128,8 +130,7 @@ def check_not_offloaded(what: str) -> None:
     if not torch.compiler.is_compiling() and getattr(_running, "active", False):
         raise PlanError(
             f"{what} runs inside d9d.optim.offloaded(...), which updates this rank's shards "
-            "on the host: the norm would be this rank's alone; take it before, on the device: "
-            "chain(clip_by_global_norm(1.0), offloaded(adamw(...)))"
+            f"on the host: {why}; {instead}"
         )
 
 

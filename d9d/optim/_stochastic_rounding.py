@@ -22,6 +22,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from d9d import tree
 from d9d.core._gather import local_like
+from d9d.optim._offloaded import check_not_offloaded
 from d9d.optim._transform import GradientTransformation, check_same_layout, zero_count
 
 __all__ = ["StochasticRoundState", "stochastic_round", "stochastic_round_to_bfloat16"]
@@ -74,6 +75,8 @@ def stochastic_round(inner: GradientTransformation, *, seed: int = 0) -> Gradien
         ValueError: ``seed`` out of range; at ``init``, a float16 param (its 5-bit exponent
             is not float32's: not built, store it in bfloat16 or float32); at ``update``,
             no ``params``.
+        PlanError: at ``update``, it runs inside ``offloaded``, which hands it shards
+            without their place in the param: wrap ``offloaded`` in it instead.
 
     Example:
         >>> import torch, d9d.optim as optim
@@ -113,6 +116,12 @@ def stochastic_round(inner: GradientTransformation, *, seed: int = 0) -> Gradien
                 "stochastic_round rounds the new params, so its update needs them: call "
                 "opt.update(grads, opt_state, params)"
             )
+        check_not_offloaded(
+            "stochastic_round",
+            "a shard's elements would draw the random bits of the param's first elements, "
+            "the same on every rank, not their own",
+            "wrap offloaded in it instead, on the device: stochastic_round(offloaded(adamw(...)))",
+        )
         updates, inner_state = inner.update(updates, state.inner_state, params)
         check_same_layout(params, updates, what="updates")
         count = state.count + 1

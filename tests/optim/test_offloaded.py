@@ -84,3 +84,20 @@ def test_refusals() -> None:
         opt.update(_grads(0, params), opt.init(params), params)
     # The refusal ends with the update that raised it.
     assert float(optim.global_norm({"w": torch.ones(4)})) == 2.0
+
+
+def test_stochastic_round_wraps_it_and_is_refused_inside_it() -> None:
+    """Inside, the rounding would see this rank's shards as whole params: every rank's
+    shard drew the bits of the param's first elements. Outside, it rounds on the device."""
+    sgd = optim.sgd(0.1, momentum=0.9)
+    expected, _ = _run(optim.stochastic_round(sgd, seed=1), _params(torch.bfloat16))
+    got, _ = _run(optim.stochastic_round(optim.offloaded(sgd), seed=1), _params(torch.bfloat16))
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    opt = optim.offloaded(optim.stochastic_round(sgd))
+    params = _params(torch.bfloat16)
+    with pytest.raises(
+        PlanError,
+        match=r"stochastic_round runs inside d9d.optim.offloaded.*stochastic_round\(offloaded\(",
+    ):
+        opt.update(_grads(0, params), opt.init(params), params)
