@@ -29,14 +29,20 @@ from ._triton_env import TRITON_DTYPES, triton_auto, triton_unavailable
 
 __all__ = ["fused_linear_cross_entropy"]
 
-# loss_and_grad_(logits [c, V], labels [c], ignore_index, write_grad) -> per-row float32 loss
+# loss_and_grad_(logits [c, V], labels [c], ignore_index, write_grad) -> per-row loss, float32
+# or wider
 _ChunkLoss = Callable[[Tensor, Tensor, int, bool], Tensor]
+
+
+def _loss_dtype(hidden: Tensor) -> torch.dtype:
+    """The loss's dtype: float32, or ``hidden``'s when it is wider (float64)."""
+    return torch.promote_types(hidden.dtype, torch.float32)
 
 
 def _torch_loss_and_grad_(
     logits: Tensor, labels: Tensor, ignore_index: int, write_grad: bool
 ) -> Tensor:
-    x = logits.float()
+    x = logits.to(_loss_dtype(logits))
     lse = torch.logsumexp(x, dim=-1)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, 0).long()
@@ -72,7 +78,7 @@ def _chunked_loop(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     write_grad = need_grad_hidden or need_grad_weight
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    loss_sum = torch.zeros((), dtype=_loss_dtype(hidden), device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     # Accumulated in weight's dtype by addmm, which sums in float32 then rounds once per chunk.
     grad_weight = torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0)
@@ -115,7 +121,7 @@ def _define(backend: str, loss_and_grad_: _ChunkLoss) -> Callable[..., Tensor]:
 
     @op.register_fake
     def _(hidden, weight, labels, ignore_index, chunk_size, need_grad_hidden, need_grad_weight):
-        loss = hidden.new_empty((), dtype=torch.float32)
+        loss = hidden.new_empty((), dtype=_loss_dtype(hidden))
         shape = (hidden.shape[:-1].numel(), hidden.shape[-1]) if need_grad_hidden else (0,)
         grad_weight = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
         return loss, hidden.new_empty(shape), grad_weight
@@ -179,7 +185,8 @@ def fused_linear_cross_entropy(
         backend: ``"reference"``, ``"triton"``, ``"chunked"``, ``"auto"`` or None.
 
     Returns:
-        The mean loss over valid tokens, a 0-d float32 tensor.
+        The mean loss over valid tokens, a 0-d float32 tensor (float64 for float64 inputs,
+        which every backend that takes them computes in).
 
     Raises:
         KernelInputError: bad dtypes, shapes, devices, or ``chunk_size`` < 1.

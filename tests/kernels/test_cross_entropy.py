@@ -100,6 +100,18 @@ def test_fused_linear_cross_entropy(case, dtype, backend, device, assert_close):
         assert_close(actual, expected, dtype)
 
 
+def test_fused_linear_cross_entropy_chunked_computes_float64_in_float64():
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 7, 24, dtype=torch.float64)
+    weight = torch.randn(123, 24, dtype=torch.float64) / 24**0.5
+    labels = _labels((5, 7), 123, "cpu")
+    got = _flce("chunked", hidden, weight, labels, 8)
+    ref = _flce("reference", hidden, weight, labels, 8)
+    assert got[0].dtype == torch.float64
+    for actual, expected in zip(got, ref, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("backend", ["triton", "chunked"])
 def test_fused_linear_cross_entropy_without_grad(backend, device, assert_close):
     hidden, weight = torch.randn(10, 8, device=device), torch.randn(50, 8, device=device)
