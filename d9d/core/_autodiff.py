@@ -25,7 +25,7 @@ from ._grad_reduce import reduce_to
 from ._plan import Plan
 from ._runtime import Differentiation, Inputs
 
-__all__ = ["grad", "split_microbatches", "stack_aux", "value_and_grad"]
+__all__ = ["averageable", "grad", "split_microbatches", "stack_aux", "value_and_grad"]
 
 
 def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
@@ -252,19 +252,44 @@ def stack_aux(auxes: list[Any], weights: list[torch.Tensor | None] | None = None
 
     With ``weights`` (each microbatch's valid-token count, as its value is weighed), 0-d
     leaves are averaged with those weights, so that a per-token mean in the aux (the cross
-    entropy beside an aux loss) is the mean over the step's tokens, like the value."""
+    entropy beside an aux loss) is the mean over the step's tokens, like the value. An
+    integer or boolean 0-d leaf (a token count) is averaged in float64 (:func:`averageable`).
+
+    Raises:
+        TypeError: An aux leaf is not a tensor (a Python number cannot be averaged in the
+            step's graph).
+    """
     share = None
     if weights and all(w is not None for w in weights):
         total = torch.stack(weights)
         share = total / total.sum().clamp(min=1)
 
-    def combine(*xs: torch.Tensor) -> torch.Tensor:
+    def combine(*xs: Any) -> torch.Tensor:
+        if not isinstance(xs[0], torch.Tensor):
+            _refuse_aux_leaf(auxes[0])
         if xs[0].ndim:
             return torch.cat(xs)
-        stacked = torch.stack(xs)
+        stacked = averageable(torch.stack(xs))
         return stacked.mean(0) if share is None else (stacked * share.to(stacked.dtype)).sum(0)
 
     return tree.map(combine, *auxes)
+
+
+def averageable(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or ``x`` in float64 if it is an integer or boolean tensor: a mean over ranks or
+    microbatches of a count needs a floating dtype (in ``x``'s own it truncated to 0, or
+    raised), and float64 holds every count exactly."""
+    return x if x.is_floating_point() or x.is_complex() else x.to(torch.float64)
+
+
+def _refuse_aux_leaf(aux: Any) -> None:
+    """Raise for the first aux leaf of ``aux`` that is not a tensor."""
+    path, leaf = next((p, x) for p, x in tree.flatten_with_paths(aux)[0] if not torch.is_tensor(x))
+    raise TypeError(
+        f"aux leaf {path!r} is a {type(leaf).__name__}, not a tensor: over microbatches "
+        "value_and_grad averages 0-d aux tensors and concatenates the others; return it as a "
+        "tensor (torch.tensor(...)), or from the step body outside value_and_grad"
+    )
 
 
 def _check_value(value: Any, *, has_aux: bool) -> None:

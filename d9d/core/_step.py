@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import tree
 from ..errors import IndivisibleError, PlanError
+from ._autodiff import averageable
 from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._codec_statistics import codec_statistics
 from ._comm_count import CollectiveCounter, CommStats
@@ -376,17 +377,19 @@ class TransformedStep:
         return params, opt_state, self._mean_over_ranks(metrics)
 
     def _mean_over_ranks(self, metrics: Any) -> Any:
-        """Metrics averaged over the axes on which ranks hold different tokens."""
+        """Metrics averaged over the axes on which ranks hold different tokens (integer and
+        boolean ones in float64)."""
         names = tuple(self.mesh.mesh_dim_names or ())
         hops = [
             tuple(Partial("avg") if j == i else Replicate() for j in range(len(names)))
             for i, name in enumerate(names)
-            if name in self.token_axes
+            if name in self.token_axes and self.mesh.shape[i] > 1
         ]
 
         def mean(leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or isinstance(leaf, DTensor):
                 return leaf
+            leaf = averageable(leaf)  # an integer count: its mean in float64
             for placements in hops:  # one axis at a time: each an all-reduce of the metric
                 leaf = DTensor.from_local(leaf, self.mesh, placements).full_tensor()
             return leaf

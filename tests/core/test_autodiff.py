@@ -97,3 +97,23 @@ def test_stacked_aux_weighs_scalars_by_token_counts_and_concatenates_the_rest() 
     assert weighted["load"].tolist() == [1.0, 1.0, 0.0, 0.0]
     assert stack_aux(auxes)["ce"].item() == 2.5  # no counts: every microbatch alike
     assert stack_aux(auxes, [None, None])["ce"].item() == 2.5
+
+
+def test_stacked_aux_averages_integer_and_boolean_scalars_in_float64() -> None:
+    """A token count returned as aux: its weighted mean in int64 truncated to 0 (a bool to 2),
+    and its plain mean raised inside torch."""
+    auxes = [
+        {"n": torch.tensor(2), "any": torch.tensor(True)},
+        {"n": torch.tensor(1), "any": torch.tensor(False)},
+    ]
+    weighted = stack_aux(auxes, [torch.tensor(2.0), torch.tensor(1.0)])
+    assert weighted["n"].dtype == torch.float64
+    torch.testing.assert_close(weighted["n"], torch.tensor(5 / 3, dtype=torch.float64))
+    torch.testing.assert_close(weighted["any"], torch.tensor(2 / 3, dtype=torch.float64))
+    assert stack_aux(auxes)["n"].item() == 1.5
+
+
+def test_stacked_aux_refuses_a_python_number_by_path() -> None:
+    auxes = [{"m": {"lr": 0.1}, "ce": torch.tensor(1.0)}] * 2
+    with pytest.raises(TypeError, match=r"aux leaf 'm\.lr' is a float, not a tensor"):
+        stack_aux(auxes)

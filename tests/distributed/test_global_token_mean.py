@@ -151,3 +151,34 @@ def test_a_loss_counting_tokens_in_some_microbatches_only_is_refused() -> None:
 
     with pytest.raises(RankFailedError, match=r"counted its tokens .* in some microbatches"):
         run_on_ranks(rank, 1)
+
+
+def test_an_integer_metric_is_averaged_in_float64() -> None:
+    """A step returning its valid-token count: over ranks the mean of an int64 tensor raised
+    inside DTensor's all-reduce; over microbatches the weighted mean truncated it to 0."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+
+        def loss_fn(params, x):
+            valid = x > 0
+            loss = d9d.losses.token_mean(params["w"].full_tensor() * x, valid)
+            return loss, {"tokens": valid.sum()}
+
+        def step(params, opt_state, batch):
+            (loss, aux), _ = d9d.value_and_grad(loss_fn, has_aux=True)(params, batch["x"])
+            return params, opt_state, {"loss": loss, "tokens": aux["tokens"], "rows": batch["n"]}
+
+        step = d9d.shard_params(mesh, microbatches=2)(step)
+        params, state = step.place({"w": torch.ones(2, dtype=F64)}, ())
+        x = torch.tensor([[1.0, 1], [1, 0], [1, 0], [0, 0]], dtype=F64)
+        batch = step.shard_batch({"x": x, "n": torch.tensor([[2], [1], [1], [0]])})
+        return step(params, state, batch)[2]
+
+    # Microbatch 0 holds 2 + 1 valid tokens over the ranks, microbatch 1 1 + 0: weights 3 and 1,
+    # so rank 0 averages its counts 2 and 1 to 7/4, rank 1 its 1 and 0 to 3/4; over ranks 5/4.
+    # The per-row metric is averaged over ranks as before.
+    for metrics in run_on_ranks(rank, 2):
+        assert metrics["tokens"].dtype == F64
+        torch.testing.assert_close(metrics["tokens"], torch.tensor(5 / 4, dtype=F64))
+        assert metrics["rows"].tolist() == [[1.5], [0.5]]

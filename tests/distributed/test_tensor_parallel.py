@@ -134,6 +134,34 @@ def test_a_region_sequence_parallelism_would_split_wrongly_is_named() -> None:
         run_on_ranks(rank, 2)
 
 
+def test_a_param_the_root_module_holds_is_named_under_sequence_parallelism() -> None:
+    """The runtime finds a param used before the first block (whole sequence, grad summed over
+    ``tp``) by intercepting its module, which it cannot do for the root: such a param raised
+    ``ValueError: a runtime cannot stand in for or intercept the root module itself``."""
+    from d9d.models import Llama, LlamaConfig
+
+    class ScaledLlama(Llama):
+        def __init__(self, config: LlamaConfig) -> None:
+            super().__init__(config)
+            self.scale = torch.nn.Parameter(torch.ones(config.dim))
+
+    def rank(sequence_parallel: bool) -> None:
+        mesh = d9d.make_mesh("cpu", tp=2)
+        module = ScaledLlama(LlamaConfig.tiny(n_layers=1))
+        model = d9d.functionalize(module, axes={r"^scale$": ("embed",)})
+        step = d9d.tensor_parallel(mesh, sequence_parallel=sequence_parallel)
+        step(lambda p, s, b: (p, s, {})).place(model.params, (), model=model)
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: params \['scale'\] are held by the model's root module "
+        r"\(ScaledLlama\) itself, .* move them into a child module whose forward uses them, or "
+        r"use tensor_parallel\(\.\.\., sequence_parallel=False\)",
+    ):
+        run_on_ranks(rank, 2, True)
+    run_on_ranks(rank, 2, False)
+
+
 @pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
 def test_fp32_losses_and_sgd_params_equal_one_device(layout: str) -> None:
     _check("d9d", layout, torch.float32, params_too=False)

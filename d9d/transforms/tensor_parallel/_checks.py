@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Shard
 
 from ...core._param_plan import ParamPlan
 from ...core._structure import Structure
@@ -72,12 +72,13 @@ def check_modules(
     layout: ActivationLayout,
 ) -> None:
     """Raise, before any collective, for params the runtime cannot lay out: see
-    :func:`_check_sharded`, :func:`_check_whole_beside_sharded` and
-    :func:`_check_sequence_regions`."""
+    :func:`_check_sharded`, :func:`_check_whole_beside_sharded`,
+    :func:`_check_sequence_regions` and :func:`_check_root_params`."""
     _check_sharded(structure, regions, entries, layout)
     _check_whole_beside_sharded(structure, regions, entries, layout)
     if layout.sequence_parallel:
         _check_sequence_regions(structure, regions, entries, layout)
+        _check_root_params(structure, entries, layout)
 
 
 def _whole_weights(
@@ -134,6 +135,29 @@ def _check_whole_beside_sharded(
             "declare it position-wise (an attribute position_wise = True) so that its children "
             "holding the sharded linears get their input whole instead (d9d.moe.MoE declares "
             "it when it drops no token: capacity_factor=None)"
+        )
+
+
+def _check_root_params(
+    structure: Structure, entries: Mapping[str, ParamPlan], layout: ActivationLayout
+) -> None:
+    """Under sequence parallelism a param used before the first block, where the sequence is
+    whole on every rank, would have its grad summed over the axis; the runtime finds such a
+    use when the module owning the param runs, which it cannot intercept for the model's root
+    module. Raise for a param the root holds itself whose grad the axis sums."""
+    summed = [
+        key
+        for key in structure.root_owners.get("", ())
+        if isinstance(entries[key].grad[layout.index], Partial)
+    ]
+    if summed:
+        raise PlanError(
+            f"params {summed} are held by the model's root module "
+            f"({type(structure.module).__name__}) itself, so tensor_parallel cannot tell "
+            "whether they are used before the first block, where the sequence is whole on "
+            f"every {layout.axis!r} rank and sequence parallelism would sum their grads over "
+            "them; move them into a child module whose forward uses them, or use "
+            "tensor_parallel(..., sequence_parallel=False)"
         )
 
 

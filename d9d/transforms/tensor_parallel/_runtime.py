@@ -176,8 +176,8 @@ class TensorParallelRuntime(Runtime):
         state = _Call(call, self.layout, roles.modules)
         for block in call.structure.blocks:
             call.intercept(block.path, Interception(enter=functools.partial(_enter_block, state)))
-        if self.layout.sequence_parallel:
-            for owner in call.structure.root_owners:
+        if self.layout.sequence_parallel:  # the root's own params: _check_root_params
+            for owner in filter(None, call.structure.root_owners):
                 enter = functools.partial(_enter_root_owner, state, owner)
                 call.intercept(owner, Interception(enter=enter))
         for path in roles.column_regions:
