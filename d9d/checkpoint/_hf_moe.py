@@ -147,7 +147,8 @@ def moe_to_hf(params: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[str
     Raises:
         ConfigError: The config is not Qwen3-MoE-shaped, or a router bias is not zero (it
             changes the routing, which Qwen3-MoE has no place for).
-        ParamTreeMismatchError: ``params`` lacks a param of the config.
+        ParamTreeMismatchError: ``params`` lacks a param of the config, or holds one the
+            config has not.
 
     Example:
         >>> import d9d
@@ -160,8 +161,13 @@ def moe_to_hf(params: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[str
     """
     _check_qwen3(config)
     missing = [k for k, _ in _layer_keys(config) if k not in params]
-    if missing:
-        raise ParamTreeMismatchError(f"moe_to_hf: params lack {missing[:4]} of the config")
+    unexpected = sorted(set(params) - set(moe_sources(config, set())))
+    if missing or unexpected:
+        raise ParamTreeMismatchError(
+            f"moe_to_hf: params lack {missing[:4]} of the config and hold {unexpected[:4]}, "
+            "which it has no place for (the export would drop them); pass the params of a "
+            "model of this config."
+        )
     state = {theirs: params[ours] for ours, theirs in _layer_keys(config)}
     for i in range(config.n_dense_layers, config.n_layers):
         bias = params.get(f"layers.{i}.mlp.router.expert_bias")
@@ -252,7 +258,8 @@ def export_hf_moe(
 
     Raises:
         ConfigError: The config is not Qwen3-MoE-shaped, or a router bias is not zero.
-        ParamTreeMismatchError: ``params`` lacks a param of the config.
+        ParamTreeMismatchError: ``params`` lacks a param of the config, or holds one the
+            config has not.
 
     Example:
         >>> import tempfile, d9d
