@@ -21,7 +21,13 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigError, ParamTreeMismatchError
 from ..models import LlamaConfig
 from ._hf_fields import FieldRules, check_fields
-from ._safetensors_read import Stored, read_placed
+from ._safetensors_read import (
+    RECOMPUTED,
+    Stored,
+    read_placed,
+    refuse_unconverted,
+    safetensors_files,
+)
 
 __all__ = [
     "LLAMA_KEYS",
@@ -77,8 +83,6 @@ LLAMA_FIELDS = FieldRules(
 )
 """What the d9d Llama does with each field of ``transformers.LlamaConfig``; every other field
 must keep its default (:func:`~d9d.checkpoint._hf_fields.check_fields`)."""
-# Non-weights some older Hugging Face checkpoints hold; recomputed by both models.
-_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -94,7 +98,7 @@ def _rename(state: Mapping[str, Any], rules: list[tuple[re.Pattern[str], str]]) 
     for key, value in state.items():
         match = next(((m, t) for p, t in rules if (m := p.match(key))), None)
         if match is None:
-            if not _IGNORED.search(key):
+            if not RECOMPUTED.search(key):
                 unknown.append(key)
             continue
         m, template = match
@@ -162,8 +166,19 @@ def llama_from_hf(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> dic
         >>> llama_from_hf(llama_to_hf(params, cfg), cfg).keys() == params.keys()
         True
     """
+    params = _rename(without_tied_head(state, config.tie_embeddings), _FROM_HF)
+    _check_keys(set(params), config, hf=False, what="Hugging Face weights")
+    return params
+
+
+def without_tied_head(state: Mapping[str, Any], tied: bool) -> dict[str, Any]:
+    """``state`` without ``lm_head.weight`` when the head is ``tied`` to the embedding.
+
+    Raises:
+        ParamTreeMismatchError: The stored head differs from ``model.embed_tokens.weight``.
+    """
     state = dict(state)
-    if config.tie_embeddings and "lm_head.weight" in state:
+    if tied and "lm_head.weight" in state:
         head = state.pop("lm_head.weight")
         embed = state.get("model.embed_tokens.weight")
         if embed is None or not torch.equal(head, embed):
@@ -171,9 +186,7 @@ def llama_from_hf(state: Mapping[str, torch.Tensor], config: LlamaConfig) -> dic
                 "config.tie_embeddings is set but lm_head.weight differs from "
                 "model.embed_tokens.weight; load it with tie_embeddings=False."
             )
-    params = _rename(state, _FROM_HF)
-    _check_keys(set(params), config, hf=False, what="Hugging Face weights")
-    return params
+    return state
 
 
 def _hf_config(config: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -329,7 +342,9 @@ def import_hf(
     path = Path(path)
     config = llama_config(json.loads((path / "config.json").read_text()))
     if target is not None:
-        return config, read_placed(path, target, llama_sources(config))
+        sources = llama_sources(config)
+        refuse_unconverted(safetensors_files(path), sources, "the d9d Llama")
+        return config, read_placed(path, target, sources)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -78,12 +78,13 @@ def check_fields(hf: Mapping[str, Any], rules: FieldRules) -> dict[str, Any]:
         ImportError: ``transformers`` is not installed (``pip install 'd9d[hf]'``).
     """
     import transformers
+    from huggingface_hub.errors import StrictDataclassError  # transformers' typed fields
 
     config_class = transformers.CONFIG_MAPPING[rules.model_type]
     defaults = config_class().to_dict()
     try:
         given = config_class.from_dict(dict(hf)).to_dict()
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, StrictDataclassError) as error:
         raise ConfigError(
             f"transformers' {config_class.__name__} does not read this config.json: {error!r}"
         ) from error

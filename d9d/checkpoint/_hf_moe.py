@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigError, ParamTreeMismatchError
 from ..models import MoEConfig
 from ..moe import MoEConfig as LayerConfig
+from ._hf import without_tied_head
 from ._hf_fields import FieldRules, check_fields
-from ._safetensors_read import Stored, read_placed, safetensors_files
+from ._safetensors_read import Stored, read_placed, refuse_unconverted, safetensors_files
 
 __all__ = [
     "export_hf_moe",
@@ -74,8 +75,9 @@ _CONFIG_KEYS = (
     ("norm_topk_prob", "moe.norm_topk"),
     ("router_aux_loss_coef", "moe.aux_loss_coef"),
 )
+_MODEL = "d9d's MoE"
 QWEN3_MOE_FIELDS = FieldRules(
-    model="d9d's MoE",
+    model=_MODEL,
     model_type="qwen3_moe",
     read={
         **{theirs: f"MoEConfig.{ours}" for theirs, ours in _CONFIG_KEYS},
@@ -145,7 +147,8 @@ def moe_to_hf(params: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[str
     Raises:
         ConfigError: The config is not Qwen3-MoE-shaped, or a router bias is not zero (it
             changes the routing, which Qwen3-MoE has no place for).
-        ParamTreeMismatchError: ``params`` lacks a param of the config.
+        ParamTreeMismatchError: ``params`` lacks a param of the config, or holds one the
+            config has not.
 
     Example:
         >>> import d9d
@@ -158,8 +161,13 @@ def moe_to_hf(params: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[str
     """
     _check_qwen3(config)
     missing = [k for k, _ in _layer_keys(config) if k not in params]
-    if missing:
-        raise ParamTreeMismatchError(f"moe_to_hf: params lack {missing[:4]} of the config")
+    unexpected = sorted(set(params) - set(moe_sources(config, set())))
+    if missing or unexpected:
+        raise ParamTreeMismatchError(
+            f"moe_to_hf: params lack {missing[:4]} of the config and hold {unexpected[:4]}, "
+            "which it has no place for (the export would drop them); pass the params of a "
+            "model of this config."
+        )
     state = {theirs: params[ours] for ours, theirs in _layer_keys(config)}
     for i in range(config.n_dense_layers, config.n_layers):
         bias = params.get(f"layers.{i}.mlp.router.expert_bias")
@@ -181,9 +189,11 @@ def moe_from_hf(state: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[st
     ``experts.gate_up_proj``/``experts.down_proj``) as d9d MoE params of ``config``.
 
     Raises:
-        ParamTreeMismatchError: A weight of the config is missing.
+        ParamTreeMismatchError: A weight of the config is missing, a stored tensor has no
+            param in the model, or a tied head differs from the embedding.
     """
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    state = without_tied_head(state, config.tie_embeddings)
+    refuse_unconverted(state, moe_sources(config, set(state)), _MODEL)
     missing = [theirs for _, theirs in _layer_keys(config) if theirs not in state]
     if missing:
         raise ParamTreeMismatchError(
@@ -248,7 +258,8 @@ def export_hf_moe(
 
     Raises:
         ConfigError: The config is not Qwen3-MoE-shaped, or a router bias is not zero.
-        ParamTreeMismatchError: ``params`` lacks a param of the config.
+        ParamTreeMismatchError: ``params`` lacks a param of the config, or holds one the
+            config has not.
 
     Example:
         >>> import tempfile, d9d
@@ -372,7 +383,11 @@ def import_hf_moe(
     path = Path(path)
     config = moe_config(json.loads((path / "config.json").read_text()))
     if target is not None:
-        return config, read_placed(path, target, moe_sources(config, set(safetensors_files(path))))
+        stored = set(safetensors_files(path))
+        sources = moe_sources(config, stored)
+        tied = ["lm_head.weight"] if config.tie_embeddings else []  # not read, as the Llama's
+        refuse_unconverted(stored, sources, _MODEL, also=tied)
+        return config, read_placed(path, target, sources)
     index = path / "model.safetensors.index.json"
     files = (
         sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,17 @@ from ..errors import ParamShapeError, ParamTreeMismatchError
 from ._layout import box_slices
 from ._restore import as_leaf, leaf_box, want_of
 
-__all__ = ["Concatenated", "Source", "Stored", "read_placed", "safetensors_files"]
+__all__ = [
+    "Concatenated",
+    "Source",
+    "Stored",
+    "read_placed",
+    "refuse_unconverted",
+    "safetensors_files",
+]
+
+RECOMPUTED = re.compile(r"\.rotary_emb\.inv_freq$")
+"""Non-weights some older Hugging Face checkpoints hold; d9d's models recompute them."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,38 @@ def safetensors_files(path: str | os.PathLike[str]) -> dict[str, Path]:
         with safe_open(str(file), framework="pt") as opened:
             files.update(dict.fromkeys(opened.keys(), file))
     return files
+
+
+def _stored_keys(source: Source) -> tuple[str, ...]:
+    """Every stored key ``source`` reads."""
+    match source:
+        case Stored(keys=keys):
+            return keys
+        case Concatenated(parts=parts):
+            return tuple(key for _, part in parts for key in part.keys)
+        case _:
+            raise TypeError(f"A source is a Stored or a Concatenated, got {source!r}.")
+
+
+def refuse_unconverted(
+    stored: Iterable[str], sources: Mapping[str, Source], model: str, also: Iterable[str] = ()
+) -> None:
+    """Raise unless every ``stored`` key is read by one of ``sources`` (every param of the
+    model, not only a target's), is in ``also``, or is a ``rotary_emb.inv_freq`` buffer.
+
+    Raises:
+        ParamTreeMismatchError: Naming the stored tensors ``model`` has no param for, which
+            an import would otherwise drop.
+    """
+    read = {key for source in sources.values() for key in _stored_keys(source)} | set(also)
+    unknown = sorted(k for k in stored if k not in read and not RECOMPUTED.search(k))
+    if unknown:
+        raise ParamTreeMismatchError(
+            f"Stored tensors {unknown[:10]} ({len(unknown)} in all) have no param in {model}, "
+            "so importing would drop them: the folder is not a model of the layout d9d "
+            "converts. Train the transformers model itself instead: "
+            "d9d.functionalize(AutoModelForCausalLM.from_pretrained(folder))."
+        )
 
 
 def _shapes(files: Mapping[str, Path], keys: set[str]) -> dict[str, tuple[int, ...]]:

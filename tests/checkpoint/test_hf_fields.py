@@ -71,6 +71,18 @@ def test_a_field_the_config_class_does_not_define_is_refused(tmp_path: Path) -> 
         checkpoint.import_hf_moe(folder)
 
 
+def test_a_value_the_config_class_refuses_is_a_config_error(tmp_path: Path) -> None:
+    """transformers' typed fields refuse an int where a float goes; d9d says so as a
+    ConfigError naming the field, as for any value the class refuses."""
+    folder = _qwen3_moe_folder(tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 1}))
+    with pytest.raises(
+        ConfigError, match=r"Qwen3MoeConfig does not read this config.json.*rms_norm"
+    ):
+        checkpoint.import_hf_moe(folder)
+
+
 @dataclasses.dataclass(repr=False)
 class _NewerLlamaConfig(transformers.LlamaConfig):
     """LlamaConfig as a later transformers might ship it: one more field, off by default."""

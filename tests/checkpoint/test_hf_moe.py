@@ -3,12 +3,14 @@ on imported weights and after an export (float64, a small random config)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import d9d
 from d9d.checkpoint import export_hf_moe, import_hf_moe, moe_from_hf
-from d9d.errors import ConfigError
+from d9d.errors import ConfigError, ParamTreeMismatchError
 from d9d.models import MoE, MoEConfig
 from d9d.moe import MoEConfig as LayerConfig
 
@@ -101,4 +103,16 @@ def test_a_nonzero_router_bias_is_named(tmp_path) -> None:
     params = dict(d9d.functionalize(MoE(config)).params)
     params["layers.1.mlp.router.expert_bias"] = torch.ones(5)
     with pytest.raises(ConfigError, match="expert_bias is not zero"):
+        export_hf_moe(params, config, tmp_path)
+
+
+def test_a_param_the_config_has_no_place_for_is_named(tmp_path) -> None:
+    """The export refuses params it would drop: another layer, a shared expert."""
+    params = dict(d9d.functionalize(MoE(_qwen3_shaped())).params)
+    config = dataclasses.replace(_qwen3_shaped(), n_layers=2)
+    with pytest.raises(ParamTreeMismatchError, match=r"hold \['layers.2.attn.k_norm.weight'"):
+        export_hf_moe(params, config, tmp_path)
+    params = dict(d9d.functionalize(MoE(config)).params)
+    params["layers.1.mlp.shared.w_gate.weight"] = torch.zeros(8, 64)
+    with pytest.raises(ParamTreeMismatchError, match=r"\['layers.1.mlp.shared.w_gate.weight'\]"):
         export_hf_moe(params, config, tmp_path)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +251,53 @@ def test_an_unknown_param_is_named(tmp_path: Path) -> None:
     target = {"extra.weight": checkpoint.Abstract((3,), torch.float32)}
     with pytest.raises(ParamTreeMismatchError, match=r"target params \['extra.weight'\]"):
         checkpoint.import_hf(folder, target=target)
+
+
+def _extra_stored_tensor(folder: Path, key: str) -> None:
+    state = load_file(folder / "model.safetensors")
+    state[key] = torch.zeros(3)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "target"])
+@pytest.mark.parametrize(
+    ("model", "key"),
+    [
+        ("llama", "model.layers.0.self_attn.q_proj.bias"),
+        ("moe", "model.layers.1.self_attn.q_proj.bias"),
+        ("moe", "model.layers.1.mlp.shared_expert.gate_proj.weight"),
+        ("moe", "model.layers.1.mlp.experts.5.gate_proj.weight"),  # the config has 5 experts
+        ("moe", "model.layers.2.input_layernorm.weight"),  # and 2 layers
+    ],
+)
+def test_a_stored_tensor_the_model_does_not_convert_is_named(
+    tmp_path: Path, model: str, key: str, whole: bool
+) -> None:
+    """Both imports, whole and into a target holding one param, refuse a stored tensor that
+    no param of the model reads instead of dropping it."""
+    if model == "llama":
+        params = _random(d9d.functionalize(Llama(LLAMA)).params)
+        folder, read = checkpoint.export_hf(params, LLAMA, tmp_path), checkpoint.import_hf
+    else:
+        params = _random(d9d.functionalize(MoE(QWEN3_MOE)).params)
+        folder, read = (
+            checkpoint.export_hf_moe(params, QWEN3_MOE, tmp_path),
+            checkpoint.import_hf_moe,
+        )
+    _extra_stored_tensor(folder, key)
+    target = None if whole else {"norm.weight": checkpoint.Abstract((64,), torch.float32)}
+    with pytest.raises(ParamTreeMismatchError, match=re.escape(key)):
+        read(folder, target=target)
+
+
+def test_a_tied_moe_head_that_differs_from_the_embedding_is_named(tmp_path: Path) -> None:
+    config = dataclasses.replace(QWEN3_MOE, tie_embeddings=True)
+    folder = checkpoint.export_hf_moe(
+        _random(d9d.functionalize(MoE(config)).params), config, tmp_path
+    )
+    _extra_stored_tensor(folder, "lm_head.weight")
+    with pytest.raises(ParamTreeMismatchError, match=r"lm_head.weight differs from"):
+        checkpoint.import_hf_moe(folder)
 
 
 def test_read_hf_config_names_an_unknown_model_type(tmp_path: Path) -> None:

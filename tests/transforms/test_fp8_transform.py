@@ -167,6 +167,29 @@ def test_hugging_face_linears_run_in_fp8():
     torch.testing.assert_close(got, want, rtol=0.1, atol=0.05 * want.abs().max().item())
 
 
+def test_the_plan_says_hugging_face_routed_experts_stay_in_high_precision():
+    """A transformers experts module computes in its own kernels, which fp8 does not
+    intercept: its stacked weights' plan rows say so, and a pattern matching only it is
+    refused naming it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32,
+    )  # fmt: skip
+    model = d9d.functionalize(transformers.Qwen3MoeForCausalLM(config))
+    step = d9d.fp8(recipe="tensorwise")(lambda p, s, b: (p, s, {}))
+    step.place(model.params, (), model=model)
+    experts = [f"model.layers.0.mlp.experts.{name}" for name in ("gate_up_proj", "down_proj")]
+    assert [_cells(step).get(path) for path in experts] == ["-", "-"]
+    assert "routed experts of a Qwen3MoeExperts, which computes them in its own kernels" in (
+        step.plan.explain(experts[0])
+    )
+    step = d9d.fp8(recipe="tensorwise", include=r"experts")(lambda p, s, b: (p, s, {}))
+    with pytest.raises(PlanError, match=r"it matches model.layers.0.mlp.experts, routed experts"):
+        step.place(model.params, (), model=model)
+
+
 def test_refusals_name_the_bad_value():
     with pytest.raises(PlanError, match=r"fp8\(recipe='mxfp8'\) is not a recipe; use one of"):
         d9d.fp8(recipe="mxfp8")

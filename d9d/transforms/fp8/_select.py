@@ -18,7 +18,9 @@ in fp8 when the experts module's path matches ``include`` and not ``exclude``; a
 its weights share its choice. They have no dims rule: their three GEMMs (``fp8_grouped_gemm``
 and, for the weight grad, ``fp8_grouped_gemm_k``) take any shape.
 ``d9d.moe``'s router is no ``nn.Linear`` and is never intercepted; its weight gets a choice
-of high precision, so the plan says why.
+of high precision, so the plan says why. So do the routed experts of any other module (a
+Hugging Face experts module such as ``Qwen3MoeExperts``: stacked params whose logical axes
+start with ``experts`` and name ``expert_mlp``), which compute in their own kernels.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = ["Choice", "choose", "compiled_pattern"]
 MULTIPLE = 16
 _ROUTER_NAMES = ("router", "gate")
 _ROUTER = "a router (its logits choose the experts): never in fp8"
+_NEVER = ("router", "other_experts")  # kinds no pattern can bring into fp8
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,9 @@ class Choice:
         recipe: The recipe it computes its matmuls in, or None: high precision.
         why: Why not, when ``recipe`` is None.
         kind: ``"linear"`` (an ``nn.Linear``), ``"experts"`` (a ``d9d.moe`` experts
-            module's stacked weight, in its grouped GEMMs) or ``"router"`` (a ``d9d.moe``
-            router's weight: always high precision).
+            module's stacked weight, in its grouped GEMMs), ``"router"`` (a ``d9d.moe``
+            router's weight) or ``"other_experts"`` (a param of another module holding
+            routed experts, a Hugging Face one): the last two always high precision.
     """
 
     column: ClassVar[str] = "fp8"  # the plan table's column this annotation fills
@@ -103,6 +107,7 @@ def choose(
                 choices.append(Choice(path, weight, None if why else recipe, why, "experts"))
             continue
         if not isinstance(module, nn.Linear):
+            choices += _other_experts(structure, plan, path, module)
             continue
         weight = structure.canonical(_child(path, "weight"))
         entry = plan.entries[weight]
@@ -111,15 +116,36 @@ def choose(
         why = _why_not(path, dims, blocks, include, exclude)
         choices.append(Choice(path, weight, None if why else recipe, why))
     for name, pattern in (("include", include), ("exclude", exclude)):
-        chosen = [c for c in choices if c.kind != "router"]
+        chosen = [c for c in choices if c.kind not in _NEVER]
         if pattern is not None and not any(pattern.search(c.path) for c in chosen):
             linears = list(dict.fromkeys(c.path for c in chosen))
+            never = {c.path: c.why for c in choices if c.kind in _NEVER and pattern.search(c.path)}
+            also = "".join(f"; it matches {path}, {why}" for path, why in list(never.items())[:2])
             raise PlanError(
                 f"fp8({name}={pattern.pattern!r}) matches no linear (nor routed experts module) "
                 f"of the model; its linears and experts are "
-                f"{linears[:6]}{' ...' if len(linears) > 6 else ''}: fix the pattern"
+                f"{linears[:6]}{' ...' if len(linears) > 6 else ''}{also}: fix the pattern"
             )
     return tuple(choices)
+
+
+def _other_experts(structure: Structure, plan: Plan, path: str, module: nn.Module) -> list[Choice]:
+    """High-precision choices for the own params of ``module`` (at ``path``) if it holds
+    routed experts (a param whose logical axes start with ``experts`` and name
+    ``expert_mlp``) and is no ``d9d.moe`` experts module: ``fp8`` computes none of them."""
+    names = (
+        structure.canonical(_child(path, n)) for n, _ in module.named_parameters(recurse=False)
+    )
+    weights = [w for w in names if w in plan.entries]
+    axes = [plan.entries[w].axes or () for w in weights]
+    if not any(a[:1] == ("experts",) and "expert_mlp" in a for a in axes):
+        return []
+    why = (
+        f"routed experts of a {type(module).__name__}, which computes them in its own kernels: "
+        "fp8 intercepts nn.Linear and d9d.moe's experts only (d9d.checkpoint.import_hf_moe "
+        "converts a Qwen3-MoE to d9d.models.MoE)"
+    )
+    return [Choice(path, weight, None, why, "other_experts") for weight in weights]
 
 
 def _child(path: str, name: str) -> str:
