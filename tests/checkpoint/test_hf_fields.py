@@ -61,25 +61,22 @@ def test_a_sliding_window_transformers_does_not_use_is_not_refused(tmp_path: Pat
     assert checkpoint.read_hf_config(folder).moe.n_experts == 4
 
 
-def test_a_field_the_config_class_does_not_define_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("attention_sink", 3, r"sets attention_sink=3, a field Qwen3MoeConfig does not define"),
+        # transformers' typed fields refuse an int where a float goes: a ConfigError too.
+        ("rms_norm_eps", 1, r"Qwen3MoeConfig does not read this config.json.*rms_norm"),
+    ],
+    ids=["undefined field", "value of the wrong type"],
+)
+def test_a_field_the_config_class_does_not_read_is_a_config_error(
+    tmp_path: Path, field: str, value: object, match: str
+) -> None:
     folder = _qwen3_moe_folder(tmp_path)
     raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "attention_sink": 3}))
-    with pytest.raises(
-        ConfigError, match=r"sets attention_sink=3, a field Qwen3MoeConfig does not define"
-    ):
-        checkpoint.import_hf_moe(folder)
-
-
-def test_a_value_the_config_class_refuses_is_a_config_error(tmp_path: Path) -> None:
-    """transformers' typed fields refuse an int where a float goes; d9d says so as a
-    ConfigError naming the field, as for any value the class refuses."""
-    folder = _qwen3_moe_folder(tmp_path)
-    raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 1}))
-    with pytest.raises(
-        ConfigError, match=r"Qwen3MoeConfig does not read this config.json.*rms_norm"
-    ):
+    (folder / "config.json").write_text(json.dumps({**raw, field: value}))
+    with pytest.raises(ConfigError, match=match):
         checkpoint.import_hf_moe(folder)
 
 
