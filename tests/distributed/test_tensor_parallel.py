@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from equivalence import (
     hf_model,
     llama,
     reference,
+    run,
     train_step,
 )
 
@@ -160,6 +162,85 @@ def test_a_param_the_root_module_holds_is_named_under_sequence_parallelism() -> 
     ):
         run_on_ranks(rank, 2, True)
     run_on_ranks(rank, 2, False)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class _ReadsParamsDirectly(torch.nn.Module):
+    """Two MLP blocks, with a learned position embedding and an output gain read as tensors
+    (``self.pos.weight[:S]``), not through their modules' forwards."""
+
+    def __init__(self, positions_before_blocks: bool) -> None:
+        super().__init__()
+        self.positions_before_blocks = positions_before_blocks
+        self.embed = torch.nn.Embedding(97, 8)
+        self.pos = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.gain = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 97, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.positions_before_blocks:
+            x = x + self.pos.weight[: tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x * self.gain.weight)
+
+
+_DIRECT_READ_AXES = {
+    r"up\.weight$": ("mlp", "embed"),
+    r"up\.bias$": ("mlp",),
+    r"down\.weight$": ("embed", "mlp"),
+    r"down\.bias$": ("embed",),
+    r"head\.weight$": ("vocab", "embed"),
+    r"pos\.weight$": ("embed", "embed"),
+}
+
+
+def _reads_params_directly(positions_before_blocks: bool) -> Callable[[], d9d.Model]:
+    """A builder of copies of one model, made here: rank threads share the RNG."""
+    torch.manual_seed(0)
+    module = _ReadsParamsDirectly(positions_before_blocks).to(torch.float64)
+    return lambda: d9d.functionalize(copy.deepcopy(module), axes=_DIRECT_READ_AXES)
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])
+def test_a_param_read_directly_before_the_first_block_is_named(layout: str) -> None:
+    """The residual stream's autograd graph names a param whose module never ran before the
+    first block (the position embedding's weight, sliced): its grad came out summed over the
+    ``tp`` ranks, silently. The gain read the same way after the blocks is this rank's
+    positions' share, summed rightly: equal to one device."""
+    mesh_axes, transforms = LAYOUTS[layout]
+    data = batches(97, seq_len=16, steps=2)
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: param 'pos.weight' is used before the first block, .* use "
+        r"tensor_parallel\(\.\.\., sequence_parallel=False\)",
+    ):
+        run(_reads_params_directly(True), transforms, mesh_axes, data)
+    for before in (False, True):
+        build = _reads_params_directly(before)
+        transforms = LAYOUTS[f"{layout} no sp"][1] if before else transforms
+        assert_equivalent(
+            build, transforms, mesh_axes, data, reference(build, data), dtype=torch.float64
+        )
 
 
 @pytest.mark.parametrize("layout", ["tp=2", "fsdp=2 x tp=2"])

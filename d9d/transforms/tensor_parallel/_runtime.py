@@ -50,6 +50,7 @@ from ._checks import (
     check_router_logits,
 )
 from ._layout import ActivationLayout
+from ._sequence_sources import sources
 
 __all__ = ["TensorParallelRuntime"]
 
@@ -227,7 +228,29 @@ def _enter_block(state: _Call, args: Any, kwargs: Any) -> tuple[Any, Any] | None
     if not layout.sequence_parallel or state.sequence_sharded:
         return None
     state.sequence_sharded = True
-    return replace_activation(args, kwargs, "block", layout.slice_sequence)
+    return replace_activation(args, kwargs, "block", functools.partial(_slice_sequence, state))
+
+
+def _slice_sequence(state: _Call, x: torch.Tensor) -> torch.Tensor:
+    """This rank's positions of the residual stream ``x``, once no param whose grad the axis
+    sums is found among what ``x`` was computed from (eagerly: Dynamo traces no autograd
+    graph; see ``_sequence_sources.py``)."""
+    if not torch.compiler.is_compiling():
+        for key in sources(x, _summed_root_params(state)):
+            _refuse_before_blocks(key, state.layout)
+    return state.layout.slice_sequence(x)
+
+
+def _summed_root_params(state: _Call) -> dict[str, torch.Tensor]:
+    """``{path: tensor in its slot}`` of the params outside blocks whose grad the axis sums."""
+    structure, entries, index = state.call.structure, state.call.plan.entries, state.layout.index
+    summed = {}
+    for slot in structure.root_slots:
+        key = structure.canonical(slot.key)
+        tensor = slot.store()[slot.name]
+        if isinstance(entries[key].grad[index], Partial) and isinstance(tensor, torch.Tensor):
+            summed.setdefault(key, tensor)
+    return summed
 
 
 def _enter_root_owner(state: _Call, path: str, args: Any, kwargs: Any) -> None:
@@ -237,11 +260,15 @@ def _enter_root_owner(state: _Call, path: str, args: Any, kwargs: Any) -> None:
     layout, plan = state.layout, state.call.plan
     for key in state.call.structure.root_owners[path]:
         if isinstance(plan.entries[key].grad[layout.index], Partial):
-            raise PlanError(
-                f"param {key!r} is used before the first block, where the sequence is "
-                f"whole on every {layout.axis!r} rank, but sequence parallelism sums its "
-                "grad over them; use tensor_parallel(..., sequence_parallel=False)"
-            )
+            _refuse_before_blocks(key, layout)
+
+
+def _refuse_before_blocks(key: str, layout: ActivationLayout) -> None:
+    raise PlanError(
+        f"param {key!r} is used before the first block, where the sequence is whole on every "
+        f"{layout.axis!r} rank, but sequence parallelism sums its grad over them; use "
+        "tensor_parallel(..., sequence_parallel=False)"
+    )
 
 
 def _around_split(
