@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -10,11 +11,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter", "CommStats", "add_counts", "record_p2p", "recording_into"]
+from .. import tree
+
+__all__ = [
+    "CollectiveCounter",
+    "CommStats",
+    "add_counts",
+    "record_object_broadcast",
+    "record_p2p",
+    "recording_into",
+]
 
 _functional = torch.ops._c10d_functional
 
@@ -27,6 +38,20 @@ _KINDS = {
     _functional.all_reduce.default: "all_reduce",
     _functional.all_to_all_single.default: "all_to_all",
     _functional.broadcast.default: "broadcast",
+}
+
+_c10d = torch.ops.c10d
+
+# The same collectives issued through ``torch.distributed``'s in-place API (a pipeline's
+# ``broadcast_object_list`` of the aux outputs): kind, and which argument holds the buffer.
+_IN_PLACE = {
+    _c10d.broadcast_.default: ("broadcast", 0),
+    _c10d.allreduce_.default: ("all_reduce", 0),
+    _c10d.allgather_.default: ("all_gather", 0),
+    _c10d._allgather_base_.default: ("all_gather", 0),
+    _c10d.reduce_scatter_.default: ("reduce_scatter", 1),
+    _c10d._reduce_scatter_base_.default: ("reduce_scatter", 1),
+    _c10d.alltoall_base_.default: ("all_to_all", 1),
 }
 
 
@@ -99,6 +124,18 @@ def add_counts(stats: CommStats, times: int = 1) -> None:
             target.bytes[key] += times * n
 
 
+def record_object_broadcast(obj: Any, axis: str) -> None:
+    """Count the two broadcasts ``torch.distributed.broadcast_object_list([obj])`` makes on
+    ``axis`` (the pickle's length, an int64, then the pickle), for a dry run that does not
+    make them: ``obj``'s tensors as CPU tensors of their shapes, which pickle to the same
+    length whatever their values."""
+    on_cpu = tree.map(
+        lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x, obj
+    )
+    record_p2p("broadcast", axis, 8)
+    record_p2p("broadcast", axis, len(pickle.dumps(on_cpu)))
+
+
 def record_p2p(kind: str, axis: str, nbytes: int) -> None:
     """Count one point-to-point ``send`` or ``recv`` of ``nbytes`` on ``axis`` (pipeline
     stages), if a :class:`CollectiveCounter` is active on this thread."""
@@ -145,15 +182,30 @@ class CollectiveCounter(TorchDispatchMode):
             # collectives its placements need, which then come back here and are counted.
             return NotImplemented
         kind = _KINDS.get(func)
-        if kind is not None:
-            tensor = args[0]
-            group = args[-1]
-            size = tensor.numel() * tensor.element_size()
-            if kind == "all_gather":
-                size *= args[1]
+        if kind is not None or func in _IN_PLACE:
+            if kind is not None:
+                group = args[-1]
+                size = _nbytes(args[0]) * (args[1] if kind == "all_gather" else 1)
+            else:
+                kind, index = _IN_PLACE[func]
+                group = _group_name(args)
+                size = _nbytes(args[index])
             axis = self._axis_of.get(group, str(group))
             target = self.stats if _counting.into is None else _counting.into[0]
             if target is not None:
                 target.count[(kind, axis)] += 1
                 target.bytes[(kind, axis)] += size
         return func(*args, **(kwargs or {}))
+
+
+def _nbytes(buffers: Any) -> int:
+    """Bytes of a tensor, or of the tensors of a (nested) list of them."""
+    if isinstance(buffers, torch.Tensor):
+        return buffers.numel() * buffers.element_size()
+    return sum(_nbytes(b) for b in buffers)
+
+
+def _group_name(args: Any) -> str:
+    """The name of the process group an in-place ``c10d`` op gets among ``args``."""
+    boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
+    return dist.ProcessGroup.unbox(boxed).group_name

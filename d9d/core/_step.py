@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import tree
 from ..errors import IndivisibleError, PlanError
@@ -422,8 +423,13 @@ class TransformedStep:
             entry = plan.entries[path]
             if entry.state_kept == entry.storage:
                 grad_bytes += _local_bytes(leaf)
-            else:
+            elif entry.grad_kept == entry.state_kept:  # ZeRO-2: views of the padded scatter
                 local = entry.local_shape(plan.mesh, entry.state_kept)
+                grad_bytes += math.prod(local) * entry.dtype.itemsize
+            else:  # ZeRO-1: this rank's rows of its all-reduced grad, copied out
+                local, _ = compute_local_shape_and_global_offset(
+                    entry.shape, plan.mesh, entry.state_kept
+                )
                 grad_bytes += math.prod(local) * entry.dtype.itemsize
         accumulated = 0
         accumulating = next((r for r in self.runtimes if r.accumulates_grads), None)

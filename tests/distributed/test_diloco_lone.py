@@ -23,10 +23,13 @@ from d9d.errors import ConfigError, PlanError
 F64 = torch.float64
 
 
-def _build(manager, inner_steps=2, outer=None, jit=False, fsdp=1, weighting="tokens", warmup=0):
+def _build(
+    manager, inner_steps=2, outer=None, jit=False, fsdp=1, weighting="tokens", warmup=0, mb=1
+):
     torch.manual_seed(0)
     model, opt = llama(F64, n_layers=1)(), d9d.optim.adamw(1e-2)
-    inner = d9d.shard_params(d9d.make_mesh("cpu", fsdp=fsdp), "fsdp")(train_step(model, opt))
+    mesh = d9d.make_mesh("cpu", fsdp=fsdp)
+    inner = d9d.shard_params(mesh, "fsdp", microbatches=mb)(train_step(model, opt))
     if jit:
         inner = d9d.jit(inner, backend="aot_eager")
     step = d9d.diloco(
@@ -156,6 +159,17 @@ def test_memory_counts_the_anchor_and_the_outer_momentum() -> None:
     # int64 count and float32 learning rate, the inner step and token counters
     assert got.opt_state - inner.opt_state == 2 * param_bytes + 8 + 4 + 8 + 8
     assert (got.params, got.grads) == (inner.params, inner.grads)
+
+
+def test_memory_keeps_the_grads_the_inner_step_accumulates() -> None:
+    """Under microbatches the inner step holds its whole grads until it reduces them once;
+    diloco's memory kept only params, grads and state, and lost them (0)."""
+    step, params, state = _build(LoneManager(), mb=2)
+    inner = step.step.memory(params, state.inner)
+    got = step.memory(params, state)
+    param_bytes = sum(v.numel() for v in params.values()) * 8  # float64, one rank
+    assert got.accumulated_grads == inner.accumulated_grads == param_bytes
+    assert got.at_reduction - inner.at_reduction == got.opt_state - inner.opt_state > 0
 
 
 @pytest.mark.parametrize(

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import d9d
 import d9d.core._apply
 import d9d.core._gather
 from d9d.cli._train_step import make_train_step
+from d9d.core._comm_count import CollectiveCounter
 from d9d.errors import IndivisibleError, MeshError, PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import fake_world, run_on_ranks
@@ -93,6 +96,27 @@ def test_ddp_all_reduces_each_grad_once() -> None:
         # Each grad, the mean loss and the loss's count of valid tokens (int64).
         assert dict(stats.count) == {("all_reduce", "dp"): len(params) + 2}
         assert stats.bytes[("all_reduce", "dp")] == model_bytes + 4 + 8
+
+
+def _counted_through_torch_distributed() -> tuple[dict, dict]:
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    group = mesh.get_group("fsdp")
+    with CollectiveCounter(mesh) as counter:
+        dist.all_reduce(torch.ones(3), group=group)
+        dist.broadcast_object_list([torch.zeros(5)], src=0, group=group)
+    return dict(counter.stats.count), dict(counter.stats.bytes)
+
+
+def test_collectives_through_torch_distributed_are_counted() -> None:
+    """A step's collectives issued through ``torch.distributed`` (a pipeline broadcasts its
+    aux outputs with ``broadcast_object_list``) are counted as the functional ones are: an
+    all-reduce of its tensor, and the object's two broadcasts (its pickle's length as one
+    int64, then the pickle). gloo ranks: the threaded group takes them outside the
+    dispatcher."""
+    pickled = len(pickle.dumps(torch.zeros(5)))
+    for count, nbytes in run_on_ranks(_counted_through_torch_distributed, 2, method="fork"):
+        assert count == {("all_reduce", "fsdp"): 1, ("broadcast", "fsdp"): 2}
+        assert nbytes == {("all_reduce", "fsdp"): 12, ("broadcast", "fsdp"): 8 + pickled}
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -56,16 +56,16 @@ class _Measured:
         return self.inner.update(grads, state, params)
 
 
-def _held_at_update(shard: str, pp: int = 1) -> tuple[dict[str, Any], Any]:
+def _held_at_update(shard: str, pp: int = 1, vocab: int = 256) -> tuple[dict[str, Any], Any]:
     mesh = d9d.make_mesh("cpu", **({"pp": pp} if pp > 1 else {}), fsdp=2)
-    model = llama()()
+    model = llama(vocab_size=vocab)()
     opt = _Measured(optimizer())
     step = train_step(model, opt)
     if pp > 1:
         step = d9d.pipeline(mesh, microbatches=2)(step)
     step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    batch = step.shard_batch(batches(256, steps=1)[0])
+    batch = step.shard_batch(batches(vocab, steps=1)[0])
     opt.stored = params
     with KeptBytes(exclude=(params, state)) as kept:
         opt.kept = kept
@@ -85,6 +85,17 @@ def test_bytes_held_at_the_update_are_step_memory(shard: str) -> None:
         assert seen["grads"] == memory.grads
         assert seen["slices_share_the_stored"]
         assert seen["other"] == 4, seen
+
+
+@pytest.mark.parametrize("shard", ["opt_state", "grads"])
+def test_bytes_held_at_the_update_of_uneven_shards_are_step_memory(shard: str) -> None:
+    """Vocab 97 on fsdp=2: rank 1 keeps 48 of the 97 rows of the embedding and the head.
+    ZeRO-1's grads are copies of a rank's own rows (``step.memory`` once counted rank 0's 49
+    on rank 1 too: 512 B more than it holds); ZeRO-2's are views of its reduce-scatter's
+    chunk, padded to 49 rows on every rank."""
+    for seen, memory in run_on_ranks(_held_at_update, 2, shard, 1, 97):
+        assert seen["held"] == memory.total, (seen, memory)
+        assert seen["grads"] == memory.grads
 
 
 def _held_in_stages() -> dict[str, tuple[dict[str, Any], Any]]:

@@ -3,6 +3,7 @@ of a warm-up)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -204,10 +205,11 @@ class DiLoCoStep(OutermostStep):
 
     def memory(self, params: Any, state: DiLoCoState) -> Memory:
         """The wrapped step's ``memory``, its optimizer state counting the anchor, the outer
-        state and the step and token counters too (bytes per rank)."""
+        state and the step and token counters too (bytes per rank); the rest as the wrapped
+        step's (its host state, its grads accumulated over microbatches)."""
         inner = self.step.memory(params, state.inner)
         extra = sum(_local_bytes(leaf) for leaf in tree.leaves(state[1:]))
-        return Memory(inner.params, inner.grads, inner.opt_state + extra, inner.host_opt_state)
+        return dataclasses.replace(inner, opt_state=inner.opt_state + extra)
 
     def comms(self, params: Any, state: DiLoCoState, batch: Any) -> Any:
         """The collectives of one inner step (inside the replica group; it runs one, with no

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ... import tree
 from ...core._autodiff import stack_aux
-from ...core._comm_count import recording_into
+from ...core._comm_count import record_object_broadcast, recording_into
 from ...core._context import count_tokens, record_step_tokens
 from ...core._gather import distribute, local_like
 from ...core._plan import Plan
@@ -242,6 +242,7 @@ def run_pipeline(
     aux = None
     if job.has_aux and sampled:
         aux = _aux_on_meta(job, plan, layout, chunks, weights)
+        record_object_broadcast(aux, layout.axis)  # what _aux_on_every_rank would send
     elif job.has_aux:
         aux = _aux_on_every_rank(runner, count, layout)
     return value, aux, grads, weight

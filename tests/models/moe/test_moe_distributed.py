@@ -194,11 +194,21 @@ def test_stages_pass_the_state_of_the_blocks() -> None:
     """pp=2, 2 microbatches of 4 x 16 tokens, float64: per microbatch each boundary carries
     the residual stream [4, 16, 64], the aux loss so far (0-d float64) and the loads [2, 6]
     (float32) forward, and a grad of each back; no collective beyond the loss's and the
-    clipping norm's all-reduce."""
+    clipping norm's all-reduce, and the broadcast of the aux outputs from the last stage as
+    a Python object (``broadcast_object_list``: the pickle's length, then the pickle), which
+    ``step.comms`` once missed."""
     state = 4 * 16 * 64 * 8 + 8 + 2 * 6 * 4
-    for count, nbytes in run_on_ranks(_traffic_rank, 2, method="fork", timeout=300):
-        assert count == {("send", "pp"): 6, ("recv", "pp"): 6, ("all_reduce", "pp"): 2}
+    results = run_on_ranks(_traffic_rank, 2, method="fork", timeout=300)
+    for count, nbytes in results:
+        assert count == {
+            ("send", "pp"): 6,
+            ("recv", "pp"): 6,
+            ("all_reduce", "pp"): 2,
+            ("broadcast", "pp"): 2,
+        }
         assert nbytes[("send", "pp")] == nbytes[("recv", "pp")] == 2 * state
+        assert nbytes[("broadcast", "pp")] > 8
+    assert results[0][1] == results[1][1]
 
 
 def _place_rank(sequence_parallel: bool, axes: dict | None = None, **overrides: object) -> None:
