@@ -45,6 +45,8 @@ class _Model(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB)
         if shape == "param beside blocks":
             self.start = nn.Parameter(torch.zeros(WIDTH))  # as HRM's z_L_init
+        if shape == "blocks sharing a weight":
+            self.layers[1].proj.weight = self.layers[0].proj.weight  # as ALBERT's shared layers
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         device = self.embed.weight.device  # as Llama-4 reads embed_tokens.weight.device
@@ -114,6 +116,29 @@ def test_forwards_that_cannot_be_cut_are_refused_by_name(shape: str, match: str)
     crashed inside the model."""
     with pytest.raises(RankFailedError, match=r"PlanError: .*" + match):
         run_on_ranks(_train_rank, 2, _builder(shape), method="fork")
+
+
+def _zbv_rank(build) -> None:
+    mesh = d9d.make_mesh("cpu", pp=2)
+    model = build()
+    step = d9d.pipeline(mesh, schedule="zbv", microbatches=2, virtual_stages=2)(
+        lambda params, opt_state, batch: (params, opt_state, {})
+    )
+    step.place(model.params, (), model=model)
+
+
+def test_a_weight_shared_by_stages_of_two_ranks_besides_the_end_ones_is_refused_by_name() -> None:
+    """Under zbv the first and last stage share rank 0; blocks 0 and 1 (stages 0 and 1, ranks
+    0 and 1) sharing a weight had its grads summed over no group: every rank crashed with
+    ``AttributeError: 'NoneType' object has no attribute 'group_name'`` in the step, as a
+    3-rank 1F1B pipeline did with blocks of ranks 0 and 1, or 1 and 2, sharing one."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: param 'layers\.0\.proj\.weight' is shared by stages \[0, 1\], on "
+        r"pipeline ranks \[0, 1\], but pipeline sums a shared param's grads only between the "
+        r"first and last stage's ranks \[0\]",
+    ):
+        run_on_ranks(_zbv_rank, 2, _builder("blocks sharing a weight"), method="fork")
 
 
 class _CarryingBlock(nn.Module):
