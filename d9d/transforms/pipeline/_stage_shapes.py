@@ -20,12 +20,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import DryRunError
+from ...errors import DryRunError, PlanError
 
 __all__ = ["LOSS_DTYPES", "probe"]
 
 LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_ACTIVATION_DTYPES = (*LOSS_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
+# What a stage may pass on: activations, and beside them in a carried state statistics,
+# counters and masks (integer and bool tensors carry no grad back).
+_ACTIVATION_DTYPES = (
+    *LOSS_DTYPES,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _META_LENGTH = 10  # ndim, dtype, up to 8 sizes
 Shape = tuple[tuple[int, ...], torch.dtype]
 
@@ -60,11 +72,24 @@ def probe(
             value = runner.run_stage(stage, inputs, 0)
         values = value if isinstance(value, tuple) else (value,)
         previous = [(tuple(v.shape), v.dtype) for v in values]
+        _check_passable(stage, previous)
         out[stage] = (entering, previous)
         last = stage + 1 == layout.split.count
         if not last and layout.owner(stage + 1) != layout.rank and not dry:
             _send_meta(layout, layout.owner(stage + 1), previous, device)
     return out
+
+
+def _check_passable(stage: int, metas: list[Shape]) -> None:
+    """Raise for a tensor ``stage`` passes on whose shape and dtype no header describes."""
+    for i, (shape, dtype) in enumerate(metas):
+        if dtype not in _ACTIVATION_DTYPES or len(shape) > _META_LENGTH - 2:
+            raise PlanError(
+                f"pipeline stage {stage} passes on tensor {i} of its output as {dtype}"
+                f"{list(shape)}, but stages pass tensors of at most {_META_LENGTH - 2} dims "
+                f"of {[str(d).removeprefix('torch.') for d in _ACTIVATION_DTYPES]}; carry it "
+                "in one of those"
+            )
 
 
 def _send_meta(layout: Any, to: int, metas: list[Shape], device: Any) -> None:

@@ -94,8 +94,9 @@ class Pipeline(Transform):
             )
         found = self._splits.get(id(model))
         if found is None:
-            count = self.mesh.shape[self._axis_index(self.axis, "axis")] * self.virtual_stages
-            found = split_stages(model, count, self.stages)
+            size = self.mesh.shape[self._axis_index(self.axis, "axis")]
+            found = split_stages(model, size * self.virtual_stages, self.stages)
+            _check_shared(found, size, SCHEDULES[self.schedule].style)
             self._splits.clear()
             self._splits[id(model)] = found
         return found
@@ -160,6 +161,23 @@ class Pipeline(Transform):
             if dist.get_rank() in ranks:
                 mine = group
         return mine
+
+
+def _check_shared(split: StageSplit, size: int, style: str) -> None:
+    """Raise for a param held by stages on pipeline ranks other than the first and last
+    stage's: its grads are summed only over those two (a head tied to the embedding)."""
+    ends = {stage_owner(0, size, style), stage_owner(split.count - 1, size, style)}
+    for key in dict.fromkeys(k for keys in split.keys for k in keys):
+        stages = split.stages_of(key)
+        ranks = {stage_owner(s, size, style) for s in stages}
+        if len(ranks) > 1 and ranks != ends:
+            raise PlanError(
+                f"param {key!r} is shared by stages {list(stages)}, on pipeline ranks "
+                f"{sorted(ranks)}, but pipeline sums a shared param's grads only between the "
+                f"first and last stage's ranks {sorted(ends)} (a head tied to the "
+                "embedding); put the blocks sharing it on one rank (stages=[...]) or on those "
+                "two, or untie it"
+            )
 
 
 def _onto_stage(entry: ParamPlan, index: int, layout: PipelineLayout) -> ParamPlan:
