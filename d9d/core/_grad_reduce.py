@@ -157,10 +157,14 @@ def reduce_many(
     if isinstance(kept[0], Shard):
         pieces, layouts = [], []
         for grad, where in zip(scaled, kept, strict=True):
-            rows = grad.movedim(where.dim, 0)
-            chunk = -(-rows.shape[0] // ranks)
-            layouts.append((where.dim, chunk, rows.shape[1:]))
-            pieces.append(padded(rows, ranks * chunk).reshape(ranks, -1))
+            dim = where.dim
+            chunk = -(-grad.shape[dim] // ranks)
+            whole = padded(grad.movedim(dim, 0), ranks * chunk).movedim(0, dim)
+            # Each rank's piece is its rows of `dim` in its shard's own order, so that its
+            # grad is a view of the reduce-scatter's output whatever the dim (as FSDP2 lays
+            # Shard(dim > 0) out), not a copy that leaves the output held beside it.
+            pieces.append(whole.unflatten(dim, (ranks, chunk)).movedim(dim, 0).reshape(ranks, -1))
+            layouts.append((dim, (*grad.shape[:dim], chunk, *grad.shape[dim + 1 :])))
         flat = torch.cat(pieces, dim=1).reshape(-1)
         flat = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
     else:
@@ -182,9 +186,9 @@ def reduce_many(
             local = flat[offset : offset + grad.numel()].view(grad.shape)
             offset += grad.numel()
         else:
-            dim, chunk, rest = layouts[n]
-            size = chunk * math.prod(rest)
-            local = flat[offset : offset + size].view(chunk, *rest)[: mine[n]].movedim(0, dim)
+            dim, shard = layouts[n]
+            size = math.prod(shard)
+            local = flat[offset : offset + size].view(shard).narrow(dim, 0, mine[n])
             offset += size
         placements = tuple(
             where if i == axis else Replicate() if i in over else p
@@ -198,5 +202,22 @@ def reduce_many(
             shape=torch.Size(entry.shape),
             stride=stride,
         )
-        out.append(reduce_to(grad, entry.grad_kept))
+        out.append(_kept_in(reduce_to(grad, entry.grad_kept), grad, local))
     return out
+
+
+def _kept_in(reduced: DTensor, grad: DTensor, view: torch.Tensor) -> DTensor:
+    """``reduced`` (``grad`` reduced further: a norm's grad all-reduced over ``tp``) with its
+    local tensor copied back into ``view``, ``grad``'s rows of the collective's output, which
+    the group's other grads keep alive whole: no second copy of it is held."""
+    local = reduced.to_local()
+    if reduced is grad or local.shape != view.shape or not view.is_contiguous():
+        return reduced
+    return DTensor.from_local(
+        view.copy_(local),
+        reduced.device_mesh,
+        reduced.placements,
+        run_check=False,
+        shape=reduced.shape,
+        stride=reduced.stride(),
+    )

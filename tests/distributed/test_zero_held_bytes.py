@@ -56,13 +56,18 @@ class _Measured:
         return self.inner.update(grads, state, params)
 
 
-def _held_at_update(shard: str, pp: int = 1, vocab: int = 256) -> tuple[dict[str, Any], Any]:
-    mesh = d9d.make_mesh("cpu", **({"pp": pp} if pp > 1 else {}), fsdp=2)
+def _held_at_update(
+    shard: str, pp: int = 1, vocab: int = 256, tp: int = 1
+) -> tuple[dict[str, Any], Any]:
+    others = {"pp": pp, "tp": tp}
+    mesh = d9d.make_mesh("cpu", fsdp=2, **{axis: n for axis, n in others.items() if n > 1})
     model = llama(vocab_size=vocab)()
     opt = _Measured(optimizer())
     step = train_step(model, opt)
     if pp > 1:
         step = d9d.pipeline(mesh, microbatches=2)(step)
+    if tp > 1:
+        step = d9d.tensor_parallel(mesh)(step)
     step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     batch = step.shard_batch(batches(vocab, steps=1)[0])
@@ -96,6 +101,20 @@ def test_bytes_held_at_the_update_of_uneven_shards_are_step_memory(shard: str) -
     for seen, memory in run_on_ranks(_held_at_update, 2, shard, 1, 97):
         assert seen["held"] == memory.total, (seen, memory)
         assert seen["grads"] == memory.grads
+
+
+@pytest.mark.parametrize("shard", ["params", "grads", "opt_state"])
+def test_bytes_held_at_the_update_under_tensor_parallelism_are_step_memory(shard: str) -> None:
+    """fsdp=2 x tp=2: a column-parallel weight's shard is ``Shard(1)`` on ``fsdp`` (``tp``
+    shards dim 0). Its grad was copied out of the block's reduce-scatter output, which the
+    row-parallel weights' grads (views of it) kept whole: 61,952 B more grads than
+    ``step.memory`` under ZeRO-2 and ZeRO-3 (187,520 held, 125,568 counted). Now each rank's
+    piece of the reduce-scatter is its shard in its own order, so every grad is a view of the
+    output; a norm's grad, all-reduced over ``tp`` after it, is copied back into its rows."""
+    for seen, memory in run_on_ranks(_held_at_update, 4, shard, 1, 256, 2):
+        assert seen["held"] == memory.total, (seen, memory)
+        assert seen["grads"] == memory.grads, (seen, memory)
+        assert seen["other"] == 4, seen
 
 
 def _held_in_stages() -> dict[str, tuple[dict[str, Any], Any]]:
