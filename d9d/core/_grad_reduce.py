@@ -194,8 +194,10 @@ def reduce_many(
             where if i == axis else Replicate() if i in over else p
             for i, p in enumerate(entry.grad)
         )
+        # A view even where uneven shards of a dim > 0 leave it strided (as DTensor's own
+        # reduce-scatter does): a copy would be held beside the output the others keep.
         grad = DTensor.from_local(
-            local.contiguous(),
+            local,
             mesh,
             placements,
             run_check=False,

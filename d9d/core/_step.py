@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import tree
@@ -419,18 +419,15 @@ class TransformedStep:
         plan = self.plan
         param_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(params))
         grad_bytes = 0
-        for path, leaf in params.items():
+        for path in params:
             entry = plan.entries[path]
-            if entry.state_kept == entry.storage:
-                grad_bytes += _local_bytes(leaf)
-            elif entry.grad_kept == entry.state_kept:  # ZeRO-2: views of the padded scatter
-                local = entry.local_shape(plan.mesh, entry.state_kept)
-                grad_bytes += math.prod(local) * entry.dtype.itemsize
+            if entry.grad_kept == entry.state_kept:  # ZeRO-2, -3: views of the reduction
+                local = _held_grad_shape(entry, plan.mesh)
             else:  # ZeRO-1: this rank's rows of its all-reduced grad, copied out
                 local, _ = compute_local_shape_and_global_offset(
                     entry.shape, plan.mesh, entry.state_kept
                 )
-                grad_bytes += math.prod(local) * entry.dtype.itemsize
+            grad_bytes += math.prod(local) * entry.dtype.itemsize
         accumulated = 0
         accumulating = next((r for r in self.runtimes if r.accumulates_grads), None)
         if accumulating is not None:
@@ -455,6 +452,18 @@ def _bytes_by_dtype(state: Any) -> dict[str, int]:
             name = str(leaf.dtype).removeprefix("torch.")
             totals[name] = totals.get(name, 0) + _local_bytes(leaf)
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def _held_grad_shape(entry: ParamPlan, mesh: DeviceMesh) -> tuple[int, ...]:
+    """The local shape of ``entry``'s grad as the update holds it: its kept shard, padded to
+    the largest shard along a dim it was reduce-scattered on (a view of the collective's
+    padded output, d9d's and DTensor's alike: uneven shards hold their padding)."""
+    shape = list(compute_local_shape_and_global_offset(entry.shape, mesh, entry.grad_kept)[0])
+    before = compute_local_shape_and_global_offset(entry.shape, mesh, entry.grad)[0]
+    for size, grad, kept in zip(mesh.shape, entry.grad, entry.grad_kept, strict=True):
+        if isinstance(grad, Partial) and isinstance(kept, Shard):
+            shape[kept.dim] = -(-before[kept.dim] // size)
+    return tuple(shape)
 
 
 def _local_bytes(leaf: Any) -> int:

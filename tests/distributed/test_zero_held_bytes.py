@@ -57,10 +57,10 @@ class _Measured:
 
 
 def _held_at_update(
-    shard: str, pp: int = 1, vocab: int = 256, tp: int = 1
+    shard: str, pp: int = 1, vocab: int = 256, tp: int = 1, fsdp: int = 2
 ) -> tuple[dict[str, Any], Any]:
     others = {"pp": pp, "tp": tp}
-    mesh = d9d.make_mesh("cpu", fsdp=2, **{axis: n for axis, n in others.items() if n > 1})
+    mesh = d9d.make_mesh("cpu", fsdp=fsdp, **{axis: n for axis, n in others.items() if n > 1})
     model = llama(vocab_size=vocab)()
     opt = _Measured(optimizer())
     step = train_step(model, opt)
@@ -70,7 +70,7 @@ def _held_at_update(
         step = d9d.tensor_parallel(mesh)(step)
     step = d9d.shard_params(mesh, "fsdp", shard=shard)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
-    batch = step.shard_batch(batches(vocab, steps=1)[0])
+    batch = step.shard_batch(batches(vocab, global_batch=12, steps=1)[0])  # 2 or 3 ranks
     opt.stored = params
     with KeptBytes(exclude=(params, state)) as kept:
         opt.kept = kept
@@ -92,26 +92,32 @@ def test_bytes_held_at_the_update_are_step_memory(shard: str) -> None:
         assert seen["other"] == 4, seen
 
 
-@pytest.mark.parametrize("shard", ["opt_state", "grads"])
+@pytest.mark.parametrize("shard", ["opt_state", "grads", "params"])
 def test_bytes_held_at_the_update_of_uneven_shards_are_step_memory(shard: str) -> None:
     """Vocab 97 on fsdp=2: rank 1 keeps 48 of the 97 rows of the embedding and the head.
     ZeRO-1's grads are copies of a rank's own rows (``step.memory`` once counted rank 0's 49
-    on rank 1 too: 512 B more than it holds); ZeRO-2's are views of its reduce-scatter's
-    chunk, padded to 49 rows on every rank."""
+    on rank 1 too: 512 B more than it holds); ZeRO-2's and ZeRO-3's are views of their
+    reduce-scatter's chunk, padded to 49 rows on every rank (``step.memory`` once counted
+    ZeRO-3's at 48: 512 B less)."""
     for seen, memory in run_on_ranks(_held_at_update, 2, shard, 1, 97):
         assert seen["held"] == memory.total, (seen, memory)
         assert seen["grads"] == memory.grads
 
 
 @pytest.mark.parametrize("shard", ["params", "grads", "opt_state"])
-def test_bytes_held_at_the_update_under_tensor_parallelism_are_step_memory(shard: str) -> None:
+@pytest.mark.parametrize(("fsdp", "vocab"), [(2, 256), (3, 98)], ids=["fsdp=2", "fsdp=3"])
+def test_bytes_held_at_the_update_under_tensor_parallelism_are_step_memory(
+    fsdp: int, vocab: int, shard: str
+) -> None:
     """fsdp=2 x tp=2: a column-parallel weight's shard is ``Shard(1)`` on ``fsdp`` (``tp``
     shards dim 0). Its grad was copied out of the block's reduce-scatter output, which the
     row-parallel weights' grads (views of it) kept whole: 61,952 B more grads than
     ``step.memory`` under ZeRO-2 and ZeRO-3 (187,520 held, 125,568 counted). Now each rank's
     piece of the reduce-scatter is its shard in its own order, so every grad is a view of the
-    output; a norm's grad, all-reduced over ``tp`` after it, is copied back into its rows."""
-    for seen, memory in run_on_ranks(_held_at_update, 4, shard, 1, 256, 2):
+    output; a norm's grad, all-reduced over ``tp`` after it, is copied back into its rows.
+    fsdp=3 splits the hidden size 64 unevenly: a ``Shard(1)`` grad is then a strided view of
+    its padded chunk, as DTensor's own reduce-scatter leaves it, not a copy beside it."""
+    for seen, memory in run_on_ranks(_held_at_update, 2 * fsdp, shard, 1, vocab, 2, fsdp):
         assert seen["held"] == memory.total, (seen, memory)
         assert seen["grads"] == memory.grads, (seen, memory)
         assert seen["other"] == 4, seen
