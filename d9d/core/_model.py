@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,6 +106,31 @@ class Model:
         finally:
             for slot, old in zip(structure.slots, saved, strict=True):
                 slot.swap(old)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Model:
+        """A model of a deep copy of the module, with the same axes and defaults. The
+        structure is read again from the copy: it holds the module's own objects (its slots'
+        owners, its modules by ``id``), which a field-by-field copy would leave pointing at
+        the original's.
+
+        Example:
+            >>> import copy
+            >>> model = functionalize(torch.nn.Linear(3, 2))
+            >>> twin = copy.deepcopy(model)
+            >>> twin.params["weight"] is model.params["weight"], twin.axes == model.axes
+            (False, True)
+        """
+        module = copy.deepcopy(self.module, memo)
+        structure, params, buffers = structure_of(module)
+        return Model(
+            module=module,
+            params=params,
+            buffers=buffers,
+            axes=dict(self.axes),
+            tied=structure.tied,
+            structure=structure,
+            defaults=copy.deepcopy(self.defaults, memo),
+        )
 
     def check_params(self, params: Mapping[str, Any], *, subset: bool = False) -> None:
         """Raise unless ``params`` has the model's paths, each of the model's (global) shape.

@@ -229,3 +229,36 @@ def test_functionalize_and_placed_apply_leave_the_module_untouched() -> None:
         assert _hook_counts(module) == hooks
 
     run_on_ranks(rank, 2)
+
+
+def test_a_deep_copy_is_a_model_of_its_own_module() -> None:
+    """``copy.deepcopy`` of a model (as a rank thread takes its own from one built once):
+    its structure is read from the copied module; a field-by-field copy kept the original's
+    module ids, and the first step failed with a bare ``KeyError`` of one."""
+    import copy
+
+    from d9d.testing import run_on_ranks
+
+    torch.manual_seed(0)
+    model = d9d.functionalize(Llama(LlamaConfig.tiny(tie_embeddings=True)), axes={})
+    tokens = torch.randint(0, 256, (4, 9))
+
+    def loss(step_model: d9d.Model) -> torch.Tensor:
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+
+        @d9d.shard_params(mesh, "fsdp")
+        def step(params, opt_state, batch):
+            logits = step_model.apply(params, batch[:, :-1])
+            return params, opt_state, {"loss": d9d.losses.cross_entropy(logits, batch[:, 1:])}
+
+        params, state = step.place(step_model.params, (), model=step_model)
+        return step(params, state, step.shard_batch(tokens))[2]["loss"]
+
+    twin = copy.deepcopy(model)
+    assert twin.axes == model.axes and twin.tied == model.tied
+    assert twin.params.keys() == model.params.keys()
+    assert all(twin.params[p] is not model.params[p] for p in model.params)
+    logits = model.apply(model.params, tokens[:, :-1])
+    expected = d9d.losses.cross_entropy(logits, tokens[:, 1:])
+    for got in run_on_ranks(lambda: loss(copy.deepcopy(model)), 2):
+        torch.testing.assert_close(got, expected)
