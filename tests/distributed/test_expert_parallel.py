@@ -187,9 +187,15 @@ def test_plan_memory_and_all_to_all_bytes() -> None:
 
 
 def _refused_rank(kind: str) -> None:
-    mesh = d9d.make_mesh("cpu", ep=2) if kind != "axis" else d9d.make_mesh("cpu", fsdp=2)
+    mesh = d9d.make_mesh(
+        "cpu", **{"axis": {"fsdp": 2}, "experts on tp": {"tp": 2}}.get(kind, {"ep": 2})
+    )
     if kind == "axis":
         d9d.expert_parallel(mesh, axis="ep")
+    if kind == "experts on tp":
+        model = _model(experts=8)
+        step = d9d.tensor_parallel(mesh, rules={"expert_mlp": "tp"})(lambda p, s, b: (p, s, {}))
+        step.place(model.params, (), model=model)
     model = (
         d9d.functionalize(Llama(LlamaConfig.tiny()))
         if kind == "dense"
@@ -211,6 +217,9 @@ REFUSALS = {
     r"divisible by 2",
     "no model": r"PlanError: expert_parallel\(axis='ep'\) intercepts the model's experts modules "
     r"and needs the model",
+    "experts on tp": r"PlanError: param 'layers\.1\.mlp\.experts\.w_\w+' is sharded over 'tp' .* "
+    r"\(Experts\) is not one tensor_parallel knows .* Routed experts stay whole on 'tp': map "
+    r"neither 'experts' nor 'expert_mlp' to 'tp' in tensor_parallel's rules",
 }
 
 

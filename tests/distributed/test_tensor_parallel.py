@@ -560,8 +560,8 @@ def test_a_sharded_param_of_a_module_tensor_parallel_does_not_know_is_named(at: 
     with pytest.raises(
         RankFailedError,
         match=r"PlanError: param 'transformer.h.0.attn.c_attn.weight' is sharded over 'tp' "
-        r"\(dim 1, logical axis 'heads'\), but its module 'transformer.h.0.attn.c_attn' is a "
-        r"Conv1D, which tensor_parallel does not know",
+        r"\(dim 1, logical axis 'heads'\), but its module 'transformer.h.0.attn.c_attn' "
+        r"\(Conv1D\) is not one tensor_parallel knows",
     ):
         run_on_ranks(rank, 2)
 

@@ -253,15 +253,30 @@ def _check_sharded(
             continue
         raise PlanError(
             f"param {slot.key!r} is sharded over {layout.axis!r} (dim {placement.dim}, logical "
-            f"axis {entry.axes[placement.dim]!r}), but its module {path!r} is a "
-            f"{type(owner).__name__}, which tensor_parallel does not know how to run on a "
+            f"axis {entry.axes[placement.dim]!r}), but its module {path!r} "
+            f"({type(owner).__name__}) is not one tensor_parallel knows how to run on a "
             "shard: it shards nn.Linear weights (column- or row-parallel), a column-parallel "
-            "linear's bias and nn.Embedding weights over the vocab. Keep this param whole on "
-            f"{layout.axis!r}: give it logical axes that map to no mesh axis (e.g. "
-            f"functionalize(module, axes={{{_rule(slot.key)!r}: "
-            f"{('embed',) * len(entry.shape)}}})). (A transformers Conv1D is a transposed "
-            "linear, and a fused q/k/v weight splits per head group, not per row range.)"
+            "linear's bias and nn.Embedding weights over the vocab. "
+            + _keep_whole_fix(slot.key, entry, layout.axis)
         )
+
+
+def _keep_whole_fix(key: str, entry: ParamPlan, axis: str) -> str:
+    """How to keep the param at ``key`` whole on ``axis``: routed experts by leaving their
+    axes out of the rules (their logical axes are what ``expert_parallel`` reads), any other
+    param by axes that map to no mesh axis."""
+    if {"experts", "expert_mlp"} & set(entry.axes):
+        return (
+            f"Routed experts stay whole on {axis!r}: map neither 'experts' nor 'expert_mlp' "
+            f"to {axis!r} in tensor_parallel's rules, and shard the experts over an ep axis "
+            "with d9d.expert_parallel"
+        )
+    return (
+        f"Keep this param whole on {axis!r}: give it logical axes that map to no mesh axis "
+        f"(e.g. functionalize(module, axes={{{_rule(key)!r}: {('embed',) * len(entry.shape)}}})). "
+        "(A transformers Conv1D is a transposed linear, and a fused q/k/v weight splits per "
+        "head group, not per row range.)"
+    )
 
 
 def _rule(key: str) -> str:
