@@ -14,7 +14,7 @@ from typing import Any
 
 from ...core._runtime import ApplyCall, Runtime
 from ...core._structure import Structure
-from ._hf_refusals import check_hf_layers, check_hf_spans
+from ._hf_refusals import check_hf_inputs, check_hf_layers, check_hf_spans
 from ._split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
 
 __all__ = ["ContextParallelRuntime"]
@@ -42,6 +42,7 @@ class ContextParallelRuntime(Runtime):
         if config is None:
             return
         self.check_layers(structure)
+        check_hf_inputs(structure.module, call.args, call.kwargs)
         positions = call.kwargs[structure.positions_keyword]
         check_hf_spans(config, positions.shape[-1] * self.split.size)
         call.override(config, "_attn_implementation", HF_ATTENTION)
