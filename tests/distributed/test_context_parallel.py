@@ -182,6 +182,21 @@ def test_a_sequence_that_does_not_split_is_named() -> None:
         run_on_ranks(rank, 2)
 
 
+def test_a_sequence_longer_than_max_seq_len_is_refused_as_on_one_device() -> None:
+    """Each rank's slice (8 tokens) fits max_seq_len=8, the sequence (16) does not: cp=2 took
+    it, one device refuses it."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2)
+        model = llama(max_seq_len=8)()
+        step = d9d.context_parallel(mesh)(train_step(model, d9d.optim.sgd(0.1)))
+        params, state = step.place(model.params, (), axes=model.axes)
+        step(params, state, batches(256)[0])
+
+    with pytest.raises(RankFailedError, match=r"Sequence length 16 exceeds max_seq_len=8"):
+        run_on_ranks(rank, 2)
+
+
 def test_a_model_without_positions_is_named() -> None:
     def rank():
         mesh = d9d.make_mesh("cpu", cp=2)

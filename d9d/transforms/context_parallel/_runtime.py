@@ -28,7 +28,8 @@ class ContextParallelRuntime(Runtime):
         self._passed: list[Structure] = []  # the models whose layers passed check_layers
 
     def op(self, name: str) -> Callable[..., Any] | None:
-        return self.split.attention if name == "attention" else None
+        ops = {"attention": self.split.attention, "sequence_length": self.split.whole_length}
+        return ops.get(name)
 
     def on_batch(self, batch: Any) -> Any:
         return self.split.split_batch(batch)

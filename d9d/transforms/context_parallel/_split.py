@@ -54,9 +54,13 @@ class SequenceSplit:
 
         return tree.map(cut, batch)
 
+    def whole_length(self, local_len: int) -> int:
+        """The length of the sequence of which this rank holds ``local_len`` positions."""
+        return local_len * self.size
+
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's ``local_len`` tokens, in local order."""
-        whole = local_len * self.size
+        whole = self.whole_length(local_len)
         found = positions_for(self.rank, self.size, whole, load_balance=self.load_balance)
         return found.to(device)
 
@@ -75,7 +79,7 @@ class SequenceSplit:
         Each block's attention comes from the kernel registry's ``block_attention`` op. A
         sliding ``window`` (keys at most ``window - 1`` positions back) is refused unless it
         spans the whole sequence, where it changes nothing."""
-        whole = q.shape[-2] * self.size
+        whole = self.whole_length(q.shape[-2])
         if window is not None and window < whole:
             raise PlanError(
                 f"the model attends over a sliding window of {window} positions, shorter than "
