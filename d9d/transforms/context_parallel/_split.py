@@ -11,7 +11,7 @@ from torch import nn
 
 from ... import tree
 from ...core._context import sequence_attention
-from ...errors import PlanError
+from ...errors import IndivisibleError, PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, shard_sequence
 from ...parallel._ring_attention import ring_attention_on
@@ -43,16 +43,29 @@ class SequenceSplit:
     load_balance: str | None
 
     def split_batch(self, batch: Any) -> Any:
-        """Every tensor of rank >= 2 in ``batch`` cut to this rank's shard of dim 1."""
+        """Every tensor of rank >= 2 in ``batch`` cut to this rank's shard of dim 1.
 
-        def cut(leaf: Any) -> Any:
+        Raises:
+            IndivisibleError: A leaf's dim 1 does not cut into the layout's equal chunks.
+        """
+
+        def cut(path: str, leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.ndim <= SEQUENCE_DIM:
                 return leaf
+            chunks = 2 * self.size if self.load_balance == "zigzag" else self.size
+            if leaf.shape[SEQUENCE_DIM] % chunks:
+                raise IndivisibleError(
+                    f"batch leaf {path!r} {tuple(leaf.shape)}: its sequence length "
+                    f"{leaf.shape[SEQUENCE_DIM]} (dim 1, which context_parallel cuts in every "
+                    f"batch tensor of rank >= 2) does not split into {chunks} equal chunks "
+                    f"(load_balance={self.load_balance!r}, {self.axis}={self.size}): pad or "
+                    f"pack sequences to a multiple of {chunks}"
+                )
             return shard_sequence(
                 leaf, SEQUENCE_DIM, self.rank, self.size, load_balance=self.load_balance
             )
 
-        return tree.map(cut, batch)
+        return tree.map_with_path(cut, batch)
 
     def whole_length(self, local_len: int) -> int:
         """The length of the sequence of which this rank holds ``local_len`` positions."""
