@@ -201,6 +201,33 @@ def test_a_sequence_longer_than_max_seq_len_is_refused_as_on_one_device() -> Non
         run_on_ranks(rank, 2)
 
 
+def test_positions_the_step_body_passes_are_kept_by_keyword_or_position() -> None:
+    """The step adds the rank's positions only where the call gives none: given positionally
+    too (it added them as a keyword beside, a TypeError)."""
+    build = llama(torch.float64)
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2)
+        model = build()
+        own = d9d.parallel.positions_for(mesh.get_local_rank("cp"), 2, 16)
+
+        outs = []
+
+        def body(params, state, batch):
+            outs.append(model.apply(params, batch["tokens"]))
+            outs.append(model.apply(params, batch["tokens"], own))
+            outs.append(model.apply(params, batch["tokens"], positions=own))
+            return params, state, {}
+
+        step = d9d.context_parallel(mesh)(body)
+        params, state = step.place(model.params, (), model=model)
+        step(params, state, batches(256)[0])
+        return outs
+
+    for outs in run_on_ranks(rank, 2):
+        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
 def test_a_model_without_positions_is_named() -> None:
     def rank():
         mesh = d9d.make_mesh("cpu", cp=2)

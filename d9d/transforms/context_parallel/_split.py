@@ -3,6 +3,7 @@ positions of its tokens, and attention over the whole sequence (ring attention).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from ...parallel import positions_for, shard_sequence
 from ...parallel._ring_attention import ring_attention_on
 from ._hf_refusals import check_attention_call
 
-__all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "with_positions"]
+__all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "sequence_input", "with_positions"]
 
 SEQUENCE_DIM = 1
 HF_ATTENTION = "d9d_ring"
@@ -115,27 +116,46 @@ class SequenceSplit:
 
 
 def with_positions(
-    split: SequenceSplit, name: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    split: SequenceSplit,
+    module: nn.Module,
+    name: str | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> dict[str, Any]:
-    """``kwargs`` with the rank's global positions added under ``name``."""
+    """``kwargs`` with the rank's global positions added under ``name``, unless the call
+    passes its own (by keyword or position)."""
     if name is None:
         raise PlanError(
             "context_parallel gives each rank a slice of every sequence, so the model must "
             "take the tokens' global positions: its forward has neither positions= nor "
             "position_ids="
         )
-    if kwargs.get(name) is not None:
+    if kwargs.get(name) is not None or _passed_positionally(module, name, args):
         return kwargs
+    tokens = sequence_input(args, kwargs)
+    positions = split.positions(tokens.shape[SEQUENCE_DIM], tokens.device)
+    if name == "position_ids":
+        positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+    return {**kwargs, name: positions}
+
+
+def sequence_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The tokens ``[batch, seq]`` a model call is given: its first input."""
     tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("tokens"))
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
         raise PlanError(
             "context_parallel finds the sequence length from the first positional input "
             f"(tokens [batch, seq]); got {type(tokens).__name__}"
         )
-    positions = split.positions(tokens.shape[SEQUENCE_DIM], tokens.device)
-    if name == "position_ids":
-        positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
-    return {**kwargs, name: positions}
+    return tokens
+
+
+def _passed_positionally(module: nn.Module, name: str, args: tuple[Any, ...]) -> bool:
+    """Whether ``args`` give ``module.forward``'s input ``name`` (not None)."""
+    if len(args) < 2:  # the first input is the tokens
+        return False
+    names = list(inspect.signature(module.forward).parameters)[: len(args)]
+    return name in names and args[names.index(name)] is not None
 
 
 def hf_ring_attention(
