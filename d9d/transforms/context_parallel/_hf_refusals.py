@@ -15,7 +15,6 @@ layer or argument fails safe.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -147,19 +146,16 @@ SEQUENCE_INPUTS: dict[str, str] = {
 }
 
 
-def check_hf_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check_hf_inputs(structure: Structure, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuse a model call given a padding mask or labels (:data:`SEQUENCE_INPUTS`)."""
-    given = dict(kwargs)
-    if len(args) > 1:  # the forward's second and later inputs, by name
-        names = list(inspect.signature(module.forward).parameters)
-        given |= dict(zip(names[1:], args[1:], strict=False))
+    given = structure.given_inputs(args, kwargs)
     for name, why in SEQUENCE_INPUTS.items():
         value = given.get(name)
         if value is not None:
             what = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
             raise PlanError(
-                f"{type(module).__name__} was given {name} ({what}), which context_parallel "
-                f"cannot split: {why}"
+                f"{type(structure.module).__name__} was given {name} ({what}), which "
+                f"context_parallel cannot split: {why}"
             )
 
 

@@ -3,7 +3,6 @@ positions of its tokens, and attention over the whole sequence (ring attention).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import nn
 
 from ... import tree
 from ...core._context import sequence_attention
+from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, shard_sequence
@@ -116,21 +116,18 @@ class SequenceSplit:
 
 
 def with_positions(
-    split: SequenceSplit,
-    module: nn.Module,
-    name: str | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    split: SequenceSplit, structure: Structure, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """``kwargs`` with the rank's global positions added under ``name``, unless the call
-    passes its own (by keyword or position)."""
+    """``kwargs`` with the rank's global positions added under the model's positions
+    keyword, unless the call passes its own (by keyword or position)."""
+    name = structure.positions_keyword
     if name is None:
         raise PlanError(
             "context_parallel gives each rank a slice of every sequence, so the model must "
             "take the tokens' global positions: its forward has neither positions= nor "
             "position_ids="
         )
-    if kwargs.get(name) is not None or _passed_positionally(module, name, args):
+    if structure.given_inputs(args, kwargs).get(name) is not None:
         return kwargs
     tokens = sequence_input(args, kwargs)
     positions = split.positions(tokens.shape[SEQUENCE_DIM], tokens.device)
@@ -148,14 +145,6 @@ def sequence_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tenso
             f"(tokens [batch, seq]); got {type(tokens).__name__}"
         )
     return tokens
-
-
-def _passed_positionally(module: nn.Module, name: str, args: tuple[Any, ...]) -> bool:
-    """Whether ``args`` give ``module.forward``'s input ``name`` (not None)."""
-    if len(args) < 2:  # the first input is the tokens
-        return False
-    names = list(inspect.signature(module.forward).parameters)[: len(args)]
-    return name in names and args[names.index(name)] is not None
 
 
 def hf_ring_attention(
