@@ -7,8 +7,8 @@ positions by itself (a convolution over the sequence: Mamba, gated delta nets, s
 convolutions; a recurrent cell; pooling) or its config says a layer is anything but
 attention or per-token work (``layer_types``: ``linear_attention``, ``hybrid``, ``conv``,
 ...), or a window or chunk shorter than the sequence; one call of the model is refused when
-it is given a padding mask or labels (which ``transformers`` would drop or shift within the
-rank's slice); and one call of attention is refused when the module passes a mask of its own
+it is given a padding mask, positions or labels (which ``transformers`` would drop, read
+documents from, or shift within the rank's slice); and one call of attention is refused when the module passes a mask of its own
 or an argument ring attention does not implement. Anything unknown is refused: a new kind of
 layer or argument fails safe.
 """
@@ -137,6 +137,12 @@ SEQUENCE_INPUTS: dict[str, str] = {
         "dropped (ring attention applies causality over global positions only); leave it out "
         "(an all-ones mask changes nothing), pad on the right and label padded positions -100"
     ),
+    "position_ids": (
+        "transformers reads packed sequences from them (a position that does not follow the "
+        "one before starts a document) and masks attention between the documents, a mask "
+        "ring attention does not apply; leave them out: context_parallel passes the rank's "
+        "global positions itself"
+    ),
     "labels": (
         "transformers' own loss shifts the labels by one within this rank's slice of each "
         "sequence, not within the sequence, so the tokens at the slice's cuts would be scored "
@@ -147,7 +153,8 @@ SEQUENCE_INPUTS: dict[str, str] = {
 
 
 def check_hf_inputs(structure: Structure, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse a model call given a padding mask or labels (:data:`SEQUENCE_INPUTS`)."""
+    """Refuse a model call given a padding mask, positions or labels of its own
+    (:data:`SEQUENCE_INPUTS`)."""
     given = structure.given_inputs(args, kwargs)
     for name, why in SEQUENCE_INPUTS.items():
         value = given.get(name)

@@ -43,12 +43,13 @@ class ContextParallelRuntime(Runtime):
 
     def enter_apply(self, call: ApplyCall) -> None:
         structure = call.structure
-        call.kwargs = with_positions(self.split, structure, call.args, call.kwargs)
         config = hf_config(structure.module)
+        if config is not None:  # the call's own inputs, before the positions added here
+            self.check_layers(structure)
+            check_hf_inputs(structure, call.args, call.kwargs)
+        call.kwargs = with_positions(self.split, structure, call.args, call.kwargs)
         if config is None:
             return
-        self.check_layers(structure)
-        check_hf_inputs(structure, call.args, call.kwargs)
         local = sequence_input(call.args, call.kwargs).shape[SEQUENCE_DIM]
         check_hf_spans(config, self.split.whole_length(local))
         call.override(config, "_attn_implementation", HF_ATTENTION)
