@@ -182,6 +182,13 @@ def sequence_attention() -> Callable[..., Any] | None:
     return step_op("attention")
 
 
+def sequence_length(local: int) -> int:
+    """The length of the whole sequence of which the running step gives the model ``local``
+    positions (its ``"sequence_length"`` op: ``local`` times the cp size), else ``local``."""
+    whole = step_op("sequence_length")
+    return local if whole is None else whole(local)
+
+
 def step_op(name: str) -> Callable[..., Any] | None:
     """The op ``name`` a runtime of the running step substitutes (``Runtime.op``), or None."""
     step = _state.step

@@ -315,7 +315,8 @@ class Runtime:
         """The op model code asks the running step for by ``name``
         (:func:`d9d.core._context.step_op`) to use instead of its own, or None; the first runtime
         with one wins. ``"attention"``: ``attend(q, k, v, *, causal, scale)`` over the whole
-        sequence."""
+        sequence; ``"sequence_length"``: ``whole(local)``, the length of the sequence of which
+        the model gets ``local`` positions."""
         del name
         return None
 

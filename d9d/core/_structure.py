@@ -86,6 +86,8 @@ class Structure:
         paths: ``{id(module): path}``, the inverse of ``modules``.
         positions_keyword: The keyword under which ``module.forward`` takes token positions
             (``positions`` or ``position_ids``), if any.
+        positional_inputs: The names of ``module.forward``'s inputs that may be passed by
+            position, in order (read here, once, not in a traced step).
         position_wise: Paths of the modules declared to compute each position on its own
             (see :func:`position_wise_paths`), outermost first.
         without_grad: Paths of the modules whose forward computes without grad
@@ -103,8 +105,13 @@ class Structure:
     modules: dict[str, nn.Module]
     paths: dict[int, str]
     positions_keyword: str | None
+    positional_inputs: tuple[str, ...] = ()
     position_wise: tuple[str, ...] = ()
     without_grad: tuple[str, ...] = ()
+
+    def given_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``{name: value}`` of a call of the forward, its positional inputs by name."""
+        return {**dict(zip(self.positional_inputs, args, strict=False)), **kwargs}
 
     def canonical(self, key: str) -> str:
         """The path under which the param at ``key`` is stored (its own unless tied)."""
@@ -150,6 +157,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
     owners: dict[str, list[str]] = {}
     for slot in root_slots:
         owners.setdefault(paths[id(slot.owner)], []).append(tied.get(slot.key, slot.key))
+    inputs = inspect.signature(module.forward).parameters
     structure = Structure(
         module=module,
         tied=tied,
@@ -161,12 +169,13 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
         modules=modules,
         paths=paths,
         positions_keyword=next(
-            (
-                n
-                for n in ("positions", "position_ids")
-                if n in inspect.signature(module.forward).parameters
-            ),
+            (n for n in ("positions", "position_ids") if n in inputs),
             None,
+        ),
+        positional_inputs=tuple(
+            name
+            for name, p in inputs.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ),
         position_wise=position_wise_paths(module),
         without_grad=tuple(p for p, m in modules.items() if computes_without_grad(m)),

@@ -178,8 +178,54 @@ def test_a_sequence_that_does_not_split_is_named() -> None:
         params, state = step.place(model.params, (), axes=model.axes)
         step(params, state, batches(256, seq_len=14)[0])
 
-    with pytest.raises(RankFailedError, match=r"IndivisibleError: .*14.*multiple of 4"):
+    with pytest.raises(
+        RankFailedError,
+        match=r"IndivisibleError: batch leaf 'labels' \(8, 14\): its sequence length 14 .*"
+        r"multiple of 4",
+    ):
         run_on_ranks(rank, 2)
+
+
+def test_a_sequence_longer_than_max_seq_len_is_refused_as_on_one_device() -> None:
+    """Each rank's slice (8 tokens) fits max_seq_len=8, the sequence (16) does not: cp=2 took
+    it, one device refuses it."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2)
+        model = llama(max_seq_len=8)()
+        step = d9d.context_parallel(mesh)(train_step(model, d9d.optim.sgd(0.1)))
+        params, state = step.place(model.params, (), axes=model.axes)
+        step(params, state, batches(256)[0])
+
+    with pytest.raises(RankFailedError, match=r"Sequence length 16 exceeds max_seq_len=8"):
+        run_on_ranks(rank, 2)
+
+
+def test_positions_the_step_body_passes_are_kept_by_keyword_or_position() -> None:
+    """The step adds the rank's positions only where the call gives none: given positionally
+    too (it added them as a keyword beside, a TypeError)."""
+    build = llama(torch.float64)
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2)
+        model = build()
+        own = d9d.parallel.positions_for(mesh.get_local_rank("cp"), 2, 16)
+
+        outs = []
+
+        def body(params, state, batch):
+            outs.append(model.apply(params, batch["tokens"]))
+            outs.append(model.apply(params, batch["tokens"], own))
+            outs.append(model.apply(params, batch["tokens"], positions=own))
+            return params, state, {}
+
+        step = d9d.context_parallel(mesh)(body)
+        params, state = step.place(model.params, (), model=model)
+        step(params, state, batches(256)[0])
+        return outs
+
+    for outs in run_on_ranks(rank, 2):
+        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
 def test_a_model_without_positions_is_named() -> None:

@@ -1,10 +1,11 @@
 """``context_parallel`` refuses by name what ring attention cannot split in a Hugging Face
 model (``d9d/transforms/context_parallel/_hf_refusals.py``): layers that mix positions outside
 attention (a module, or a layer type), a mask the attention module builds itself, a chunk
-shorter than the sequence, an attention argument it does not implement. Each found by the
-family sweep as a ``wrong`` cell (other numbers, no error) before; the tiny configs are the
-sweep's. A plain family still equals one device: ``SAMPLE`` in ``sweep.py`` (Cwm, whose layers
-are full and sliding attention)."""
+shorter than the sequence, an attention argument it does not implement, each found by the
+family sweep as a ``wrong`` cell (other numbers, no error) before; and a padding mask,
+positions or labels given to the model. The tiny configs are the sweep's. A plain family still
+equals one device: ``SAMPLE`` in ``sweep.py`` (Cwm, whose layers are full and sliding
+attention)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,48 @@ def test_an_attention_mask_the_module_builds_is_refused() -> None:
         match=r"PlanError: DogeAttention passes attention a mask of its own \(shape ",
     ):
         run_on_ranks(_cp_forward, 2, _build("doge"))
+
+
+# How a rank's step passes the model a padding mask, positions or labels, and what the
+# refusal says.
+_GIVEN = {
+    "attention_mask": r"attention_mask \(shape \(4, 8\)\).* padding mask would be dropped",
+    "labels": r"labels \(shape \(4, 8\)\).* scored against the wrong next token",
+    "position_ids": r"position_ids \(shape \(4, 8\)\).* masks attention between the documents",
+    "mask positionally": r"attention_mask \(shape \(4, 8\)\), which context_parallel",
+}
+
+
+@pytest.mark.parametrize("given", list(_GIVEN))
+def test_a_padding_mask_positions_or_labels_given_to_the_model_are_refused(given: str) -> None:
+    """transformers drops a 2-d padding mask for the "d9d_ring" attention, masks attention
+    between the packed documents that position_ids show on one device only (left padding and
+    two packed documents each gave other losses than one device, with no error), and its own
+    loss shifts the labels within the rank's slice of each sequence."""
+    make = _build("llama")
+
+    def rank() -> None:
+        model = make()
+        tokens = data(1)[0]["tokens"]
+        mask = torch.ones_like(tokens)
+        mask[:, :3] = 0  # left padding
+        packed = torch.cat([torch.arange(3), torch.arange(5)]).expand(tokens.shape[0], -1)
+        args, kwargs = {
+            "attention_mask": ((), {"attention_mask": mask}),
+            "labels": ((), {"labels": tokens}),
+            "position_ids": ((), {"position_ids": packed}),
+            "mask positionally": ((mask,), {}),
+        }[given]
+        step = d9d.context_parallel(d9d.make_mesh("cpu", cp=2))(
+            lambda p, s, b: (p, s, {"x": model.apply(p, b, *args, **kwargs).logits.sum()})
+        )
+        params, state = step.place(model.params, (), model=model)
+        step(params, state, tokens)
+
+    with pytest.raises(
+        RankFailedError, match=r"PlanError: LlamaForCausalLM was given " + _GIVEN[given]
+    ):
+        run_on_ranks(rank, 2)
 
 
 def test_an_attention_chunk_shorter_than_the_sequence_is_refused() -> None:

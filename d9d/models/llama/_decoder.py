@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core._context import sequence_length
 from ._ops import attention, rms_norm, rope, rope_cos_sin, rope_inv_freq, swiglu
 
 __all__ = ["MLP", "Attention", "Block", "Decoder", "RMSNorm"]
@@ -212,16 +213,18 @@ class Decoder(nn.Module):
         ``positions [S]`` (default ``arange(S)``), after checking both.
 
         Raises:
-            ValueError: ``tokens`` is not 2-d or longer than ``max_seq_len``, or
-                ``positions`` is not ``[S]``.
+            ValueError: ``tokens`` is not 2-d or its sequence (the whole one, under
+                ``context_parallel``) is longer than ``max_seq_len``, or ``positions`` is not
+                ``[S]``.
         """
         name = type(self).__name__
         if tokens.dim() != 2:
             raise ValueError(f"{name} expects tokens of shape [batch, seq], got {tokens.shape=}.")
         seq = tokens.shape[1]
-        if seq > self.config.max_seq_len:
+        whole = sequence_length(seq)  # under context_parallel, tokens hold a slice of it
+        if whole > self.config.max_seq_len:
             raise ValueError(
-                f"Sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}: "
+                f"Sequence length {whole} exceeds max_seq_len={self.config.max_seq_len}: "
                 f"truncate the batch or build the model with a larger max_seq_len."
             )
         if positions is None:

@@ -6,9 +6,11 @@ model is refused by name, before its forward, when its blocks hold a module that
 positions by itself (a convolution over the sequence: Mamba, gated delta nets, short
 convolutions; a recurrent cell; pooling) or its config says a layer is anything but
 attention or per-token work (``layer_types``: ``linear_attention``, ``hybrid``, ``conv``,
-...), or a window or chunk shorter than the sequence; and one call of attention is refused
-when the module passes a mask of its own or an argument ring attention does not implement.
-Anything unknown is refused: a new kind of layer or argument fails safe.
+...), or a window or chunk shorter than the sequence; one call of the model is refused when
+it is given a padding mask, positions or labels (which ``transformers`` would drop, read
+documents from, or shift within the rank's slice); and one call of attention is refused when the module passes a mask of its own
+or an argument ring attention does not implement. Anything unknown is refused: a new kind of
+layer or argument fails safe.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 from ...core._structure import Structure
 from ...errors import PlanError
 
-__all__ = ["check_attention_call", "check_hf_layers", "check_hf_spans"]
+__all__ = ["check_attention_call", "check_hf_inputs", "check_hf_layers", "check_hf_spans"]
 
 # Leaf modules whose output at one position depends on other positions.
 POSITION_MIXING: tuple[type[nn.Module], ...] = (
@@ -125,6 +127,42 @@ def check_hf_spans(config: Any, seq_len: int) -> None:
                 f"shorter than the sequence ({seq_len}), which context_parallel's ring "
                 "attention does not support; train on sequences no longer than that, or "
                 "without context_parallel"
+            )
+
+
+# Inputs of a model's forward that a rank's slice of the sequence would silently get wrong.
+SEQUENCE_INPUTS: dict[str, str] = {
+    "attention_mask": (
+        "transformers builds no mask for the 'd9d_ring' attention, so a padding mask would be "
+        "dropped (ring attention applies causality over global positions only); leave it out "
+        "(an all-ones mask changes nothing), pad on the right and label padded positions -100"
+    ),
+    "position_ids": (
+        "transformers reads packed sequences from them (a position that does not follow the "
+        "one before starts a document) and masks attention between the documents, a mask "
+        "ring attention does not apply; leave them out: context_parallel passes the rank's "
+        "global positions itself"
+    ),
+    "labels": (
+        "transformers' own loss shifts the labels by one within this rank's slice of each "
+        "sequence, not within the sequence, so the tokens at the slice's cuts would be scored "
+        "against the wrong next token, and its mean is this rank's; take .logits and "
+        "d9d.losses.cross_entropy with the batch's labels (shifted by the loader)"
+    ),
+}
+
+
+def check_hf_inputs(structure: Structure, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a model call given a padding mask, positions or labels of its own
+    (:data:`SEQUENCE_INPUTS`)."""
+    given = structure.given_inputs(args, kwargs)
+    for name, why in SEQUENCE_INPUTS.items():
+        value = given.get(name)
+        if value is not None:
+            what = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
+            raise PlanError(
+                f"{type(structure.module).__name__} was given {name} ({what}), which "
+                f"context_parallel cannot split: {why}"
             )
 
 

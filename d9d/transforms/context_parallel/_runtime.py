@@ -14,8 +14,15 @@ from typing import Any
 
 from ...core._runtime import ApplyCall, Runtime
 from ...core._structure import Structure
-from ._hf_refusals import check_hf_layers, check_hf_spans
-from ._split import HF_ATTENTION, SequenceSplit, hf_config, with_positions
+from ._hf_refusals import check_hf_inputs, check_hf_layers, check_hf_spans
+from ._split import (
+    HF_ATTENTION,
+    SEQUENCE_DIM,
+    SequenceSplit,
+    hf_config,
+    sequence_input,
+    with_positions,
+)
 
 __all__ = ["ContextParallelRuntime"]
 
@@ -28,22 +35,23 @@ class ContextParallelRuntime(Runtime):
         self._passed: list[Structure] = []  # the models whose layers passed check_layers
 
     def op(self, name: str) -> Callable[..., Any] | None:
-        return self.split.attention if name == "attention" else None
+        ops = {"attention": self.split.attention, "sequence_length": self.split.whole_length}
+        return ops.get(name)
 
     def on_batch(self, batch: Any) -> Any:
         return self.split.split_batch(batch)
 
     def enter_apply(self, call: ApplyCall) -> None:
         structure = call.structure
-        call.kwargs = with_positions(
-            self.split, structure.positions_keyword, call.args, call.kwargs
-        )
         config = hf_config(structure.module)
+        if config is not None:  # the call's own inputs, before the positions added here
+            self.check_layers(structure)
+            check_hf_inputs(structure, call.args, call.kwargs)
+        call.kwargs = with_positions(self.split, structure, call.args, call.kwargs)
         if config is None:
             return
-        self.check_layers(structure)
-        positions = call.kwargs[structure.positions_keyword]
-        check_hf_spans(config, positions.shape[-1] * self.split.size)
+        local = sequence_input(call.args, call.kwargs).shape[SEQUENCE_DIM]
+        check_hf_spans(config, self.split.whole_length(local))
         call.override(config, "_attn_implementation", HF_ATTENTION)
 
     def check_layers(self, structure: Structure) -> None:

@@ -11,13 +11,14 @@ from torch import nn
 
 from ... import tree
 from ...core._context import sequence_attention
-from ...errors import PlanError
+from ...core._structure import Structure
+from ...errors import IndivisibleError, PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, shard_sequence
 from ...parallel._ring_attention import ring_attention_on
 from ._hf_refusals import check_attention_call
 
-__all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "with_positions"]
+__all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "sequence_input", "with_positions"]
 
 SEQUENCE_DIM = 1
 HF_ATTENTION = "d9d_ring"
@@ -43,20 +44,37 @@ class SequenceSplit:
     load_balance: str | None
 
     def split_batch(self, batch: Any) -> Any:
-        """Every tensor of rank >= 2 in ``batch`` cut to this rank's shard of dim 1."""
+        """Every tensor of rank >= 2 in ``batch`` cut to this rank's shard of dim 1.
 
-        def cut(leaf: Any) -> Any:
+        Raises:
+            IndivisibleError: A leaf's dim 1 does not cut into the layout's equal chunks.
+        """
+
+        def cut(path: str, leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.ndim <= SEQUENCE_DIM:
                 return leaf
+            chunks = 2 * self.size if self.load_balance == "zigzag" else self.size
+            if leaf.shape[SEQUENCE_DIM] % chunks:
+                raise IndivisibleError(
+                    f"batch leaf {path!r} {tuple(leaf.shape)}: its sequence length "
+                    f"{leaf.shape[SEQUENCE_DIM]} (dim 1, which context_parallel cuts in every "
+                    f"batch tensor of rank >= 2) does not split into {chunks} equal chunks "
+                    f"(load_balance={self.load_balance!r}, {self.axis}={self.size}): pad or "
+                    f"pack sequences to a multiple of {chunks}"
+                )
             return shard_sequence(
                 leaf, SEQUENCE_DIM, self.rank, self.size, load_balance=self.load_balance
             )
 
-        return tree.map(cut, batch)
+        return tree.map_with_path(cut, batch)
+
+    def whole_length(self, local_len: int) -> int:
+        """The length of the sequence of which this rank holds ``local_len`` positions."""
+        return local_len * self.size
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's ``local_len`` tokens, in local order."""
-        whole = local_len * self.size
+        whole = self.whole_length(local_len)
         found = positions_for(self.rank, self.size, whole, load_balance=self.load_balance)
         return found.to(device)
 
@@ -75,7 +93,7 @@ class SequenceSplit:
         Each block's attention comes from the kernel registry's ``block_attention`` op. A
         sliding ``window`` (keys at most ``window - 1`` positions back) is refused unless it
         spans the whole sequence, where it changes nothing."""
-        whole = q.shape[-2] * self.size
+        whole = self.whole_length(q.shape[-2])
         if window is not None and window < whole:
             raise PlanError(
                 f"the model attends over a sliding window of {window} positions, shorter than "
@@ -98,27 +116,35 @@ class SequenceSplit:
 
 
 def with_positions(
-    split: SequenceSplit, name: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    split: SequenceSplit, structure: Structure, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
-    """``kwargs`` with the rank's global positions added under ``name``."""
+    """``kwargs`` with the rank's global positions added under the model's positions
+    keyword, unless the call passes its own (by keyword or position)."""
+    name = structure.positions_keyword
     if name is None:
         raise PlanError(
             "context_parallel gives each rank a slice of every sequence, so the model must "
             "take the tokens' global positions: its forward has neither positions= nor "
             "position_ids="
         )
-    if kwargs.get(name) is not None:
+    if structure.given_inputs(args, kwargs).get(name) is not None:
         return kwargs
+    tokens = sequence_input(args, kwargs)
+    positions = split.positions(tokens.shape[SEQUENCE_DIM], tokens.device)
+    if name == "position_ids":
+        positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+    return {**kwargs, name: positions}
+
+
+def sequence_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The tokens ``[batch, seq]`` a model call is given: its first input."""
     tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("tokens"))
     if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
         raise PlanError(
             "context_parallel finds the sequence length from the first positional input "
             f"(tokens [batch, seq]); got {type(tokens).__name__}"
         )
-    positions = split.positions(tokens.shape[SEQUENCE_DIM], tokens.device)
-    if name == "position_ids":
-        positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
-    return {**kwargs, name: positions}
+    return tokens
 
 
 def hf_ring_attention(
