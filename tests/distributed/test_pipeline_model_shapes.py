@@ -71,10 +71,9 @@ def _builder(shape: str):
     return lambda: d9d.functionalize(copy.deepcopy(module))
 
 
-def test_attributes_of_blocks_and_embedding_read_on_every_stage_equal_one_device() -> None:
-    """A stand-in answers attribute reads as its module (a block's ``kind``, the embedding's
-    ``weight``): before, every stage but the first crashed with an AttributeError."""
-    build, data = _builder("plain"), batches(VOCAB, global_batch=4, seq_len=8, steps=2)
+def _pp2_equals_one_device(build) -> None:
+    """pp=2, 2 microbatches, 2 AdamW steps in float64 against one device."""
+    data = batches(VOCAB, global_batch=4, seq_len=8, steps=2)
     assert_equivalent(
         build,
         lambda mesh: [d9d.pipeline(mesh, microbatches=2)],
@@ -84,6 +83,12 @@ def test_attributes_of_blocks_and_embedding_read_on_every_stage_equal_one_device
         dtype=torch.float64,
         method="fork",
     )
+
+
+def test_attributes_of_blocks_and_embedding_read_on_every_stage_equal_one_device() -> None:
+    """A stand-in answers attribute reads as its module (a block's ``kind``, the embedding's
+    ``weight``): before, every stage but the first crashed with an AttributeError."""
+    _pp2_equals_one_device(_builder("plain"))
 
 
 def _train_rank(build) -> None:
@@ -190,16 +195,7 @@ def _carrying(extra: torch.dtype):
 def test_integer_and_bool_tensors_of_a_carried_state_cross_stages(extra: torch.dtype) -> None:
     """Before, the stage-shape probe knew float dtypes only and every rank failed with
     ``ValueError: tuple.index(x): x not in tuple``."""
-    build, data = _carrying(extra), batches(VOCAB, global_batch=4, seq_len=8, steps=2)
-    assert_equivalent(
-        build,
-        lambda mesh: [d9d.pipeline(mesh, microbatches=2)],
-        {"pp": 2},
-        data,
-        reference(build, data),
-        dtype=torch.float64,
-        method="fork",
-    )
+    _pp2_equals_one_device(_carrying(extra))
 
 
 def test_a_carried_tensor_no_stage_can_pass_is_refused_by_name() -> None:
