@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import abc
 import functools
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import tree
 from ..errors import IndivisibleError, PlanError
@@ -27,10 +24,11 @@ from ._codec_statistics import codec_statistics
 from ._comm_count import CollectiveCounter, CommStats
 from ._context import StepContext, current, running
 from ._gather import distribute
+from ._memory import Memory, local_bytes, step_memory
 from ._mesh import make_mesh
 from ._param_plan import ParamPlan
 from ._phase import Phase
-from ._placed_trees import check_placed, kept_apart, place_state, without
+from ._placed_trees import check_placed, place_state, without
 from ._plan import Plan
 from ._runtime import Runtime
 from ._structure import Axes
@@ -38,61 +36,7 @@ from ._structure import Axes
 if TYPE_CHECKING:
     from ._model import Model
 
-__all__ = ["Memory", "OutermostStep", "TransformedStep", "order_transforms"]
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes one rank holds for params, grads and optimizer state on the mesh's device, and
-    optimizer state kept on the host (``shard_params(opt_state_device="cpu")``).
-
-    ``accumulated_grads``: the whole, unreduced grads a step that reduces once a step holds
-    from its first microbatch's backward to that reduction (``shard_params(microbatches=k)``
-    with ``k > 1``, every ``pipeline`` step): each param's grad in its compute layout (a
-    ZeRO-3 param's whole, not its shard), in the dtype the accumulating runtime sums it in
-    (``Runtime.accumulated_dtype``: ``shard_params``' reduce dtype, a pipeline stage's
-    reduce or, where wider, compute dtype); 0 when each block's grads are reduced as its
-    backward ends. They are held beside the last microbatch's activations, not at the
-    update: :attr:`total` leaves them out, :attr:`at_reduction` counts them.
-    """
-
-    params: int
-    grads: int
-    opt_state: int
-    host_opt_state: int = 0
-    accumulated_grads: int = 0
-
-    @property
-    def total(self) -> int:
-        """Bytes on the mesh's device at the update: params, grads and the optimizer state
-        kept there."""
-        return self.params + self.grads + self.opt_state
-
-    @property
-    def at_reduction(self) -> int:
-        """Bytes on the mesh's device when the accumulated grads are reduced: params,
-        :attr:`accumulated_grads` and the optimizer state kept there (:attr:`total` when the
-        step accumulates nothing)."""
-        if not self.accumulated_grads:
-            return self.total
-        return self.params + self.accumulated_grads + self.opt_state
-
-    def __str__(self) -> str:
-        host = (
-            f"; optimizer state on the host {self.host_opt_state:,} B"
-            if self.host_opt_state
-            else ""
-        )
-        accumulated = (
-            f"; whole grads accumulated over microbatches {self.accumulated_grads:,} B "
-            f"({self.at_reduction:,} B per rank at their reduction)"
-            if self.accumulated_grads
-            else ""
-        )
-        return (
-            f"params {self.params:,} B, grads {self.grads:,} B, optimizer state "
-            f"{self.opt_state:,} B: {self.total:,} B per rank{host}{accumulated}"
-        )
+__all__ = ["OutermostStep", "TransformedStep", "order_transforms"]
 
 
 class StepTransform(Protocol):
@@ -416,32 +360,7 @@ class TransformedStep:
         plan's state device (the host) counted apart; and, when a runtime reduces the grads
         once a step (:attr:`Runtime.accumulates_grads`), the whole grads it holds until then
         (``Memory.accumulated_grads``)."""
-        plan = self.plan
-        param_bytes = sum(_local_bytes(leaf) for leaf in tree.leaves(params))
-        grad_bytes = 0
-        for path in params:
-            entry = plan.entries[path]
-            if entry.grad_kept == entry.state_kept:  # ZeRO-2, -3: views of the reduction
-                local = _held_grad_shape(entry, plan.mesh)
-            else:  # ZeRO-1: this rank's rows of its all-reduced grad, copied out
-                local, _ = compute_local_shape_and_global_offset(
-                    entry.shape, plan.mesh, entry.state_kept
-                )
-            grad_bytes += math.prod(local) * entry.dtype.itemsize
-        accumulated = 0
-        accumulating = next((r for r in self.runtimes if r.accumulates_grads), None)
-        if accumulating is not None:
-            for path in params:
-                entry = plan.entries[path]
-                local = entry.local_shape(plan.mesh, entry.compute)
-                accumulated += math.prod(local) * accumulating.accumulated_dtype(entry).itemsize
-        on_device = on_host = 0
-        for leaf, apart in zip(tree.leaves(opt_state), kept_apart(opt_state, plan), strict=True):
-            if apart:
-                on_host += _local_bytes(leaf)
-            else:
-                on_device += _local_bytes(leaf)
-        return Memory(param_bytes, grad_bytes, on_device, on_host, accumulated)
+        return step_memory(self.plan, self.runtimes, params, opt_state)
 
 
 def _bytes_by_dtype(state: Any) -> dict[str, int]:
@@ -450,26 +369,8 @@ def _bytes_by_dtype(state: Any) -> dict[str, int]:
     for leaf in tree.leaves(state):
         if isinstance(leaf, torch.Tensor):
             name = str(leaf.dtype).removeprefix("torch.")
-            totals[name] = totals.get(name, 0) + _local_bytes(leaf)
+            totals[name] = totals.get(name, 0) + local_bytes(leaf)
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
-
-
-def _held_grad_shape(entry: ParamPlan, mesh: DeviceMesh) -> tuple[int, ...]:
-    """The local shape of ``entry``'s grad as the update holds it: its kept shard, padded to
-    the largest shard along a dim it was reduce-scattered on (a view of the collective's
-    padded output, d9d's and DTensor's alike: uneven shards hold their padding)."""
-    shape = list(compute_local_shape_and_global_offset(entry.shape, mesh, entry.grad_kept)[0])
-    before = compute_local_shape_and_global_offset(entry.shape, mesh, entry.grad)[0]
-    for size, grad, kept in zip(mesh.shape, entry.grad, entry.grad_kept, strict=True):
-        if isinstance(grad, Partial) and isinstance(kept, Shard):
-            shape[kept.dim] = -(-before[kept.dim] // size)
-    return tuple(shape)
-
-
-def _local_bytes(leaf: Any) -> int:
-    if isinstance(leaf, DTensor):
-        leaf = leaf.to_local()
-    return leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else 0
 
 
 def order_transforms(transforms: tuple[StepTransform, ...]) -> tuple[StepTransform, ...]:

@@ -11,6 +11,7 @@ Each transform is a package holding its rule (how it rewrites a param's plan) an
 from typing import TYPE_CHECKING, Any
 
 from ..core._comm_count import CommStats as CommStats
+from ..core._memory import Memory as Memory
 from ..core._param_plan import Cast as Cast
 from ..core._param_plan import ParamPlan as ParamPlan
 from ..core._phase import Phase as Phase
@@ -19,7 +20,6 @@ from ..core._runtime import ApplyCall as ApplyCall
 from ..core._runtime import Differentiation as Differentiation
 from ..core._runtime import Interception as Interception
 from ..core._runtime import Runtime as Runtime
-from ..core._step import Memory as Memory
 from ..core._step import TransformedStep as TransformedStep
 from ..core._transform import Transform as Transform
 from .context_parallel import ContextParallel as ContextParallel

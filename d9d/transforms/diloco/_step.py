@@ -9,12 +9,12 @@ import logging
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ... import tree
 from ...core._context import StepContext, watching_steps
+from ...core._memory import Memory, local_bytes
 from ...core._runtime import Runtime
-from ...core._step import Memory, OutermostStep
+from ...core._step import OutermostStep
 from ...errors import PlanError
 from ...optim import GradientTransformation, sgd
 from .._rejoin import PeerState
@@ -208,7 +208,7 @@ class DiLoCoStep(OutermostStep):
         state and the step and token counters too (bytes per rank); the rest as the wrapped
         step's (its host state, its grads accumulated over microbatches)."""
         inner = self.step.memory(params, state.inner)
-        extra = sum(_local_bytes(leaf) for leaf in tree.leaves(state[1:]))
+        extra = sum(local_bytes(leaf) for leaf in tree.leaves(state[1:]))
         return dataclasses.replace(inner, opt_state=inner.opt_state + extra)
 
     def comms(self, params: Any, state: DiLoCoState, batch: Any) -> Any:
@@ -247,9 +247,3 @@ def _count_rounds(manager: Any, rounds: int) -> None:
 
 def _votes(runtime: Runtime) -> bool:
     return type(runtime).commit is not Runtime.commit
-
-
-def _local_bytes(leaf: Any) -> int:
-    if isinstance(leaf, DTensor):
-        leaf = leaf.to_local()
-    return leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else 0

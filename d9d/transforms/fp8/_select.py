@@ -35,6 +35,7 @@ from ...core._plan import Plan
 from ...core._structure import Structure
 from ...errors import PlanError
 from ...moe import Experts, MoE
+from ..expert_parallel import is_expert_weight
 
 __all__ = ["Choice", "choose", "compiled_pattern"]
 
@@ -137,8 +138,7 @@ def _other_experts(structure: Structure, plan: Plan, path: str, module: nn.Modul
         structure.canonical(_child(path, n)) for n, _ in module.named_parameters(recurse=False)
     )
     weights = [w for w in names if w in plan.entries]
-    axes = [plan.entries[w].axes or () for w in weights]
-    if not any(a[:1] == ("experts",) and "expert_mlp" in a for a in axes):
+    if not any(is_expert_weight(plan.entries[w]) for w in weights):
         return []
     why = (
         f"routed experts of a {type(module).__name__}, which computes them in its own kernels: "

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Partial, Shard
 from ...core._param_plan import ParamPlan
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
+from ..expert_parallel import is_expert_weight
 from ._layout import HEAD_AXES, PARTIAL_GRAD_AXES, ActivationLayout
 
 # Logical axes of a one-dim param that a module holding column-parallel linears reads beside
@@ -265,7 +266,7 @@ def _keep_whole_fix(key: str, entry: ParamPlan, axis: str) -> str:
     """How to keep the param at ``key`` whole on ``axis``: routed experts by leaving their
     axes out of the rules (their logical axes are what ``expert_parallel`` reads), any other
     param by axes that map to no mesh axis."""
-    if {"experts", "expert_mlp"} & set(entry.axes):
+    if is_expert_weight(entry):
         return (
             f"Routed experts stay whole on {axis!r}: map neither 'experts' nor 'expert_mlp' "
             f"to {axis!r} in tensor_parallel's rules, and shard the experts over an ep axis "
