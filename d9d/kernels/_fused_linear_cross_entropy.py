@@ -138,7 +138,9 @@ def _define(backend: str, loss_and_grad_: _ChunkLoss) -> Callable[..., Tensor]:
 
     def backward(ctx, grad_loss: Tensor, _grad_hidden: Tensor, _grad_weight: Tensor):
         labels, grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_loss / (labels != ctx.ignore_index).sum()
+        # No valid token: the loss is NaN (0 / 0, as torch's) and the grads 0 (as torch's),
+        # not 0 * inf.
+        scale = grad_loss / (labels != ctx.ignore_index).sum().clamp_min(1)
         need_grad_hidden, need_grad_weight = ctx.needs
         grad_hidden = grad_hidden.mul_(scale).view(ctx.hidden_shape) if need_grad_hidden else None
         grad_weight = grad_weight.mul_(scale) if need_grad_weight else None
@@ -186,7 +188,8 @@ def fused_linear_cross_entropy(
 
     Returns:
         The mean loss over valid tokens, a 0-d float32 tensor (float64 for float64 inputs,
-        which every backend that takes them computes in).
+        which every backend that takes them computes in); NaN with zero grads when every
+        label is ignored, as in ``torch``.
 
     Raises:
         KernelInputError: bad dtypes, shapes, devices, or ``chunk_size`` < 1.

@@ -60,10 +60,22 @@ def test_cross_entropy_strided_logits_and_int32_labels(device, assert_close):
             assert_close(actual, expected, torch.float32)
 
 
-def test_cross_entropy_all_ignored_is_nan(device):
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_cross_entropy_all_ignored_is_nan_with_zero_grads(backend, device):
     logits, labels = torch.randn(3, 10, device=device), torch.full((3,), -100, device=device)
-    assert K.cross_entropy(logits, labels, backend="triton").isnan()
-    assert K.cross_entropy(logits, labels, backend="reference").isnan()
+    loss, grad = _ce(backend, logits, labels)
+    assert loss.isnan()
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("backend", ["triton", "chunked", "reference"])
+def test_fused_linear_cross_entropy_all_ignored_is_nan_with_zero_grads(backend, device):
+    """As torch's mean over no token: NaN, with zero grads (not 0 * inf)."""
+    hidden, weight = torch.randn(5, 8, device=device), torch.randn(20, 8, device=device)
+    loss, *grads = _flce(backend, hidden, weight, torch.full((5,), -100, device=device), 2)
+    assert loss.isnan()
+    for grad in grads:
+        assert torch.equal(grad, torch.zeros_like(grad))
 
 
 def test_cross_entropy_label_out_of_range_is_nan_on_triton(device):
