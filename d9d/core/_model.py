@@ -77,6 +77,8 @@ class Model:
             IndexRangeError: An ``nn.Embedding`` gets ids outside ``[0, num_embeddings)``
                 (checked before its lookup; the error names the ``d9d.value_and_grad``
                 input they come from, like ``batch['tokens']``).
+            ValueError: Eagerly, the forward wrote one of the module's buffers in place
+                (BatchNorm's running statistics in training mode): named, with what to do.
 
         Example:
             >>> model = functionalize(torch.nn.Linear(3, 2))
@@ -84,9 +86,11 @@ class Model:
             torch.Size([1, 2])
         """
         kwargs = {**self.defaults, **kwargs}
+        versions = _versions(self.buffers)
         step = current()
         if step is None:
             self.check_params(params)
+            out = self._apply_alone(params, args, kwargs)
         else:  # the params may be local shards here: the plan holds their global shapes
             plan = step.plan
             self.check_params(
@@ -94,7 +98,12 @@ class Model:
                 subset=len(plan.held) < len(plan.entries),
             )
             with embedding_checks(self.structure.modules):
-                return apply_in_step(step, self.structure, params, self.buffers, args, kwargs)
+                out = apply_in_step(step, self.structure, params, self.buffers, args, kwargs)
+        _check_buffers_kept(self.buffers, versions)
+        return out
+
+    def _apply_alone(self, params: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
+        """The forward outside a step: the module's slots hold ``params`` for the call."""
         structure = self.structure
         saved = []
         for slot in structure.slots:
@@ -212,6 +221,32 @@ def functionalize(module: nn.Module, axes: Mapping[str, Axes] | None = None) -> 
         structure=structure,
         defaults=hf.apply_defaults(module),
     )
+
+
+def _versions(buffers: Mapping[str, torch.Tensor]) -> dict[str, int] | None:
+    """Each buffer's version counter (bumped by every in-place write), or None under
+    ``torch.compile``, which traces no version counters."""
+    if torch.compiler.is_compiling():
+        return None
+    return {p: b._version for p, b in buffers.items() if not b.is_inference()}
+
+
+def _check_buffers_kept(
+    buffers: Mapping[str, torch.Tensor], versions: dict[str, int] | None
+) -> None:
+    """Raise if the forward wrote a buffer in place: state that is neither a param nor an
+    input, which no step returns, no rank shares and no checkpoint saves."""
+    if versions is None:
+        return
+    written = [p for p, version in versions.items() if buffers[p]._version != version]
+    if written:
+        raise ValueError(
+            f"the module's forward wrote its buffers {written} in place (BatchNorm's running "
+            "statistics in training mode, a cache): apply is a pure function of params and "
+            "inputs, and such state would differ between ranks and be lost by checkpoints. "
+            "Put those modules in eval mode, build them without running state "
+            "(track_running_stats=False), or use a norm without it (LayerNorm, RMSNorm)"
+        )
 
 
 def _resolve_axes(

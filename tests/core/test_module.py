@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import re
 from typing import ClassVar
 
@@ -151,6 +152,42 @@ def test_buffers_are_passed_and_restored() -> None:
     torch.testing.assert_close(
         model.apply({"w": torch.full((2,), 2.0)}, torch.ones(2)), torch.full((2,), 5.0)
     )
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))
+
+
+def test_a_forward_that_writes_a_buffer_is_named_alone_and_in_a_step() -> None:
+    """BatchNorm in training mode updates its running statistics in place: state no step
+    returns, no rank shares and no checkpoint saves. Refused by the buffer's path; in eval
+    mode it reads them only and runs."""
+    from d9d.testing import run_on_ranks
+
+    module = _Normed()
+    model = d9d.functionalize(module)
+    match = re.escape("wrote its buffers ['norm.num_batches_tracked'] in place")
+    with pytest.raises(ValueError, match=match):
+        model.apply(model.params, torch.randn(6, 4))
+
+    def rank() -> None:
+        own = copy.deepcopy(model)  # a module per thread rank
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        loss = d9d.value_and_grad(lambda p, x: own.apply(p, x).square().mean())
+        step = d9d.shard_params(mesh)(lambda p, s, x: (p, s, loss(p, x)[0]))
+        params, _ = step.place(own.params, ())
+        with pytest.raises(ValueError, match=match):
+            step(params, (), torch.randn(6, 4))
+
+    run_on_ranks(rank, 2)
+    module.eval()
+    assert model.apply(model.params, torch.randn(6, 4)).shape == (6, 4)
 
 
 def test_mismatched_params_name_missing_and_unexpected_paths() -> None:
