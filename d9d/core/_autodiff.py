@@ -123,6 +123,7 @@ def _differentiate(
             out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
         _check_value(value, has_aux=has_aux)
+        _check_differentiable(value)
         weight = torch.stack(counts).sum().to(value.dtype) if counts else None
         scaled = value * weight if weighted and weight is not None else value
         grads = _grads_of(scaled, inputs, into or [])
@@ -300,6 +301,18 @@ def _check_value(value: Any, *, has_aux: bool) -> None:
     raise TypeError(
         f"the differentiated function must return a 0-d float tensor, got {shape}; {hint}"
     )
+
+
+def _check_differentiable(value: torch.Tensor) -> None:
+    """Raise, naming the causes, if autograd cannot differentiate ``value`` (its own error
+    says only that element 0 does not require grad)."""
+    if not value.requires_grad:
+        raise ValueError(
+            "the differentiated function's value does not depend on the params through "
+            "autograd: it was computed under torch.no_grad() or torch.inference_mode(), from "
+            "detached tensors (.detach(), .item(), .data), or from no param; compute the loss "
+            "from the params passed in"
+        )
 
 
 def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Plan | None) -> torch.Tensor:

@@ -58,6 +58,15 @@ def test_non_scalar_value_is_rejected() -> None:
         d9d.grad(lambda p: p["w"] * 2)({"w": torch.ones(2)})
 
 
+def test_a_value_cut_off_from_the_params_is_named() -> None:
+    """Not autograd's "element 0 of tensors does not require grad": what went wrong and what
+    to do."""
+    params = {"w": torch.randn(3)}
+    for cut_off in (lambda p: p["w"].detach().sum(), lambda p: torch.tensor(p["w"].sum().item())):
+        with pytest.raises(ValueError, match="does not depend on the params through autograd"):
+            d9d.value_and_grad(cut_off)(params)
+
+
 @pytest.mark.compile  # backend "aot_eager": Dynamo and AOTAutograd tracing only (~2 s)
 def test_value_and_grad_of_plain_and_dtensor_params_traces_as_one_graph(one_rank_mesh) -> None:
     """Marking params for differentiation and ``autograd.grad`` are graph nodes Dynamo does
