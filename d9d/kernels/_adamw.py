@@ -72,6 +72,15 @@ def _check(
             raise KernelInputError(f"adamw: {name}={hyper[name]} must be >= 0")
 
 
+def _resolve_all(tensors: Sequence[Tensor], backend: str | None):
+    """The backend for every tensor's device and dtype: resolved for each kind of tensor, so
+    a forced backend that cannot take one (Triton and a float64 moment) is refused by name;
+    the reference when automatic selection picks different ones for different kinds."""
+    kinds = {(t.device.type, t.dtype): t for t in tensors}
+    impls = {resolve("adamw", t, backend) for t in kinds.values()}
+    return impls.pop() if len(impls) == 1 else _reference.adamw
+
+
 def adamw(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -132,7 +141,7 @@ def adamw(
     device = params[0].device
     lr = torch.as_tensor(lr, dtype=torch.float32, device=device)
     step = torch.as_tensor(step, dtype=torch.float32, device=device)
-    impl = resolve("adamw", params[0], backend)
+    impl = _resolve_all((*params, *grads, *exp_avgs, *exp_avg_sqs), backend)
     with torch.no_grad():
         impl(params, grads, exp_avgs, exp_avg_sqs, lr=lr, step=step, **hyper)
 
