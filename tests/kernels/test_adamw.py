@@ -154,3 +154,6 @@ def test_errors():
         K.adamw([p], [p], [p], [p], lr=0.1, step=1, beta2=1.0)
     with pytest.raises(KernelInputError, match=r"weight_decay=-0.1 must be >= 0"):
         K.adamw([p], [p], [p], [p], lr=0.1, step=1, weight_decay=-0.1)
+    # step counts from 1: at 0 the bias corrections divide by zero and the params became NaN
+    with pytest.raises(KernelInputError, match=r"step=0 must be >= 1"):
+        K.adamw([p], [p], [p], [p], lr=0.1, step=0)
