@@ -48,7 +48,7 @@ def _check(
     grads: Sequence[Tensor],
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
-    hyper: dict[str, float],
+    hyper: dict[str, float | Tensor],
 ) -> None:
     lengths = {
         "params": len(params),
@@ -70,6 +70,21 @@ def _check(
     for name in ("eps", "weight_decay"):
         if not hyper[name] >= 0.0:
             raise KernelInputError(f"adamw: {name}={hyper[name]} must be >= 0")
+    step = hyper["step"]
+    if not isinstance(step, Tensor) and not step >= 1:
+        raise KernelInputError(
+            f"adamw: step={step!r} must be >= 1: it numbers this update counting from 1 (the "
+            "bias corrections divide by 1 - beta**step, 0 at step 0)"
+        )
+
+
+def _resolve_all(tensors: Sequence[Tensor], backend: str | None):
+    """The backend for every tensor's device and dtype: resolved for each kind of tensor, so
+    a forced backend that cannot take one (Triton and a float64 moment) is refused by name;
+    the reference when automatic selection picks different ones for different kinds."""
+    kinds = {(t.device.type, t.dtype): t for t in tensors}
+    impls = {resolve("adamw", t, backend) for t in kinds.values()}
+    return impls.pop() if len(impls) == 1 else _reference.adamw
 
 
 def adamw(
@@ -113,7 +128,8 @@ def adamw(
 
     Raises:
         KernelInputError: lists of different lengths, mismatched shapes or devices,
-            non-float tensors, betas outside [0, 1), negative eps or weight decay.
+            non-float tensors, betas outside [0, 1), negative eps or weight decay, an int
+            ``step`` below 1.
         UnknownKernelError: unknown backend name.
         KernelUnavailableError: the forced backend cannot run here.
 
@@ -126,13 +142,13 @@ def adamw(
         tensor([0.9000, 0.9000])
     """
     hyper = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-    _check(params, grads, exp_avgs, exp_avg_sqs, hyper)
+    _check(params, grads, exp_avgs, exp_avg_sqs, {**hyper, "step": step})
     if not params:
         return
     device = params[0].device
     lr = torch.as_tensor(lr, dtype=torch.float32, device=device)
     step = torch.as_tensor(step, dtype=torch.float32, device=device)
-    impl = resolve("adamw", params[0], backend)
+    impl = _resolve_all((*params, *grads, *exp_avgs, *exp_avg_sqs), backend)
     with torch.no_grad():
         impl(params, grads, exp_avgs, exp_avg_sqs, lr=lr, step=step, **hyper)
 

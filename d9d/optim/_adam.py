@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from d9d import tree
-from d9d.optim._checks import check_non_negative, check_state_dtype, check_unit_interval
+from d9d.optim._checks import check_bool, check_non_negative, check_state_dtype, check_unit_interval
 from d9d.optim._transform import GradientTransformation, by_kind, foreach_lerp, zero_count
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
@@ -65,7 +65,8 @@ def scale_by_adam(
         param's dtype.
 
     Raises:
-        ValueError: ``b1`` or ``b2`` outside [0, 1), or ``eps``/``eps_root`` negative, or a
+        ValueError: ``b1`` or ``b2`` outside [0, 1), ``eps``/``eps_root`` negative,
+            ``nesterov`` not a bool, or a
             state dtype that is not a floating dtype of 2 bytes or more (8-bit moments need
             per-block scales, which are not built).
 
@@ -83,6 +84,7 @@ def scale_by_adam(
     check_unit_interval("b2", b2)
     check_non_negative("eps", eps)
     check_non_negative("eps_root", eps_root)
+    check_bool("nesterov", nesterov)
     check_state_dtype("mu_dtype", mu_dtype)
     check_state_dtype("nu_dtype", nu_dtype)
     upcast = mu_dtype is not None or nu_dtype is not None

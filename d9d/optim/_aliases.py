@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from d9d.optim._adam import scale_by_adam
-from d9d.optim._checks import check_non_negative
+from d9d.optim._checks import check_bool, check_non_negative
 from d9d.optim._lion import scale_by_lion
 from d9d.optim._masking import Mask
 from d9d.optim._momentum import trace
@@ -134,7 +134,8 @@ def sgd(
         A ``GradientTransformation`` whose state is a tuple of the primitives' states.
 
     Raises:
-        ValueError: a hyperparameter is out of range, or ``nesterov`` without momentum.
+        ValueError: a hyperparameter is out of range, ``nesterov`` is not a bool (torch's
+            positional order would put ``dampening`` there), or ``nesterov`` without momentum.
 
     Example:
         >>> import torch
@@ -144,6 +145,7 @@ def sgd(
         tensor([-0.5000])
     """
     check_non_negative("momentum", momentum)
+    check_bool("nesterov", nesterov)
     if nesterov and momentum == 0:
         raise ValueError(
             f"nesterov=True needs a momentum, got {momentum=}; pass momentum > 0 or nesterov=False"

@@ -6,11 +6,24 @@ import math
 
 import torch
 
-__all__ = ["check_non_negative", "check_positive", "check_state_dtype", "check_unit_interval"]
+__all__ = [
+    "check_bool",
+    "check_non_negative",
+    "check_positive",
+    "check_state_dtype",
+    "check_unit_interval",
+]
 
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a bool (a switch, not a number: torch's
+    ``SGD(params, lr, momentum, dampening, ...)`` passed positionally puts a dampening there)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} is a switch and must be True or False, got {name}={value!r}")
 
 
 def check_unit_interval(name: str, value: object) -> None:

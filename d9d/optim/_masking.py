@@ -16,6 +16,7 @@ import torch
 
 from d9d import tree
 from d9d.errors import OptimTreeMismatchError
+from d9d.optim._offloaded import shown_to_masks
 from d9d.optim._transform import GradientTransformation
 
 __all__ = ["Mask", "MaskedState", "masked"]
@@ -84,7 +85,7 @@ def _selector(mask: Mask) -> Callable[[Any], list[bool]]:
     def select(params: Any) -> list[bool]:
         flags = []
         for path, leaf in tree.flatten_with_paths(params)[0]:
-            flag = by_leaf(path, leaf)
+            flag = by_leaf(path, shown_to_masks(path, leaf))
             if not isinstance(flag, bool):
                 raise TypeError(
                     f"the mask callable returned {flag!r} for {path=}; it must return a Python "

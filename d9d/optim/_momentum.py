@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from d9d import tree
-from d9d.optim._checks import check_non_negative
+from d9d.optim._checks import check_bool, check_non_negative
 from d9d.optim._transform import GradientTransformation, by_kind
 
 __all__ = ["TraceState", "trace"]
@@ -37,7 +37,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         A ``GradientTransformation`` with state ``TraceState(trace)``.
 
     Raises:
-        ValueError: ``decay`` is negative, or ``nesterov=True`` with ``decay == 0``.
+        ValueError: ``decay`` is negative, ``nesterov`` is not a bool, or ``nesterov=True``
+            with ``decay == 0``.
 
     Example:
         >>> import torch
@@ -49,6 +50,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         tensor([1.5000])
     """
     check_non_negative("decay", decay)
+    check_bool("nesterov", nesterov)
     if nesterov and decay == 0:
         raise ValueError(
             f"nesterov=True needs a momentum, got {decay=}; pass decay > 0 or nesterov=False"

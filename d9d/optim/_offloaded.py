@@ -27,7 +27,7 @@ from d9d.core._state_device import kept_on, to_device
 from d9d.errors import PlanError
 from d9d.optim._transform import GradientTransformation, check_same_layout
 
-__all__ = ["OffloadedState", "check_not_offloaded", "offloaded"]
+__all__ = ["OffloadedState", "check_not_offloaded", "offloaded", "shown_to_masks"]
 
 _running = threading.local()
 
@@ -51,6 +51,8 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     ``inner``'s bitwise. ``inner`` sees local shards, not DTensors, so it must be elementwise:
     put ``clip_by_global_norm`` before it, ``chain(clip_by_global_norm(1.0),
     offloaded(adamw(...)))``, where the norm is taken over every rank's grads on the device.
+    A ``masked`` callable inside it is shown the whole param's shape (a meta tensor), not
+    the shard's, so it selects as it does on the device.
 
     Args:
         inner: an elementwise transformation (``adamw(...)``, ``lion(...)``,
@@ -103,12 +105,14 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
         _wait_for_copies(grads_and_params, device)
         inner_state = tree.unflatten(state_spec, [_local(leaf) for leaf in stored])
         _running.active = True
+        _running.shapes = {path: g.shape for path, g in tree.flatten_with_paths(updates)[0]}
         try:
             steps, inner_state = inner.update(
                 tree.unflatten(spec, copies), inner_state, host_params
             )
         finally:
             _running.active = False
+            _running.shapes = None
         new, new_spec = tree.flatten(inner_state)
         kept = [_like(n, old) for n, old in zip(new, stored, strict=True)]
         back = [_back(u, g) for u, g in zip(tree.leaves(steps), grads, strict=True)]
@@ -132,6 +136,19 @@ def check_not_offloaded(what: str, why: str, instead: str) -> None:
             f"{what} runs inside d9d.optim.offloaded(...), which updates this rank's shards "
             f"on the host: {why}; {instead}"
         )
+
+
+def shown_to_masks(path: str, leaf: torch.Tensor) -> torch.Tensor:
+    """What a ``masked`` callable is shown for the leaf at ``path``: ``leaf`` itself, but inside
+    ``offloaded``'s inner update, where ``leaf`` is this rank's shard, a meta tensor of the
+    whole param's shape and the shard's dtype, so a mask decided from shapes selects the
+    params it selects on the device (a shard of 32 rows of a 64-row param is not a 32-row
+    param)."""
+    shapes = None if torch.compiler.is_compiling() else getattr(_running, "shapes", None)
+    shape = None if shapes is None else shapes.get(path)
+    if shape is None or shape == leaf.shape:
+        return leaf
+    return torch.empty(shape, dtype=leaf.dtype, device="meta")
 
 
 def _kept_on(stored: list[Any], grads: list[Any]) -> torch.device:

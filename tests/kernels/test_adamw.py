@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import d9d.kernels as K
-from d9d.errors import KernelInputError
+from d9d.errors import KernelInputError, KernelUnavailableError
 
 SHAPES = [(3, 7, 100), (123,), (1,), (0,)]
 HYPER = {"beta1": 0.8, "beta2": 0.95, "eps": 1e-6, "weight_decay": 0.1}
@@ -103,6 +103,39 @@ def test_adamw_triton_one_launch_per_dtype_group(device, assert_close, monkeypat
             assert_close(a, e, a.dtype)
 
 
+def test_a_dtype_triton_cannot_take_after_the_first_is_not_computed_in_float32(monkeypatch):
+    """The backend was chosen from params[0] alone: a float64 param or moment later in the
+    lists went to Triton, which computes in float32 (its update off by 4e-8 of 1.0, and
+    float64's resolution lost). Forced, Triton is refused naming float64; chosen
+    automatically (on CUDA; faked here), each tensor gets the reference's float64 math."""
+    from dataclasses import replace
+
+    from d9d.kernels import _registry
+
+    def lists():
+        g = torch.Generator().manual_seed(0)
+        params = [torch.randn(5, generator=g), torch.randn(5, generator=g, dtype=torch.float64)]
+        grads = [torch.randn(5, generator=g).to(p.dtype) for p in params]
+        return (
+            params,
+            grads,
+            [torch.zeros_like(p) for p in params],
+            [torch.zeros_like(p) for p in params],
+        )
+
+    with pytest.raises(KernelUnavailableError, match=r"of dtype torch.float64"):
+        K.adamw(*lists(), lr=1e-3, step=1, backend="triton")
+    expected = lists()
+    K.adamw(*expected, lr=1e-3, step=1, backend="reference")
+    backends = _registry._OPS["adamw"].backends
+    triton = replace(backends["triton"], auto=lambda device_type: True)
+    monkeypatch.setitem(backends, "triton", triton)
+    got = lists()
+    K.adamw(*got, lr=1e-3, step=1)
+    for a, e in zip(got[0], expected[0], strict=True):
+        assert torch.equal(a, e)
+
+
 def test_params_that_require_grad_are_updated():
     param = torch.ones(3, requires_grad=True)
     K.adamw([param], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)], lr=0.5, step=1)
@@ -121,3 +154,6 @@ def test_errors():
         K.adamw([p], [p], [p], [p], lr=0.1, step=1, beta2=1.0)
     with pytest.raises(KernelInputError, match=r"weight_decay=-0.1 must be >= 0"):
         K.adamw([p], [p], [p], [p], lr=0.1, step=1, weight_decay=-0.1)
+    # step counts from 1: at 0 the bias corrections divide by zero and the params became NaN
+    with pytest.raises(KernelInputError, match=r"step=0 must be >= 1"):
+        K.adamw([p], [p], [p], [p], lr=0.1, step=0)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from d9d import optim, tree
 from d9d.errors import PlanError
+from d9d.testing import run_on_ranks
 
 
 def _params(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -101,3 +104,27 @@ def test_stochastic_round_wraps_it_and_is_refused_inside_it() -> None:
         match=r"stochastic_round runs inside d9d.optim.offloaded.*stochastic_round\(offloaded\(",
     ):
         opt.update(_grads(0, params), opt.init(params), params)
+
+
+def _shape_masked_rank() -> list[torch.Tensor]:
+    """adamw with a mask decided from shapes, on params sharded Shard(0) over 2 ranks: the
+    device update and the offloaded one, whose inner update sees this rank's shards."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+    params = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _params().items()}
+    grads = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _grads(0, _params()).items()}
+
+    def build() -> optim.GradientTransformation:  # decays "a.weight" (5 rows), not "b"
+        return optim.adamw(1e-2, weight_decay=0.5, mask=lambda path, p: p.shape[0] == 5)
+
+    results = []
+    for opt in (build(), optim.offloaded(build())):
+        updates, _ = opt.update(grads, opt.init(params), params)
+        results.append(updates["a.weight"].full_tensor())
+    return results
+
+
+def test_a_mask_decided_from_shapes_sees_the_whole_params_shape() -> None:
+    """Inside offloaded a mask callable is shown the whole param's shape, not the shard's
+    (3 or 2 of 5 rows here): the shard-shaped mask decayed nothing on the host, silently."""
+    for device, host in run_on_ranks(_shape_masked_rank, 2):
+        assert torch.equal(host, device)

@@ -100,6 +100,11 @@ def test_chain_rejects_a_non_transformation() -> None:
         (lambda: optim.sgd(0.1, momentum=-0.9), ValueError, r"momentum=-0\.9"),
         (lambda: optim.trace(0.0, nesterov=True), ValueError, r"got decay=0\.0"),
         (lambda: optim.lion(1e-4, b1=1.5), ValueError, r"b1=1\.5"),
+        # torch's SGD(params, lr, momentum, dampening, ...) order put dampening 0.1 in
+        # nesterov, which turned Nesterov on silently
+        (lambda: optim.sgd(0.1, 0.9, 0.1), ValueError, r"nesterov is a switch .* nesterov=0\.1"),
+        (lambda: optim.trace(0.9, nesterov=1), ValueError, r"nesterov=1"),
+        (lambda: optim.adamw(1e-3, nesterov="no"), ValueError, r"nesterov='no'"),
         (lambda: optim.clip_by_global_norm(0.0), ValueError, r"max_norm=0\.0"),
         (lambda: optim.scale(True), ValueError, r"step_size=True"),
         (lambda: optim.scale(float("nan")), ValueError, r"finite .* step_size=nan"),
