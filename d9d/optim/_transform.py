@@ -229,6 +229,16 @@ def check_same_layout(params: Any, other: Any, *, what: str) -> None:
     param_paths, other_paths = set(tree.paths(params)), set(tree.paths(other))
     missing = sorted(param_paths - other_paths)
     unexpected = sorted(other_paths - param_paths)
+    pairs = zip(tree.paths(params), tree.paths(other), strict=False)
+    moved = [(i, a, b) for i, (a, b) in enumerate(pairs) if a != b]
+    if not missing and not unexpected and moved:
+        index, ours, theirs = moved[0]
+        raise OptimTreeMismatchError(
+            f"the {what} tree has the params' paths in another order (an OrderedDict built in "
+            f"another order than the params'): leaf {index} is {ours!r} in the params, "
+            f"{theirs!r} in the {what}; build it from the params, e.g. d9d.tree.map(fn, "
+            "params), so each leaf lines up with its param"
+        )
     raise OptimTreeMismatchError(
         f"the {what} tree is not laid out like the params: {missing=} (params paths it lacks), "
         f"{unexpected=} (paths that are not params); build it from the params, e.g. "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -63,6 +64,11 @@ def test_apply_updates_on_a_mismatched_tree_is_an_error() -> None:
         )
     with pytest.raises(OptimTreeMismatchError, match=r"missing=\['a.x'\].*unexpected=\['a'\]"):
         optim.apply_updates({"a": {"x": torch.ones(1)}}, {"a": torch.ones(1)})
+    # The same paths in another order: what lines leaves up is their order (an OrderedDict).
+    ordered, reordered = OrderedDict(a=torch.ones(1), b=torch.ones(2)), OrderedDict()
+    reordered["b"], reordered["a"] = torch.ones(2), torch.ones(1)
+    with pytest.raises(OptimTreeMismatchError, match="leaf 0 is 'a' in the params, 'b' in"):
+        optim.apply_updates(ordered, reordered)
 
 
 def test_apply_updates_lines_updates_up_with_params_by_path() -> None:
