@@ -110,6 +110,12 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError(
             f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
         )
+    if config.allow_config_change and not (config.resume or config.resume_from is not None):
+        raise ValueError(
+            "--allow-config-change only applies with --resume or --resume-from (it lets a "
+            "resumed run change a flag that changes the schedule or the model); add one, or "
+            "drop it"
+        )
     for flag, path in (("--data", config.data), ("--resume-from", config.resume_from)):
         if path is not None and not Path(path).exists():
             what = (
