@@ -166,10 +166,12 @@ def show_plan(
         title = f"d9d plan: {described} on {ranks} simulated ranks: {axes}"
         stage = _stage_line(layout, schedule, chunks, batch, seq) if layout is not None else None
         # Under --pp the schedule holds more than its microbatches' activations (its
-        # receive buffers; under shard_params the stages' gathered params): measured only.
+        # receive buffers; under shard_params the stages' gathered params), and
+        # --master-weights computes the blocks in bfloat16 where the formula counts a float32
+        # forward: measured only.
         formula = (
             _activations(config, plan, sizes, batch, seq, remat, schedule, chunks)
-            if isinstance(config, LlamaConfig | MoEConfig) and layout is None
+            if isinstance(config, LlamaConfig | MoEConfig) and layout is None and not master_weights
             else None
         )
         first_matrix = next(
