@@ -21,6 +21,7 @@ from ...testing import fake_world
 from ...transforms.pipeline import PipelineLayout
 from .._options import check_fp8_flags, check_offload_flags
 from ._activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
+from ._checks import DEFAULT_PRESET
 from ._checks import check_layout as _check
 from ._dry_run import DryRun
 from ._measured_step import StepFlags, measure, pipeline_layout, place_as_trained, plan_step
@@ -31,7 +32,7 @@ __all__ = ["show_plan"]
 
 
 def show_plan(
-    preset: str = "8b",
+    preset: str = DEFAULT_PRESET,
     *,
     model: str = "llama",
     hf_config: Path | None = None,
@@ -102,8 +103,9 @@ def show_plan(
         d9d plan: llama tiny (125.25 K params) on 2 simulated ranks: fsdp=2
     """
     sizes = _check(
-        model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
-    )
+        model, remat, hf_config, preset=preset, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep,
+        world=world,
+    )  # fmt: skip
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
