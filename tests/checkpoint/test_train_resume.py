@@ -84,3 +84,15 @@ def test_bad_checkpoint_flags_are_one_line_errors(
         "one, or drop it\n"
     )
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # refused before writing
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5", "inf"])
+def test_a_dist_timeout_that_is_not_a_positive_number_is_refused(
+    seconds: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 timed every store connection out under torchrun, with torch's stack dump."""
+    assert main([*_args(tmp_path), "--dist-timeout", seconds]) == 2
+    assert capsys.readouterr().err == (
+        f"d9d train: error: --dist-timeout must be a positive number of seconds, got "
+        f"{float(seconds)}\n"
+    )

@@ -24,6 +24,10 @@ def check_flags(config: TrainConfig) -> None:
             )
     if not (config.lr > 0 and math.isfinite(config.lr)):
         raise ValueError(f"--lr must be a positive number, got {config.lr}")
+    if not (config.dist_timeout > 0 and math.isfinite(config.dist_timeout)):
+        raise ValueError(
+            f"--dist-timeout must be a positive number of seconds, got {config.dist_timeout}"
+        )
     if config.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
     for name in ("dp", "fsdp", "ep", "tp", "cp", "pp", "microbatches"):
