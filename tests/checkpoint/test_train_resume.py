@@ -76,3 +76,23 @@ def test_bad_checkpoint_flags_are_one_line_errors(
 ) -> None:
     assert main([*_args(tmp_path), "--keep", "0"]) == 2
     assert "--save-every must be >= 0 and --keep >= 1, got 0 and 0" in capsys.readouterr().err
+    # It lets a resumed run change its schedule; a fresh run has none to change.
+    assert main([*_args(tmp_path), "--allow-config-change"]) == 2
+    assert capsys.readouterr().err == (
+        "d9d train: error: --allow-config-change only applies with --resume or --resume-from "
+        "(it lets a resumed run change a flag that changes the schedule or the model); add "
+        "one, or drop it\n"
+    )
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # refused before writing
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5", "inf"])
+def test_a_dist_timeout_that_is_not_a_positive_number_is_refused(
+    seconds: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 timed every store connection out under torchrun, with torch's stack dump."""
+    assert main([*_args(tmp_path), "--dist-timeout", seconds]) == 2
+    assert capsys.readouterr().err == (
+        f"d9d train: error: --dist-timeout must be a positive number of seconds, got "
+        f"{float(seconds)}\n"
+    )

@@ -24,7 +24,7 @@ from d9d.cli.plan._activations import (
     moe_activation_bytes,
 )
 from d9d.cli.plan._dry_run import DryRun, dry_run, meta_as_cpu
-from d9d.cli.plan._measured_step import measure, plan_step
+from d9d.cli.plan._measured_step import StepFlags, measure, place_as_trained, plan_step
 from d9d.cli.plan._models import build_model
 from d9d.cli.plan._report import human
 from d9d.cli.plan._show import show_plan
@@ -226,16 +226,21 @@ def _real_kept(
     *,
     hf: bool = False,
     microbatches: int = 1,
+    flags: StepFlags | None = None,
 ) -> int:
     """KeptBytes at the first backward op of rank 0 running d9d train's step on gloo ranks
-    (``hf``: a Hugging Face model, whose output's logits the loss takes)."""
+    (``hf``: a Hugging Face model, whose output's logits the loss takes; ``flags``: d9d
+    train's precision flags)."""
 
     def rank() -> int:
         torch.manual_seed(0)
         model = d9d.functionalize(build())
         path = Path("config.json") if hf else None  # _step only reads whether it is given
-        step, opt = plan_step(model, _sizes(axes), family, path, "none", "1f1b", microbatches)
-        params, state = step.place(model.params, opt.init(model.params), model=model)
+        step_flags = flags or StepFlags()
+        step, opt = plan_step(
+            model, _sizes(axes), family, path, "none", "1f1b", microbatches, step_flags
+        )
+        params, state = place_as_trained(step, opt, model, step_flags)
         shape = (BATCH * microbatches, SEQ)
         tokens = torch.randint(0, vocab, shape, generator=torch.Generator())
         batch = {"tokens": tokens, "labels": tokens}
@@ -290,6 +295,22 @@ def test_plan_of_a_hugging_face_model_equals_a_real_step(axes: dict, tmp_path: P
     assert planned.comms.count == whole.comms.count and planned.comms.bytes == whole.comms.bytes
     text = show_plan(hf_config=path, seq=SEQ, batch=BATCH, max_rows=2, **axes)
     assert f"activations  {human(real):>12}  (measured on meta: batch 2 x seq 48" in text
+
+
+def test_plan_of_master_weights_counts_the_bfloat16_activations_of_a_real_step() -> None:
+    """``--master-weights`` computes the blocks in bfloat16, which the float32 formula does not
+    count (1,167,564 B for the tiny Llama's 972,252 here), so the plan measures on meta."""
+    real = _real_kept(
+        lambda: Llama(LlamaConfig.tiny()),
+        "llama",
+        {"fsdp": 2},
+        LlamaConfig.tiny().vocab_size,
+        flags=StepFlags(master_weights=True),
+    )
+    text = show_plan("tiny", fsdp=2, seq=SEQ, batch=BATCH, master_weights=True, max_rows=2)
+    assert f"activations  {human(real):>12}  (measured on meta: batch 2 x seq 48" in text, text
+    formula = activation_bytes(LlamaConfig.tiny(), ActivationLayout(batch=BATCH, seq=SEQ))
+    assert real < formula  # the float32 step's
 
 
 def test_plan_of_the_moe_decoder_under_tensor_parallelism_equals_a_real_step() -> None:

@@ -315,6 +315,26 @@ def test_hugging_face_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--preset", "tiny"], "--preset tiny is"),
+        (["--model", "moe"], "--model moe is"),
+        (["--preset", "tiny", "--model", "moe"], "--preset tiny and --model moe are"),
+    ],
+)
+def test_a_preset_or_model_beside_a_hugging_face_config_is_refused(
+    flags: list[str], named: str, tmp_path: Path, capsys
+) -> None:
+    """The config.json names the model: a --preset or --model beside it was ignored."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 48}))
+    assert main(["plan", "--hf-config", str(path), *flags]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"d9d plan: error: {named} not read with --hf-config, whose config.json names the model"
+    )
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--tp", "3"], r"dim 0 \(heads, 64\) does not divide over 3 'tp' ranks"),

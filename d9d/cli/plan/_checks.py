@@ -7,22 +7,42 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AXES", "REMAT", "check_layout"]
+__all__ = ["AXES", "DEFAULT_PRESET", "REMAT", "check_layout"]
 
 AXES = ("dp", "fsdp", "ep", "tp", "cp", "pp")
 REMAT = ("none", "selective", "full")
+DEFAULT_PRESET = "8b"
+"""``d9d plan``'s ``--preset`` when none is given."""
 
 
-def check_layout(model: str, remat: str, hf_config: Path | None, **axes: Any) -> dict[str, int]:
+def check_layout(
+    model: str, remat: str, hf_config: Path | None, *, preset: str = DEFAULT_PRESET, **axes: Any
+) -> dict[str, int]:
     """The axis sizes ``{pp, dp, fsdp, ep, cp, tp}`` of ``d9d plan``'s flags (``fsdp``: the ranks
     the others leave of ``world``).
 
     Raises:
-        ValueError: A flag is out of range, or the axes do not make up ``--world``.
+        ValueError: A flag is out of range, the axes do not make up ``--world``, or
+            ``--preset`` or ``--model`` is given with ``--hf-config`` (which names the model).
         FileNotFoundError: ``--hf-config`` is not a file.
     """
     if hf_config is not None and not Path(hf_config).is_file():
         raise FileNotFoundError(f"--hf-config {str(hf_config)!r} is not a file; pass a config.json")
+    if hf_config is not None:
+        given = [
+            f"--{name} {value}"
+            for name, value, default in (
+                ("preset", preset, DEFAULT_PRESET),
+                ("model", model, "llama"),
+            )
+            if value != default
+        ]
+        if given:
+            verb, them = ("is", "it") if len(given) == 1 else ("are", "them")
+            raise ValueError(
+                f"{' and '.join(given)} {verb} not read with --hf-config, whose config.json "
+                f"names the model; drop {them}, or drop --hf-config to plan a preset"
+            )
     if model not in ("llama", "moe"):
         raise ValueError(f"--model must be llama or moe, got {model!r}")
     if remat not in REMAT:

@@ -17,7 +17,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Print the plan, memory and collectives of the flags' layout; returns 0."""
     options = flag_values(args)
     axes = {name: options[name] for name in (*AXES, "world")}
-    check_layout(args.model, args.remat, args.hf_config, **axes)
+    check_layout(args.model, args.remat, args.hf_config, preset=args.preset, **axes)
     from ._show import show_plan
 
     with native_warnings_dropped():

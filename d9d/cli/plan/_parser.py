@@ -19,6 +19,7 @@ from .._options import (
     add_preset,
     add_zero,
 )
+from ._checks import DEFAULT_PRESET
 
 __all__ = ["add_plan_parser"]
 
@@ -29,7 +30,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         "plan",
         help="print the plan, per-rank memory and collectives of a layout on simulated ranks",
     )
-    add_preset(show, "8b")
+    add_preset(show, DEFAULT_PRESET)
     show.add_argument(
         "--model", choices=["llama", "moe"], default="llama", help="model family (default llama)"
     )

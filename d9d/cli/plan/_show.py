@@ -21,6 +21,7 @@ from ...testing import fake_world
 from ...transforms.pipeline import PipelineLayout
 from .._options import check_fp8_flags, check_offload_flags
 from ._activations import ActivationLayout, activation_bytes, in_flight, moe_activation_bytes
+from ._checks import DEFAULT_PRESET
 from ._checks import check_layout as _check
 from ._dry_run import DryRun
 from ._measured_step import StepFlags, measure, pipeline_layout, place_as_trained, plan_step
@@ -31,7 +32,7 @@ __all__ = ["show_plan"]
 
 
 def show_plan(
-    preset: str = "8b",
+    preset: str = DEFAULT_PRESET,
     *,
     model: str = "llama",
     hf_config: Path | None = None,
@@ -102,8 +103,9 @@ def show_plan(
         d9d plan: llama tiny (125.25 K params) on 2 simulated ranks: fsdp=2
     """
     sizes = _check(
-        model, remat, hf_config, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep, world=world
-    )
+        model, remat, hf_config, preset=preset, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep,
+        world=world,
+    )  # fmt: skip
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
@@ -166,10 +168,12 @@ def show_plan(
         title = f"d9d plan: {described} on {ranks} simulated ranks: {axes}"
         stage = _stage_line(layout, schedule, chunks, batch, seq) if layout is not None else None
         # Under --pp the schedule holds more than its microbatches' activations (its
-        # receive buffers; under shard_params the stages' gathered params): measured only.
+        # receive buffers; under shard_params the stages' gathered params), and
+        # --master-weights computes the blocks in bfloat16 where the formula counts a float32
+        # forward: measured only.
         formula = (
             _activations(config, plan, sizes, batch, seq, remat, schedule, chunks)
-            if isinstance(config, LlamaConfig | MoEConfig) and layout is None
+            if isinstance(config, LlamaConfig | MoEConfig) and layout is None and not master_weights
             else None
         )
         first_matrix = next(

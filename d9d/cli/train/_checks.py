@@ -24,6 +24,10 @@ def check_flags(config: TrainConfig) -> None:
             )
     if not (config.lr > 0 and math.isfinite(config.lr)):
         raise ValueError(f"--lr must be a positive number, got {config.lr}")
+    if not (config.dist_timeout > 0 and math.isfinite(config.dist_timeout)):
+        raise ValueError(
+            f"--dist-timeout must be a positive number of seconds, got {config.dist_timeout}"
+        )
     if config.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
     for name in ("dp", "fsdp", "ep", "tp", "cp", "pp", "microbatches"):
@@ -109,6 +113,12 @@ def check_flags(config: TrainConfig) -> None:
     if config.save_every < 0 or (config.keep is not None and config.keep < 1):
         raise ValueError(
             f"--save-every must be >= 0 and --keep >= 1, got {config.save_every} and {config.keep}"
+        )
+    if config.allow_config_change and not (config.resume or config.resume_from is not None):
+        raise ValueError(
+            "--allow-config-change only applies with --resume or --resume-from (it lets a "
+            "resumed run change a flag that changes the schedule or the model); add one, or "
+            "drop it"
         )
     for flag, path in (("--data", config.data), ("--resume-from", config.resume_from)):
         if path is not None and not Path(path).exists():
