@@ -102,10 +102,8 @@ def show_plan(
         >>> print(show_plan("tiny", fsdp=2, seq=64, max_rows=4).splitlines()[0])
         d9d plan: llama tiny (125.25 K params) on 2 simulated ranks: fsdp=2
     """
-    sizes = _check(
-        model, remat, hf_config, preset=preset, dp=dp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep,
-        world=world,
-    )  # fmt: skip
+    given = {"dp": dp, "fsdp": fsdp, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "world": world}
+    sizes = _check(model, remat, hf_config, preset=preset, **given)
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
