@@ -213,6 +213,40 @@ def test_fault_tolerant_refuses_what_is_not_a_manager():
         d9d.fault_tolerant(object())
 
 
+def test_fault_tolerant_refuses_a_manager_with_an_async_quorum():
+    # torchft's default: a rejoining group would load its peer's state only at the commit
+    # vote, after its update ran on its own params (two groups on a real lighthouse ended
+    # 0.0198 apart in their params, their AdamW counts 3 and 4).
+    torchft = pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        rank=0,
+        world_size=1,
+        store_addr="localhost",
+        store_port=store.port,
+        lighthouse_addr=lighthouse.address(),
+        replica_id="group0",
+        init_sync=False,
+    )  # use_async_quorum left at its default, True
+    try:
+        with pytest.raises(
+            PlanError,
+            match=r"needs a torchft\.Manager built with use_async_quorum=False, got one with "
+            r"use_async_quorum=True .*one step behind.*pass use_async_quorum=False to Manager",
+        ):
+            d9d.fault_tolerant(manager)
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
 def test_fault_tolerant_refuses_microbatches_of_another_transform():
     model, opt, step = _build(LoneManager([]), microbatches=2)
     with pytest.raises(PlanError, match=r"both run d9d\.value_and_grad"):
