@@ -305,11 +305,16 @@ class Runtime:
         shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
             over the same params) runs this runtime too; False for one whose hooks belong to
             the training step alone (``fault_tolerant``'s quorum and commit vote).
+        tokens_beyond_mesh: Words naming the processes outside the step's mesh that hold
+            other tokens of the step, whose grads this runtime averages in
+            (``fault_tolerant``'s replica groups), or None: statistics a module sums over
+            ``plan.token_groups`` miss their tokens.
     """
 
     drives_differentiation: bool = False
     accumulates_grads: bool = False
     shared: bool = True
+    tokens_beyond_mesh: str | None = None
 
     def op(self, name: str) -> Callable[..., Any] | None:
         """The op model code asks the running step for by ``name``

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..core._context import current
+from ..errors import PlanError
 from ._config import MoEConfig
 from ._routing import Routing
 
@@ -49,6 +50,14 @@ def global_load(expert_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, int
     counts = counts.index_add(0, flat, torch.ones_like(flat, dtype=torch.float32))
     counts[n_experts] = expert_ids.shape[0]
     step = current()
+    beyond = [r.tokens_beyond_mesh for r in step.runtimes if r.tokens_beyond_mesh] if step else []
+    if beyond:
+        raise PlanError(
+            f"d9d.moe sums its expert loads over the step's mesh only, and under {beyond[0]}: "
+            "each group would weigh its balance loss and nudge its router biases by its own "
+            "loads, and the groups' params would drift apart; train a MoE model without "
+            "d9d.fault_tolerant (d9d.diloco averages whole params every H steps and runs it)"
+        )
     ranks = 1
     for group, size in step.plan.token_groups if step is not None else ():
         counts = _c10d.wait_tensor(_c10d.all_reduce(counts, "sum", group))

@@ -93,6 +93,11 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
         ({**FT, "replica_group_id": 2}, ValueError, r"--replica-group-id must be in 0 \.\."),
         ({**FT, "replica_group_id": 0, "jit": True}, ConfigError, r"not run with --jit yet"),
         (
+            {**FT, "replica_group_id": 0, "model": "moe"},
+            ConfigError,
+            r"--fault-tolerant does not run with --model moe yet: its expert loads are summed",
+        ),
+        (
             {**FT, "replica_group_id": 1, "pp": 2, "diloco": 1},
             ConfigError,
             r"--diloco does not run with --pp yet: no test has run a DiLoCo outer round over",

@@ -17,6 +17,7 @@ from lone_manager import LoneManager
 
 import d9d
 from d9d.errors import PlanError
+from d9d.models.moe import make_train_step as make_moe_train_step
 from d9d.testing import run_on_ranks
 from d9d.transforms.fault_tolerant import FaultTolerantRuntime
 
@@ -211,6 +212,63 @@ def test_an_eval_step_sharing_the_plan_neither_meets_the_groups_nor_votes():
 def test_fault_tolerant_refuses_what_is_not_a_manager():
     with pytest.raises(PlanError, match=r"needs a torchft\.Manager, got object without"):
         d9d.fault_tolerant(object())
+
+
+def test_fault_tolerant_refuses_a_manager_with_an_async_quorum():
+    # torchft's default: a rejoining group would load its peer's state only at the commit
+    # vote, after its update ran on its own params (two groups on a real lighthouse ended
+    # 0.0198 apart in their params, their AdamW counts 3 and 4).
+    torchft = pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        rank=0,
+        world_size=1,
+        store_addr="localhost",
+        store_port=store.port,
+        lighthouse_addr=lighthouse.address(),
+        replica_id="group0",
+        init_sync=False,
+    )  # use_async_quorum left at its default, True
+    try:
+        with pytest.raises(
+            PlanError,
+            match=r"needs a torchft\.Manager built with use_async_quorum=False, got one with "
+            r"use_async_quorum=True .*one step behind.*pass use_async_quorum=False to Manager",
+        ):
+            d9d.fault_tolerant(manager)
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+def test_a_moe_model_is_refused_by_name():
+    # Its expert loads would be summed over the group's ranks only: two d9d train groups of
+    # --model moe logged eval losses 5.439270 and 5.439284 after step 2 (their router
+    # biases nudged by their own loads), where every group should hold the same params.
+    from d9d.models import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    model = d9d.functionalize(MoE(MoEConfig.tiny()))
+    opt = d9d.optim.adamw(1e-3)
+    step = d9d.fault_tolerant(manager := LoneManager([True]))(
+        d9d.shard_params(d9d.make_mesh("cpu", fsdp=1), "fsdp")(make_moe_train_step(model, opt))
+    )
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    tokens = torch.randint(0, 256, (2, 9))
+    with pytest.raises(
+        PlanError,
+        match=r"d9d\.moe sums its expert loads over the step's mesh only, and under "
+        r"fault_tolerant, whose other replica groups hold tokens of the step: .*drift apart",
+    ):
+        step(params, state, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+    assert "should_commit" not in manager.calls
 
 
 def test_fault_tolerant_refuses_microbatches_of_another_transform():

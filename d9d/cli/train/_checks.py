@@ -189,6 +189,13 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
     for flag, (given, why) in refused.items():
         if given:
             raise ConfigError(f"{ft} does not run with {flag} yet: {why}; drop {flag}")
+    if config.model == "moe" and config.diloco is None:
+        raise ConfigError(
+            f"{ft} does not run with --model moe yet: its expert loads are summed over each "
+            "replica group's ranks only, so each group would nudge its router biases by its "
+            "own loads and the groups' params would drift apart; add --diloco H (whose outer "
+            "rounds average whole params), or drop --fault-tolerant"
+        )
     if config.diloco is not None and (config.pp or 1) > 1:
         raise ConfigError(
             "--diloco does not run with --pp yet: no test has run a DiLoCo outer round over "

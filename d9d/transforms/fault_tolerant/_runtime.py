@@ -60,6 +60,7 @@ class FaultTolerantRuntime(Runtime):
     runtime drives the differentiation and the grads are reduced over the groups after it."""
 
     shared = False  # an eval step sharing the plan neither starts a quorum nor votes
+    tokens_beyond_mesh = "fault_tolerant, whose other replica groups hold tokens of the step"
 
     def __init__(
         self,

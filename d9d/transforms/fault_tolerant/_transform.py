@@ -57,6 +57,17 @@ class FaultTolerant(Transform):
                 f"without {missing}; build one with torchft.Manager(pg=ProcessGroupGloo(), ...) "
                 "(pip install 'd9d[ft]')"
             )
+        # torchft's default. Its quorum then ends inside the step, and a rejoining group
+        # loads the peer's state only at the commit vote, after its step ran on its own
+        # stale params: it would go on one update behind the others.
+        if getattr(self.manager, "_use_async_quorum", False):
+            raise PlanError(
+                "fault_tolerant needs a torchft.Manager built with use_async_quorum=False, "
+                "got one with use_async_quorum=True (torchft's default): a replica group that "
+                "rejoins would take a live peer's state only at the step's commit vote, after "
+                "its update ran on its own stale params, and go on one step behind the live "
+                "groups; pass use_async_quorum=False to Manager"
+            )
 
     def __str__(self) -> str:
         return "fault_tolerant(manager)"
@@ -140,7 +151,8 @@ def fault_tolerant(
 
     Args:
         manager: A ``torchft.Manager`` of this rank (its ``pg`` a ``ProcessGroupGloo`` or
-            ``ProcessGroupNCCL``, ``rank``/``world_size`` this rank's in its replica group).
+            ``ProcessGroupNCCL``, ``rank``/``world_size`` this rank's in its replica group,
+            ``use_async_quorum=False``: the quorum, and a rejoin, end before the step runs).
         mesh: The group's mesh, when no other transform of the step gives it.
         starts_quorum: Each call of the step starts the manager's quorum (default). False:
             the caller calls ``manager.start_quorum()`` before each call, and before it
@@ -153,8 +165,8 @@ def fault_tolerant(
         The transform: decorate a step with it.
 
     Raises:
-        PlanError: ``manager`` is not a torchft ``Manager``, or ``microbatches`` is not a
-            positive int; the step accumulates microbatches under another transform, or
+        PlanError: ``manager`` is not a torchft ``Manager`` (or is one built with
+            ``use_async_quorum=True``), or ``microbatches`` is not a positive int; the step accumulates microbatches under another transform, or
             ``microbatches`` > 1 under ``pipeline`` (when placed), or is jitted.
 
     Example:
