@@ -15,6 +15,7 @@ __all__ = [
     "BUCKET_BYTES",
     "GroupCount",
     "all_reduce_over_groups",
+    "async_quorum_refusal",
     "token_mean_over_groups",
     "tokens_like",
 ]
@@ -23,6 +24,23 @@ __all__ = [
 BUCKET_BYTES = 25 * 2**20
 """The most bytes one all-reduce over the groups carries (as DDP's ``bucket_cap_mb``): the
 flat copy each bucket makes is extra memory while it travels."""
+
+
+def async_quorum_refusal(manager: Any, transform: str) -> str | None:
+    """Why ``transform`` cannot take ``manager``, or None: one built with
+    ``use_async_quorum=True`` (torchft's default) ends its quorum, and a rejoining group's
+    load of its peer's state, only at the commit vote, after the group computed on its own
+    stale params (two ``fault_tolerant`` groups on a real lighthouse ended 0.0198 apart, their
+    AdamW counts 3 and 4)."""
+    if not getattr(manager, "_use_async_quorum", False):
+        return None
+    return (
+        f"{transform} needs a torchft.Manager built with use_async_quorum=False, got one with "
+        "use_async_quorum=True (torchft's default): a replica group that rejoins would take a "
+        "live peer's state only at the commit vote, after it computed on its own stale "
+        "params, and go on one step behind the live groups; pass use_async_quorum=False to "
+        "Manager"
+    )
 
 
 def all_reduce_over_groups(

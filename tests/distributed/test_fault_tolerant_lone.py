@@ -16,7 +16,7 @@ from equivalence import batches, llama, optimizer, train_step
 from lone_manager import LoneManager
 
 import d9d
-from d9d.errors import PlanError
+from d9d.errors import ConfigError, PlanError
 from d9d.models.moe import make_train_step as make_moe_train_step
 from d9d.testing import run_on_ranks
 from d9d.transforms.fault_tolerant import FaultTolerantRuntime
@@ -214,10 +214,19 @@ def test_fault_tolerant_refuses_what_is_not_a_manager():
         d9d.fault_tolerant(object())
 
 
-def test_fault_tolerant_refuses_a_manager_with_an_async_quorum():
+@pytest.mark.parametrize(
+    ("wrap", "error"),
+    [
+        (d9d.fault_tolerant, PlanError),
+        (lambda manager: d9d.diloco(manager, inner_steps=4), ConfigError),
+    ],
+    ids=["fault_tolerant", "diloco"],
+)
+def test_a_manager_with_an_async_quorum_is_refused(wrap, error):
     # torchft's default: a rejoining group would load its peer's state only at the commit
-    # vote, after its update ran on its own params (two groups on a real lighthouse ended
-    # 0.0198 apart in their params, their AdamW counts 3 and 4).
+    # vote, after it computed on its own params (two fault_tolerant groups on a real
+    # lighthouse ended 0.0198 apart in their params, their AdamW counts 3 and 4; a diloco
+    # group would put its stale pseudo-gradient into the round's average).
     torchft = pytest.importorskip("torchft")
     from torchft.coordination import LighthouseServer
 
@@ -238,11 +247,11 @@ def test_fault_tolerant_refuses_a_manager_with_an_async_quorum():
     )  # use_async_quorum left at its default, True
     try:
         with pytest.raises(
-            PlanError,
+            error,
             match=r"needs a torchft\.Manager built with use_async_quorum=False, got one with "
             r"use_async_quorum=True .*one step behind.*pass use_async_quorum=False to Manager",
         ):
-            d9d.fault_tolerant(manager)
+            wrap(manager)
     finally:
         manager.shutdown(wait=False)
         lighthouse.shutdown()

@@ -20,6 +20,7 @@ from typing import Any
 from ...core._step import OutermostStep, TransformedStep
 from ...errors import ConfigError, PlanError
 from ...optim import GradientTransformation, sgd
+from .._replica_groups import async_quorum_refusal
 from ._step import DiLoCoStep
 
 __all__ = ["DiLoCo", "diloco"]
@@ -60,6 +61,9 @@ class DiLoCo:
                 f"{missing}; build one with torchft.Manager(pg=ProcessGroupGloo(), ...) "
                 "(pip install 'd9d[ft]')"
             )
+        refusal = async_quorum_refusal(self.manager, "diloco")
+        if refusal is not None:
+            raise ConfigError(refusal)
         if (
             isinstance(self.inner_steps, bool)
             or not isinstance(self.inner_steps, int)

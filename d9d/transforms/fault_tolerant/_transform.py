@@ -22,6 +22,7 @@ from ...core._phase import Phase
 from ...core._plan import Plan
 from ...core._transform import Transform
 from ...errors import PlanError
+from .._replica_groups import async_quorum_refusal
 from ._runtime import MANAGER_METHODS, FaultTolerantRuntime
 
 if TYPE_CHECKING:
@@ -57,17 +58,9 @@ class FaultTolerant(Transform):
                 f"without {missing}; build one with torchft.Manager(pg=ProcessGroupGloo(), ...) "
                 "(pip install 'd9d[ft]')"
             )
-        # torchft's default. Its quorum then ends inside the step, and a rejoining group
-        # loads the peer's state only at the commit vote, after its step ran on its own
-        # stale params: it would go on one update behind the others.
-        if getattr(self.manager, "_use_async_quorum", False):
-            raise PlanError(
-                "fault_tolerant needs a torchft.Manager built with use_async_quorum=False, "
-                "got one with use_async_quorum=True (torchft's default): a replica group that "
-                "rejoins would take a live peer's state only at the step's commit vote, after "
-                "its update ran on its own stale params, and go on one step behind the live "
-                "groups; pass use_async_quorum=False to Manager"
-            )
+        refusal = async_quorum_refusal(self.manager, "fault_tolerant")
+        if refusal is not None:
+            raise PlanError(refusal)
 
     def __str__(self) -> str:
         return "fault_tolerant(manager)"
@@ -119,8 +112,8 @@ def fault_tolerant(
 
     The loss stays the token mean over the live replicas' batches: each group's grads and loss
     are weighed by its valid-token count (:func:`d9d.losses.token_mean`), and the weighted
-    sums and counts are all-reduced together, one collective per dtype and 25 MiB bucket. A loss that counts no
-    tokens gives every live group the same weight.
+    sums and counts are all-reduced together, one collective per dtype and 25 MiB bucket. A
+    loss that counts no tokens gives every live group the same weight.
 
     Rejoin: a group whose step is behind the quorum's (restarted after a failure, or
     started late) is healed by torchft at that quorum: rank ``r`` of a live peer group
@@ -166,8 +159,9 @@ def fault_tolerant(
 
     Raises:
         PlanError: ``manager`` is not a torchft ``Manager`` (or is one built with
-            ``use_async_quorum=True``), or ``microbatches`` is not a positive int; the step accumulates microbatches under another transform, or
-            ``microbatches`` > 1 under ``pipeline`` (when placed), or is jitted.
+            ``use_async_quorum=True``), or ``microbatches`` is not a positive int; the step
+            accumulates microbatches under another transform, or ``microbatches`` > 1 under
+            ``pipeline`` (when placed), or is jitted.
 
     Example:
         >>> import d9d
