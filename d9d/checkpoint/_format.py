@@ -299,7 +299,8 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 
 def rotate(directory: Path, step: int, keep: int | None) -> None:
     """After committing ``step``: drop leftovers of crashed saves of ``step``, the trash of
-    an interrupted earlier rotation, and all but the newest ``keep`` checkpoints.
+    an interrupted earlier rotation, and all but the newest ``keep`` checkpoints, of those
+    older than ``step`` only.
 
     A leftover is a ``step_<step>.tmp-`` folder that no live save claims (``_claim.py``):
     another save of ``step`` may be writing into its own. A checkpoint is first renamed to a
@@ -314,8 +315,10 @@ def rotate(directory: Path, step: int, keep: int | None) -> None:
     doomed = [p for p in directory.glob(f"step_*{_TRASH}*") if p.is_dir()]
     if keep is not None:
         committed = _committed(directory)
-        others = [path for s, path in committed if s != step]  # never the one just made
-        for path in others[: max(0, len(committed) - keep)]:
+        # The oldest past ``keep``, but never the one just made nor a later step's (a save
+        # that committed first, or a later run's): those stay, more than ``keep`` then.
+        oldest = committed[: max(0, len(committed) - keep)]
+        for path in [path for s, path in oldest if s < step]:
             trash = path.with_name(f"{path.name}{_TRASH}{secrets.token_hex(4)}")
             try:
                 os.rename(path, trash)

@@ -189,7 +189,8 @@ def save(
         async_: Write in a background thread (default ``True``); ``False`` writes and
             commits before returning, straight from CPU tensors without a host copy.
         keep: After committing, delete all but the newest ``keep`` checkpoints in
-            ``directory`` (default ``None``: keep all).
+            ``directory``, never one of a later step than ``step`` (default ``None``:
+            keep all).
         hold: Write, but commit only once ``handle.commit()`` is called, or drop the
             data on ``handle.discard()`` (asynchronous saves only; default ``False``).
             ``d9d train`` holds each checkpoint until the next step's loss is finite.

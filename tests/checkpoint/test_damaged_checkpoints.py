@@ -64,6 +64,20 @@ def test_keep_sweeps_the_trash_of_an_interrupted_rotation(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
 
 
+def test_keep_never_deletes_a_later_step_than_the_one_committed(tmp_path: Path) -> None:
+    """Two asynchronous saves that commit out of order, or a save into a folder holding a
+    later step: the rotation of the older step used to delete the newer checkpoint."""
+    five = checkpoint.save(tmp_path, {"w": torch.full((3,), 5.0)}, step=5, keep=1, hold=True)
+    _save(tmp_path, 6, keep=1)  # saved after step 5, committed before it
+    five.commit()
+    assert five.wait() == tmp_path / "step_5"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5", "step_6"]
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_6"
+    assert checkpoint.restore(tmp_path / "step_6")["w"].tolist() == [6.0] * 3
+    _save(tmp_path, 7, keep=1)  # a later step rotates as before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_7"]
+
+
 def test_sweep_removes_every_unfinished_save(tmp_path: Path) -> None:
     _save(tmp_path, 1)
     for name in ("step_1.tmp-aaaa", "step_7.tmp-bbbb", "step_3.tmp-deleted-cccc"):
