@@ -31,6 +31,7 @@ from urllib.parse import quote
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from . import _claim
+from ._layout import DTYPE_NAMES as _DTYPE_NAMES
 from ._layout import dtype_from_name
 
 __all__ = [
@@ -201,8 +202,8 @@ def metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint, or of another format.
-        CheckpointCorruptError: ``metadata.json`` is not valid JSON or lacks a field; the
-            message names the file.
+        CheckpointCorruptError: ``metadata.json`` is not valid JSON, lacks a field or holds
+            one of a value no save writes; the message names the file.
 
     Example:
         >>> import tempfile, torch
@@ -259,6 +260,31 @@ def _malformed(meta: Any) -> str | None:
         missing = [key for key in _LEAF_KEYS[kind] if key not in record]
         if missing:
             return f"leaf {leaf!r} is missing {missing}"
+        wrong = _wrong_field(record)
+        if wrong:
+            return f"leaf {leaf!r} has {wrong}"
+    return None
+
+
+def _ints(value: Any, least: int) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= least for n in value
+    )
+
+
+def _wrong_field(record: dict[str, Any]) -> str | None:
+    """The first field of a leaf's record whose value no save writes, as ``name=value``."""
+    if record["kind"] == "value":
+        ok = isinstance(record["value"], bool | int | float | str)
+        return None if ok else f"value={record['value']!r}"
+    if not _ints(record["shape"], 0):
+        return f"shape={record['shape']!r}"
+    if not isinstance(record["dtype"], str) or record["dtype"] not in _DTYPE_NAMES:
+        return f"dtype={record['dtype']!r}"
+    if not _ints(record["chunks"], 1) or len(record["chunks"]) != len(record["shape"]):
+        return f"chunks={record['chunks']!r}"
+    if not isinstance(record["file"], str):
+        return f"file={record['file']!r}"
     return None
 
 

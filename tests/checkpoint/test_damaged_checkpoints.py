@@ -56,6 +56,38 @@ def test_leaf_record_without_its_fields_is_corrupt(tmp_path: Path) -> None:
         checkpoint.restore(path, {"w": torch.zeros(3)})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("shape", None),
+        ("shape", [3.0]),
+        ("shape", 3),
+        ("dtype", "float99"),
+        ("dtype", None),
+        ("chunks", [3, 1]),
+        ("chunks", [0]),
+        ("file", None),
+        ("value", [1]),
+    ],
+)
+def test_a_leaf_field_of_the_wrong_type_is_corrupt(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """Metadata that parses, with every field, one of a value no save writes: it escaped as a
+    bare ``TypeError``/``KeyError`` from ``restore``, and ``latest`` returned it."""
+    _save(tmp_path, 1)
+    path = checkpoint.save(tmp_path, {"w": torch.ones(3), "n": 2}, step=2).wait()
+    meta = json.loads((path / "metadata.json").read_text())
+    meta["leaves"]["n" if field == "value" else "w"][field] = value
+    (path / "metadata.json").write_text(json.dumps(meta))
+    match = rf"metadata.json' is not a d9d .*: leaf '[wn]' has {field}={re.escape(repr(value))};"
+    for target in (None, {"w": torch.zeros(3), "n": 0}):
+        with pytest.raises(CheckpointCorruptError, match=match):
+            checkpoint.restore(path, target)
+    with pytest.warns(UserWarning, match=r"step_2.* skipped"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
+
+
 def test_keep_sweeps_the_trash_of_an_interrupted_rotation(tmp_path: Path) -> None:
     _save(tmp_path, 1)
     trash = tmp_path / "step_1.tmp-deleted-0badf00d"  # a kill mid-delete of step_1 left this
