@@ -263,6 +263,8 @@ def _malformed(meta: Any) -> str | None:
         wrong = _wrong_field(record)
         if wrong:
             return f"leaf {leaf!r} has {wrong}"
+        if kind == "array" and record["file"] != array_file(leaf):  # another leaf's, or outside
+            return f"leaf {leaf!r} has file={record['file']!r}, not its own {array_file(leaf)!r}"
     return None
 
 

@@ -88,6 +88,20 @@ def test_a_leaf_field_of_the_wrong_type_is_corrupt(
         assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
 
 
+def test_a_leaf_pointing_at_another_leaf_s_array_is_corrupt(tmp_path: Path) -> None:
+    """Two leaves of one shape and dtype whose ``file`` fields were swapped: each was
+    restored, checksums and all, with the other's values."""
+    path = checkpoint.save(tmp_path, {"a": torch.zeros(3), "b": torch.ones(3)}, step=1).wait()
+    meta = json.loads((path / "metadata.json").read_text())
+    leaves = meta["leaves"]
+    leaves["a"]["file"], leaves["b"]["file"] = leaves["b"]["file"], leaves["a"]["file"]
+    (path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        CheckpointCorruptError, match=r"leaf 'a' has file='arrays/b', not its own 'arrays/a'"
+    ):
+        checkpoint.restore(path, {"a": torch.zeros(3), "b": torch.zeros(3)})
+
+
 def test_keep_sweeps_the_trash_of_an_interrupted_rotation(tmp_path: Path) -> None:
     _save(tmp_path, 1)
     trash = tmp_path / "step_1.tmp-deleted-0badf00d"  # a kill mid-delete of step_1 left this
