@@ -22,7 +22,7 @@ import tensorstore as ts
 import torch
 
 from ..errors import CheckpointExistsError, CheckpointSaveError
-from . import _format
+from . import _claim, _format
 from ._claim import Claim
 from ._layout import box_slices, brief, to_numpy
 
@@ -96,6 +96,12 @@ class WriteJob:
                 self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
                 done = self.store.get(f"{self.key}/done").decode()
                 if done not in ("ok", "discarded"):
+                    # Rank 0 removed the folder, but it may have failed before this rank's
+                    # writes made it again (its host copy, in save).
+                    held = _claim.abandoned(self.tmp)
+                    if held is not None:
+                        shutil.rmtree(self.tmp, ignore_errors=True)
+                        held.release()
                     raise CheckpointSaveError(done)
             return
         try:
