@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -131,7 +132,15 @@ class WriteJob:
                 raise CheckpointSaveError(
                     f"Checkpoint of step {self.meta['step']} was not committed: {exc}"
                 ) from None
-            _format.rotate(self.final.parent, self.meta["step"], self.keep)
+            try:
+                _format.rotate(self.final.parent, self.meta["step"], self.keep)
+            except OSError as exc:  # committed all the same: what it failed to delete stays
+                warnings.warn(
+                    f"{str(self.final)!r} is committed, but cleaning up after it (keep="
+                    f"{self.keep}) failed: {brief(exc)}; the checkpoints it meant to delete "
+                    "stay, and the next save's rotation tries again",
+                    stacklevel=1,
+                )
         except BaseException as exc:
             shutil.rmtree(self.tmp, ignore_errors=True)  # no-op once committed (renamed)
             if self.world > 1:

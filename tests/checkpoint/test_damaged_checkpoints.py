@@ -124,6 +124,29 @@ def test_keep_never_deletes_a_later_step_than_the_one_committed(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_7"]
 
 
+def test_a_rotation_that_fails_warns_and_the_commit_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``keep`` failing to delete an old checkpoint (EACCES) made ``wait()`` raise "failed"
+    ("rank 0 did not commit" on the other ranks) for a checkpoint that was committed."""
+    _save(tmp_path, 1)
+    rename = os.rename
+
+    def refuse_to_trash(src: Path, dst: Path) -> None:
+        if "deleted" in str(dst):
+            raise PermissionError(13, "Permission denied", str(src))
+        rename(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", refuse_to_trash)
+        with pytest.warns(UserWarning, match=r"step_2' is committed, but cleaning up .*step_1'"):
+            assert _save(tmp_path, 2, keep=1) == tmp_path / "step_2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
+    assert checkpoint.restore(tmp_path / "step_1")["w"].tolist() == [1.0] * 3
+    _save(tmp_path, 3, keep=1)  # the next rotation deletes both
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+
+
 def test_sweep_removes_every_unfinished_save(tmp_path: Path) -> None:
     _save(tmp_path, 1)
     for name in ("step_1.tmp-aaaa", "step_7.tmp-bbbb", "step_3.tmp-deleted-cccc"):
