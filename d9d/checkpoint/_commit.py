@@ -31,6 +31,8 @@ __all__ = ["SaveHandle", "Write", "WriteJob"]
 
 # How long a rank waits for the others to finish writing (or rank 0 to commit).
 _COMMIT_TIMEOUT = timedelta(minutes=30)
+# How often a held save checks that the program has not ended without commit() or discard().
+_HELD_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,10 @@ class WriteJob:
                     f"Checkpoint of step {self.meta['step']} was not committed: "
                     + "; ".join(failures)
                 )
-            if self.gate is not None:
-                self.gate.wait()
+            while self.gate is not None and not self.gate.wait(_HELD_POLL_S):
+                if not threading.main_thread().is_alive():  # the program ended holding it
+                    self.discarded = True  # (this thread kept it from exiting, for ever)
+                    break
             if self.discarded:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 if self.world > 1:

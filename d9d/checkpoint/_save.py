@@ -201,7 +201,8 @@ def save(
             ``directory``, never one of a later step than ``step`` (default ``None``:
             keep all).
         hold: Write, but commit only once ``handle.commit()`` is called, or drop the
-            data on ``handle.discard()`` (asynchronous saves only; default ``False``).
+            data on ``handle.discard()`` (asynchronous saves only; default ``False``);
+            discarded if the main thread ends first.
             ``d9d train`` holds each checkpoint until the next step's loss is finite.
 
     Returns:

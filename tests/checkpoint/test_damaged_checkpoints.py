@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -190,6 +192,28 @@ def test_a_held_save_commits_only_when_told(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # keep deleted nothing
     with pytest.raises(ValueError, match="hold=True needs async_=True"):
         checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=3, hold=True, async_=False)
+
+
+_HELD_THEN_CRASH = """
+import sys, torch
+from d9d import checkpoint
+checkpoint.save(sys.argv[1], {"w": torch.ones(3)}, step=1)
+checkpoint.save(sys.argv[1], {"w": torch.ones(3)}, step=2, hold=True)
+raise RuntimeError("the training loop crashed")
+"""
+
+
+def test_a_program_that_ends_holding_a_save_exits_and_drops_it(tmp_path: Path) -> None:
+    """The held save's thread waited for commit() or discard() for ever, so a program that
+    crashed with one held never exited (under torchrun: a hung rank, not a failed one)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HELD_THEN_CRASH, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,  # the hang this guards against
+    )
+    assert done.returncode == 1 and "the training loop crashed" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # step 2 dropped
 
 
 def test_a_save_that_commits_between_the_check_and_the_rename_is_named(
