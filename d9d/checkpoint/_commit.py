@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ import tensorstore as ts
 import torch
 
 from ..errors import CheckpointExistsError, CheckpointSaveError
-from . import _format
+from . import _claim, _format
 from ._claim import Claim
 from ._layout import box_slices, brief, to_numpy
 
@@ -30,6 +31,8 @@ __all__ = ["SaveHandle", "Write", "WriteJob"]
 
 # How long a rank waits for the others to finish writing (or rank 0 to commit).
 _COMMIT_TIMEOUT = timedelta(minutes=30)
+# How often a held save checks that the program has not ended without commit() or discard().
+_HELD_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,12 @@ class WriteJob:
                 self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
                 done = self.store.get(f"{self.key}/done").decode()
                 if done not in ("ok", "discarded"):
+                    # Rank 0 removed the folder, but it may have failed before this rank's
+                    # writes made it again (its host copy, in save).
+                    held = _claim.abandoned(self.tmp)
+                    if held is not None:
+                        shutil.rmtree(self.tmp, ignore_errors=True)
+                        held.release()
                     raise CheckpointSaveError(done)
             return
         try:
@@ -112,8 +121,10 @@ class WriteJob:
                     f"Checkpoint of step {self.meta['step']} was not committed: "
                     + "; ".join(failures)
                 )
-            if self.gate is not None:
-                self.gate.wait()
+            while self.gate is not None and not self.gate.wait(_HELD_POLL_S):
+                if not threading.main_thread().is_alive():  # the program ended holding it
+                    self.discarded = True  # (this thread kept it from exiting, for ever)
+                    break
             if self.discarded:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 if self.world > 1:
@@ -125,7 +136,15 @@ class WriteJob:
                 raise CheckpointSaveError(
                     f"Checkpoint of step {self.meta['step']} was not committed: {exc}"
                 ) from None
-            _format.rotate(self.final.parent, self.meta["step"], self.keep)
+            try:
+                _format.rotate(self.final.parent, self.meta["step"], self.keep)
+            except OSError as exc:  # committed all the same: what it failed to delete stays
+                warnings.warn(
+                    f"{str(self.final)!r} is committed, but cleaning up after it (keep="
+                    f"{self.keep}) failed: {brief(exc)}; the checkpoints it meant to delete "
+                    "stay, and the next save's rotation tries again",
+                    stacklevel=1,
+                )
         except BaseException as exc:
             shutil.rmtree(self.tmp, ignore_errors=True)  # no-op once committed (renamed)
             if self.world > 1:

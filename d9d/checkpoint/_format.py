@@ -31,6 +31,7 @@ from urllib.parse import quote
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from . import _claim
+from ._layout import DTYPE_NAMES as _DTYPE_NAMES
 from ._layout import dtype_from_name
 
 __all__ = [
@@ -201,8 +202,8 @@ def metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint, or of another format.
-        CheckpointCorruptError: ``metadata.json`` is not valid JSON or lacks a field; the
-            message names the file.
+        CheckpointCorruptError: ``metadata.json`` is not valid JSON, lacks a field or holds
+            one of a value no save writes; the message names the file.
 
     Example:
         >>> import tempfile, torch
@@ -259,6 +260,33 @@ def _malformed(meta: Any) -> str | None:
         missing = [key for key in _LEAF_KEYS[kind] if key not in record]
         if missing:
             return f"leaf {leaf!r} is missing {missing}"
+        wrong = _wrong_field(record)
+        if wrong:
+            return f"leaf {leaf!r} has {wrong}"
+        if kind == "array" and record["file"] != array_file(leaf):  # another leaf's, or outside
+            return f"leaf {leaf!r} has file={record['file']!r}, not its own {array_file(leaf)!r}"
+    return None
+
+
+def _ints(value: Any, least: int) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= least for n in value
+    )
+
+
+def _wrong_field(record: dict[str, Any]) -> str | None:
+    """The first field of a leaf's record whose value no save writes, as ``name=value``."""
+    if record["kind"] == "value":
+        ok = isinstance(record["value"], bool | int | float | str)
+        return None if ok else f"value={record['value']!r}"
+    if not _ints(record["shape"], 0):
+        return f"shape={record['shape']!r}"
+    if not isinstance(record["dtype"], str) or record["dtype"] not in _DTYPE_NAMES:
+        return f"dtype={record['dtype']!r}"
+    if not _ints(record["chunks"], 1) or len(record["chunks"]) != len(record["shape"]):
+        return f"chunks={record['chunks']!r}"
+    if not isinstance(record["file"], str):
+        return f"file={record['file']!r}"
     return None
 
 
@@ -299,7 +327,8 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 
 def rotate(directory: Path, step: int, keep: int | None) -> None:
     """After committing ``step``: drop leftovers of crashed saves of ``step``, the trash of
-    an interrupted earlier rotation, and all but the newest ``keep`` checkpoints.
+    an interrupted earlier rotation, and all but the newest ``keep`` checkpoints, of those
+    older than ``step`` only.
 
     A leftover is a ``step_<step>.tmp-`` folder that no live save claims (``_claim.py``):
     another save of ``step`` may be writing into its own. A checkpoint is first renamed to a
@@ -314,8 +343,10 @@ def rotate(directory: Path, step: int, keep: int | None) -> None:
     doomed = [p for p in directory.glob(f"step_*{_TRASH}*") if p.is_dir()]
     if keep is not None:
         committed = _committed(directory)
-        others = [path for s, path in committed if s != step]  # never the one just made
-        for path in others[: max(0, len(committed) - keep)]:
+        # The oldest past ``keep``, but never the one just made nor a later step's (a save
+        # that committed first, or a later run's): those stay, more than ``keep`` then.
+        oldest = committed[: max(0, len(committed) - keep)]
+        for path in [path for s, path in oldest if s < step]:
             trash = path.with_name(f"{path.name}{_TRASH}{secrets.token_hex(4)}")
             try:
                 os.rename(path, trash)

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 __all__ = [
+    "DTYPE_NAMES",
     "Box",
     "Layout",
     "box_slices",
@@ -66,6 +67,8 @@ _DTYPES = (
     torch.bool,
 )
 _BY_NAME = {str(d).removeprefix("torch."): d for d in _DTYPES}
+DTYPE_NAMES = frozenset(_BY_NAME)
+"""The dtype names a checkpoint stores."""
 
 
 def dtype_name(dtype: torch.dtype, path: str) -> str:

@@ -28,7 +28,7 @@ from ..errors import CheckpointExistsError
 from . import _claim, _format
 from ._commit import SaveHandle, Write, WriteJob
 from ._host_memory import host_empty
-from ._layout import chunk_shape, dtype_name, layout_of, local_box, writes_box
+from ._layout import brief, chunk_shape, dtype_name, layout_of, local_box, writes_box
 
 __all__ = ["SaveHandle", "save"]
 
@@ -154,6 +154,15 @@ def _plan(
     return creates, writes
 
 
+def _post_failure(store: Any, key: str, rank: int, error: BaseException) -> None:
+    """Post what the background half of a save posts when it fails (``_commit.py``): rank 0
+    the result every rank waits for, another rank its outcome that rank 0 waits for."""
+    name = f"{key}/done" if rank == 0 else f"{key}/rank{rank}"
+    outcome = f"rank 0 did not commit: {brief(error)}" if rank == 0 else brief(error)
+    with contextlib.suppress(RuntimeError):  # a store that is gone: raise the error itself
+        store.set(name, outcome)
+
+
 def save(
     directory: str | os.PathLike[str],
     tree: Any,
@@ -189,9 +198,11 @@ def save(
         async_: Write in a background thread (default ``True``); ``False`` writes and
             commits before returning, straight from CPU tensors without a host copy.
         keep: After committing, delete all but the newest ``keep`` checkpoints in
-            ``directory`` (default ``None``: keep all).
+            ``directory``, never one of a later step than ``step`` (default ``None``:
+            keep all).
         hold: Write, but commit only once ``handle.commit()`` is called, or drop the
-            data on ``handle.discard()`` (asynchronous saves only; default ``False``).
+            data on ``handle.discard()`` (asynchronous saves only; default ``False``);
+            discarded if the main thread ends first.
             ``d9d train`` holds each checkpoint until the next step's loss is finite.
 
     Returns:
@@ -238,15 +249,18 @@ def save(
         # A folder that cannot be made fails the writes into it too, and wait() says why.
         with contextlib.suppress(OSError):
             claim = _claim.claim(tmp)
+    agreed = False
     try:
         if world > 1:
             nonce, records, holders = _agree(step, nonce, records)
-            tmp = _format.tmp_path(directory, step, nonce)
+            tmp, agreed = _format.tmp_path(directory, step, nonce), True
         creates, writes = _plan(leaves, records, holders, rank, tmp, snapshot=async_)
-    except BaseException:
+    except BaseException as exc:
         if claim is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             claim.release()
+        if agreed:  # the other ranks' saves are under way: post the failure, so none waits
+            _post_failure(store, f"d9d/ckpt/{nonce}", rank, exc)
         raise
     meta = {
         "format": _format.FORMAT,

@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -56,12 +58,95 @@ def test_leaf_record_without_its_fields_is_corrupt(tmp_path: Path) -> None:
         checkpoint.restore(path, {"w": torch.zeros(3)})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("shape", None),
+        ("shape", [3.0]),
+        ("shape", 3),
+        ("dtype", "float99"),
+        ("dtype", None),
+        ("chunks", [3, 1]),
+        ("chunks", [0]),
+        ("file", None),
+        ("value", [1]),
+    ],
+)
+def test_a_leaf_field_of_the_wrong_type_is_corrupt(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """Metadata that parses, with every field, one of a value no save writes: it escaped as a
+    bare ``TypeError``/``KeyError`` from ``restore``, and ``latest`` returned it."""
+    _save(tmp_path, 1)
+    path = checkpoint.save(tmp_path, {"w": torch.ones(3), "n": 2}, step=2).wait()
+    meta = json.loads((path / "metadata.json").read_text())
+    meta["leaves"]["n" if field == "value" else "w"][field] = value
+    (path / "metadata.json").write_text(json.dumps(meta))
+    match = rf"metadata.json' is not a d9d .*: leaf '[wn]' has {field}={re.escape(repr(value))};"
+    for target in (None, {"w": torch.zeros(3), "n": 0}):
+        with pytest.raises(CheckpointCorruptError, match=match):
+            checkpoint.restore(path, target)
+    with pytest.warns(UserWarning, match=r"step_2.* skipped"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
+
+
+def test_a_leaf_pointing_at_another_leaf_s_array_is_corrupt(tmp_path: Path) -> None:
+    """Two leaves of one shape and dtype whose ``file`` fields were swapped: each was
+    restored, checksums and all, with the other's values."""
+    path = checkpoint.save(tmp_path, {"a": torch.zeros(3), "b": torch.ones(3)}, step=1).wait()
+    meta = json.loads((path / "metadata.json").read_text())
+    leaves = meta["leaves"]
+    leaves["a"]["file"], leaves["b"]["file"] = leaves["b"]["file"], leaves["a"]["file"]
+    (path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        CheckpointCorruptError, match=r"leaf 'a' has file='arrays/b', not its own 'arrays/a'"
+    ):
+        checkpoint.restore(path, {"a": torch.zeros(3), "b": torch.zeros(3)})
+
+
 def test_keep_sweeps_the_trash_of_an_interrupted_rotation(tmp_path: Path) -> None:
     _save(tmp_path, 1)
     trash = tmp_path / "step_1.tmp-deleted-0badf00d"  # a kill mid-delete of step_1 left this
     (tmp_path / "step_1").rename(trash)
     _save(tmp_path, 2, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]
+
+
+def test_keep_never_deletes_a_later_step_than_the_one_committed(tmp_path: Path) -> None:
+    """Two asynchronous saves that commit out of order, or a save into a folder holding a
+    later step: the rotation of the older step used to delete the newer checkpoint."""
+    five = checkpoint.save(tmp_path, {"w": torch.full((3,), 5.0)}, step=5, keep=1, hold=True)
+    _save(tmp_path, 6, keep=1)  # saved after step 5, committed before it
+    five.commit()
+    assert five.wait() == tmp_path / "step_5"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5", "step_6"]
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_6"
+    assert checkpoint.restore(tmp_path / "step_6")["w"].tolist() == [6.0] * 3
+    _save(tmp_path, 7, keep=1)  # a later step rotates as before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_7"]
+
+
+def test_a_rotation_that_fails_warns_and_the_commit_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``keep`` failing to delete an old checkpoint (EACCES) made ``wait()`` raise "failed"
+    ("rank 0 did not commit" on the other ranks) for a checkpoint that was committed."""
+    _save(tmp_path, 1)
+    rename = os.rename
+
+    def refuse_to_trash(src: Path, dst: Path) -> None:
+        if "deleted" in str(dst):
+            raise PermissionError(13, "Permission denied", str(src))
+        rename(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", refuse_to_trash)
+        with pytest.warns(UserWarning, match=r"step_2' is committed, but cleaning up .*step_1'"):
+            assert _save(tmp_path, 2, keep=1) == tmp_path / "step_2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
+    assert checkpoint.restore(tmp_path / "step_1")["w"].tolist() == [1.0] * 3
+    _save(tmp_path, 3, keep=1)  # the next rotation deletes both
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
 
 
 def test_sweep_removes_every_unfinished_save(tmp_path: Path) -> None:
@@ -107,6 +192,28 @@ def test_a_held_save_commits_only_when_told(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # keep deleted nothing
     with pytest.raises(ValueError, match="hold=True needs async_=True"):
         checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=3, hold=True, async_=False)
+
+
+_HELD_THEN_CRASH = """
+import sys, torch
+from d9d import checkpoint
+checkpoint.save(sys.argv[1], {"w": torch.ones(3)}, step=1)
+checkpoint.save(sys.argv[1], {"w": torch.ones(3)}, step=2, hold=True)
+raise RuntimeError("the training loop crashed")
+"""
+
+
+def test_a_program_that_ends_holding_a_save_exits_and_drops_it(tmp_path: Path) -> None:
+    """The held save's thread waited for commit() or discard() for ever, so a program that
+    crashed with one held never exited (under torchrun: a hung rank, not a failed one)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HELD_THEN_CRASH, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,  # the hang this guards against
+    )
+    assert done.returncode == 1 and "the training loop crashed" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # step 2 dropped
 
 
 def test_a_save_that_commits_between_the_check_and_the_rename_is_named(

@@ -271,6 +271,48 @@ def test_one_rank_failing_aborts_the_commit_on_every_rank(
     assert checkpoint.latest(tmp_path) is None and not list(tmp_path.iterdir())
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_rank_failing_its_host_copy_fails_the_others_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: int
+) -> None:
+    """A rank whose save raised before its background half started (host OOM in the copy)
+    posted nothing: the others waited the whole commit timeout (30 minutes) for it, and rank
+    0's failure left the folder the others wrote into."""
+    from datetime import timedelta
+
+    from d9d.checkpoint import _commit, _save
+
+    monkeypatch.setattr(_commit, "_COMMIT_TIMEOUT", timedelta(seconds=60))  # was the hang
+    host_data = _save._host_data
+
+    def out_of_memory(tensor: torch.Tensor, snapshot: bool) -> torch.Tensor:
+        if dist.get_rank() == bad:
+            raise MemoryError("host OOM")
+        return host_data(tensor, snapshot)
+
+    monkeypatch.setattr(_save, "_host_data", out_of_memory)
+
+    def save() -> str:
+        tree, _ = place({"w": torch.arange(8.0)}, "fsdp=2")
+        try:
+            handle = checkpoint.save(tmp_path, tree, step=1)
+        except MemoryError as error:
+            return f"save: {error}"
+        try:
+            handle.wait()
+        except CheckpointSaveError as error:
+            return str(error)
+        return "committed"
+
+    outcomes = run_on_ranks(save, 2)
+    assert outcomes[bad] == "save: host OOM"
+    other = outcomes[1 - bad]
+    assert "rank 0 did not commit" in other if bad == 0 else "rank 1: MemoryError" in other
+    assert "MemoryError: host OOM" in other and "timeout" not in other, other
+    assert not list(tmp_path.iterdir())
+
+
 def test_dtensor_with_wrong_local_shape_is_an_error(tmp_path: Path, one_rank_mesh) -> None:
     bad = DTensor.from_local(torch.ones(3), one_rank_mesh, [Shard(0)], shape=(4,), stride=(1,))
     with pytest.raises(ValueError, match=r"local shard of shape \(3,\) .* placements give \(4,\)"):
