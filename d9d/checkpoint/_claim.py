@@ -13,11 +13,12 @@ remove no ``.tmp-`` folder there; :func:`d9d.checkpoint.sweep` at the start of a
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
 
-__all__ = ["Claim", "abandoned", "claim"]
+__all__ = ["Claim", "abandoned", "claim", "held"]
 
 
 class Claim:
@@ -87,3 +88,18 @@ def abandoned(folder: Path) -> Claim | None:
         os.close(fd)
         return None
     return Claim(fd)
+
+
+def held(folder: Path) -> bool:
+    """Whether a live save provably holds ``folder``: its lock is taken (False where locks
+    are unsupported, or the folder is gone)."""
+    fd = _open(folder)
+    if fd is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)  # also drops the lock this took
+    return False

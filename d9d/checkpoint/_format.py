@@ -358,10 +358,14 @@ def rotate(directory: Path, step: int, keep: int | None) -> None:
 
 
 def sweep(directory: str | os.PathLike[str]) -> list[Path]:
-    """Delete every unfinished save (``step_<N>.tmp-*`` folder) in ``directory``.
+    """Delete every unfinished save (``step_<N>.tmp-*`` folder) in ``directory`` but those a
+    live save holds (``_claim.py``).
 
-    Call it only when no save into ``directory`` is in flight (e.g. when a run starts):
-    an in-flight save writes into such a folder. ``d9d train`` does, on rank 0.
+    Call it when no save into ``directory`` should be in flight (e.g. when a run starts):
+    ``d9d train`` does, on rank 0. A save still writing on this machine (the run being
+    replaced, committing its last checkpoint) keeps its folder; where folders cannot be
+    locked (NFS, Lustre without ``flock``) no save can be told from a dead one's leftovers,
+    and every such folder is deleted.
 
     Args:
         directory: A folder of checkpoints; it need not exist.
@@ -378,6 +382,7 @@ def sweep(directory: str | os.PathLike[str]) -> list[Path]:
     if not directory.is_dir():
         return []
     doomed = sorted(p for p in directory.glob(f"step_*{_TMP}*") if p.is_dir())
+    doomed = [p for p in doomed if not _claim.held(p)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

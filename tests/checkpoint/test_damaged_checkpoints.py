@@ -163,6 +163,20 @@ def test_sweep_removes_every_unfinished_save(tmp_path: Path) -> None:
     assert checkpoint.sweep(tmp_path / "absent") == []
 
 
+def test_sweep_keeps_the_folder_of_a_save_in_flight(tmp_path: Path) -> None:
+    """A run that starts while the one it replaces still commits its last checkpoint (a
+    preempted pod's successor) must not delete that checkpoint under it."""
+    from d9d.checkpoint import _claim
+
+    writing = tmp_path / "step_4.tmp-live"
+    claim = _claim.claim(writing)
+    (tmp_path / "step_2.tmp-dead").mkdir()
+    assert [p.name for p in checkpoint.sweep(tmp_path)] == ["step_2.tmp-dead"]
+    assert writing.is_dir()
+    claim.release()
+    assert [p.name for p in checkpoint.sweep(tmp_path)] == ["step_4.tmp-live"]
+
+
 def test_two_saves_of_one_step_leave_no_tmp_folder(tmp_path: Path) -> None:
     handles = [checkpoint.save(tmp_path, {"w": torch.ones(3)}, step=4)]
     with contextlib.suppress(CheckpointExistsError):  # the first one committed already
