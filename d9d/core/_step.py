@@ -78,6 +78,7 @@ class TransformedStep:
         self.transforms = order_transforms(transforms)
         self._mesh = _one_mesh(self.transforms)
         _check_claims(self.transforms)
+        _check_kinds(self.transforms)
         self._plan: Plan | None = None
         self._runtimes: tuple[Runtime, ...] = ()
         self._codec_statistics = False  # the plan has a gather codec with a statistic
@@ -399,6 +400,21 @@ def _check_claims(transforms: tuple[StepTransform, ...]) -> None:
                     "transform its own axis"
                 )
             owner[axis] = t
+
+
+def _check_kinds(transforms: tuple[StepTransform, ...]) -> None:
+    """One transform of each kind: two of one kind (on different axes) rewrite the same
+    fields of the plan and hook the same places of the step, which none of them is built to
+    share (two ``context_parallel`` cut every sequence twice and ran wrong losses)."""
+    seen: dict[str, StepTransform] = {}
+    for t in transforms:
+        if t.name in seen:
+            raise PlanError(
+                f"the step has two {t.name} transforms, {seen[t.name]} and {t}; a step takes "
+                f"one of each kind: keep one {t.name}(...) with every axis and option it "
+                "needs (HSDP is one shard_params(mesh, 'fsdp', replicate_axis='dp'))"
+            )
+        seen[t.name] = t
 
 
 def _check_all_axes_used(transforms: tuple[StepTransform, ...], mesh: DeviceMesh) -> None:

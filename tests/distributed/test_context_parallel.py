@@ -186,6 +186,28 @@ def test_a_sequence_that_does_not_split_is_named() -> None:
         run_on_ranks(rank, 2)
 
 
+def test_a_sequence_whose_part_does_not_split_over_tp_names_the_length_to_use() -> None:
+    """cp=2 (contiguous) x tp=2 on sequences of 6: each cp rank holds 3 positions, which
+    sequence parallelism cannot split over 2 tp ranks. The error asked for "a sequence length
+    divisible by 2", which 6 is; it now says what the rank holds and asks for a multiple of 4."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", cp=2, tp=2)
+        model = llama()()
+        step = train_step(model, d9d.optim.sgd(0.1))
+        step = d9d.context_parallel(mesh, load_balance=None)(d9d.tensor_parallel(mesh)(step))
+        params, state = step.place(model.params, (), axes=model.axes)
+        step(params, state, batches(256, seq_len=6)[0])
+
+    with pytest.raises(
+        RankFailedError,
+        match=r"IndivisibleError: .*activations \(8, 3, 64\) \(this rank's 3 positions of "
+        r"sequences of 6, which context parallelism splits 2 ways\) over 2 'tp' ranks; use a "
+        r"sequence length divisible by 4,",
+    ):
+        run_on_ranks(rank, 4)
+
+
 def test_a_sequence_longer_than_max_seq_len_is_refused_as_on_one_device() -> None:
     """Each rank's slice (8 tokens) fits max_seq_len=8, the sequence (16) does not: cp=2 took
     it, one device refuses it."""

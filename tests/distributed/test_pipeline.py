@@ -243,6 +243,52 @@ def test_sequence_parallel_stages_pass_sequence_shards() -> None:
         assert count[("send", "pp")] == 2
 
 
+def _first_and_later_comms(mesh_axes: dict[str, int], make_transforms) -> list[tuple[dict, dict]]:
+    mesh = d9d.make_mesh("cpu", **mesh_axes)
+    model, opt = llama(torch.float32, 4)(), optimizer()
+    step = train_step(model, opt)
+    for transform in make_transforms(mesh):
+        step = transform(step)
+    params, state = step.place(model.params, opt.init(model.params), model=model)
+    batch = step.shard_batch(batches(256)[0])
+    first = step.comms(params, state, batch)  # the first step of this batch shape
+    later = step.comms(params, state, batch)
+    return [(dict(c.count), dict(c.bytes)) for c in (first, later)]
+
+
+@pytest.mark.parametrize(
+    ("mesh_axes", "make_transforms"),
+    [
+        (
+            {"pp": 2, "tp": 2},
+            lambda mesh: [d9d.pipeline(mesh, microbatches=2), d9d.tensor_parallel(mesh)],
+        ),
+        (
+            {"pp": 2, "cp": 2, "fsdp": 2},
+            lambda mesh: [
+                d9d.pipeline(mesh, schedule="zbv", microbatches=2, virtual_stages=2),
+                d9d.context_parallel(mesh),
+                d9d.shard_params(mesh),
+            ],
+        ),
+    ],
+    ids=["pp=2 x tp=2", "pp=2 zbv x cp=2 x fsdp=2"],
+)
+def test_comms_of_the_first_step_are_those_of_every_step(mesh_axes, make_transforms) -> None:
+    """The first step of a batch shape probes the stages' activation shapes with a forward
+    of one microbatch, whose collectives inside the stages (tp's gathers, cp's ring, the
+    loss's token count) ``step.comms`` counted as the step's: on pp=2 x tp=2, rank 0 counted
+    22 tp all-gathers where a step issues 18. Its shape headers were never counted; now
+    neither is its forward, so ``step.comms`` (and ``d9d plan``, which runs the same
+    executor) is what every step moves."""
+    world = math.prod(mesh_axes.values())
+    ranks = run_on_ranks(
+        _first_and_later_comms, world, mesh_axes, make_transforms, method="fork", timeout=300
+    )
+    for first, later in ranks:
+        assert first == later
+
+
 def _error_rank(case: str):
     mesh = d9d.make_mesh("cpu", pp=2)
     model, opt = llama(torch.float32, 4 if case == "dualpipev" else 2)(), optimizer()

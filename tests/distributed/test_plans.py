@@ -311,6 +311,37 @@ def test_transform_errors_name_the_axis_and_fix() -> None:
             step.shard_batch({"tokens": torch.zeros(6, 3)})
 
 
+TWO_OF_A_KIND = {
+    # cut every sequence over cp, then again over ep: losses 12% off one device's, no error
+    "context_parallel": lambda mesh: (d9d.context_parallel(mesh), d9d.context_parallel(mesh, "ep")),
+    # IndexError in the embedding
+    "tensor_parallel": lambda mesh: (d9d.tensor_parallel(mesh), d9d.tensor_parallel(mesh, "ep")),
+    # a size mismatch in AdamW's weight decay
+    "shard_params": lambda mesh: (
+        d9d.shard_params(mesh, "fsdp"),
+        d9d.shard_params(mesh, "dp", shard="opt_state"),
+    ),
+    # the blocks checkpointed twice, under whichever policy the decorator order put inside
+    "remat": lambda mesh: (d9d.remat("full", mesh=mesh), d9d.remat("selective", mesh=mesh)),
+}
+
+
+@pytest.mark.parametrize("kind", list(TWO_OF_A_KIND))
+def test_two_transforms_of_one_kind_are_refused_by_name(kind: str) -> None:
+    """Two transforms of one kind on different mesh axes claim no axis twice, but each
+    rewrites the same fields of the plan and hooks the same places of the step: refused
+    when the second decorates the step, naming both, whatever their order."""
+    with fake_world(32):
+        mesh = d9d.make_mesh("cpu", dp=2, fsdp=2, cp=2, tp=2, ep=2)
+        first, second = TWO_OF_A_KIND[kind](mesh)
+        for outer, inner in ((first, second), (second, first)):
+            with pytest.raises(
+                PlanError,
+                match=rf"the step has two {kind} transforms, .* keep one {kind}\(\.\.\.\)",
+            ):
+                outer(inner(lambda p, s, b: (p, s, {})))
+
+
 def test_unplaced_params_are_rejected_before_any_collective() -> None:
     def rank() -> None:
         mesh = d9d.make_mesh("cpu", fsdp=2)

@@ -379,7 +379,10 @@ def _build(runner: _Runner, layout: PipelineLayout, count: int) -> _Runtime:
     box: list[Any] = [runner]
     modules = {s: _StageModule(s, box) for s in layout.local_stages}
     device = _device(layout, runner.params)
-    shapes = probe(runner, layout, device)
+    # Once per batch shape, not a step's traffic: the collectives of the stages' forward
+    # (tp, cp, ep, the loss's token count) go uncounted, as its shape headers do.
+    with recording_into(None):
+        shapes = probe(runner, layout, device)
     stages = []
     for s in layout.local_stages:
         entering, leaving = shapes[s]

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ...core._context import sequence_length
 from ...core._shard_rows import shard_rows
 from ...errors import IndivisibleError
 
@@ -101,8 +102,17 @@ def _positions_dim(x: torch.Tensor) -> int:
 
 def _check_sequence(x: torch.Tensor, dim: int, size: int, axis: str) -> None:
     if x.ndim <= dim or x.shape[dim] % size:
+        # Under context_parallel the rank holds a part of each sequence, which is what splits.
+        local = x.shape[dim] if x.ndim > dim else 1
+        parts = sequence_length(local) // local if dim == SEQUENCE_DIM else 1
+        held = (
+            f" (this rank's {local} positions of sequences of {local * parts}, which "
+            f"context parallelism splits {parts} ways)"
+            if parts > 1
+            else ""
+        )
         raise IndivisibleError(
-            f"sequence parallelism splits dim {dim} of activations {tuple(x.shape)} "
-            f"over {size} {axis!r} ranks; use a sequence length divisible by {size}, or "
-            "tensor_parallel(..., sequence_parallel=False)"
+            f"sequence parallelism splits dim {dim} of activations {tuple(x.shape)}{held} "
+            f"over {size} {axis!r} ranks; use a sequence length divisible by {parts * size}, "
+            "or tensor_parallel(..., sequence_parallel=False)"
         )
