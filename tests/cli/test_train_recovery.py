@@ -356,3 +356,17 @@ def test_binary_data_is_refused_not_read_as_text(
     np.arange(300, dtype=np.uint16).tofile(tmp_path / "tokens.u16")
     assert main(_args(tmp_path / "run", "--data", str(tmp_path / "tokens.u16"))) == 2
     assert re.search(r"tokens.u16' is not text \(it holds NUL bytes\)", _err(capsys))
+
+
+def test_a_vocab_past_what_uint16_token_ids_hold_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # uint32 ids of a 70,000-id vocab, read as uint16, are pairs of wrong ids below 65,536:
+    # nothing else refuses them, and the run trained on those.
+    np.random.default_rng(0).integers(0, 70_000, 4096).astype(np.uint32).tofile(tmp_path / "t.bin")
+    args = _args(tmp_path / "run", "--data", str(tmp_path / "t.bin"), "--vocab-size", "70000")
+    assert main(args) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1
+    assert "vocab_size is 70000, but --data is read as uint16 token ids" in err[0]
+    assert "pass --vocab-size 65536 or less" in err[0]
