@@ -370,3 +370,18 @@ def test_a_vocab_past_what_uint16_token_ids_hold_is_refused(
     assert len(err) == 1
     assert "vocab_size is 70000, but --data is read as uint16 token ids" in err[0]
     assert "pass --vocab-size 65536 or less" in err[0]
+
+
+def test_binary_files_in_a_text_folder_are_refused_not_read_as_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A folder's files were read as text whatever they held: the .npy's bytes, NULs dropped,
+    # trained on as if they were text.
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("hello d9d " * 200)
+    np.save(folder / "sub" / "weights.npy", np.arange(300, dtype=np.float32))
+    assert main(_args(tmp_path / "run", "--data", str(folder))) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1
+    assert "holds files that are not text (they hold NUL bytes): ['sub/weights.npy']" in err[0]
