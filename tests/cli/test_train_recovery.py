@@ -385,3 +385,18 @@ def test_binary_files_in_a_text_folder_are_refused_not_read_as_text(
     err = _err(capsys).strip().splitlines()
     assert len(err) == 1
     assert "holds files that are not text (they hold NUL bytes): ['sub/weights.npy']" in err[0]
+
+
+def test_an_out_folder_inside_the_data_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The run's config.json and metrics.jsonl were read as text by any later read of --data
+    # (a rank that reads late, a rerun, a --resume): the data changed under the run.
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello d9d " * 200)
+    assert main(_args(folder / "runs" / "a", "--data", str(folder))) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1
+    assert f"--out '{folder / 'runs' / 'a'}' is inside --data '{folder}'" in err[0]
+    assert not (folder / "runs").exists()
