@@ -356,3 +356,47 @@ def test_binary_data_is_refused_not_read_as_text(
     np.arange(300, dtype=np.uint16).tofile(tmp_path / "tokens.u16")
     assert main(_args(tmp_path / "run", "--data", str(tmp_path / "tokens.u16"))) == 2
     assert re.search(r"tokens.u16' is not text \(it holds NUL bytes\)", _err(capsys))
+
+
+def test_a_vocab_past_what_uint16_token_ids_hold_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # uint32 ids of a 70,000-id vocab, read as uint16, are pairs of wrong ids below 65,536:
+    # nothing else refuses them, and the run trained on those.
+    np.random.default_rng(0).integers(0, 70_000, 4096).astype(np.uint32).tofile(tmp_path / "t.bin")
+    args = _args(tmp_path / "run", "--data", str(tmp_path / "t.bin"), "--vocab-size", "70000")
+    assert main(args) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1
+    assert "vocab_size is 70000, but --data is read as uint16 token ids" in err[0]
+    assert "pass --vocab-size 65536 or less" in err[0]
+
+
+def test_binary_files_in_a_text_folder_are_refused_not_read_as_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A folder's files were read as text whatever they held: the .npy's bytes, NULs dropped,
+    # trained on as if they were text.
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("hello d9d " * 200)
+    np.save(folder / "sub" / "weights.npy", np.arange(300, dtype=np.float32))
+    assert main(_args(tmp_path / "run", "--data", str(folder))) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1
+    assert "holds files that are not text (they hold NUL bytes): ['sub/weights.npy']" in err[0]
+
+
+def test_an_out_folder_inside_the_data_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The run's config.json and metrics.jsonl were read as text by any later read of --data
+    # (a rank that reads late, a rerun, a --resume): the data changed under the run.
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello d9d " * 200)
+    assert main(_args(folder / "runs" / "a", "--data", str(folder))) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1
+    assert f"--out '{folder / 'runs' / 'a'}' is inside --data '{folder}'" in err[0]
+    assert not (folder / "runs").exists()

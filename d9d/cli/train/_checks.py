@@ -128,6 +128,14 @@ def check_flags(config: TrainConfig) -> None:
                 else "a checkpoint folder (out/checkpoints/step_N)"
             )
             raise DataError(f"{flag} {str(path)!r} does not exist; pass {what}")
+    if config.data is not None and Path(config.data).is_dir():
+        data, out = Path(config.data).resolve(), Path(config.out).resolve()
+        if out.is_relative_to(data):
+            raise DataError(
+                f"--out {str(config.out)!r} is inside --data {str(config.data)!r}: the run's "
+                "own outputs (records, checkpoints) would be read as data by a rank that reads "
+                "after they are written, a rerun or a --resume; pass an --out outside it"
+            )
     _check_fault_tolerance(config)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import data
+from ...data._corpus import _directory_files
 from ...errors import DataError
 from ._resume import say
 
@@ -30,6 +31,12 @@ def training_tokens(path: Path | None) -> Any:
             raise DataError(
                 f"--data {str(path)!r} holds token files {token_files[:5]} but no train.bin; "
                 "pass one of them as --data, or a folder of text files only"
+            )
+        binary = [str(p.relative_to(path)) for p in _directory_files(path, None) if _binary(p)]
+        if binary:
+            raise DataError(
+                f"--data {str(path)!r} holds files that are not text (they hold NUL bytes): "
+                f"{binary[:5]}; move them out, or pass a folder of text files only"
             )
         return path
     if path.suffix != ".bin" and _binary(path):

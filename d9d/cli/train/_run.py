@@ -53,6 +53,15 @@ def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig | MoEC
     model_config = (MoEConfig if config.model == "moe" else LlamaConfig).preset(config.preset)
     if config.vocab_size is not None:
         model_config = replace(model_config, vocab_size=config.vocab_size)
+    if isinstance(tokens, np.memmap):  # a .bin file, read as uint16 ids (training_tokens)
+        capacity = int(np.iinfo(tokens.dtype).max) + 1
+        if model_config.vocab_size > capacity:
+            raise DataError(
+                f"the model's vocab_size is {model_config.vocab_size}, but --data is read as "
+                f"{tokens.dtype} token ids, which hold only {capacity:,} ids: a file written "
+                f"with wider ids (uint32) would be read as pairs of wrong ids; pass --vocab-size "
+                f"{capacity} or less for {tokens.dtype} ids (d9d train reads no other dtype yet)"
+            )
     largest = int(tokens.max())
     if largest >= model_config.vocab_size:
         raise DataError(
@@ -127,7 +136,8 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
         A :class:`TrainRun` of the steps this call ran.
 
     Raises:
-        DataError: The data path is missing or empty, or holds ids past the vocab.
+        DataError: The data path is missing or empty, holds ids past the vocab, or is a
+            token file whose dtype holds fewer ids than the vocab.
         ValueError: An option is out of range.
         ConfigError: Resuming with a flag that changes the schedule or the model, or
             ``out`` holds a run and neither ``resume`` nor ``resume_from`` is given.
