@@ -178,7 +178,7 @@ def main() -> None:
     }
     write_report(args.out, report)
     print(
-        "| variant | median step (ms) | ratio to FSDP2 | peak memory / rank (MB) |\n|---|---|---|---|"
+        "| variant | median step (ms) | ratio to FSDP2 | peak memory / rank (MiB) |\n|---|---|---|---|"
     )
     for name, r in results.items():
         print(

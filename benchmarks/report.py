@@ -26,8 +26,9 @@ def provenance(name: str, args: argparse.Namespace, device: str, **extra: str) -
     """The header of ``benchmarks/results/<name>-*.json``: the benchmark, the device, torch,
     the commit and the command that reproduces the run (every option, defaults included).
 
-    Options whose value is None are left out of the command. ``extra`` (a backend, a
-    library's version) follows the device.
+    Options whose value is None or False are left out of the command, a True one is the bare
+    flag (``action="store_true"``), and a list's items follow its flag (``nargs``), so that
+    the command parses again. ``extra`` (a backend, a library's version) follows the device.
 
     Example:
         >>> header = provenance("tp_cp", argparse.Namespace(seq_len=256), "cpu", backend="gloo")
@@ -35,9 +36,9 @@ def provenance(name: str, args: argparse.Namespace, device: str, **extra: str) -
         ('python benchmarks/tp_cp.py --seq-len 256', 'gloo')
     """
     options = " ".join(
-        f"--{key.replace('_', '-')} {value}"
+        _option(key.replace("_", "-"), value)
         for key, value in vars(args).items()
-        if value is not None
+        if value is not None and value is not False
     )
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return {
@@ -48,6 +49,15 @@ def provenance(name: str, args: argparse.Namespace, device: str, **extra: str) -
         "commit": done.stdout.strip() or "unknown",
         "command": f"python benchmarks/{name}.py {options}".rstrip(),
     }
+
+
+def _option(flag: str, value: Any) -> str:
+    """``--flag value`` as argparse reads it back: a bare flag for True, items for a list."""
+    if value is True:
+        return f"--{flag}"
+    if isinstance(value, (list, tuple)):
+        return " ".join((f"--{flag}", *map(str, value)))
+    return f"--{flag} {value}"
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:

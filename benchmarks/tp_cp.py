@@ -212,7 +212,7 @@ def main() -> None:
     }
     write_report(args.out, report)
     print(
-        "| variant | median step (ms) | tokens/s | vs one device | saved activations rank 0 (MB) | fraction |\n"
+        "| variant | median step (ms) | tokens/s | vs one device | saved activations rank 0 (MiB) | fraction |\n"
         "|---|---|---|---|---|---|"
     )
     for name, r in results.items():

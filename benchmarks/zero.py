@@ -119,7 +119,7 @@ def main() -> None:
         "results": results,
     }
     write_report(args.out, report)
-    print("| stage | median step (ms) | ratio to ZeRO-3 | params + grads + state / rank (MB) |")
+    print("| stage | median step (ms) | ratio to ZeRO-3 | params + grads + state / rank (MiB) |")
     print("|---|---|---|---|")
     for name, r in results.items():
         total = sum(r["memory_bytes_rank0"].values()) / 2**20
