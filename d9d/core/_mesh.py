@@ -30,14 +30,17 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
     with the transforms that need no other rank (``remat``, ``shard_params`` over ``fsdp=1``).
 
     Args:
-        device_type: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` when CUDA is available.
+        device_type: ``"cuda"`` or ``"cpu"`` (a device type, no index); default ``"cuda"``
+            when CUDA is available.
         **axes: Axis sizes by name, from ``pp, dp, fsdp, cp, tp, ep``.
 
     Returns:
         The ``DeviceMesh``, with ``mesh_dim_names`` set.
 
     Raises:
-        MeshError: An axis name is unknown, a size is not a positive int (or one ``-1``), the
+        MeshError: ``device_type`` is not a device type, or one this machine does not have
+            (a ``fake_world`` stands in for every type it simulates); an axis name is
+            unknown, a size is not a positive int (or one ``-1``), the
             sizes do not multiply to the world size, or they need other ranks and no job
             started them (launch with ``torchrun``; under it, call
             ``d9d.init_process_group()`` first).
@@ -51,6 +54,9 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
     unknown = sorted(set(axes) - set(AXIS_ORDER))
     if unknown:
         raise MeshError(f"unknown mesh axes {unknown}; axes are {AXIS_ORDER}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    _check_device_type(device_type)
     if not dist.is_initialized():
         _start_one_rank_group(axes)
     world = dist.get_world_size()
@@ -58,9 +64,42 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
         raise MeshError(f"make_mesh needs at least one axis, e.g. make_mesh(fsdp={world})")
     sizes = _resolve_sizes(axes, world)
     names = tuple(name for name in AXIS_ORDER if name in sizes)
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+
+def _check_device_type(device_type: object) -> None:
+    """Raise unless ``device_type`` is a bare torch device type that this process has, or that
+    the process group simulates (``fake_world``'s backend serves meshes of ``"cuda"`` on a
+    machine without one: ``d9d plan`` lays GPU worlds out on meta tensors)."""
+    try:
+        device = torch.device(device_type)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        raise MeshError(
+            f"make_mesh(device_type={device_type!r}) is not a torch device type; pass 'cuda' or "
+            "'cpu' (or leave it out: 'cuda' where there is one, else 'cpu')"
+        ) from None
+    if device.index is not None:
+        raise MeshError(
+            f"make_mesh(device_type={device_type!r}) names one device, but a mesh spans every "
+            f"rank's: pass the type alone, {device.type!r} (each rank uses its current device; "
+            "d9d.init_process_group() sets it from LOCAL_RANK)"
+        )
+    module = getattr(torch, device.type, None)
+    if device.type in ("cpu", "meta") or not callable(getattr(module, "is_available", None)):
+        return
+    if module.is_available():  # type: ignore[union-attr]
+        return
+    if dist.is_initialized():
+        config = dict(
+            part.split(":", 1) for part in str(dist.get_backend_config()).split(",") if ":" in part
+        )
+        if config.get(device.type) == "fake":
+            return
+    raise MeshError(
+        f"make_mesh(device_type={device_type!r}) but this machine has no {device.type} device "
+        f"(torch.{device.type}.is_available() is False); pass 'cpu', or leave device_type out "
+        "to get 'cuda' where there is one"
+    )
 
 
 def _start_one_rank_group(axes: dict[str, int]) -> None:

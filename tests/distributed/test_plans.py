@@ -286,6 +286,22 @@ def test_make_mesh_errors_state_the_numbers() -> None:
         assert mesh.mesh_dim_names == ("pp", "fsdp", "tp") and tuple(mesh.shape) == (1, 4, 2)
 
 
+def test_make_mesh_refuses_a_device_type_that_is_not_here(monkeypatch) -> None:
+    """A device type torch does not know, one device, or one this machine lacks is refused by
+    make_mesh; it built the mesh and place failed in torch ('Expected one of cpu, cuda, ...
+    device type at start of device string: gpu', 'Torch not compiled with CUDA enabled')."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MeshError, match=r"device_type='gpu'\) is not a torch device type"):
+        d9d.make_mesh("gpu", fsdp=1)
+    with pytest.raises(MeshError, match=r"names one device.*pass the type alone, 'cpu'"):
+        d9d.make_mesh("cpu:0", fsdp=1)
+    with pytest.raises(MeshError, match=r"this machine has no cuda device .*pass 'cpu'"):
+        d9d.make_mesh("cuda", fsdp=1)
+    assert not dist.is_initialized()
+    with fake_world(2):  # a simulated world serves the device types it fakes (d9d plan)
+        assert d9d.make_mesh("cuda", fsdp=2).device_type == "cuda"
+
+
 def test_transform_errors_name_the_axis_and_fix() -> None:
     with fake_world(4):
         mesh = d9d.make_mesh("cpu", dp=2, fsdp=2)
