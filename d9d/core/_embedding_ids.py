@@ -43,7 +43,7 @@ _inputs = _Inputs()
 def named_inputs(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Iterator[None]:
-    """While the block runs, the integer tensors in ``args``/``kwargs`` (the inputs of
+    """While the block runs, the tensors in ``args``/``kwargs`` (the inputs of
     ``fn(params, *args, **kwargs)``) are known by the names of ``fn``'s parameters."""
     if torch.compiler.is_compiling():  # the compiled graph names its inputs itself
         yield
@@ -70,8 +70,15 @@ def checked_ids(ids: torch.Tensor, size: int, path: str) -> torch.Tensor:
 
     Eager: raises :class:`~d9d.errors.IndexRangeError` now, naming the input ``ids`` come from.
     Compiled: returns them through ``d9d::check_index``, which ``d9d.jit``'s graph pass names.
+    Ids that are not integers (float tokens) raise ``TypeError`` in both, naming the input.
     """
     what = f"the index of embedding {path!r} over {size} entries,"
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        named = _name_of(ids)
+        raise TypeError(
+            f"{named[0] + ', ' if named else ''}{what} holds {ids.dtype} values, not ids; pass "
+            "token ids as an integer tensor (e.g. tokens.long())"
+        )
     if torch.compiler.is_compiling():
         return torch.ops.d9d.check_index(ids, size, what)
     if ids.is_meta or is_fake(ids):  # a dry run (d9d plan): no values to check
@@ -114,10 +121,10 @@ def _check_hook(path: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
 
 
 def _collect(name: str, value: Any, out: list[tuple[str, torch.Tensor]]) -> None:
-    """``(name['key'][0]..., tensor)`` of each integer tensor in ``value``."""
+    """``(name['key'][0]..., tensor)`` of each tensor in ``value`` (float ones too: ids that
+    are floats are named in their error)."""
     if isinstance(value, torch.Tensor):
-        if not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
-            out.append((name, value))
+        out.append((name, value))
     elif isinstance(value, Mapping):
         for key, item in value.items():
             _collect(f"{name}[{key!r}]", item, out)

@@ -82,3 +82,35 @@ def _rank(layout: str, jit: bool) -> None:
 def test_every_layout_names_the_batch_input_and_the_vocab(layout: str, jit: bool) -> None:
     # Send and recv (pipeline) need process ranks; the rest run on thread ranks.
     run_on_ranks(_rank, 2, layout, jit, method="fork" if layout == "pp=2" else "thread")
+
+
+FLOAT_IDS = (
+    r"batch\['tokens'\], the index of embedding 'embed' over 256 entries, holds torch.float32 "
+    r"values, not ids; pass token ids as an integer tensor \(e.g. tokens.long\(\)\)"
+)
+
+
+def _float_rank(layout: str | None) -> None:
+    model = d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=1)))
+    opt = d9d.optim.sgd(0.1)
+    step = make_train_step(model, opt)
+    params, state = model.params, opt.init(model.params)
+    if layout is not None:
+        axes, transforms = LAYOUTS[layout]
+        for transform in transforms(d9d.make_mesh("cpu", **axes)):
+            step = transform(step)
+        params, state = step.place(params, state, model=model)
+    batch = _bad_batch(1)
+    with pytest.raises(TypeError, match=FLOAT_IDS):
+        step(params, state, {**batch, "tokens": batch["tokens"].float()})
+
+
+@pytest.mark.parametrize("layout", [None, "tp=2"])
+def test_float_token_ids_are_named(layout: str | None) -> None:
+    """Float token ids raised torch's 'Expected tensor for argument #1 'indices' to have one of
+    the following scalar types: Long, Int; but got torch.FloatTensor' from the lookup (the
+    vocab-parallel one of tensor_parallel too), naming neither the input nor the fix."""
+    if layout is None:
+        _float_rank(None)
+    else:
+        run_on_ranks(_float_rank, 2, layout)
