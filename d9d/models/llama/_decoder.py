@@ -213,11 +213,17 @@ class Decoder(nn.Module):
         ``positions [S]`` (default ``arange(S)``), after checking both.
 
         Raises:
+            TypeError: ``tokens`` is not a tensor (a list of ids).
             ValueError: ``tokens`` is not 2-d or its sequence (the whole one, under
                 ``context_parallel``) is longer than ``max_seq_len``, or ``positions`` is not
                 ``[S]``.
         """
         name = type(self).__name__
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(
+                f"{name} expects tokens as a tensor of shape [batch, seq], got "
+                f"{type(tokens).__name__}; pass torch.tensor(tokens)."
+            )
         if tokens.dim() != 2:
             raise ValueError(f"{name} expects tokens of shape [batch, seq], got {tokens.shape=}.")
         seq = tokens.shape[1]

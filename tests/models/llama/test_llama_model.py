@@ -255,3 +255,11 @@ def test_forward_rejects_bad_inputs(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         Llama(TINY, device="meta")(tokens, positions)
+
+
+def test_forward_names_tokens_that_are_not_a_tensor() -> None:
+    """A list of ids raised "AttributeError: 'list' object has no attribute 'dim'"."""
+    with pytest.raises(
+        TypeError, match=r"expects tokens as a tensor .*got list; pass torch.tensor"
+    ):
+        Llama(TINY, device="meta")([[1, 2, 3]])
