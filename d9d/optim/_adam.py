@@ -8,9 +8,18 @@ import torch
 
 from d9d import tree
 from d9d.optim._checks import check_bool, check_non_negative, check_state_dtype, check_unit_interval
-from d9d.optim._transform import GradientTransformation, by_kind, foreach_lerp, zero_count
+from d9d.optim._transform import (
+    GradientTransformation,
+    by_kind,
+    check_same_layout,
+    check_state,
+    foreach_lerp,
+    zero_count,
+)
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
+
+_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"
 
 
 class ScaleByAdamState(NamedTuple):
@@ -97,6 +106,9 @@ def scale_by_adam(
         )
 
     def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, Any]:
+        check_state(state, ScaleByAdamState, "scale_by_adam")
+        check_same_layout(updates, state.mu, what="mu state", fix=_FIX)
+        check_same_layout(updates, state.nu, what="nu state", fix=_FIX)
         del params
         count = state.count + 1
         t = count.to(torch.float64)

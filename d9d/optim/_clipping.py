@@ -22,7 +22,7 @@ from d9d.core._context import current
 from d9d.core._plan import Plan
 from d9d.optim._checks import check_positive
 from d9d.optim._offloaded import check_not_offloaded
-from d9d.optim._transform import GradientTransformation, by_kind
+from d9d.optim._transform import GradientTransformation, by_kind, check_state
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
@@ -125,6 +125,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return ClipByGlobalNormState()
 
     def update(updates: Any, state: ClipByGlobalNormState, params: Any = None) -> tuple[Any, Any]:
+        check_state(state, ClipByGlobalNormState, "clip_by_global_norm")
         del params
         leaves, spec = tree.flatten(updates)
         norm = global_norm(updates)

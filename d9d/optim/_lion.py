@@ -8,9 +8,18 @@ import torch
 
 from d9d import tree
 from d9d.optim._checks import check_unit_interval
-from d9d.optim._transform import GradientTransformation, by_kind, foreach_lerp, zero_count
+from d9d.optim._transform import (
+    GradientTransformation,
+    by_kind,
+    check_same_layout,
+    check_state,
+    foreach_lerp,
+    zero_count,
+)
 
 __all__ = ["ScaleByLionState", "scale_by_lion"]
+
+_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"
 
 
 class ScaleByLionState(NamedTuple):
@@ -53,6 +62,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         return ScaleByLionState(count=zero_count(params), mu=tree.map(torch.zeros_like, params))
 
     def update(updates: Any, state: ScaleByLionState, params: Any = None) -> tuple[Any, Any]:
+        check_state(state, ScaleByLionState, "scale_by_lion")
+        check_same_layout(updates, state.mu, what="mu state", fix=_FIX)
         del params
         leaves, spec = tree.flatten(updates)
 

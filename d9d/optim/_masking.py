@@ -17,7 +17,7 @@ import torch
 from d9d import tree
 from d9d.errors import OptimTreeMismatchError
 from d9d.optim._offloaded import shown_to_masks
-from d9d.optim._transform import GradientTransformation
+from d9d.optim._transform import GradientTransformation, check_state
 
 __all__ = ["Mask", "MaskedState", "masked"]
 
@@ -142,6 +142,7 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         return MaskedState(inner_state=inner.init(_keep(params, select(params))))
 
     def update(updates: Any, state: MaskedState, params: Any = None) -> tuple[Any, Any]:
+        check_state(state, MaskedState, "masked")
         flags = select(updates if params is None else params)
         inner_params = None if params is None else _keep(params, flags)
         inner_updates, inner_state = inner.update(

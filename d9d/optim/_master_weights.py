@@ -15,7 +15,13 @@ from typing import Any, NamedTuple
 import torch
 
 from d9d import tree
-from d9d.optim._transform import GradientTransformation, apply_updates, by_kind, check_same_layout
+from d9d.optim._transform import (
+    GradientTransformation,
+    apply_updates,
+    by_kind,
+    check_same_layout,
+    check_state,
+)
 
 __all__ = ["MasterWeightsState", "master_weights"]
 
@@ -100,6 +106,7 @@ def master_weights(
     def update(
         updates: Any, state: MasterWeightsState, params: Any = None
     ) -> tuple[Any, MasterWeightsState]:
+        check_state(state, MasterWeightsState, "master_weights")
         if params is None:
             raise ValueError(
                 "master_weights returns each param's step to its new master, so its update "

@@ -25,7 +25,7 @@ from d9d import tree
 from d9d.core._gather import local_like
 from d9d.core._state_device import kept_on, to_device
 from d9d.errors import PlanError
-from d9d.optim._transform import GradientTransformation, check_same_layout
+from d9d.optim._transform import GradientTransformation, check_same_layout, check_state
 
 __all__ = ["OffloadedState", "check_not_offloaded", "offloaded", "shown_to_masks"]
 
@@ -87,6 +87,7 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     def update(
         updates: Any, state: OffloadedState, params: Any = None
     ) -> tuple[Any, OffloadedState]:
+        check_state(state, OffloadedState, "offloaded")
         if params is not None:
             check_same_layout(params, updates, what="grads")
         stored, state_spec = tree.flatten(state.inner_state)

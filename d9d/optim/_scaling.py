@@ -12,7 +12,7 @@ from d9d import tree
 from d9d.optim._checks import check_non_negative
 from d9d.optim._masking import Mask, masked
 from d9d.optim._schedules import Schedule, constant
-from d9d.optim._transform import GradientTransformation, by_kind, zero_count
+from d9d.optim._transform import GradientTransformation, by_kind, check_state, zero_count
 
 __all__ = [
     "AddDecayedWeightsState",
@@ -76,6 +76,7 @@ def scale(step_size: float) -> GradientTransformation:
         return ScaleState()
 
     def update(updates: Any, state: ScaleState, params: Any = None) -> tuple[Any, Any]:
+        check_state(state, ScaleState, "scale")
         del params
         leaves, spec = tree.flatten(updates)
         return tree.unflatten(spec, _scaled(leaves, step_size)), state
@@ -132,6 +133,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     def update(
         updates: Any, state: ScaleByLearningRateState, params: Any = None
     ) -> tuple[Any, Any]:
+        check_state(state, ScaleByLearningRateState, "scale_by_learning_rate")
         del params
         lr = schedule(state.count)
         leaves, spec = tree.flatten(updates)
@@ -176,6 +178,7 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
         return AddDecayedWeightsState()
 
     def update(updates: Any, state: AddDecayedWeightsState, params: Any = None) -> tuple[Any, Any]:
+        check_state(state, AddDecayedWeightsState, "add_decayed_weights")
         if params is None:
             raise ValueError(
                 "add_decayed_weights needs the params: call update(updates, state, params)"

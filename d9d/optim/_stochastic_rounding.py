@@ -23,7 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from d9d import tree
 from d9d.core._gather import local_like
 from d9d.optim._offloaded import check_not_offloaded
-from d9d.optim._transform import GradientTransformation, check_same_layout, zero_count
+from d9d.optim._transform import GradientTransformation, check_same_layout, check_state, zero_count
 
 __all__ = ["StochasticRoundState", "stochastic_round", "stochastic_round_to_bfloat16"]
 
@@ -111,6 +111,7 @@ def stochastic_round(inner: GradientTransformation, *, seed: int = 0) -> Gradien
     def update(
         updates: Any, state: StochasticRoundState, params: Any = None
     ) -> tuple[Any, StochasticRoundState]:
+        check_state(state, StochasticRoundState, "stochastic_round")
         if params is None:
             raise ValueError(
                 "stochastic_round rounds the new params, so its update needs them: call "

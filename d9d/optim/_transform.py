@@ -24,6 +24,7 @@ __all__ = [
     "by_kind",
     "chain",
     "check_same_layout",
+    "check_state",
     "foreach_lerp",
     "zero_count",
 ]
@@ -81,6 +82,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return tuple(transform.init(params) for transform in transforms)
 
     def update(updates: Any, state: tuple[Any, ...], params: Any = None) -> tuple[Any, Any]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = f"{len(state)} entries" if isinstance(state, tuple) else type(state).__name__
+            raise OptimTreeMismatchError(
+                f"chain of {len(transforms)} transformations got a state of {got}: it is "
+                "another optimizer's state; pass the one this optimizer's init returned "
+                "(opt.init(params)), or the previous step's"
+            )
         new_state = []
         for transform, inner_state in zip(transforms, state, strict=True):
             updates, inner_state = transform.update(updates, inner_state, params)
@@ -216,13 +224,25 @@ def zero_count(params: Any) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def check_same_layout(params: Any, other: Any, *, what: str) -> None:
+def check_state(state: Any, kind: type, owner: str) -> None:
+    """Raise ``OptimTreeMismatchError`` unless ``state`` is a ``kind``, the state ``owner``'s
+    init returns (another optimizer's state failed on its fields: ``tuple.count + 1``)."""
+    if not isinstance(state, kind):
+        raise OptimTreeMismatchError(
+            f"{owner}'s update got a state of type {type(state).__name__}, not its own "
+            f"{kind.__name__}: it is another optimizer's state; pass the one this optimizer's "
+            "init returned (opt.init(params)), or the previous step's"
+        )
+
+
+def check_same_layout(params: Any, other: Any, *, what: str, fix: str | None = None) -> None:
     """Raise ``OptimTreeMismatchError`` unless ``other`` is laid out like ``params``.
 
     Laid out alike means leaves at the same paths in the same order (:func:`d9d.tree.same_paths`),
     which is what lines each update up with its param. Paths rather than ``PyTreeSpec``
     equality: this check runs inside ``d9d.jit`` steps, and torch 2.11's Dynamo cannot trace a
-    spec comparison, so ``same_structure`` here failed every jitted step there.
+    spec comparison, so ``same_structure`` here failed every jitted step there. ``fix``
+    replaces the advice that ends the message.
     """
     if tree.same_paths(params, other):
         return
@@ -236,11 +256,19 @@ def check_same_layout(params: Any, other: Any, *, what: str) -> None:
         raise OptimTreeMismatchError(
             f"the {what} tree has the params' paths in another order (an OrderedDict built in "
             f"another order than the params'): leaf {index} is {ours!r} in the params, "
-            f"{theirs!r} in the {what}; build it from the params, e.g. d9d.tree.map(fn, "
-            "params), so each leaf lines up with its param"
+            f"{theirs!r} in the {what}; "
+            + (
+                fix
+                or "build it from the params, e.g. d9d.tree.map(fn, params), so each leaf "
+                "lines up with its param"
+            )
         )
     raise OptimTreeMismatchError(
         f"the {what} tree is not laid out like the params: {missing=} (params paths it lacks), "
-        f"{unexpected=} (paths that are not params); build it from the params, e.g. "
-        "d9d.tree.map(fn, params), so the keys and containers match"
+        f"{unexpected=} (paths that are not params); "
+        + (
+            fix
+            or "build it from the params, e.g. d9d.tree.map(fn, params), so the keys and "
+            "containers match"
+        )
     )

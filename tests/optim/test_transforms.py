@@ -136,3 +136,24 @@ MODULES += ["_scaling", "_schedules", "_transform"]
 def test_docstring_examples_run(module: str) -> None:
     module = importlib.import_module(f"d9d.optim.{module}")
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
+
+
+def test_a_state_of_another_optimizer_or_other_params_is_named() -> None:
+    """Each failed inside the update: sgd's state given to adamw raised "unsupported operand
+    type(s) for +: 'builtin_function_or_method' and 'int'" (``tuple.count + 1``), a chain of
+    another length "zip() argument 2 is shorter than argument 1", and the state of a params
+    tree without one param a broadcast error between two other params' moments (one of the
+    same shape would have been used for it silently)."""
+    params = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    grads = {"a": torch.ones(2), "b": torch.ones(3)}
+    adamw = optim.adamw(1e-3)
+    with pytest.raises(OptimTreeMismatchError, match=r"scale_by_adam's update got a state of"):
+        adamw.update(grads, optim.sgd(1e-3, momentum=0.9).init(params), params)
+    clipped = optim.chain(optim.clip_by_global_norm(1.0), adamw)
+    with pytest.raises(OptimTreeMismatchError, match=r"chain of 2 transformations got a state"):
+        clipped.update(grads, adamw.init(params), params)
+    for other in ({"b": torch.zeros(3)}, OrderedDict(b=torch.zeros(3), a=torch.zeros(2))):
+        with pytest.raises(
+            OptimTreeMismatchError, match=r"the mu state tree .*pass the state opt.init\(params\)"
+        ):
+            adamw.update(grads, adamw.init(other), params)
