@@ -106,7 +106,7 @@ class Jitted(OutermostStep):
         context = None
         config: dict[str, Any] = {"trace_autograd_ops": True}
         if isinstance(self.step, TransformedStep):
-            self.step.check_inputs(args[0], args[2])
+            self.step.check_inputs(args[0], args[1], args[2])
             for runtime in self.step.runtimes:
                 refusal = runtime.jit_refusal()
                 if refusal is not None:

@@ -15,7 +15,15 @@ from ._gather import distribute
 from ._plan import Plan
 from ._state_device import placed_on
 
-__all__ = ["check_placed", "kept_apart", "place_state", "state_device", "without"]
+__all__ = [
+    "check_placed",
+    "check_placed_state",
+    "kept_apart",
+    "leaf_kinds",
+    "place_state",
+    "state_device",
+    "without",
+]
 
 
 def without(state: Any, paths: set[str]) -> Any:
@@ -113,3 +121,36 @@ def check_placed(params: Any, plan: Plan) -> None:
                 f"param {path!r} has shape {tuple(leaf.shape)} but the plan's is {entry.shape}; "
                 "pass the params returned by step.place(...) or by the previous step"
             )
+
+
+def leaf_kinds(state: Any) -> tuple[str, ...]:
+    """What each leaf of ``state`` is (``tree.leaves`` order): a DTensor, a plain tensor, or
+    another object (its type's name)."""
+    return tuple(_kind(leaf) for leaf in tree.leaves(state))
+
+
+def _kind(leaf: Any) -> str:
+    if isinstance(leaf, DTensor):
+        return "a DTensor"
+    return "a plain tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+
+
+def check_placed_state(opt_state: Any, placed: tuple[str, ...]) -> None:
+    """Raise unless ``opt_state``'s leaves are of the kinds ``placed`` (``leaf_kinds`` of the
+    state ``place`` returned): a state never placed, or another optimizer's, is named here
+    rather than failing inside the update on a DTensor beside a plain tensor."""
+    kinds = leaf_kinds(opt_state)
+    if kinds == placed:
+        return
+    fix = "pass the opt_state returned by step.place(...) or by the previous step"
+    if len(kinds) != len(placed):
+        raise PlanError(
+            f"opt_state has {len(kinds)} leaves but the one step.place returned has "
+            f"{len(placed)} (another optimizer's state?); {fix}"
+        )
+    paths = [path for path, _ in tree.flatten_with_paths(opt_state)[0]]
+    index = next(i for i, (a, b) in enumerate(zip(kinds, placed, strict=True)) if a != b)
+    raise PlanError(
+        f"opt_state leaf {paths[index]!r} is {kinds[index]} but step.place laid it out as "
+        f"{placed[index]}; {fix}"
+    )

@@ -28,7 +28,7 @@ from ._memory import Memory, local_bytes, step_memory
 from ._mesh import make_mesh
 from ._param_plan import ParamPlan
 from ._phase import Phase
-from ._placed_trees import check_placed, place_state, without
+from ._placed_trees import check_placed, check_placed_state, leaf_kinds, place_state, without
 from ._plan import Plan
 from ._runtime import Runtime
 from ._structure import Axes
@@ -83,6 +83,7 @@ class TransformedStep:
         self._runtimes: tuple[Runtime, ...] = ()
         self._codec_statistics = False  # the plan has a gather codec with a statistic
         self._checked_batch: BatchSignature | None = None
+        self._state_kinds: tuple[str, ...] | None = None  # of the opt_state place returned
         functools.update_wrapper(self, fn, updated=())
 
     def with_transform(self, transform: StepTransform) -> TransformedStep:
@@ -252,6 +253,7 @@ class TransformedStep:
             opt_state = without(opt_state, set(plan.entries) - set(plan.held))
         placed_state = place_state(opt_state, plan, plan.mesh)
         plan.state_bytes = _bytes_by_dtype(placed_state)
+        self._state_kinds = leaf_kinds(placed_state)
         return placed, placed_state
 
     def _build_runtimes(self, plan: Plan, model: Model | None) -> tuple[Runtime, ...]:
@@ -283,17 +285,20 @@ class TransformedStep:
         return StepContext(self.plan, self._runtimes)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        self.check_inputs(params, batch)
+        self.check_inputs(params, opt_state, batch)
         with running(self.context()):
             return self.run(params, opt_state, batch)
 
-    def check_inputs(self, params: Any, batch: Any) -> None:
-        """Raise unless ``params`` are placed by this step's plan and the batch is consistent.
+    def check_inputs(self, params: Any, opt_state: Any, batch: Any) -> None:
+        """Raise unless ``params`` and ``opt_state`` are laid out as ``place`` laid them out
+        and the batch is consistent.
 
         The batch is checked across ranks (a collective) on the first call and whenever its
         shapes change; a call with the shapes of the last one only compares its signature.
         """
         check_placed(params, self.plan)
+        if self._state_kinds is not None:
+            check_placed_state(opt_state, self._state_kinds)
         signature = batch_signature(batch)
         if signature != self._checked_batch:
             check_batch(batch, self.mesh)
@@ -349,7 +354,7 @@ class TransformedStep:
             if refusal is not None:
                 raise PlanError(refusal)
         labels = {k: v for r in self.runtimes for k, v in r.group_labels().items()}
-        self.check_inputs(params, batch)  # its one-off all-gather of shapes is not the step's
+        self.check_inputs(params, opt_state, batch)  # its all-gather of shapes is not the step's
         with CollectiveCounter(self.mesh, labels) as counter:
             self(params, opt_state, batch)
         return counter.stats

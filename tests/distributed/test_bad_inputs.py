@@ -71,6 +71,28 @@ def test_param_of_wrong_shape_is_named_by_place_and_by_the_step() -> None:
             step(params, state, _batch(2))
 
 
+def test_an_optimizer_state_not_the_placed_one_is_named_by_the_step() -> None:
+    """Not a DTensor beside a plain tensor inside the update ("got mixed torch.Tensor and
+    DTensor"): the state never placed, or another optimizer's, named with what to pass."""
+    with fake_world(2):
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        model = d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=1)))
+        opt = d9d.optim.adamw(1e-3)
+        step = d9d.shard_params(mesh, "fsdp")(make_train_step(model, opt))
+        unplaced = opt.init(model.params)
+        params, state = step.place(model.params, unplaced, model=model)
+        with pytest.raises(
+            PlanError,
+            match=r"opt_state leaf '\S+embed\.weight' is a plain tensor but step\.place laid it "
+            r"out as a DTensor; pass the opt_state returned by step\.place",
+        ):
+            step(params, unplaced, _batch(2))
+        sgd_state = d9d.optim.sgd(0.1, momentum=0.9).init(model.params)
+        with pytest.raises(PlanError, match=r"opt_state has \d+ leaves but the one step\.place"):
+            step(params, sgd_state, _batch(2))
+        step(params, state, _batch(2))
+
+
 def test_ranks_passing_batches_of_different_shapes_are_named_on_the_first_call() -> None:
     def rank() -> None:
         model, opt, step = _setup(dp=2, fsdp=2)
