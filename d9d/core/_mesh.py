@@ -54,15 +54,17 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
     unknown = sorted(set(axes) - set(AXIS_ORDER))
     if unknown:
         raise MeshError(f"unknown mesh axes {unknown}; axes are {AXIS_ORDER}")
+    # Every check that needs no world size comes first: a refused call starts no group.
+    if not axes:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        raise MeshError(f"make_mesh needs at least one axis, e.g. make_mesh(fsdp={world})")
+    _check_sizes(axes)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     _check_device_type(device_type)
     if not dist.is_initialized():
         _start_one_rank_group(axes)
-    world = dist.get_world_size()
-    if not axes:
-        raise MeshError(f"make_mesh needs at least one axis, e.g. make_mesh(fsdp={world})")
-    sizes = _resolve_sizes(axes, world)
+    sizes = _resolve_sizes(axes, dist.get_world_size())
     names = tuple(name for name in AXIS_ORDER if name in sizes)
     return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
 
@@ -122,13 +124,18 @@ def _start_one_rank_group(axes: dict[str, int]) -> None:
     dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _resolve_sizes(axes: dict[str, int], world: int) -> dict[str, int]:
+def _check_sizes(axes: dict[str, int]) -> None:
+    """Refuse sizes that are not positive ints or ``-1``, and more than one ``-1``."""
     for name, size in axes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
             raise MeshError(f"mesh axis {name}={size!r} must be a positive int or -1")
     rest = [name for name, size in axes.items() if size == -1]
     if len(rest) > 1:
         raise MeshError(f"only one mesh axis may be -1, got {rest}")
+
+
+def _resolve_sizes(axes: dict[str, int], world: int) -> dict[str, int]:
+    rest = [name for name, size in axes.items() if size == -1]
     known = math.prod(size for size in axes.values() if size != -1)
     if rest:
         if world % known:

@@ -68,6 +68,22 @@ def test_make_mesh_of_one_rank_starts_a_one_rank_group_and_refuses_more() -> Non
     assert dist.get_world_size() == 1
 
 
+@pytest.mark.parametrize(
+    ("axes", "message"),
+    [
+        ({}, r"make_mesh needs at least one axis, e\.g\. make_mesh\(fsdp=1\)"),
+        ({"fsdp": 0}, r"mesh axis fsdp=0 must be a positive int or -1"),
+        ({"fsdp": "2"}, r"mesh axis fsdp='2' must be a positive int or -1"),
+        ({"fsdp": -1, "tp": -1}, r"only one mesh axis may be -1, got \['fsdp', 'tp'\]"),
+    ],
+)
+def test_make_mesh_refuses_bad_axes_before_starting_a_group(axes: dict, message: str) -> None:
+    # These were refused only after the one-rank group had started, which outlived the error.
+    with pytest.raises(MeshError, match=message):
+        d9d.make_mesh("cpu", **axes)
+    assert not dist.is_initialized()
+
+
 def test_make_mesh_under_torchrun_asks_to_join_the_job_first(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
