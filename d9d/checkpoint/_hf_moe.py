@@ -191,6 +191,16 @@ def moe_from_hf(state: Mapping[str, torch.Tensor], config: MoEConfig) -> dict[st
     Raises:
         ParamTreeMismatchError: A weight of the config is missing, a stored tensor has no
             param in the model, or a tied head differs from the embedding.
+
+    Example:
+        >>> import d9d, torch
+        >>> from d9d.models import MoE
+        >>> cfg = MoEConfig.tiny(qk_norm=True, moe=LayerConfig(dim=64, n_experts=4, top_k=2,
+        ...                      expert_dim=32))
+        >>> params = d9d.functionalize(MoE(cfg)).params
+        >>> back = moe_from_hf(moe_to_hf(params, cfg), cfg)
+        >>> sorted(back) == sorted(params) and all(torch.equal(back[k], params[k]) for k in params)
+        True
     """
     state = without_tied_head(state, config.tie_embeddings)
     refuse_unconverted(state, moe_sources(config, set(state)), _MODEL)

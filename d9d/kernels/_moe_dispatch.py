@@ -62,7 +62,7 @@ def dispatch(
         KernelUnavailableError: the forced backend cannot run here.
 
     Example:
-        >>> import d9d, d9d.kernels as K
+        >>> import d9d, d9d.kernels as K, torch
         >>> from d9d.testing import run_on_ranks
         >>> def rank_fn():
         ...     group = d9d.make_mesh("cpu", ep=2).get_group("ep")
@@ -116,6 +116,19 @@ def combine(outputs: Tensor, handle: DispatchHandle, *, backend: str | None = No
     Raises:
         KernelInputError: ``outputs`` has another row count, or ``backend`` is not the
             handle's.
+
+    Example:
+        >>> import d9d, d9d.kernels as K, torch
+        >>> from d9d.testing import run_on_ranks
+        >>> def rank_fn():
+        ...     group = d9d.make_mesh("cpu", ep=2).get_group("ep")
+        ...     ids = torch.tensor([[0, 3], [1, 2]])  # experts 0, 1 on rank 0; 2, 3 on rank 1
+        ...     x = torch.full((2, 1), 1.0 + torch.distributed.get_rank())
+        ...     layout = K.dispatch_layout(ids, 4, 2)
+        ...     rows, _, handle = K.dispatch(x, ids, torch.full((2, 2), 0.5), layout, group)
+        ...     return K.combine(10 * rows, handle).flatten().tolist()  # mean over 2 experts
+        >>> run_on_ranks(rank_fn, 2)
+        [[10.0, 10.0], [20.0, 20.0]]
     """
     check_floating("combine", outputs=outputs)
     rows = handle.row_token.shape[0]

@@ -52,7 +52,8 @@ def init_process_group(
 
     Example:
         >>> import d9d
-        >>> d9d.init_process_group()  # doctest: +SKIP  (inside `torchrun ... script.py`)
+        >>> # in a script run by `torchrun --nproc-per-node 8 script.py`:
+        >>> d9d.init_process_group()  # doctest: +SKIP
     """
     if "RANK" not in os.environ:
         raise ValueError(
