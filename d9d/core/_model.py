@@ -43,6 +43,14 @@ class Model:
         structure: The module's slots, blocks and param owners, which transforms read.
         defaults: Keyword arguments ``apply`` passes the forward unless given
             (``use_cache=False`` for a ``transformers`` model: ``d9d.hf.apply_defaults``).
+
+    Example:
+        >>> import torch
+        >>> model = functionalize(torch.nn.Linear(3, 2))  # a Model
+        >>> sorted(model.params), model.axes["weight"]
+        (['bias', 'weight'], ('out', 'in'))
+        >>> model.apply(model.params, torch.ones(1, 3)).shape
+        torch.Size([1, 2])
     """
 
     module: nn.Module

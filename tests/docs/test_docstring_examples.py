@@ -63,10 +63,13 @@ def test_every_public_docstring_example_runs(test: doctest.DocTest | ValueError)
     assert runner.run(test, out=report.append).failed == 0, "".join(report)
 
 
-def test_every_public_function_has_an_example() -> None:
+def test_every_public_function_and_top_level_class_has_an_example() -> None:
+    # Classes of the subpackages (states, handles, transforms' frozen dataclasses) are built
+    # by the functions that return them, whose Examples show them; d9d.Model had none.
     lacking = [
         dotted
         for dotted, member in PUBLIC.items()
-        if inspect.isfunction(member) and ">>>" not in (inspect.getdoc(member) or "")
+        if (inspect.isfunction(member) or dotted.count(".") == 1)
+        and ">>>" not in (inspect.getdoc(member) or "")
     ]
-    assert not lacking, f"public functions without a docstring Example: {lacking}"
+    assert not lacking, f"public names without a docstring Example: {lacking}"
