@@ -62,7 +62,8 @@ class ConfigError(ValueError):
 
 
 class OptimTreeMismatchError(ValueError):
-    """An optimizer's mask or updates tree is not laid out like the params: lists the paths."""
+    """An optimizer's mask, updates or per-param state tree is not laid out like the params
+    (or grads): lists the paths."""
 
 
 class UnknownStateNameError(KeyError):
