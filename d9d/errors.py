@@ -42,7 +42,8 @@ class ParamShapeError(ValueError):
 
 
 class DonatedTreeError(RuntimeError):
-    """A tree whose buffers were donated to a jitted step was used again."""
+    """A tree whose buffers were donated to a jitted step was used again, or two donated
+    leaves share memory."""
 
 
 class RankFailedError(RuntimeError):

@@ -103,6 +103,7 @@ class Jitted(OutermostStep):
     def __call__(self, *args: Any) -> Any:
         for i in self.donate:
             _check_not_donated(args[i], argnum=i)
+        _donated_memory(args, self.donate)
         context = None
         config: dict[str, Any] = {"trace_autograd_ops": True}
         if isinstance(self.step, TransformedStep):
@@ -179,7 +180,8 @@ def jit(
         The compiled step (a :class:`Jitted`), called like ``step``.
 
     Raises:
-        DonatedTreeError: An argument holds a tree donated to an earlier call.
+        DonatedTreeError: An argument holds a tree donated to an earlier call, or two donated
+            leaves share memory.
         IndexRangeError: An integer input (token ids, labels) indexes past the embedding or
             logits it looks up, checked inside the graph before the lookup; the donated trees
             are left as they were.
@@ -345,6 +347,77 @@ def _check_not_donated(arg: Any, *, argnum: int) -> None:
                 f"argument {argnum} leaf {path!r} was donated to call {call} of this step and "
                 "its buffer now holds newer values; pass the tree that call returned"
             )
+
+
+# A buffer (its device and address) -> (argument, leaf index, leaf) of each donated leaf in it.
+_Buffers = dict[tuple[torch.device, int], list[tuple[int, int, Any]]]
+
+
+def _local(leaf: Any) -> torch.Tensor | None:
+    """The tensor holding ``leaf``'s elements (a DTensor's local tensor); None for a leaf that
+    is not a plain tensor or holds no memory."""
+    local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+    if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.is_meta:
+        return None
+    return local if local.numel() else None
+
+
+def _buffer(local: torch.Tensor) -> tuple[torch.device, int]:
+    return local.device, local.untyped_storage().data_ptr()
+
+
+def _bytes(local: torch.Tensor) -> tuple[int, int]:
+    """The first byte of its buffer ``local`` reads and one past its last."""
+    start = local.storage_offset()
+    end = start + 1 + sum((n - 1) * s for n, s in zip(local.shape, local.stride(), strict=True))
+    return start * local.element_size(), end * local.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one buffer read some byte in common (spans, not elements: two
+    interleaved views count as overlapping)."""
+    (a_start, a_end), (b_start, b_end) = _bytes(a), _bytes(b)
+    return a_start < b_end and b_start < a_end
+
+
+def _leaf_name(arg: Any, index: int, *, kind: str, argnum: int) -> str:
+    return f"{kind} {argnum} leaf {tree.flatten_with_paths(arg)[0][index][0]!r}"
+
+
+def _donated_memory(args: Sequence[Any], donate: Sequence[int]) -> _Buffers:
+    """The buffers of the donated leaves, after checking that no two leaves overlap: each is
+    overwritten with its own new value, so one would overwrite the other's (the same tensor
+    twice, or a view of another, gave both the last value written).
+
+    Raises:
+        DonatedTreeError: Two donated leaves share memory.
+    """
+    buffers: _Buffers = {}
+    for i in donate:
+        for index, leaf in enumerate(tree.leaves(args[i])):  # paths only for the message
+            local = _local(leaf)
+            if local is not None:
+                buffers.setdefault(_buffer(local), []).append((i, index, local))
+    for held in buffers.values():
+        if len(held) < 2:
+            continue
+        spans = sorted((*_bytes(local), i, index) for i, index, local in held)
+        reach, widest = spans[0][1], spans[0]
+        for span in spans[1:]:
+            if span[0] < reach:
+                first, second = (
+                    _leaf_name(args[i], index, kind="argument", argnum=i)
+                    for _, _, i, index in (widest, span)
+                )
+                raise DonatedTreeError(
+                    f"{first} and {second} share memory (one tensor passed twice, or a "
+                    "view of another); jit writes each donated leaf's new value into its "
+                    "own buffer, so one would overwrite the other: pass separate tensors "
+                    "(clone one of them), or build the jit with donate=()"
+                )
+            if span[1] > reach:
+                reach, widest = span[1], span
+    return buffers
 
 
 def _alias_and_mark(arg: Any, call: int) -> Any:

@@ -254,3 +254,40 @@ def test_options_stay_set_until_the_last_of_concurrent_calls_leaves() -> None:
     with _shared_patch(config, {name: False}):
         assert getattr(config, name) is False
     assert getattr(config, name) is before
+
+
+def _sgd_step(params, opt_state, x):
+    """Each param's grad differs (its loss is weighted by its position), so two params that
+    share a buffer get different new values."""
+
+    def loss_fn(p, x):
+        return sum((i + 1) * (x[: len(v)] * v).sum() for i, v in enumerate(p.values()))
+
+    loss, grads = d9d.value_and_grad(loss_fn)(params, x)
+    return d9d.tree.map(lambda p, g: p - 0.1 * g, params, grads), opt_state, {"loss": loss}
+
+
+def test_donated_leaves_that_share_memory_are_refused_by_name() -> None:
+    """Each donated leaf is overwritten with its own new value: one tensor passed twice, or a
+    view of another, came back holding the last value written for both (no error)."""
+    w, x = torch.zeros(4, 3), torch.ones(4, 3)
+    jitted = d9d.jit(_sgd_step, backend="aot_eager")
+    for params, state, other in (
+        ({"a": w, "b": w}, {}, "argument 0 leaf 'b'"),
+        ({"a": w, "b": w[1:3]}, {}, "argument 0 leaf 'b'"),
+        ({"a": w}, {"m": w[3]}, "argument 1 leaf 'm'"),
+    ):
+        with pytest.raises(
+            DonatedTreeError,
+            match=rf"argument 0 leaf 'a' and {other} share memory .* pass separate tensors",
+        ):
+            jitted(params, state, x)
+    assert jitted.traces == 0 and not w.any()
+    # Views of one buffer that do not overlap are updated each in its own place, as eagerly.
+    want = _sgd_step({"a": w[:2].clone(), "b": w[2:].clone()}, {}, x)[0]
+    got = jitted({"a": w[:2], "b": w[2:]}, {}, x)[0]
+    assert_trees_all_close(got, want, rtol=0, atol=0)
+    assert_trees_all_close(w, torch.cat([want["a"], want["b"]]), rtol=0, atol=0)
+    # Without donation nothing is written in place, and a shared buffer is fine.
+    got = d9d.jit(_sgd_step, donate=(), backend="aot_eager")({"a": w, "b": w}, {}, x)[0]
+    assert_trees_all_close(got, _sgd_step({"a": w, "b": w}, {}, x)[0], rtol=0, atol=0)
