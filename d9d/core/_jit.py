@@ -103,7 +103,7 @@ class Jitted(OutermostStep):
     def __call__(self, *args: Any) -> Any:
         for i in self.donate:
             _check_not_donated(args[i], argnum=i)
-        _donated_memory(args, self.donate)
+        donated = _donated_memory(args, self.donate)
         context = None
         config: dict[str, Any] = {"trace_autograd_ops": True}
         if isinstance(self.step, TransformedStep):
@@ -136,6 +136,7 @@ class Jitted(OutermostStep):
         results = list(out)
         for i in self.donate:
             results[i] = _alias_and_mark(args[i], self.calls)
+        _check_outputs_apart(args, results, donated, self.donate)
         return tuple(results)
 
     def _stance(self) -> Any:
@@ -180,8 +181,9 @@ def jit(
         The compiled step (a :class:`Jitted`), called like ``step``.
 
     Raises:
-        DonatedTreeError: An argument holds a tree donated to an earlier call, or two donated
-            leaves share memory.
+        DonatedTreeError: An argument holds a tree donated to an earlier call; two donated
+            leaves share memory; or the step returns a donated input (or a view of one) as an
+            output that is not donated (return a ``.clone()``).
         IndexRangeError: An integer input (token ids, labels) indexes past the embedding or
             logits it looks up, checked inside the graph before the lookup; the donated trees
             are left as they were.
@@ -418,6 +420,35 @@ def _donated_memory(args: Sequence[Any], donate: Sequence[int]) -> _Buffers:
             if span[1] > reach:
                 reach, widest = span[1], span
     return buffers
+
+
+def _check_outputs_apart(
+    args: Sequence[Any], results: Sequence[Any], donated: _Buffers, donate: Sequence[int]
+) -> None:
+    """Refuse an output (not donated) that shares memory with a donated leaf: the call has
+    overwritten that leaf with its new value, where the eager step returns the old one.
+
+    Raises:
+        DonatedTreeError: An output leaf shares memory with a donated argument's leaf.
+    """
+    for k, out in enumerate(results):
+        if k in donate:
+            continue
+        for index, leaf in enumerate(tree.leaves(out)):
+            local = _local(leaf)
+            for i, donated_index, other in (
+                donated.get(_buffer(local), ()) if local is not None else ()
+            ):
+                if _overlap(local, other):
+                    output = _leaf_name(out, index, kind="output", argnum=k)
+                    argument = _leaf_name(args[i], donated_index, kind="argument", argnum=i)
+                    raise DonatedTreeError(
+                        f"{output} of the step shares memory with {argument} (it is that "
+                        "tensor, or a view of it), which this call overwrote with its new "
+                        "value; the eager step returns the old one: return a copy (.clone()) of "
+                        "it. The donated trees passed to this call hold the new values and "
+                        "are donated"
+                    )
 
 
 def _alias_and_mark(arg: Any, call: int) -> Any:

@@ -291,3 +291,25 @@ def test_donated_leaves_that_share_memory_are_refused_by_name() -> None:
     # Without donation nothing is written in place, and a shared buffer is fine.
     got = d9d.jit(_sgd_step, donate=(), backend="aot_eager")({"a": w, "b": w}, {}, x)[0]
     assert_trees_all_close(got, _sgd_step({"a": w, "b": w}, {}, x)[0], rtol=0, atol=0)
+
+
+def test_an_output_that_reads_a_donated_buffer_is_refused_by_name() -> None:
+    """A metric that is a donated input (or a view of one) read the new value written into its
+    buffer, where the eager step returns the old one."""
+    x = torch.ones(4, 3)
+    for metric in (lambda w: w, lambda w: w.detach()[0]):
+
+        def step(params, opt_state, x, metric=metric):
+            new, opt_state, metrics = _sgd_step(params, opt_state, x)
+            return new, opt_state, {**metrics, "w": metric(params["w"])}
+
+        jitted = d9d.jit(step, backend="aot_eager")
+        params, state = {"w": torch.zeros(4, 3)}, {"m": torch.zeros(1)}
+        with pytest.raises(
+            DonatedTreeError,
+            match=r"output 2 leaf 'w' of the step shares memory with argument 0 leaf 'w' .*"
+            r"return a copy \(\.clone\(\)\)",
+        ):
+            jitted(params, state, x)
+        with pytest.raises(DonatedTreeError, match="was donated to call 1"):
+            jitted(params, state, x)  # it was written: not to be stepped again
