@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from .. import tree
 from ..errors import DonatedTreeError, PlanError, RecompileError
 from ._context import current, running
-from ._index_checks import guard_indices
+from ._index_checks import guard_indices, source_name
 from ._step import OutermostStep, TransformedStep
 
 __all__ = ["Jitted", "jit"]
@@ -68,6 +68,7 @@ class Jitted(OutermostStep):
         functools.update_wrapper(self, step, updated=())
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        _check_copies_apart(graph)
         guard_indices(graph)
         compiled = self._compiler(graph, example_inputs)
         # Counted once compiled: a compile that raises to restart the trace (inductor's
@@ -96,6 +97,8 @@ class Jitted(OutermostStep):
                 f"a step with donate={self.donate} must return a tuple whose item i replaces "
                 f"argument i, got {type(out).__name__}; return (params, opt_state, metrics)"
             )
+        if not torch.compiler.is_compiling():  # Dynamo gave up on this frame: checked here
+            _check_new_leaves_apart(args, out, self.donate)
         for i in self.donate:
             _copy_into(args[i], out[i], argnum=i)
         return tuple(None if i in self.donate else o for i, o in enumerate(out))
@@ -123,7 +126,7 @@ class Jitted(OutermostStep):
             ):
                 out = self._compiled(*args)
         except RuntimeError as error:
-            if isinstance(getattr(error, "inner_exception", None), PlanError):
+            if isinstance(getattr(error, "inner_exception", None), PlanError | DonatedTreeError):
                 raise error.inner_exception from None  # the compiler's refusal, unwrapped
             if self.fail_on_recompile and "fail_on_recompile" in str(error):
                 raise RecompileError(
@@ -182,8 +185,8 @@ def jit(
 
     Raises:
         DonatedTreeError: An argument holds a tree donated to an earlier call; two donated
-            leaves share memory; or the step returns a donated input (or a view of one) as an
-            output that is not donated (return a ``.clone()``).
+            leaves share memory; or the step returns a donated input (or a view of one) as
+            another donated leaf or as an output that is not donated (return a ``.clone()``).
         IndexRangeError: An integer input (token ids, labels) indexes past the embedding or
             logits it looks up, checked inside the graph before the lookup; the donated trees
             are left as they were.
@@ -449,6 +452,80 @@ def _check_outputs_apart(
                         "it. The donated trees passed to this call hold the new values and "
                         "are donated"
                     )
+
+
+def _refuse_copy_of_donated(new: str, old: str) -> DonatedTreeError:
+    return DonatedTreeError(
+        f"the step returned, as the new value of {new}, a tensor that shares memory with "
+        f"{old} (it is that tensor, or a view of it); jit overwrites each donated leaf in "
+        "place, one after the other, so the value could be overwritten before it is copied: "
+        "return a copy (.clone()) of it"
+    )
+
+
+def _check_new_leaves_apart(args: Sequence[Any], out: Sequence[Any], donate: Sequence[int]) -> None:
+    """Refuse a new donated leaf that shares memory with another donated leaf (an eager run of
+    :meth:`Jitted._donating_step`; :func:`_check_copies_apart` checks the compiled copies).
+
+    Raises:
+        DonatedTreeError: A new donated leaf is (a view of) another donated input leaf.
+    """
+    donated = _donated_memory(args, donate)
+    for i in donate:
+        for index, leaf in enumerate(tree.leaves(out[i])):
+            local = _local(leaf)
+            for j, other_index, other in (
+                donated.get(_buffer(local), ()) if local is not None else ()
+            ):
+                if (j, other_index) != (i, index) and _overlap(local, other):
+                    raise _refuse_copy_of_donated(
+                        _leaf_name(args[i], index, kind="argument", argnum=i),
+                        _leaf_name(args[j], other_index, kind="argument", argnum=j),
+                    )
+
+
+def _check_copies_apart(graph: torch.fx.GraphModule) -> None:
+    """Refuse a copy into a step input (a donated leaf, :func:`_copy_into`) from a tensor that
+    shares memory with another input copied into: the copies run one after the other, so
+    one could read a buffer already overwritten (a step that kept the old params in its
+    state, ``{"prev": params["w"]}``, kept the new ones).
+
+    Raises:
+        DonatedTreeError: A copy's source is (a view of) another donated leaf.
+    """
+    copies = [
+        node
+        for node in graph.graph.nodes
+        if node.op == "call_method"
+        and node.target == "copy_"
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].op == "placeholder"
+    ]
+    written: dict[Any, list[torch.fx.Node]] = {}
+    for node in copies:
+        local = _fake_local(node.args[0])
+        if local is not None:
+            written.setdefault(local.untyped_storage()._cdata, []).append(node.args[0])
+    for node in copies:
+        source = _fake_local(node.args[1])
+        for target in (
+            written.get(source.untyped_storage()._cdata, ()) if source is not None else ()
+        ):
+            if target is not node.args[0] and _may_overlap(source, _fake_local(target)):
+                raise _refuse_copy_of_donated(source_name(node.args[0]), source_name(target))
+
+
+def _fake_local(node: Any) -> torch.Tensor | None:
+    """The (fake) tensor holding the elements of a graph node's value, or None."""
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    return local if isinstance(local, torch.Tensor) else None
+
+
+def _may_overlap(a: torch.Tensor, b: Any) -> bool:
+    """:func:`_overlap` of two fake tensors on one buffer; True where a size is symbolic."""
+    sizes = (*a.shape, *a.stride(), *b.shape, *b.stride(), a.storage_offset(), b.storage_offset())
+    return not all(isinstance(size, int) for size in sizes) or _overlap(a, b)
 
 
 def _alias_and_mark(arg: Any, call: int) -> Any:

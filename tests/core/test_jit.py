@@ -313,3 +313,34 @@ def test_an_output_that_reads_a_donated_buffer_is_refused_by_name() -> None:
             jitted(params, state, x)
         with pytest.raises(DonatedTreeError, match="was donated to call 1"):
             jitted(params, state, x)  # it was written: not to be stepped again
+
+
+def test_a_new_donated_leaf_that_is_another_donated_input_is_refused_by_name() -> None:
+    """The donated leaves are overwritten one after the other: a step that kept the old params
+    in its state (or swapped two params) copied a buffer already overwritten (no error: the
+    state held the new params). With an empty state Dynamo runs the copies eagerly, and the
+    same check runs there."""
+
+    def keep_old(params, opt_state, x):
+        return {"w": params["w"] - x}, {"prev": params["w"].detach()}, {}
+
+    def swap(params, opt_state, x):
+        return {"a": params["b"], "b": params["a"]}, opt_state, {}
+
+    x = torch.ones(3)
+    for step, params, state, match in (
+        (keep_old, {"w": torch.zeros(3)}, {"prev": torch.ones(3)}, r"opt_state\['prev'\], .*"),
+        (swap, {"a": torch.zeros(3), "b": torch.ones(3)}, {}, r"argument 0 leaf 'a', .*"),
+    ):
+        before = _clone((params, state))
+        jitted = d9d.jit(step, backend="aot_eager")
+        with pytest.raises(DonatedTreeError, match=rf"new value of {match}\.clone\(\)"):
+            jitted(params, state, x)
+        assert_trees_all_close((params, state), before, rtol=0, atol=0)
+
+    # Leaves returned as they came are copied onto themselves, also views of one buffer.
+    w = torch.arange(4.0)
+    params, state = {"a": w[:1], "b": w[1:]}, {"n": torch.zeros(1)}
+    got = d9d.jit(lambda p, s, x: (p, s, {"x": x.sum()}), backend="aot_eager")(params, state, x)
+    assert_trees_all_close(got[0], {"a": w[:1], "b": w[1:]}, rtol=0, atol=0)
+    assert w.tolist() == [0.0, 1.0, 2.0, 3.0]
