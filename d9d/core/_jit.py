@@ -99,8 +99,10 @@ class Jitted(OutermostStep):
             )
         if not torch.compiler.is_compiling():  # Dynamo gave up on this frame: checked here
             _check_new_leaves_apart(args, out, self.donate)
+        for i in self.donate:  # every check before the first copy: a refusal writes nothing
+            _check_like(args[i], out[i], argnum=i)
         for i in self.donate:
-            _copy_into(args[i], out[i], argnum=i)
+            _copy_into(args[i], out[i])
         return tuple(None if i in self.donate else o for i, o in enumerate(out))
 
     def __call__(self, *args: Any) -> Any:
@@ -317,7 +319,12 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     return types.MethodType(copy, method.__self__)
 
 
-def _copy_into(old: Any, new: Any, *, argnum: int) -> None:
+def _check_like(old: Any, new: Any, *, argnum: int) -> None:
+    """Refuse a new donated tree not laid out like the old one, leaf shapes and dtypes too.
+
+    Raises:
+        TypeError: Another structure, or a leaf of another shape or dtype.
+    """
     # Paths, not PyTreeSpec equality: this runs while Dynamo traces, and torch 2.11's Dynamo
     # cannot trace a spec comparison (its optree polyfill's __eq__).
     if not tree.same_paths(old, new):
@@ -328,17 +335,19 @@ def _copy_into(old: Any, new: Any, *, argnum: int) -> None:
             f"place: {missing=} (paths the returned tree lacks), {unexpected=} (paths it "
             "adds); return a tree of the same structure"
         )
-    old_pairs = tree.flatten_with_paths(old)[0]
-    new_leaves = tree.leaves(new)
-    for (path, a), b in zip(old_pairs, new_leaves, strict=True):
+    for (path, a), b in zip(tree.flatten_with_paths(old)[0], tree.leaves(new), strict=True):
         if a.shape != b.shape or a.dtype != b.dtype:
             raise TypeError(
                 f"donated argument {argnum} leaf {path!r} is {a.dtype}{list(a.shape)} but the "
                 f"step returned {b.dtype}{list(b.shape)}; a donated leaf keeps its shape and dtype"
             )
+
+
+def _copy_into(old: Any, new: Any) -> None:
+    """Each leaf of ``new`` copied into the matching leaf of ``old`` (checked alike first)."""
     # One copy_ per leaf, not torch._foreach_copy_: inductor (torch 2.13) lets a later output
     # read an input that _foreach_copy_ already overwrote (docs/decisions.md has the repro).
-    for (_, a), b in zip(old_pairs, new_leaves, strict=True):
+    for a, b in zip(tree.leaves(old), tree.leaves(new), strict=True):
         a.copy_(b)
 
 

@@ -344,3 +344,16 @@ def test_a_new_donated_leaf_that_is_another_donated_input_is_refused_by_name() -
     got = d9d.jit(lambda p, s, x: (p, s, {"x": x.sum()}), backend="aot_eager")(params, state, x)
     assert_trees_all_close(got[0], {"a": w[:1], "b": w[1:]}, rtol=0, atol=0)
     assert w.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_refused_donated_tree_leaves_every_donated_buffer_as_it_was() -> None:
+    """The params were written before the state's layout was checked: the call raised with the
+    params already stepped (a second call stepped them twice)."""
+
+    def step(params, opt_state, x):
+        return {"w": params["w"] - x}, {"n": opt_state["n"] + 0.5}, {}  # int64 -> float32
+
+    params, state = {"w": torch.zeros(3)}, {"n": torch.zeros((), dtype=torch.int64)}
+    with pytest.raises(TypeError, match=r"argument 1 leaf 'n' is torch\.int64\[\] but the step"):
+        d9d.jit(step, backend="aot_eager")(params, state, torch.ones(3))
+    assert params["w"].tolist() == [0.0, 0.0, 0.0]
