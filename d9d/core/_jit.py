@@ -336,6 +336,13 @@ def _check_like(old: Any, new: Any, *, argnum: int) -> None:
             "adds); return a tree of the same structure"
         )
     for (path, a), b in zip(tree.flatten_with_paths(old)[0], tree.leaves(new), strict=True):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            raise TypeError(
+                f"donated argument {argnum} leaf {path!r} is not a tensor but a "
+                f"{type(a).__name__} (the step returned a {type(b).__name__}); jit writes each "
+                "donated leaf's new value into its tensor: hold the value in a tensor "
+                "(torch.tensor(...)), or build the jit with donate=()"
+            )
         if a.shape != b.shape or a.dtype != b.dtype:
             raise TypeError(
                 f"donated argument {argnum} leaf {path!r} is {a.dtype}{list(a.shape)} but the "

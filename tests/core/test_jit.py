@@ -357,3 +357,14 @@ def test_a_refused_donated_tree_leaves_every_donated_buffer_as_it_was() -> None:
     with pytest.raises(TypeError, match=r"argument 1 leaf 'n' is torch\.int64\[\] but the step"):
         d9d.jit(step, backend="aot_eager")(params, state, torch.ones(3))
     assert params["w"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_donated_leaf_that_is_not_a_tensor_is_refused_by_name() -> None:
+    def step(params, opt_state, x):
+        return {"w": params["w"] - x}, {"count": opt_state["count"] + 1}, {}
+
+    with pytest.raises(
+        TypeError,
+        match=r"argument 1 leaf 'count' is not a tensor but a int .* hold the value in a tensor",
+    ):
+        d9d.jit(step, backend="aot_eager")({"w": torch.zeros(3)}, {"count": 0}, torch.ones(3))
