@@ -42,7 +42,8 @@ class ParamShapeError(ValueError):
 
 
 class DonatedTreeError(RuntimeError):
-    """A tree whose buffers were donated to a jitted step was used again."""
+    """A tree whose buffers were donated to a jitted step was used again, or donated memory is
+    shared (two donated leaves, or a donated leaf and an output the step returns elsewhere)."""
 
 
 class RankFailedError(RuntimeError):

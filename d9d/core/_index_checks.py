@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import IndexRangeError
 
-__all__ = ["check_index", "guard_indices", "raise_outside"]
+__all__ = ["check_index", "guard_indices", "raise_outside", "source_name"]
 
 _STEP_ARGS = ("params", "opt_state", "batch")
 
@@ -164,12 +164,13 @@ def _inputs_of(index: fx.Node) -> list[str]:
         if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
             return []
         if node.op == "placeholder":
-            names.add(_source_name(node))
+            names.add(source_name(node))
         stack.extend(node.all_input_nodes)
     return sorted(names)
 
 
-def _source_name(placeholder: fx.Node) -> str:
+def source_name(placeholder: fx.Node) -> str:
+    """The step input a Dynamo graph's placeholder holds, named like ``batch['tokens']``."""
     grapharg = placeholder.meta.get("grapharg")
     name = grapharg.source.name if grapharg is not None else placeholder.name
     for i, arg in enumerate(_STEP_ARGS):

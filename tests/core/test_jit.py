@@ -254,3 +254,117 @@ def test_options_stay_set_until_the_last_of_concurrent_calls_leaves() -> None:
     with _shared_patch(config, {name: False}):
         assert getattr(config, name) is False
     assert getattr(config, name) is before
+
+
+def _sgd_step(params, opt_state, x):
+    """Each param's grad differs (its loss is weighted by its position), so two params that
+    share a buffer get different new values."""
+
+    def loss_fn(p, x):
+        return sum((i + 1) * (x[: len(v)] * v).sum() for i, v in enumerate(p.values()))
+
+    loss, grads = d9d.value_and_grad(loss_fn)(params, x)
+    return d9d.tree.map(lambda p, g: p - 0.1 * g, params, grads), opt_state, {"loss": loss}
+
+
+def test_donated_leaves_that_share_memory_are_refused_by_name() -> None:
+    """Each donated leaf is overwritten with its own new value: one tensor passed twice, or a
+    view of another, came back holding the last value written for both (no error)."""
+    w, x = torch.zeros(4, 3), torch.ones(4, 3)
+    jitted = d9d.jit(_sgd_step, backend="aot_eager")
+    for params, state, other in (
+        ({"a": w, "b": w}, {}, "argument 0 leaf 'b'"),
+        ({"a": w, "b": w[1:3]}, {}, "argument 0 leaf 'b'"),
+        ({"a": w}, {"m": w[3]}, "argument 1 leaf 'm'"),
+    ):
+        with pytest.raises(
+            DonatedTreeError,
+            match=rf"argument 0 leaf 'a' and {other} share memory .* pass separate tensors",
+        ):
+            jitted(params, state, x)
+    assert jitted.traces == 0 and not w.any()
+    # Views of one buffer that do not overlap are updated each in its own place, as eagerly.
+    want = _sgd_step({"a": w[:2].clone(), "b": w[2:].clone()}, {}, x)[0]
+    got = jitted({"a": w[:2], "b": w[2:]}, {}, x)[0]
+    assert_trees_all_close(got, want, rtol=0, atol=0)
+    assert_trees_all_close(w, torch.cat([want["a"], want["b"]]), rtol=0, atol=0)
+    # Without donation nothing is written in place, and a shared buffer is fine.
+    got = d9d.jit(_sgd_step, donate=(), backend="aot_eager")({"a": w, "b": w}, {}, x)[0]
+    assert_trees_all_close(got, _sgd_step({"a": w, "b": w}, {}, x)[0], rtol=0, atol=0)
+
+
+def test_an_output_that_reads_a_donated_buffer_is_refused_by_name() -> None:
+    """A metric that is a donated input (or a view of one) read the new value written into its
+    buffer, where the eager step returns the old one."""
+    x = torch.ones(4, 3)
+    for metric in (lambda w: w, lambda w: w.detach()[0]):
+
+        def step(params, opt_state, x, metric=metric):
+            new, opt_state, metrics = _sgd_step(params, opt_state, x)
+            return new, opt_state, {**metrics, "w": metric(params["w"])}
+
+        jitted = d9d.jit(step, backend="aot_eager")
+        params, state = {"w": torch.zeros(4, 3)}, {"m": torch.zeros(1)}
+        with pytest.raises(
+            DonatedTreeError,
+            match=r"output 2 leaf 'w' of the step shares memory with argument 0 leaf 'w' .*"
+            r"return a copy \(\.clone\(\)\)",
+        ):
+            jitted(params, state, x)
+        with pytest.raises(DonatedTreeError, match="was donated to call 1"):
+            jitted(params, state, x)  # it was written: not to be stepped again
+
+
+def test_a_new_donated_leaf_that_is_another_donated_input_is_refused_by_name() -> None:
+    """The donated leaves are overwritten one after the other: a step that kept the old params
+    in its state (or swapped two params) copied a buffer already overwritten (no error: the
+    state held the new params). With an empty state Dynamo runs the copies eagerly, and the
+    same check runs there."""
+
+    def keep_old(params, opt_state, x):
+        return {"w": params["w"] - x}, {"prev": params["w"].detach()}, {}
+
+    def swap(params, opt_state, x):
+        return {"a": params["b"], "b": params["a"]}, opt_state, {}
+
+    x = torch.ones(3)
+    for step, params, state, match in (
+        (keep_old, {"w": torch.zeros(3)}, {"prev": torch.ones(3)}, r"opt_state\['prev'\], .*"),
+        (swap, {"a": torch.zeros(3), "b": torch.ones(3)}, {}, r"argument 0 leaf 'a', .*"),
+    ):
+        before = _clone((params, state))
+        jitted = d9d.jit(step, backend="aot_eager")
+        with pytest.raises(DonatedTreeError, match=rf"new value of {match}\.clone\(\)"):
+            jitted(params, state, x)
+        assert_trees_all_close((params, state), before, rtol=0, atol=0)
+
+    # Leaves returned as they came are copied onto themselves, also views of one buffer.
+    w = torch.arange(4.0)
+    params, state = {"a": w[:1], "b": w[1:]}, {"n": torch.zeros(1)}
+    got = d9d.jit(lambda p, s, x: (p, s, {"x": x.sum()}), backend="aot_eager")(params, state, x)
+    assert_trees_all_close(got[0], {"a": w[:1], "b": w[1:]}, rtol=0, atol=0)
+    assert w.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_refused_donated_tree_leaves_every_donated_buffer_as_it_was() -> None:
+    """The params were written before the state's layout was checked: the call raised with the
+    params already stepped (a second call stepped them twice)."""
+
+    def step(params, opt_state, x):
+        return {"w": params["w"] - x}, {"n": opt_state["n"] + 0.5}, {}  # int64 -> float32
+
+    params, state = {"w": torch.zeros(3)}, {"n": torch.zeros((), dtype=torch.int64)}
+    with pytest.raises(TypeError, match=r"argument 1 leaf 'n' is torch\.int64\[\] but the step"):
+        d9d.jit(step, backend="aot_eager")(params, state, torch.ones(3))
+    assert params["w"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_donated_leaf_that_is_not_a_tensor_is_refused_by_name() -> None:
+    def step(params, opt_state, x):
+        return {"w": params["w"] - x}, {"count": opt_state["count"] + 1}, {}
+
+    with pytest.raises(
+        TypeError,
+        match=r"argument 1 leaf 'count' is not a tensor but a int .* hold the value in a tensor",
+    ):
+        d9d.jit(step, backend="aot_eager")({"w": torch.zeros(3)}, {"count": 0}, torch.ones(3))
