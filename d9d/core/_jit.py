@@ -14,17 +14,23 @@ import torch._dynamo.backends.debugging
 import torch._dynamo.config
 import torch._functorch.config
 import torch._inductor.compile_fx
-from torch.distributed.tensor import DTensor
 
-from .. import tree
 from ..errors import DonatedTreeError, PlanError, RecompileError
 from ._context import current, running
-from ._index_checks import guard_indices, source_name
+from ._donation import (
+    alias_and_mark,
+    check_copies_apart,
+    check_like,
+    check_new_leaves_apart,
+    check_not_donated,
+    check_outputs_apart,
+    copy_into,
+    donated_memory,
+)
+from ._index_checks import guard_indices
 from ._step import OutermostStep, TransformedStep
 
 __all__ = ["Jitted", "jit"]
-
-_DONATED = "_d9d_donated_at_call"
 
 
 class Jitted(OutermostStep):
@@ -68,7 +74,7 @@ class Jitted(OutermostStep):
         functools.update_wrapper(self, step, updated=())
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        _check_copies_apart(graph)
+        check_copies_apart(graph)
         guard_indices(graph)
         compiled = self._compiler(graph, example_inputs)
         # Counted once compiled: a compile that raises to restart the trace (inductor's
@@ -98,17 +104,17 @@ class Jitted(OutermostStep):
                 f"argument i, got {type(out).__name__}; return (params, opt_state, metrics)"
             )
         if not torch.compiler.is_compiling():  # Dynamo gave up on this frame: checked here
-            _check_new_leaves_apart(args, out, self.donate)
+            check_new_leaves_apart(args, out, self.donate)
         for i in self.donate:  # every check before the first copy: a refusal writes nothing
-            _check_like(args[i], out[i], argnum=i)
+            check_like(args[i], out[i], argnum=i)
         for i in self.donate:
-            _copy_into(args[i], out[i])
+            copy_into(args[i], out[i])
         return tuple(None if i in self.donate else o for i, o in enumerate(out))
 
     def __call__(self, *args: Any) -> Any:
         for i in self.donate:
-            _check_not_donated(args[i], argnum=i)
-        donated = _donated_memory(args, self.donate)
+            check_not_donated(args[i], argnum=i)
+        donated = donated_memory(args, self.donate)
         context = None
         config: dict[str, Any] = {"trace_autograd_ops": True}
         if isinstance(self.step, TransformedStep):
@@ -140,8 +146,8 @@ class Jitted(OutermostStep):
         self.calls += 1
         results = list(out)
         for i in self.donate:
-            results[i] = _alias_and_mark(args[i], self.calls)
-        _check_outputs_apart(args, results, donated, self.donate)
+            results[i] = alias_and_mark(args[i], self.calls)
+        check_outputs_apart(args, results, donated, self.donate)
         return tuple(results)
 
     def _stance(self) -> Any:
@@ -317,255 +323,3 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
     return types.MethodType(copy, method.__self__)
-
-
-def _check_like(old: Any, new: Any, *, argnum: int) -> None:
-    """Refuse a new donated tree not laid out like the old one, leaf shapes and dtypes too.
-
-    Raises:
-        TypeError: Another structure, or a leaf of another shape or dtype.
-    """
-    # Paths, not PyTreeSpec equality: this runs while Dynamo traces, and torch 2.11's Dynamo
-    # cannot trace a spec comparison (its optree polyfill's __eq__).
-    if not tree.same_paths(old, new):
-        old_paths, new_paths = set(tree.paths(old)), set(tree.paths(new))
-        missing, unexpected = sorted(old_paths - new_paths), sorted(new_paths - old_paths)
-        raise TypeError(
-            f"donated argument {argnum} is not laid out like the tree the step returned in its "
-            f"place: {missing=} (paths the returned tree lacks), {unexpected=} (paths it "
-            "adds); return a tree of the same structure"
-        )
-    for (path, a), b in zip(tree.flatten_with_paths(old)[0], tree.leaves(new), strict=True):
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-            raise TypeError(
-                f"donated argument {argnum} leaf {path!r} is not a tensor but a "
-                f"{type(a).__name__} (the step returned a {type(b).__name__}); jit writes each "
-                "donated leaf's new value into its tensor: hold the value in a tensor "
-                "(torch.tensor(...)), or build the jit with donate=()"
-            )
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise TypeError(
-                f"donated argument {argnum} leaf {path!r} is {a.dtype}{list(a.shape)} but the "
-                f"step returned {b.dtype}{list(b.shape)}; a donated leaf keeps its shape and dtype"
-            )
-
-
-def _copy_into(old: Any, new: Any) -> None:
-    """Each leaf of ``new`` copied into the matching leaf of ``old`` (checked alike first)."""
-    # One copy_ per leaf, not torch._foreach_copy_: inductor (torch 2.13) lets a later output
-    # read an input that _foreach_copy_ already overwrote (docs/decisions.md has the repro).
-    for a, b in zip(tree.leaves(old), tree.leaves(new), strict=True):
-        a.copy_(b)
-
-
-def _check_not_donated(arg: Any, *, argnum: int) -> None:
-    if not any(hasattr(leaf, _DONATED) for leaf in tree.leaves(arg)):
-        return
-    for path, leaf in tree.flatten_with_paths(arg)[0]:
-        call = getattr(leaf, _DONATED, None)
-        if call is not None:
-            raise DonatedTreeError(
-                f"argument {argnum} leaf {path!r} was donated to call {call} of this step and "
-                "its buffer now holds newer values; pass the tree that call returned"
-            )
-
-
-# A buffer (its device and address) -> (argument, leaf index, leaf) of each donated leaf in it.
-_Buffers = dict[tuple[torch.device, int], list[tuple[int, int, Any]]]
-
-
-def _local(leaf: Any) -> torch.Tensor | None:
-    """The tensor holding ``leaf``'s elements (a DTensor's local tensor); None for a leaf that
-    is not a plain tensor or holds no memory."""
-    local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
-    if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.is_meta:
-        return None
-    return local if local.numel() else None
-
-
-def _buffer(local: torch.Tensor) -> tuple[torch.device, int]:
-    return local.device, local.untyped_storage().data_ptr()
-
-
-def _bytes(local: torch.Tensor) -> tuple[int, int]:
-    """The first byte of its buffer ``local`` reads and one past its last."""
-    start = local.storage_offset()
-    end = start + 1 + sum((n - 1) * s for n, s in zip(local.shape, local.stride(), strict=True))
-    return start * local.element_size(), end * local.element_size()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors on one buffer read some byte in common (spans, not elements: two
-    interleaved views count as overlapping)."""
-    (a_start, a_end), (b_start, b_end) = _bytes(a), _bytes(b)
-    return a_start < b_end and b_start < a_end
-
-
-def _leaf_name(arg: Any, index: int, *, kind: str, argnum: int) -> str:
-    return f"{kind} {argnum} leaf {tree.flatten_with_paths(arg)[0][index][0]!r}"
-
-
-def _donated_memory(args: Sequence[Any], donate: Sequence[int]) -> _Buffers:
-    """The buffers of the donated leaves, after checking that no two leaves overlap: each is
-    overwritten with its own new value, so one would overwrite the other's (the same tensor
-    twice, or a view of another, gave both the last value written).
-
-    Raises:
-        DonatedTreeError: Two donated leaves share memory.
-    """
-    buffers: _Buffers = {}
-    for i in donate:
-        for index, leaf in enumerate(tree.leaves(args[i])):  # paths only for the message
-            local = _local(leaf)
-            if local is not None:
-                buffers.setdefault(_buffer(local), []).append((i, index, local))
-    for held in buffers.values():
-        if len(held) < 2:
-            continue
-        spans = sorted((*_bytes(local), i, index) for i, index, local in held)
-        reach, widest = spans[0][1], spans[0]
-        for span in spans[1:]:
-            if span[0] < reach:
-                first, second = (
-                    _leaf_name(args[i], index, kind="argument", argnum=i)
-                    for _, _, i, index in (widest, span)
-                )
-                raise DonatedTreeError(
-                    f"{first} and {second} share memory (one tensor passed twice, or a "
-                    "view of another); jit writes each donated leaf's new value into its "
-                    "own buffer, so one would overwrite the other: pass separate tensors "
-                    "(clone one of them), or build the jit with donate=()"
-                )
-            if span[1] > reach:
-                reach, widest = span[1], span
-    return buffers
-
-
-def _check_outputs_apart(
-    args: Sequence[Any], results: Sequence[Any], donated: _Buffers, donate: Sequence[int]
-) -> None:
-    """Refuse an output (not donated) that shares memory with a donated leaf: the call has
-    overwritten that leaf with its new value, where the eager step returns the old one.
-
-    Raises:
-        DonatedTreeError: An output leaf shares memory with a donated argument's leaf.
-    """
-    for k, out in enumerate(results):
-        if k in donate:
-            continue
-        for index, leaf in enumerate(tree.leaves(out)):
-            local = _local(leaf)
-            for i, donated_index, other in (
-                donated.get(_buffer(local), ()) if local is not None else ()
-            ):
-                if _overlap(local, other):
-                    output = _leaf_name(out, index, kind="output", argnum=k)
-                    argument = _leaf_name(args[i], donated_index, kind="argument", argnum=i)
-                    raise DonatedTreeError(
-                        f"{output} of the step shares memory with {argument} (it is that "
-                        "tensor, or a view of it), which this call overwrote with its new "
-                        "value; the eager step returns the old one: return a copy (.clone()) of "
-                        "it. The donated trees passed to this call hold the new values and "
-                        "are donated"
-                    )
-
-
-def _refuse_copy_of_donated(new: str, old: str) -> DonatedTreeError:
-    return DonatedTreeError(
-        f"the step returned, as the new value of {new}, a tensor that shares memory with "
-        f"{old} (it is that tensor, or a view of it); jit overwrites each donated leaf in "
-        "place, one after the other, so the value could be overwritten before it is copied: "
-        "return a copy (.clone()) of it"
-    )
-
-
-def _check_new_leaves_apart(args: Sequence[Any], out: Sequence[Any], donate: Sequence[int]) -> None:
-    """Refuse a new donated leaf that shares memory with another donated leaf (an eager run of
-    :meth:`Jitted._donating_step`; :func:`_check_copies_apart` checks the compiled copies).
-
-    Raises:
-        DonatedTreeError: A new donated leaf is (a view of) another donated input leaf.
-    """
-    donated = _donated_memory(args, donate)
-    for i in donate:
-        for index, leaf in enumerate(tree.leaves(out[i])):
-            local = _local(leaf)
-            for j, other_index, other in (
-                donated.get(_buffer(local), ()) if local is not None else ()
-            ):
-                if (j, other_index) != (i, index) and _overlap(local, other):
-                    raise _refuse_copy_of_donated(
-                        _leaf_name(args[i], index, kind="argument", argnum=i),
-                        _leaf_name(args[j], other_index, kind="argument", argnum=j),
-                    )
-
-
-def _check_copies_apart(graph: torch.fx.GraphModule) -> None:
-    """Refuse a copy into a step input (a donated leaf, :func:`_copy_into`) from a tensor that
-    shares memory with another input copied into: the copies run one after the other, so
-    one could read a buffer already overwritten (a step that kept the old params in its
-    state, ``{"prev": params["w"]}``, kept the new ones).
-
-    Raises:
-        DonatedTreeError: A copy's source is (a view of) another donated leaf.
-    """
-    copies = [
-        node
-        for node in graph.graph.nodes
-        if node.op == "call_method"
-        and node.target == "copy_"
-        and isinstance(node.args[0], torch.fx.Node)
-        and node.args[0].op == "placeholder"
-    ]
-    written: dict[Any, list[torch.fx.Node]] = {}
-    for node in copies:
-        local = _fake_local(node.args[0])
-        if local is not None:
-            written.setdefault(local.untyped_storage()._cdata, []).append(node.args[0])
-    for node in copies:
-        source = _fake_local(node.args[1])
-        for target in (
-            written.get(source.untyped_storage()._cdata, ()) if source is not None else ()
-        ):
-            if target is not node.args[0] and _may_overlap(source, _fake_local(target)):
-                raise _refuse_copy_of_donated(source_name(node.args[0]), source_name(target))
-
-
-def _fake_local(node: Any) -> torch.Tensor | None:
-    """The (fake) tensor holding the elements of a graph node's value, or None."""
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    local = value._local_tensor if isinstance(value, DTensor) else value
-    return local if isinstance(local, torch.Tensor) else None
-
-
-def _may_overlap(a: torch.Tensor, b: Any) -> bool:
-    """:func:`_overlap` of two fake tensors on one buffer; True where a size is symbolic."""
-    sizes = (*a.shape, *a.stride(), *b.shape, *b.stride(), a.storage_offset(), b.storage_offset())
-    return not all(isinstance(size, int) for size in sizes) or _overlap(a, b)
-
-
-def _alias_and_mark(arg: Any, call: int) -> Any:
-    leaves, spec = tree.flatten(arg)
-    fresh = [_alias(leaf) for leaf in leaves]
-    for leaf in leaves:
-        setattr(leaf, _DONATED, call)
-    return tree.unflatten(spec, fresh)
-
-
-def _alias(leaf: Any) -> Any:
-    """A new tensor object on ``leaf``'s buffer, a DTensor on ``leaf``'s own mesh object.
-
-    Not ``DTensor.detach``: after a compiled call it returned ZeRO-1's optimizer state on
-    another, equal mesh object, and Dynamo guards a mesh by identity, so the next call
-    traced the step again (docs/decisions.md).
-    """
-    if not isinstance(leaf, DTensor):
-        return leaf.detach()
-    return DTensor.from_local(
-        leaf.to_local().detach(),
-        leaf.device_mesh,
-        leaf.placements,
-        run_check=False,
-        shape=leaf.shape,
-        stride=leaf.stride(),
-    )
