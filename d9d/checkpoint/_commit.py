@@ -101,10 +101,10 @@ class WriteJob:
                 if done not in ("ok", "discarded"):
                     # Rank 0 removed the folder, but it may have failed before this rank's
                     # writes made it again (its host copy, in save).
-                    held = _claim.abandoned(self.tmp)
-                    if held is not None:
+                    orphan = _claim.abandoned(self.tmp)
+                    if orphan is not None:
                         shutil.rmtree(self.tmp, ignore_errors=True)
-                        held.release()
+                        orphan.release()
                     raise CheckpointSaveError(done)
             return
         try:

@@ -9,6 +9,7 @@ import torch
 from d9d import tree
 from d9d.optim._checks import check_bool, check_non_negative, check_state_dtype, check_unit_interval
 from d9d.optim._transform import (
+    STATE_FIX,
     GradientTransformation,
     by_kind,
     check_same_layout,
@@ -18,8 +19,6 @@ from d9d.optim._transform import (
 )
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
-
-_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"
 
 
 class ScaleByAdamState(NamedTuple):
@@ -107,8 +106,8 @@ def scale_by_adam(
 
     def update(updates: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, Any]:
         check_state(state, ScaleByAdamState, "scale_by_adam")
-        check_same_layout(updates, state.mu, what="mu state", fix=_FIX)
-        check_same_layout(updates, state.nu, what="nu state", fix=_FIX)
+        check_same_layout(updates, state.mu, what="mu state", fix=STATE_FIX)
+        check_same_layout(updates, state.nu, what="nu state", fix=STATE_FIX)
         del params
         count = state.count + 1
         t = count.to(torch.float64)

@@ -9,6 +9,7 @@ import torch
 from d9d import tree
 from d9d.optim._checks import check_unit_interval
 from d9d.optim._transform import (
+    STATE_FIX,
     GradientTransformation,
     by_kind,
     check_same_layout,
@@ -18,8 +19,6 @@ from d9d.optim._transform import (
 )
 
 __all__ = ["ScaleByLionState", "scale_by_lion"]
-
-_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"
 
 
 class ScaleByLionState(NamedTuple):
@@ -63,7 +62,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
 
     def update(updates: Any, state: ScaleByLionState, params: Any = None) -> tuple[Any, Any]:
         check_state(state, ScaleByLionState, "scale_by_lion")
-        check_same_layout(updates, state.mu, what="mu state", fix=_FIX)
+        check_same_layout(updates, state.mu, what="mu state", fix=STATE_FIX)
         del params
         leaves, spec = tree.flatten(updates)
 

@@ -8,11 +8,15 @@ import torch
 
 from d9d import tree
 from d9d.optim._checks import check_bool, check_non_negative
-from d9d.optim._transform import GradientTransformation, by_kind, check_same_layout, check_state
+from d9d.optim._transform import (
+    STATE_FIX,
+    GradientTransformation,
+    by_kind,
+    check_same_layout,
+    check_state,
+)
 
 __all__ = ["TraceState", "trace"]
-
-_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"
 
 
 class TraceState(NamedTuple):
@@ -63,7 +67,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
 
     def update(updates: Any, state: TraceState, params: Any = None) -> tuple[Any, Any]:
         check_state(state, TraceState, "trace")
-        check_same_layout(updates, state.trace, what="trace state", fix=_FIX)
+        check_same_layout(updates, state.trace, what="trace state", fix=STATE_FIX)
         del params
         leaves, spec = tree.flatten(updates)
 

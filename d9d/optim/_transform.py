@@ -19,6 +19,7 @@ from d9d.core._gather import local_like
 from d9d.errors import OptimTreeMismatchError
 
 __all__ = [
+    "STATE_FIX",
     "GradientTransformation",
     "apply_updates",
     "by_kind",
@@ -222,6 +223,10 @@ def zero_count(params: Any) -> torch.Tensor:
     leaves = tree.leaves(params)
     device = leaves[0].device if leaves else torch.device("cpu")
     return torch.zeros((), dtype=torch.int64, device=device)
+
+
+STATE_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"
+"""The advice that ends the message of a per-param state laid out unlike the grads."""
 
 
 def check_state(state: Any, kind: type, owner: str) -> None:
