@@ -18,7 +18,7 @@ import fcntl
 import os
 from pathlib import Path
 
-__all__ = ["Claim", "abandoned", "claim", "held"]
+__all__ = ["Claim", "abandoned", "claim"]
 
 
 class Claim:
@@ -71,8 +71,10 @@ def claim(folder: Path) -> Claim:
         os.close(fd)
 
 
-def abandoned(folder: Path) -> Claim | None:
-    """A claim on ``folder`` if no live save holds it, else ``None`` (also when unprovable).
+def abandoned(folder: Path, *, unlockable: bool = False) -> Claim | None:
+    """A claim on ``folder`` if no live save holds it, else ``None`` (also when unprovable,
+    unless ``unlockable``: then a folder that cannot be locked counts as abandoned, with a
+    claim that holds no lock, as ``sweep`` takes it at a run's start).
 
     Remove the folder while holding the returned claim, then release it.
     """
@@ -81,25 +83,11 @@ def abandoned(folder: Path) -> Claim | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held by a save in flight, or locks unsupported: not provably abandoned
+    except OSError as exc:  # held by a save in flight, or locks unsupported
         os.close(fd)
-        return None
+        held = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        return Claim(None) if unlockable and not held else None
     if not _still_named(fd, folder):  # committed (renamed) or removed since it was listed
         os.close(fd)
         return None
     return Claim(fd)
-
-
-def held(folder: Path) -> bool:
-    """Whether a live save provably holds ``folder``: its lock is taken (False where locks
-    are unsupported, or the folder is gone)."""
-    fd = _open(folder)
-    if fd is None:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
-        os.close(fd)  # also drops the lock this took
-    return False

@@ -75,7 +75,9 @@ def array_file(path: str) -> str:
     """The folder (relative to the checkpoint) of the array of leaf ``path``.
 
     The path URL-quoted; one longer than a file name may be (255 bytes) is cut and ends
-    with a hash of the whole path instead. Restores read the name from the metadata.
+    with a hash of the whole path instead. Restores read the name from the metadata and
+    refuse one that is not this (another leaf's folder: values swapped, checksums passing):
+    a change of this naming is a change of ``FORMAT``.
     """
     name = quote(path, safe="") or "root"
     if not name.strip("."):  # "." and ".." are not folder names
@@ -381,8 +383,12 @@ def sweep(directory: str | os.PathLike[str]) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    doomed = sorted(p for p in directory.glob(f"step_*{_TMP}*") if p.is_dir())
-    doomed = [p for p in doomed if not _claim.held(p)]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
+    removed = []
+    for path in sorted(p for p in directory.glob(f"step_*{_TMP}*") if p.is_dir()):
+        claim = _claim.abandoned(path, unlockable=True)
+        if claim is None:  # a live save's (or gone)
+            continue
+        shutil.rmtree(path, ignore_errors=True)  # holding its lock: no save claims it meanwhile
+        claim.release()
+        removed.append(path)
+    return removed

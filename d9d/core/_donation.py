@@ -196,12 +196,23 @@ def check_new_leaves_apart(args: Sequence[Any], out: Sequence[Any], donate: Sequ
         DonatedTreeError: A new donated leaf is (a view of) another donated input leaf.
     """
     donated = donated_memory(args, donate)
+    # A leaf returned as it came is copied onto itself: nothing overwrites it.
+    kept = {
+        (i, index)
+        for i in donate
+        for index, (old, new) in enumerate(
+            zip(tree.leaves(args[i]), tree.leaves(out[i]), strict=False)
+        )
+        if old is new
+    }
     for i in donate:
         for index, leaf in enumerate(tree.leaves(out[i])):
             local = _local(leaf)
             for j, other_index, other in (
                 donated.get(_buffer(local), ()) if local is not None else ()
             ):
+                if (j, other_index) in kept:
+                    continue
                 if (j, other_index) != (i, index) and _overlap(local, other):
                     raise _refuse_copy_of_donated(
                         _leaf_name(args[i], index, kind="argument", argnum=i),
@@ -228,6 +239,8 @@ def check_copies_apart(graph: torch.fx.GraphModule) -> None:
     ]
     written: dict[Any, list[torch.fx.Node]] = {}
     for node in copies:
+        if node.args[1] is node.args[0]:  # an input returned as it came: nothing overwrites it
+            continue
         local = _fake_local(node.args[0])
         if local is not None:
             written.setdefault(local.untyped_storage()._cdata, []).append(node.args[0])

@@ -248,9 +248,13 @@ def _check_buffers_kept(
         return
     written = [p for p, version in versions.items() if buffers[p]._version != version]
     if written:
+        # Named by their modules too: aten's batch_norm writes running_mean and running_var
+        # without bumping their versions; its num_batches_tracked counts the call.
+        owners = sorted({p.rpartition(".")[0] or "the root module" for p in written})
         raise ValueError(
-            f"the module's forward wrote its buffers {written} in place (BatchNorm's running "
-            "statistics in training mode, a cache): apply is a pure function of params and "
+            f"the module's forward wrote its buffers {written} in place (in {owners}: "
+            "BatchNorm's running statistics in training mode, a cache): apply is a pure "
+            "function of params and "
             "inputs, and such state would differ between ranks and be lost by checkpoints. "
             "Put those modules in eval mode, build them without running state "
             "(track_running_stats=False), or use a norm without it (LayerNorm, RMSNorm)"

@@ -125,14 +125,16 @@ def check_placed(params: Any, plan: Plan) -> None:
 
 def leaf_kinds(state: Any) -> tuple[str, ...]:
     """What each leaf of ``state`` is (``tree.leaves`` order): a DTensor, a plain tensor, or
-    another object (its type's name)."""
+    a Python value."""
     return tuple(_kind(leaf) for leaf in tree.leaves(state))
 
 
 def _kind(leaf: Any) -> str:
+    """A tensor leaf's layout; any other leaf (a Python number whose type may change between
+    steps, a loss scale halving to a float) is a value alike."""
     if isinstance(leaf, DTensor):
         return "a DTensor"
-    return "a plain tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+    return "a plain tensor" if isinstance(leaf, torch.Tensor) else "a Python value"
 
 
 def check_placed_state(opt_state: Any, placed: tuple[str, ...]) -> None:

@@ -30,6 +30,7 @@ from ._routing import Routing
 
 __all__ = [
     "balance_losses",
+    "check_loads_in_mesh",
     "data_mean",
     "global_load",
     "load_balance",
@@ -50,14 +51,6 @@ def global_load(expert_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, int
     counts = counts.index_add(0, flat, torch.ones_like(flat, dtype=torch.float32))
     counts[n_experts] = expert_ids.shape[0]
     step = current()
-    beyond = [r.tokens_beyond_mesh for r in step.runtimes if r.tokens_beyond_mesh] if step else []
-    if beyond:
-        raise PlanError(
-            f"d9d.moe sums its expert loads over the step's mesh only, and under {beyond[0]}: "
-            "each group would weigh its balance loss and nudge its router biases by its own "
-            "loads, and the groups' params would drift apart; train a MoE model without "
-            "d9d.fault_tolerant (d9d.diloco averages whole params every H steps and runs it)"
-        )
     ranks = 1
     for group, size in step.plan.token_groups if step is not None else ():
         counts = _c10d.wait_tensor(_c10d.all_reduce(counts, "sum", group))
@@ -101,6 +94,24 @@ def data_mean(value: Tensor) -> Tensor:
         value = _c10d.wait_tensor(_c10d.all_reduce(value, "sum", group))
         ranks *= size
     return value / ranks
+
+
+def check_loads_in_mesh(config: MoEConfig) -> None:
+    """Raise if the layer balances by its loads (``aux_loss_coef``, ``z_loss_coef``,
+    ``bias_update_rate``) in a step whose grads are averaged with tokens outside its mesh
+    (``fault_tolerant``'s other replica groups), which :func:`global_load` cannot count."""
+    step = current()
+    if step is None or not (config.aux_loss_coef or config.z_loss_coef or config.bias_update_rate):
+        return
+    beyond = [r.tokens_beyond_mesh for r in step.runtimes if r.tokens_beyond_mesh]
+    if beyond:
+        raise PlanError(
+            f"d9d.moe sums its expert loads over the step's mesh only, and under {beyond[0]}: "
+            "each group would weigh its balance losses by its own loads (not one device's "
+            "objective) and nudge its router biases by them (the groups' params would drift "
+            "apart); set aux_loss_coef, z_loss_coef and bias_update_rate to 0, or train it "
+            "under d9d.diloco (which averages whole params every H steps) instead"
+        )
 
 
 def balance_losses(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import grouped_gemm, moe_permute, moe_unpermute, swiglu
-from ._balance import balance_losses, global_load, sequence_sum
+from ._balance import balance_losses, check_loads_in_mesh, global_load, sequence_sum
 from ._config import MoEConfig
 from ._routing import route
 
@@ -182,6 +182,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat, self.router.weight)
         routing = route(logits, self.config, self.router.expert_bias)
+        check_loads_in_mesh(self.config)
         load, tokens, ranks = global_load(routing.expert_ids, self.config.n_experts)
         aux_loss = balance_losses(logits, routing, load, tokens, ranks, self.config)
         dispatch = self.dispatch if self.token_dispatch is None else self.token_dispatch

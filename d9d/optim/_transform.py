@@ -86,9 +86,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             got = f"{len(state)} entries" if isinstance(state, tuple) else type(state).__name__
             raise OptimTreeMismatchError(
-                f"chain of {len(transforms)} transformations got a state of {got}: it is "
-                "another optimizer's state; pass the one this optimizer's init returned "
-                "(opt.init(params)), or the previous step's"
+                f"chain of {len(transforms)} transformations got a state of {got} (another "
+                "optimizer's state, or one restored without a target?); pass the one this "
+                "optimizer's init returned (opt.init(params)), or the previous step's"
             )
         new_state = []
         for transform, inner_state in zip(transforms, state, strict=True):
@@ -235,8 +235,9 @@ def check_state(state: Any, kind: type, owner: str) -> None:
     if not isinstance(state, kind):
         raise OptimTreeMismatchError(
             f"{owner}'s update got a state of type {type(state).__name__}, not its own "
-            f"{kind.__name__}: it is another optimizer's state; pass the one this optimizer's "
-            "init returned (opt.init(params)), or the previous step's"
+            f"{kind.__name__} (another optimizer's state, or one restored without a "
+            "target?); pass the one this optimizer's init returned (opt.init(params)), or the "
+            "previous step's"
         )
 
 

@@ -345,6 +345,16 @@ def test_a_new_donated_leaf_that_is_another_donated_input_is_refused_by_name() -
     assert_trees_all_close(got[0], {"a": w[:1], "b": w[1:]}, rtol=0, atol=0)
     assert w.tolist() == [0.0, 1.0, 2.0, 3.0]
 
+    # A new leaf that is another input returned as it came in its own place (a lookahead step
+    # resetting the params to the snapshot its state keeps): that input is not overwritten.
+    def reset(params, opt_state, x):
+        return {"w": opt_state["slow"]}, opt_state, {}
+
+    params, state = {"w": torch.ones(3)}, {"slow": torch.zeros(3)}
+    eager = reset(_clone(params), _clone(state), x)
+    got = d9d.jit(reset, backend="aot_eager")(params, state, x)
+    assert_trees_all_close(got[:2], eager[:2], rtol=0, atol=0)
+
 
 def test_a_refused_donated_tree_leaves_every_donated_buffer_as_it_was() -> None:
     """The params were written before the state's layout was checked: the call raised with the

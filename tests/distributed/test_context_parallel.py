@@ -203,7 +203,7 @@ def test_a_sequence_whose_part_does_not_split_over_tp_names_the_length_to_use() 
         RankFailedError,
         match=r"IndivisibleError: .*activations \(8, 3, 64\) \(this rank's 3 positions of "
         r"sequences of 6, which context parallelism splits 2 ways\) over 2 'tp' ranks; use a "
-        r"sequence length divisible by 4,",
+        r"sequence length divisible by 4 that context parallelism also splits",
     ):
         run_on_ranks(rank, 4)
 

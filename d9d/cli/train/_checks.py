@@ -128,7 +128,8 @@ def check_flags(config: TrainConfig) -> None:
                 else "a checkpoint folder (out/checkpoints/step_N)"
             )
             raise DataError(f"{flag} {str(path)!r} does not exist; pass {what}")
-    if config.data is not None and Path(config.data).is_dir():
+    data_folder = config.data is not None and Path(config.data).is_dir()
+    if data_folder and not (Path(config.data) / "train.bin").is_file():  # its files are read
         data, out = Path(config.data).resolve(), Path(config.out).resolve()
         if out.is_relative_to(data):
             raise DataError(

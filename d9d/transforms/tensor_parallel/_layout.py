@@ -113,6 +113,11 @@ def _check_sequence(x: torch.Tensor, dim: int, size: int, axis: str) -> None:
         )
         raise IndivisibleError(
             f"sequence parallelism splits dim {dim} of activations {tuple(x.shape)}{held} "
-            f"over {size} {axis!r} ranks; use a sequence length divisible by {parts * size}, "
-            "or tensor_parallel(..., sequence_parallel=False)"
+            f"over {size} {axis!r} ranks; use a sequence length divisible by {parts * size}"
+            + (
+                " that context parallelism also splits (zigzag needs 2 chunks a rank)"
+                if parts > 1
+                else ""
+            )
+            + ", or tensor_parallel(..., sequence_parallel=False)"
         )
