@@ -54,6 +54,19 @@ def _examples() -> list[Any]:
     return params
 
 
+@pytest.fixture
+def kernel_backends_restored():
+    """The kernel registry as it was: ``register_backend``'s Example registers a backend, and
+    the registry is process-wide (a later test in this worker listed it among swiglu's)."""
+    from d9d.kernels import _registry
+
+    saved = {name: dict(op.backends) for name, op in _registry._OPS.items()}
+    yield
+    for name, op in _registry._OPS.items():
+        op.backends = saved.get(name, op.backends)
+
+
+@pytest.mark.usefixtures("kernel_backends_restored")
 @pytest.mark.parametrize("test", _examples())
 def test_every_public_docstring_example_runs(test: doctest.DocTest | ValueError) -> None:
     if isinstance(test, ValueError):
