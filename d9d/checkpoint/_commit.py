@@ -27,12 +27,21 @@ from . import _claim, _format
 from ._claim import Claim
 from ._layout import box_slices, brief, to_numpy
 
-__all__ = ["SaveHandle", "Write", "WriteJob"]
+__all__ = ["SaveHandle", "Write", "WriteJob", "post_failure"]
 
 # How long a rank waits for the others to finish writing (or rank 0 to commit).
 _COMMIT_TIMEOUT = timedelta(minutes=30)
 # How often a held save checks that the program has not ended without commit() or discard().
 _HELD_POLL_S = 0.5
+
+
+def post_failure(store: Any, key: str, rank: int, why: str) -> None:
+    """Post that this rank's part of save ``key`` failed: rank 0 the result every rank waits
+    for (``key/done``), another rank its outcome, which rank 0 waits for (``key/rank<r>``)."""
+    if rank == 0:
+        store.set(f"{key}/done", f"rank 0 did not commit: {why}")
+    else:
+        store.set(f"{key}/rank{rank}", why)
 
 
 @dataclass(frozen=True)
@@ -93,19 +102,20 @@ class WriteJob:
 
     def _finish(self, error: BaseException | None) -> None:
         if self.rank != 0:
-            outcome = "ok" if error is None else brief(error)
-            self.store.set(f"{self.key}/rank{self.rank}", outcome)
-            if error is None:
-                self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
-                done = self.store.get(f"{self.key}/done").decode()
-                if done not in ("ok", "discarded"):
-                    # Rank 0 removed the folder, but it may have failed before this rank's
-                    # writes made it again (its host copy, in save).
-                    orphan = _claim.abandoned(self.tmp)
-                    if orphan is not None:
-                        shutil.rmtree(self.tmp, ignore_errors=True)
-                        orphan.release()
-                    raise CheckpointSaveError(done)
+            if error is not None:
+                post_failure(self.store, self.key, self.rank, brief(error))
+                return
+            self.store.set(f"{self.key}/rank{self.rank}", "ok")
+            self.store.wait([f"{self.key}/done"], _COMMIT_TIMEOUT)
+            done = self.store.get(f"{self.key}/done").decode()
+            if done not in ("ok", "discarded"):
+                # Rank 0 removed the folder, but it may have failed before this rank's
+                # writes made it again (its host copy, in save).
+                orphan = _claim.abandoned(self.tmp)
+                if orphan is not None:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    orphan.release()
+                raise CheckpointSaveError(done)
             return
         try:
             failures = [] if error is None else [f"rank 0: {brief(error)}"]
@@ -149,7 +159,7 @@ class WriteJob:
             shutil.rmtree(self.tmp, ignore_errors=True)  # no-op once committed (renamed)
             if self.world > 1:
                 why = str(exc) if isinstance(exc, CheckpointSaveError) else brief(exc)
-                self.store.set(f"{self.key}/done", f"rank 0 did not commit: {why}")
+                post_failure(self.store, self.key, 0, why)
             raise
         finally:
             if self.claim is not None:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from .. import tree as tree_lib
 from ..errors import CheckpointExistsError
 from . import _claim, _format
-from ._commit import SaveHandle, Write, WriteJob
+from ._commit import SaveHandle, Write, WriteJob, post_failure
 from ._host_memory import host_empty
 from ._layout import brief, chunk_shape, dtype_name, layout_of, local_box, writes_box
 
@@ -154,15 +154,6 @@ def _plan(
     return creates, writes
 
 
-def _post_failure(store: Any, key: str, rank: int, error: BaseException) -> None:
-    """Post what the background half of a save posts when it fails (``_commit.py``): rank 0
-    the result every rank waits for, another rank its outcome that rank 0 waits for."""
-    name = f"{key}/done" if rank == 0 else f"{key}/rank{rank}"
-    outcome = f"rank 0 did not commit: {brief(error)}" if rank == 0 else brief(error)
-    with contextlib.suppress(RuntimeError):  # a store that is gone: raise the error itself
-        store.set(name, outcome)
-
-
 def save(
     directory: str | os.PathLike[str],
     tree: Any,
@@ -260,7 +251,8 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             claim.release()
         if agreed:  # the other ranks' saves are under way: post the failure, so none waits
-            _post_failure(store, f"d9d/ckpt/{nonce}", rank, exc)
+            with contextlib.suppress(RuntimeError):  # a store that is gone: raise the error
+                post_failure(store, f"d9d/ckpt/{nonce}", rank, brief(exc))
         raise
     meta = {
         "format": _format.FORMAT,

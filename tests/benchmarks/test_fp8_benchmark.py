@@ -3,24 +3,17 @@ and its SQNR is the textbook one. Its rows are checked by the GPU suite's smoke 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 import d9d
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("fp8_bench", ROOT / "benchmarks" / "fp8.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("fp8")
 
 
 def test_sqnr_db(bench):

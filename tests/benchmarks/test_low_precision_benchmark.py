@@ -4,23 +4,15 @@ Stochastic rounding ends within 1% of float32 master weights; round-to-nearest d
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def low_precision():
-    path = ROOT / "benchmarks" / "low_precision.py"
-    spec = importlib.util.spec_from_file_location("low_precision", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def low_precision(load_benchmark):
+    return load_benchmark("low_precision")
 
 
 @pytest.fixture

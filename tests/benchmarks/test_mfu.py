@@ -3,21 +3,14 @@ losses from the same weights and batches) and the report's figures follow from i
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def mfu():
-    spec = importlib.util.spec_from_file_location("mfu", ROOT / "benchmarks" / "mfu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def mfu(load_benchmark):
+    return load_benchmark("mfu")
 
 
 def test_transformers_baseline_trains_the_same_function(mfu, tmp_path):

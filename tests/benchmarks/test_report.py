@@ -5,7 +5,6 @@ refuses for a ``store_true`` flag)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shlex
 from pathlib import Path
 
@@ -15,11 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def report():
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def report(load_benchmark):
+    return load_benchmark("report")
 
 
 def _parser() -> argparse.ArgumentParser:
