@@ -21,6 +21,7 @@ class TrainConfig:
     seed: int = 0
     out: Path = Path("runs/train")
     data: Path | None = None  # None: the Python standard library's own source files
+    token_dtype: str = "uint16"  # the ids of a .bin --data file: "uint16" or "uint32"
     vocab_size: int | None = None  # None: the preset's
     warmup: int = 20
     weight_decay: float = 0.1

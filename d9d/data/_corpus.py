@@ -34,7 +34,10 @@ def _sort_key(root: Path, path: Path) -> tuple[str, ...]:
     return path.relative_to(root).parts
 
 
-def _directory_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
+def corpus_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
+    """The files under ``root`` that ``byte_corpus`` reads (those ending in one of
+    ``suffixes``, or all with ``None``), hidden files and folders and ``__pycache__`` left
+    out, in a path order that is the same on every OS."""
     found = []
     for directory, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
@@ -126,7 +129,7 @@ def byte_corpus(
         remaining = None if max_bytes is None else max_bytes - len(stream)
         if remaining is not None and remaining <= 0:
             break
-        files = _directory_files(path, suffixes) if path.is_dir() else [path]
+        files = corpus_files(path, suffixes) if path.is_dir() else [path]
         documents, count = _read_documents(files, remaining)
         if count == 0:
             what = f"files ending with {suffixes}" if suffixes else "non-empty files"

@@ -17,6 +17,7 @@ from d9d import checkpoint
 from d9d.checkpoint import _format
 from d9d.cli import main
 from d9d.cli.train import _run as _train
+from d9d.cli.train._data import training_tokens
 
 
 def _args(out: Path, *extra: str) -> list[str]:
@@ -367,9 +368,32 @@ def test_a_vocab_past_what_uint16_token_ids_hold_is_refused(
     args = _args(tmp_path / "run", "--data", str(tmp_path / "t.bin"), "--vocab-size", "70000")
     assert main(args) == 2
     err = _err(capsys).strip().splitlines()
-    assert len(err) == 1
-    assert "vocab_size is 70000, but --data is read as uint16 token ids" in err[0]
-    assert "pass --vocab-size 65536 or less" in err[0]
+    assert len(err) == 2 and err[0].startswith("d9d train: --data: reading uint16 token ids")
+    assert "vocab_size is 70000, but --data is read as uint16 token ids" in err[1]
+    assert "pass --token-dtype uint32 if it holds uint32 ids" in err[1]
+
+
+def test_uint32_token_ids_train_as_the_same_ids_in_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A vocab above 65,536 (Llama 3's 128,256) needs uint32 ids: d9d train read only uint16.
+    ids = np.random.default_rng(0).integers(0, 70_000, 4096)
+    ids.astype(np.uint32).tofile(tmp_path / "t.bin")
+    vocab = ("--vocab-size", "70000", "--steps", "2")
+    run = _args(tmp_path / "run", "--data", str(tmp_path / "t.bin"), "--token-dtype", "uint32")
+    assert main([*run, *vocab]) == 0
+    assert "reading uint32 token ids from" in _err(capsys)
+    assert training_tokens(tmp_path / "t.bin", "uint32").tolist() == ids.tolist()
+    # The same file read as uint16 names the flag; uint16 ids read as uint32 are refused.
+    assert main(_args(tmp_path / "a", "--data", str(tmp_path / "t.bin"), *vocab)) == 2
+    assert "--token-dtype uint32" in _err(capsys)
+    ids.astype(np.uint16).tofile(tmp_path / "u16.bin")
+    wide = _args(tmp_path / "b", "--data", str(tmp_path / "u16.bin"), "--token-dtype", "uint32")
+    assert main([*wide, *vocab]) == 2
+    assert "or --token-dtype uint16, if the file holds uint16 ids" in _err(capsys)
+    # Text data has no token dtype: the flag is refused, not ignored.
+    assert main(_args(tmp_path / "c", "--token-dtype", "uint32")) == 2
+    assert "--token-dtype uint32 applies to a .bin token file" in _err(capsys)
 
 
 def test_binary_files_in_a_text_folder_are_refused_not_read_as_text(

@@ -67,7 +67,14 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         "--data",
         type=Path,
         default=None,
-        help="text file or folder, or a .bin uint16 token file (default: the Python standard library sources)",
+        help="text file or folder, or a .bin token file (default: the Python standard library sources)",
+    )
+    run.add_argument(
+        "--token-dtype",
+        choices=("uint16", "uint32"),
+        default=defaults.token_dtype,
+        help="the ids of a .bin --data file: uint16 (nanoGPT's, vocabularies up to 65,536) or "
+        "uint32 (default %(default)s)",
     )
     run.add_argument(
         "--vocab-size", type=int, default=None, help="override the preset's vocab size"

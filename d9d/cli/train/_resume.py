@@ -52,6 +52,7 @@ SCHEDULE_FLAGS = (
     "seq_len",
     "seed",
     "data",
+    "token_dtype",
     "vocab_size",
     "eval_fraction",
 )
@@ -80,6 +81,7 @@ def _schedule(config: dict[str, Any]) -> dict[str, Any]:
     """The schedule flags of a ``config.json`` dict, warmup as the schedule uses it."""
     values = {name: config.get(name) for name in SCHEDULE_FLAGS}
     values["model"] = values["model"] or "llama"  # runs from before --model were all llama
+    values["token_dtype"] = values["token_dtype"] or "uint16"  # and before --token-dtype, uint16
     # Tokens are held out of training only while evaluating: 0.0 means none.
     values["eval_fraction"] = values["eval_fraction"] if config.get("eval_every") else 0.0
     if isinstance(values["warmup"], int) and isinstance(values["steps"], int):

@@ -53,20 +53,25 @@ def _model_config(config: TrainConfig, tokens: np.ndarray) -> LlamaConfig | MoEC
     model_config = (MoEConfig if config.model == "moe" else LlamaConfig).preset(config.preset)
     if config.vocab_size is not None:
         model_config = replace(model_config, vocab_size=config.vocab_size)
-    if isinstance(tokens, np.memmap):  # a .bin file, read as uint16 ids (training_tokens)
-        capacity = int(np.iinfo(tokens.dtype).max) + 1
-        if model_config.vocab_size > capacity:
-            raise DataError(
-                f"the model's vocab_size is {model_config.vocab_size}, but --data is read as "
-                f"{tokens.dtype} token ids, which hold only {capacity:,} ids: a file written "
-                f"with wider ids (uint32) would be read as pairs of wrong ids; pass --vocab-size "
-                f"{capacity} or less for {tokens.dtype} ids (d9d train reads no other dtype yet)"
-            )
+    uint16_file = isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+    if uint16_file and model_config.vocab_size > 2**16:
+        raise DataError(
+            f"the model's vocab_size is {model_config.vocab_size}, but --data is read as "
+            "uint16 token ids, which hold only 65,536 ids: a file written with wider ids "
+            "would be read as pairs of wrong ids; pass --token-dtype uint32 if it holds "
+            "uint32 ids, or --vocab-size 65536 or less for uint16 ids"
+        )
     largest = int(tokens.max())
     if largest >= model_config.vocab_size:
         raise DataError(
             f"the data holds token id {largest} but the model's vocab_size is "
             f"{model_config.vocab_size}; pass --vocab-size {largest + 1} or more"
+            + (
+                " (or --token-dtype uint16, if the file holds uint16 ids: read as uint32, "
+                "each pair of them is one id)"
+                if largest >= 2**16 and tokens.dtype == np.uint32
+                else ""
+            )
         )
     if config.seq_len > model_config.max_seq_len:
         raise ValueError(
@@ -223,7 +228,7 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
     if rank0:  # no save is in flight yet: whatever is unfinished is a dead run's
         for path in checkpoint.sweep(directory):
             resume.say(f"removed {str(path)!r}, left by an interrupted save")
-    loader = _loader(config, training_tokens(config.data))
+    loader = _loader(config, training_tokens(config.data, config.token_dtype))
     model_config = _model_config(config, loader.tokens)
     if config.eval_every:
         train_tokens, held_out = split_held_out(loader.tokens, config.eval_fraction)
