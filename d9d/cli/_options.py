@@ -98,13 +98,16 @@ def check_fp8_flags(fp8: str | None, include: Any, exclude: Any, gather: bool) -
         )
 
 
-def add_preset(parser: argparse.ArgumentParser, default: str) -> None:
-    """``--preset``: a model family's named size."""
+def add_preset(
+    parser: argparse.ArgumentParser, default: str | None, *, shown: str | None = None
+) -> None:
+    """``--preset``: a model family's named size; ``shown`` is the default the help names
+    when ``default`` is None (the command resolves it)."""
     parser.add_argument(
         "--preset",
         default=default,
         help="llama: tiny, small, 1b or 8b; moe: tiny, small, olmoe-1b-7b, qwen3-30b-a3b or "
-        "deepseek-v3 (default %(default)s)",
+        f"deepseek-v3 (default {shown or default})",
     )
 
 

@@ -320,6 +320,8 @@ def test_hugging_face_config(tmp_path: Path) -> None:
         (["--preset", "tiny"], "--preset tiny is"),
         (["--model", "moe"], "--model moe is"),
         (["--preset", "tiny", "--model", "moe"], "--preset tiny and --model moe are"),
+        (["--preset", "8b"], "--preset 8b is"),  # the default, given: was ignored unseen
+        (["--model", "llama"], "--model llama is"),
     ],
 )
 def test_a_preset_or_model_beside_a_hugging_face_config_is_refused(

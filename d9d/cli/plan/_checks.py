@@ -16,10 +16,16 @@ DEFAULT_PRESET = "8b"
 
 
 def check_layout(
-    model: str, remat: str, hf_config: Path | None, *, preset: str = DEFAULT_PRESET, **axes: Any
+    model: str | None,
+    remat: str,
+    hf_config: Path | None,
+    *,
+    preset: str | None = None,
+    **axes: Any,
 ) -> dict[str, int]:
     """The axis sizes ``{pp, dp, fsdp, ep, cp, tp}`` of ``d9d plan``'s flags (``fsdp``: the ranks
-    the others leave of ``world``).
+    the others leave of ``world``). ``model`` and ``preset`` are None when not given (llama,
+    ``DEFAULT_PRESET``).
 
     Raises:
         ValueError: A flag is out of range, the axes do not make up ``--world``, or
@@ -31,11 +37,8 @@ def check_layout(
     if hf_config is not None:
         given = [
             f"--{name} {value}"
-            for name, value, default in (
-                ("preset", preset, DEFAULT_PRESET),
-                ("model", model, "llama"),
-            )
-            if value != default
+            for name, value in (("preset", preset), ("model", model))
+            if value is not None
         ]
         if given:
             verb, them = ("is", "it") if len(given) == 1 else ("are", "them")
@@ -43,6 +46,7 @@ def check_layout(
                 f"{' and '.join(given)} {verb} not read with --hf-config, whose config.json "
                 f"names the model; drop {them}, or drop --hf-config to plan a preset"
             )
+    model = model or "llama"
     if model not in ("llama", "moe"):
         raise ValueError(f"--model must be llama or moe, got {model!r}")
     if remat not in REMAT:

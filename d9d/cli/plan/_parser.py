@@ -30,9 +30,9 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         "plan",
         help="print the plan, per-rank memory and collectives of a layout on simulated ranks",
     )
-    add_preset(show, DEFAULT_PRESET)
+    add_preset(show, None, shown=DEFAULT_PRESET)  # None: not given (refused with --hf-config)
     show.add_argument(
-        "--model", choices=["llama", "moe"], default="llama", help="model family (default llama)"
+        "--model", choices=["llama", "moe"], default=None, help="model family (default llama)"
     )
     show.add_argument(
         "--hf-config",

@@ -32,9 +32,9 @@ __all__ = ["show_plan"]
 
 
 def show_plan(
-    preset: str = DEFAULT_PRESET,
+    preset: str | None = None,
     *,
-    model: str = "llama",
+    model: str | None = None,
     hf_config: Path | None = None,
     dp: int = 1,
     fsdp: int | None = None,
@@ -61,8 +61,9 @@ def show_plan(
     """The plan table, per-rank memory (AdamW) with activations, and collectives, as text.
 
     Args:
-        preset: A ``LlamaConfig.preset`` (or, with ``model="moe"``, ``MoEConfig.preset``) name.
-        model: ``"llama"`` or ``"moe"``.
+        preset: A ``LlamaConfig.preset`` (or, with ``model="moe"``, ``MoEConfig.preset``) name;
+            None: ``DEFAULT_PRESET`` (8b), or the model of ``hf_config``.
+        model: ``"llama"`` or ``"moe"``; None: ``"llama"``.
         hf_config: A Hugging Face ``config.json`` to plan instead of a preset.
         dp, fsdp, tp, cp, pp: Mesh axis sizes, as ``d9d train`` takes them; ``fsdp`` None:
             the ranks the others leave of ``world`` (1 without ``world``).
@@ -104,6 +105,7 @@ def show_plan(
     """
     given = {"dp": dp, "fsdp": fsdp, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "world": world}
     sizes = _check(model, remat, hf_config, preset=preset, **given)
+    preset, model = preset or DEFAULT_PRESET, model or "llama"
     if zero != 3 and sizes["fsdp"] == 1:
         raise ValueError(f"--zero {zero} shards over --fsdp, which is 1 here; give it ranks")
     check_fp8_flags(fp8, fp8_include, fp8_exclude, fp8_gather)
