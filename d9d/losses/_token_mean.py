@@ -24,7 +24,10 @@ def token_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     ``value_and_grad`` weighs each microbatch by the count it records here, so the step's loss
     is still the mean over all of the step's valid tokens. Use it for any per-token loss you
     write yourself; :func:`cross_entropy` uses it. With no valid token it returns 0 (and zero
-    gradients), not NaN.
+    gradients), not NaN. Half-precision values are summed and divided in float32, and the
+    mean stays there (as :func:`cross_entropy`'s): in their own dtype a float16 sum
+    overflows past 65504 and a bfloat16 one rounds to 8 bits, and under microbatches the
+    mean's grad is the microbatch's token count, which a float16 value could not carry.
 
     Args:
         values: Per-token values, any shape, floating.
@@ -32,7 +35,7 @@ def token_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
             anything finite).
 
     Returns:
-        A 0-d tensor of ``values``' dtype.
+        A 0-d tensor of ``values``' dtype, or float32 where that is wider (a half dtype).
 
     Raises:
         ValueError: ``valid`` is not boolean or its shape differs from ``values``'.
@@ -54,5 +57,6 @@ def token_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         count = _c10d.wait_tensor(_c10d.all_reduce(count, "sum", group))
         ranks *= size
     record_tokens(count)
-    total = torch.where(valid, values, torch.zeros_like(values)).sum()
+    wide = values.to(torch.promote_types(values.dtype, torch.float32))
+    total = torch.where(valid, wide, torch.zeros_like(wide)).sum()
     return total * ranks / count.clamp(min=1)

@@ -182,3 +182,36 @@ def test_an_integer_metric_is_averaged_in_float64() -> None:
         assert metrics["tokens"].dtype == F64
         torch.testing.assert_close(metrics["tokens"], torch.tensor(5 / 4, dtype=F64))
         assert metrics["rows"].tolist() == [[1.5], [0.5]]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "n"), [(torch.float16, 70_000), (torch.bfloat16, 300)], ids=["float16", "bfloat16"]
+)
+def test_a_half_precision_token_mean_weighs_microbatches_in_float32(
+    dtype: torch.dtype, n: int
+) -> None:
+    """A loss whose per-token values are float16 or bfloat16, over 2 microbatches: one of
+    ``n`` valid tokens of 0.5, one of 3 of 1.0. The token mean was of the values' dtype, and
+    each microbatch's weight (its count) with it: a float16 count of 70,000 is inf (loss and
+    grad NaN), a bfloat16 one rounded (loss 0.5039 and grad 0.5033 for 0.50495)."""
+
+    def rank():
+        mesh = d9d.make_mesh("cpu", fsdp=1)
+
+        def loss_fn(params, x):
+            return d9d.losses.token_mean(params["w"].to_local().to(dtype) * x.to(dtype), x > 0)
+
+        def step(params, opt_state, batch):
+            loss, grads = d9d.value_and_grad(loss_fn)(params, batch["x"])
+            return params, opt_state, {"loss": loss, "grad": grads["w"].full_tensor()}
+
+        step = d9d.shard_params(mesh, microbatches=2)(step)
+        params, state = step.place({"w": torch.ones(())}, ())
+        x = torch.zeros(2, n)
+        x[0], x[1, :3] = 0.5, 1.0
+        return step(params, state, {"x": x})[2]
+
+    (metrics,) = run_on_ranks(rank, 1)
+    exact = torch.tensor((0.5 * n + 3) / (n + 3))
+    torch.testing.assert_close(metrics["loss"], exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(metrics["grad"], exact, rtol=1e-3, atol=0)  # half autograd
