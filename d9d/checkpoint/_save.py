@@ -143,7 +143,12 @@ def _plan(
                     f"{rank} (mesh coordinate {coordinate}), but its placements give {shape}: "
                     "build it with distribute_tensor, or from_local(..., shape=, stride=)."
                 )
-            mine, creator = writes_box(layout, coordinate), not any(coordinate)
+            # A leaf held on several meshes (a head tied to the embedding, on the first and
+            # last pipeline stage's) is written by the mesh of its lowest holder only: the
+            # others' origins would create its zarr.json again, and their boxes race.
+            first = holders[path][0] in leaf.device_mesh.mesh.flatten().tolist()
+            mine = first and writes_box(layout, coordinate)
+            creator = first and not any(coordinate)
         else:
             offset, shape, local = (0,) * leaf.ndim, tuple(leaf.shape), leaf
             mine = creator = rank == holders[path][0]
