@@ -108,7 +108,9 @@ def _agree(step: int, nonce: str, records: dict[str, Any]) -> tuple[str, dict, d
 def _host_data(tensor: torch.Tensor, snapshot: bool) -> torch.Tensor:
     """The bytes to write: a host copy, or (a synchronous save on CPU) the tensor itself."""
     if not snapshot and tensor.device.type == "cpu":
-        return tensor.detach().contiguous()
+        # A conjugate or negative view keeps its bit through contiguous(), and its bytes are
+        # the unconjugated ones: resolved here, as the host copy's copy_ resolves them.
+        return tensor.detach().resolve_conj().resolve_neg().contiguous()
     return host_empty(tensor.shape, tensor.dtype).copy_(tensor.detach())
 
 
