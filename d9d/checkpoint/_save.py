@@ -108,7 +108,9 @@ def _agree(step: int, nonce: str, records: dict[str, Any]) -> tuple[str, dict, d
 def _host_data(tensor: torch.Tensor, snapshot: bool) -> torch.Tensor:
     """The bytes to write: a host copy, or (a synchronous save on CPU) the tensor itself."""
     if not snapshot and tensor.device.type == "cpu":
-        return tensor.detach().contiguous()
+        # A conjugate or negative view keeps its bit through contiguous(), and its bytes are
+        # the unconjugated ones: resolved here, as the host copy's copy_ resolves them.
+        return tensor.detach().resolve_conj().resolve_neg().contiguous()
     return host_empty(tensor.shape, tensor.dtype).copy_(tensor.detach())
 
 
@@ -143,7 +145,12 @@ def _plan(
                     f"{rank} (mesh coordinate {coordinate}), but its placements give {shape}: "
                     "build it with distribute_tensor, or from_local(..., shape=, stride=)."
                 )
-            mine, creator = writes_box(layout, coordinate), not any(coordinate)
+            # A leaf held on several meshes (a head tied to the embedding, on the first and
+            # last pipeline stage's) is written by the mesh of its lowest holder only: the
+            # others' origins would create its zarr.json again, and their boxes race.
+            first = holders[path][0] in leaf.device_mesh.mesh.flatten().tolist()
+            mine = first and writes_box(layout, coordinate)
+            creator = first and not any(coordinate)
         else:
             offset, shape, local = (0,) * leaf.ndim, tuple(leaf.shape), leaf
             mine = creator = rank == holders[path][0]

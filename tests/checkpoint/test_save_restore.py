@@ -93,6 +93,19 @@ def test_leaf_paths_longer_than_a_file_name_round_trip(tmp_path: Path) -> None:
     assert_trees_all_equal(checkpoint.restore(path), tree)
 
 
+@pytest.mark.parametrize("async_", [True, False], ids=["async", "sync"])
+def test_views_round_trip_as_their_values(tmp_path: Path, async_: bool) -> None:
+    # A synchronous save wrote CPU tensors through .contiguous(), which keeps a conjugate or
+    # negative view's bit: the save failed ("view is not supported for conjugate view
+    # tensors"), where the asynchronous one's host copy resolved it.
+    g = torch.Generator().manual_seed(0)
+    z, x = torch.randn(3, 4, dtype=torch.complex64, generator=g), torch.randn(3, 5, generator=g)
+    tree = {"conj": z.conj(), "neg": z._neg_view(), "t": x.t(), "col": x[:, 2], "empty": x[:0]}
+    path = checkpoint.save(tmp_path, tree, step=1, async_=async_).wait()
+    expected = {k: v.resolve_conj().resolve_neg().contiguous() for k, v in tree.items()}
+    assert_trees_all_equal(checkpoint.restore(path, _meta(tree)), expected)
+
+
 @pytest.fixture(scope="module")
 def fsdp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``TREE`` saved by 4 ranks under ``fsdp=4`` (Shard(0), uneven and empty shards)."""

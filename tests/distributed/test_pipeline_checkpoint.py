@@ -20,9 +20,9 @@ from d9d.testing import assert_trees_all_equal, run_on_ranks
 pytestmark = pytest.mark.distributed
 
 
-def _state() -> tuple[d9d.Model, dict]:
+def _state(**config: bool) -> tuple[d9d.Model, dict]:
     """A tiny Llama's params and an AdamW state whose moments are random, not zeros."""
-    model = llama(torch.float32, 4)()
+    model = llama(torch.float32, 4, **config)()
     state = optimizer().init(model.params)
     g = torch.Generator().manual_seed(1)
     state = d9d.tree.map(
@@ -31,9 +31,9 @@ def _state() -> tuple[d9d.Model, dict]:
     return model, {"params": model.params, "opt_state": state}
 
 
-def _placed(pp: int) -> dict:
+def _placed(pp: int, **config: bool) -> dict:
     mesh = d9d.make_mesh("cpu", pp=pp)
-    model, whole = _state()
+    model, whole = _state(**config)
     step = d9d.pipeline(mesh, microbatches=2)(lambda p, s, b: (p, s, {}))
     params, state = step.place(whole["params"], whole["opt_state"], model=model)
     return {"params": params, "opt_state": state}
@@ -74,3 +74,28 @@ def test_pp2_checkpoint_restores_under_pp4_and_one_device(tmp_path: Path) -> Non
     assert sum(counts) == len(whole["params"])
     meta = d9d.tree.map(lambda x: torch.empty_like(x, device="meta"), whole)
     assert_trees_all_equal(_by_path(checkpoint.restore(tmp_path / "step_2", meta)), expected)
+
+
+def test_a_head_tied_to_the_embedding_is_written_once_and_restores_on_every_stage(
+    tmp_path: Path,
+) -> None:
+    """Both end stages hold the tied ``embed.weight`` and its state, each on its own one-rank
+    mesh: only the first stage's writes it (both created its array before, and the save
+    failed with ALREADY_EXISTS)."""
+
+    def save() -> None:
+        checkpoint.save(tmp_path, _placed(2, tie_embeddings=True), step=1).wait()
+
+    run_on_ranks(save, 2)
+    _, whole = _state(tie_embeddings=True)
+    expected = _by_path(whole)
+
+    def restore() -> dict[str, torch.Tensor]:
+        target = d9d.tree.map(torch.zeros_like, _placed(2, tie_embeddings=True))
+        return _by_path(checkpoint.restore(tmp_path / "step_1", target, partial=True))
+
+    for leaves in run_on_ranks(restore, 2):
+        assert "params.embed.weight" in leaves
+        assert_trees_all_equal(leaves, {k: expected[k] for k in leaves})
+    meta = d9d.tree.map(lambda x: torch.empty_like(x, device="meta"), whole)
+    assert_trees_all_equal(_by_path(checkpoint.restore(tmp_path / "step_1", meta)), expected)
