@@ -12,6 +12,13 @@ that are those tensors, or dim-0 slices of them (microbatches), take their name.
 
 Each eager check is one ``aminmax`` over the ids and one read of two integers back to the
 host: on an accelerator, a sync per embedding per forward.
+
+An ``nn.Embedding`` subclass whose own ``forward`` takes something else than the ids (the
+learned positions of OPT and BioGPT take the attention mask, BART's and its kin's the tokens,
+whose shape they read, and look up positions they compute) has its ids checked where its table
+is read: a torch function mode, active during that module's forward only, checks the index of
+each ``F.embedding`` of its weight (before: its first argument, a float mask or token ids past
+its 66 rows, was refused on one device).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.overrides import TorchFunctionMode
 
 from ._index_checks import raise_outside
 
@@ -99,11 +107,16 @@ def embedding_checks(modules: Mapping[str, nn.Module]) -> Iterator[None]:
     if torch.compiler.is_compiling():  # ``d9d.jit`` checks the lookups in its graph
         yield
         return
-    handles = [
-        module.register_forward_pre_hook(_check_hook(path))
-        for path, module in modules.items()
-        if isinstance(module, nn.Embedding)
-    ]
+    handles = []
+    for path, module in modules.items():
+        if not isinstance(module, nn.Embedding):
+            continue
+        if type(module).forward is nn.Embedding.forward:  # the lookup of its first argument
+            handles.append(module.register_forward_pre_hook(_check_hook(path)))
+            continue
+        lookups = _LookupChecks(module, path)
+        handles.append(module.register_forward_pre_hook(lookups.enter))
+        handles.append(module.register_forward_hook(lookups.exit, always_call=True))
     try:
         yield
     finally:
@@ -118,6 +131,33 @@ def _check_hook(path: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
             checked_ids(ids, module.num_embeddings, path)
 
     return check
+
+
+class _LookupChecks(TorchFunctionMode):
+    """Checks the ids of each lookup of ``module``'s table while its own ``forward`` runs
+    (entered by a forward pre-hook, left by a forward hook that runs on errors too), for an
+    ``nn.Embedding`` subclass whose forward computes the ids from what it is given."""
+
+    def __init__(self, module: nn.Embedding, path: str) -> None:
+        super().__init__()
+        self.module, self.path = module, path
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.__enter__()
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.__exit__(None, None, None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.embedding:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            ids = args[0] if args else kwargs.get("input")
+            module = self.module
+            whole = module.weight.shape[0] == module.num_embeddings
+            if weight is module.weight and whole and isinstance(ids, torch.Tensor):
+                checked_ids(ids, module.num_embeddings, self.path)
+        return func(*args, **kwargs)
 
 
 def _collect(name: str, value: Any, out: list[tuple[str, torch.Tensor]]) -> None:

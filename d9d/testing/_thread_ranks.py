@@ -12,17 +12,29 @@ A rank that lags there (the GIL, a loaded machine) would keep the others' tensor
 after they have moved on, so what a rank measures as alive (``KeptBytes``) would depend on
 another thread's timing: the collective lets go of them once it has run
 (:func:`_releasing_collective`).
+
+DTensor caches how it redistributes a tensor (``_gen_transform_infos``, by the two specs) and
+its planners (``get_redistribute_planner``, by the mesh), and both compare meshes by layout,
+not identity; but what they cache holds the calling rank's mesh coordinate, and so its shard
+sizes where a dim is sharded unevenly over two mesh axes (35 rows over ``fsdp=2`` then
+``tp=3``: 6 or 5). Processes each have their own caches; threads share them, so a rank
+redistributed with another's sizes: a shape error, or wrong values with none (a
+``(Shard(0), Shard(0))`` tensor of 35 rows gathered wrong on every rank of a second run;
+StarCoder2's uneven MLP bias at ``fsdp=2 x tp=3``, rel 1.0 and 16 off). While thread ranks
+run, both caches are kept per rank (:func:`_per_rank_caches`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -129,6 +141,40 @@ def _releasing_collective(base: type) -> type:
     return _ReleasingCollective
 
 
+@contextmanager
+def _per_rank_caches() -> Iterator[None]:
+    """DTensor's redistribution caches, kept per rank of the calling thread while the block
+    runs (see the module docstring)."""
+    from torch.distributed.tensor import _redistribute as redistribute
+
+    shared = redistribute._gen_transform_infos, redistribute.get_redistribute_planner
+    planners: dict[Any, Any] = {}
+
+    @functools.cache
+    def of_rank(rank: int, src: Any, dst: Any, graph_based: bool | None) -> Any:
+        return redistribute._gen_transform_infos_non_cached(src, dst, graph_based)
+
+    def transform_infos(src: Any, dst: Any, use_graph_based_transform: bool | None = None) -> Any:
+        return of_rank(dist.get_rank(), src, dst, use_graph_based_transform)
+
+    def planner(mesh: Any, meta: Any) -> Any:
+        if redistribute._are_we_tracing():  # as DTensor's own: a planner per trace
+            return redistribute.DTensorRedistributePlanner(mesh, meta)
+        key = (dist.get_rank(), id(mesh), meta)
+        found = planners.get(key)
+        if found is None or found[0] is not mesh:  # held: its id is not reused meanwhile
+            found = planners[key] = (mesh, redistribute.DTensorRedistributePlanner(mesh, meta))
+        return found[1]
+
+    transform_infos.cache_clear = of_rank.cache_clear  # type: ignore[attr-defined]
+    redistribute._gen_transform_infos = transform_infos
+    redistribute.get_redistribute_planner = planner
+    try:
+        yield
+    finally:
+        redistribute._gen_transform_infos, redistribute.get_redistribute_planner = shared
+
+
 def run_threads(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -155,6 +201,8 @@ def run_threads(
     # registry per thread, as it is per process for real ranks.
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     world = threaded._install_threaded_pg()
+    caches = _per_rank_caches()
+    caches.__enter__()
     collective = threaded.Collective
     threaded.Collective = _releasing_collective(collective)
     if not hasattr(type(world), "comms"):
@@ -218,5 +266,6 @@ def run_threads(
         threaded.ProcessLocalGroup.reset()
         threaded.Collective = collective
         threaded._uninstall_threaded_pg()
+        caches.__exit__(None, None, None)
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     return [o for o in outcomes if o is not None]

@@ -314,3 +314,18 @@ def test_nested_call_is_rejected() -> None:
         match=r"(?s)RuntimeError: run_on_ranks was called where a default process group",
     ):
         run_on_ranks(lambda: run_on_ranks(all_reduce_sum, 2), 2)
+
+
+def _uneven_over_two_axes() -> list[bool]:
+    mesh = init_device_mesh("cpu", (2, 3), mesh_dim_names=("fsdp", "tp"))
+    rows = torch.arange(70, dtype=torch.float64).reshape(35, 2)  # 18 | 17, then 6, 6, 6 | 5
+    sharded = distribute_tensor(rows, mesh, [Shard(0), Shard(0)])
+    return [torch.equal(sharded.redistribute(mesh, [Replicate(), Shard(0)]).full_tensor(), rows)]
+
+
+def test_thread_ranks_redistribute_uneven_shards_with_their_own_sizes() -> None:
+    """DTensor caches redistribution plans by mesh layout, holding the rank's coordinate:
+    thread ranks shared them and gathered another rank's rows (every rank wrong from the
+    second run on; StarCoder2's uneven MLP bias at fsdp=2 x tp=3, rel 1.0 and no error)."""
+    for _ in range(3):
+        assert run_on_ranks(_uneven_over_two_axes, 6) == [[True]] * 6
