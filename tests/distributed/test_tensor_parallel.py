@@ -588,3 +588,57 @@ def test_a_forward_that_raises_leaves_the_module_as_it_was() -> None:
         return embedding.padding_idx
 
     assert run_on_ranks(rank, 2) == [96, 96]
+
+
+class _TokenPositions(torch.nn.Embedding):
+    """BART's learned positions: given the tokens, of which it reads only the length."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.arange(tokens.shape[1], device=tokens.device) + 2)
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    """Gemma's token embedding: the lookup times a scale."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 3.0
+
+
+class _PositionsModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = _ScaledEmbedding(16, 8, padding_idx=11)
+        self.positions = _TokenPositions(24, 8)  # rows 2..9 read: all on rank 0's half
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (self.tokens(tokens) + self.positions(tokens)).square().mean(-1)
+
+
+def _positions_rank(module: torch.nn.Module, tokens: torch.Tensor):
+    mesh = d9d.make_mesh("cpu", tp=2)
+    model = d9d.functionalize(copy.deepcopy(module))
+
+    def step(params, opt_state, batch):
+        loss, grads = d9d.value_and_grad(lambda p: model.apply(p, batch).sum())(params)
+        return params, opt_state, {"loss": loss, "grads": grads}
+
+    step = d9d.tensor_parallel(mesh)(step)
+    params, state = step.place(model.params, (), model=model)
+    assert params["positions.weight"].placements == (torch.distributed.tensor.Shard(0),)
+    metrics = step(params, state, tokens)[2]
+    return metrics["loss"], {k: g.full_tensor() for k, g in metrics["grads"].items()}
+
+
+def test_an_embedding_whose_forward_computes_its_ids_is_looked_up_at_its_table() -> None:
+    """The vocab-parallel lookup remapped the first argument: positions computed from the
+    tokens' length were looked up in each rank's own rows (rank 1 read global rows 14..21
+    for 2..9), wrong with no error. The padding row (11, on rank 1) gets no grad."""
+    torch.manual_seed(0)
+    module = _PositionsModel()
+    tokens = torch.tensor([[3, 11, 15, 0, 7, 11, 2, 9], [1, 4, 11, 12, 8, 6, 5, 10]])
+    model = d9d.functionalize(module)
+    loss, grads = d9d.value_and_grad(lambda p: model.apply(p, tokens).sum())(model.params)
+    assert grads["tokens.weight"][11].abs().sum() == 0
+    for got_loss, got_grads in run_on_ranks(_positions_rank, 2, module, tokens):
+        torch.testing.assert_close(got_loss, loss)
+        assert_trees_all_close(got_grads, grads)

@@ -14,7 +14,9 @@ linear outside any block (the output head).
   (sequence parallel) or all-reduced. Its bias is added after that reduction.
 - A column-parallel linear outside blocks (the head) returns its vocab shard as a DTensor
   ``Shard(-1)`` (loss parallel: ``d9d.losses.cross_entropy`` never gathers it) or all-gathered.
-- A vocab-parallel embedding looks up the ids in its rows, zeroes the others and all-reduces.
+- A vocab-parallel embedding looks up the ids in its rows, zeroes the others and all-reduces;
+  one whose own forward computes the ids it looks up does so at its table's lookup
+  (``_table_lookups``).
 - With sequence parallelism the first block slices the residual stream over the sequence
   (dim 1): model code between the embedding and the blocks (masks and positions) sees the
   whole sequence, and every block after it sees ``S / tp`` positions.
@@ -51,6 +53,7 @@ from ._checks import (
 )
 from ._layout import ActivationLayout
 from ._sequence_sources import sources
+from ._table_lookups import around_table_lookups, looks_up_its_input
 
 __all__ = ["TensorParallelRuntime"]
 
@@ -188,13 +191,16 @@ class TensorParallelRuntime(Runtime):
             for path in roles.split:
                 call.intercept(path, Interception(around=around))
         for path in roles.embeddings:
-            call.intercept(
-                path,
-                Interception(
+            module = roles.modules[path]
+            if looks_up_its_input(module):
+                lookup = Interception(
                     enter=functools.partial(_enter_embedding, state, path),
                     exit=functools.partial(_exit_embedding, state, path),
-                ),
-            )
+                )
+            else:  # its forward computes what it looks up
+                around = functools.partial(around_table_lookups, module, path, self.layout)
+                lookup = Interception(around=around)
+            call.intercept(path, lookup)
         for path in roles.rows:
             call.intercept(
                 path,
