@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from ..errors import ConfigError
 
 __all__ = ["MoEConfig"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
 
 _POSITIVE_INTS = ("dim", "n_experts", "top_k", "expert_dim", "n_group", "topk_group")
 _NON_NEGATIVE_FLOATS = ("aux_loss_coef", "z_loss_coef", "bias_update_rate")
@@ -43,8 +53,10 @@ class MoEConfig:
             later choices (weight 0), in token order.
 
     Raises:
-        ConfigError: A size is not positive, ``top_k > n_experts``, the groups do not divide
-            the experts or cannot hold ``top_k`` choices, or an unknown ``score_func``.
+        ConfigError: A size is not a positive int (``shared_expert_dim=0`` included), a
+            coefficient or factor is not a finite number in its range, ``norm_topk`` is not a
+            bool, ``top_k > n_experts``, the groups do not divide the experts or cannot hold
+            ``top_k`` choices, or an unknown ``score_func``.
 
     Example:
         >>> cfg = MoEConfig(dim=16, n_experts=6, top_k=2, expert_dim=24)
@@ -71,16 +83,25 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ConfigError(f"MoEConfig.{name} must be a positive int, got {name}={value!r}.")
         for name in _NON_NEGATIVE_FLOATS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ConfigError(f"MoEConfig.{name} must be a number >= 0, got {name}={value!r}.")
-        if self.n_shared_experts < 0 or (self.shared_expert_dim or 1) <= 0:
+            if not _is_number(value) or not 0 <= value < math.inf:
+                raise ConfigError(
+                    f"MoEConfig.{name} must be a finite number >= 0, got {name}={value!r}."
+                )
+        shared, shared_dim = self.n_shared_experts, self.shared_expert_dim
+        if (
+            not _is_int(shared)
+            or shared < 0
+            or not (shared_dim is None or (_is_int(shared_dim) and shared_dim > 0))
+        ):
+            # shared_expert_dim=0 is refused, not read as None (expert_dim): a falsy width
+            # would otherwise build shared experts of another width than the one asked for.
             raise ConfigError(
-                f"MoEConfig: n_shared_experts={self.n_shared_experts} must be >= 0 and "
-                f"shared_expert_dim={self.shared_expert_dim} positive (or None)."
+                f"MoEConfig: n_shared_experts={shared!r} must be an int >= 0 and "
+                f"shared_expert_dim={shared_dim!r} a positive int (or None: expert_dim)."
             )
         if self.top_k > self.n_experts:
             raise ConfigError(
@@ -102,11 +123,22 @@ class MoEConfig:
                 f"{self.n_experts // self.n_group} experts hold fewer than top_k={self.top_k} "
                 "experts; raise topk_group or lower top_k."
             )
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
+        if self.capacity_factor is not None and not (
+            _is_number(self.capacity_factor) and 0 < self.capacity_factor < math.inf
+        ):
             raise ConfigError(
-                f"MoEConfig.capacity_factor={self.capacity_factor!r} must be > 0, or None "
-                "for dropless routing."
+                f"MoEConfig.capacity_factor={self.capacity_factor!r} must be a finite number "
+                "> 0, or None for dropless routing."
             )
+        if not (
+            _is_number(self.routed_scaling_factor) and 0 < self.routed_scaling_factor < math.inf
+        ):
+            raise ConfigError(
+                f"MoEConfig.routed_scaling_factor={self.routed_scaling_factor!r} must be a "
+                "finite number > 0 (1.0: unscaled; DeepSeek-V3 uses 2.5)."
+            )
+        if not isinstance(self.norm_topk, bool):
+            raise ConfigError(f"MoEConfig.norm_topk={self.norm_topk!r} must be True or False.")
 
     @property
     def shared_dim(self) -> int:

@@ -46,3 +46,26 @@ def device() -> str:
 def assert_close():
     """The per-dtype comparison: ``assert_close(actual, expected, dtype)``."""
     return _assert_close
+
+
+@pytest.fixture
+def undefined_masked_lanes(monkeypatch):
+    """Under the interpreter, a masked ``tl.load`` without ``other`` reads NaN where it read 0:
+    on a GPU those lanes are undefined, so a kernel that lets them reach a result is wrong
+    there while the interpreter's zeros hide it. Skips on CUDA (nothing to patch)."""
+    if DEVICE == "cuda":
+        pytest.skip("patches Triton's CPU interpreter")
+    import numpy as np
+    from triton.runtime import interpreter
+
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def create_masked_load(self, ptrs, mask, other, *args, **kwargs):
+        if other is None:
+            dtype = ptrs.get_element_ty()
+            np_dtype = interpreter._get_np_dtype(dtype)
+            fill = np.nan if np.issubdtype(np_dtype, np.floating) else 0
+            other = interpreter.TensorHandle(np.full(ptrs.data.shape, fill, np_dtype), dtype)
+        return load(self, ptrs, mask, other, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", create_masked_load)

@@ -109,6 +109,19 @@ def test_non_contiguous_inputs(backend, device, assert_close):
     assert_close(got[0], ref[0], torch.float32)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_triton_reads_no_masked_lane(case, undefined_masked_lanes, assert_close):
+    """Masked lanes read NaN (undefined on a GPU): the results equal the reference's. The
+    weights' grad (choice_dot) summed the lanes past H of its power-of-two tile, NaN here."""
+    inputs = _inputs(case, torch.float32, "cpu")
+    got = _round_trip("triton", *inputs)
+    for actual, expected in zip(got, _round_trip("reference", *inputs), strict=True):
+        if actual.is_floating_point():
+            assert_close(actual, expected, actual.dtype)
+        else:
+            assert torch.equal(actual, expected)
+
+
 def test_custom_op_registrations(device):
     x, ids, experts, weights, permuted_grad, _ = _inputs("top2-skewed", torch.float32, device)
     row_map, _ = _moe_permute.route(ids, experts)

@@ -101,9 +101,20 @@ def test_bias_changes_selection_not_weights() -> None:
         (dict(n_group=4), "n_experts=6 must divide into n_group=4"),
         (dict(n_group=3, topk_group=1, top_k=3), "hold fewer than top_k=3"),
         (dict(score_func="relu"), "score_func='relu'"),
-        (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
-        (dict(aux_loss_coef=-1.0), "aux_loss_coef must be a number >= 0"),
-        (dict(n_shared_experts=-1), "n_shared_experts=-1 must be >= 0"),
+        (dict(capacity_factor=0.0), "capacity_factor=0.0 must be a finite number > 0"),
+        (dict(aux_loss_coef=-1.0), "aux_loss_coef must be a finite number >= 0"),
+        (dict(bias_update_rate=math.inf), "bias_update_rate must be a finite number >= 0"),
+        (dict(n_shared_experts=-1), "n_shared_experts=-1 must be an int >= 0"),
+        # Each was accepted: a width of 0 built shared experts of expert_dim, 1.5 shared
+        # experts or a float width crashed in torch.empty, a capacity of inf in math.ceil.
+        (dict(n_shared_experts=1, shared_expert_dim=0), "shared_expert_dim=0 a positive int"),
+        (dict(n_shared_experts=1.5), "n_shared_experts=1.5 must be an int"),
+        (dict(n_shared_experts=1, shared_expert_dim=2.5), "shared_expert_dim=2.5 a positive"),
+        (dict(capacity_factor=math.inf), "capacity_factor=inf must be a finite number > 0"),
+        (dict(capacity_factor=True), "capacity_factor=True must be a finite number"),
+        (dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0 must be a finite number"),
+        (dict(routed_scaling_factor="2.5"), "routed_scaling_factor='2.5' must be"),
+        (dict(norm_topk="yes"), "norm_topk='yes' must be True or False"),
     ],
 )
 def test_config_errors(fields: dict, match: str) -> None:

@@ -78,8 +78,11 @@ def _choice_dot_kernel(
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             mask = token_ok[:, None] & (cols < H)[None, :]
-            grad = tl.load(GRAD + tokens[:, None].to(tl.int64) * H + cols[None, :], mask=mask)
-            y = tl.load(Y + rows[:, None].to(tl.int64) * H + cols[None, :], mask=mask)
+            # other=0.0: a masked lane without one is undefined on a GPU (the interpreter
+            # happens to read 0), and the columns past H of a power-of-two tile enter the sum.
+            grad_ptrs = GRAD + tokens[:, None].to(tl.int64) * H + cols[None, :]
+            grad = tl.load(grad_ptrs, mask=mask, other=0.0)
+            y = tl.load(Y + rows[:, None].to(tl.int64) * H + cols[None, :], mask=mask, other=0.0)
             acc += row_sum(grad.to(tl.float32) * y.to(tl.float32), axis=1)
         tl.store(DW + choice, acc.to(DW.dtype.element_ty), mask=token_ok)
 
