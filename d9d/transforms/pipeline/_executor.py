@@ -345,9 +345,19 @@ def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> A
 
 
 def _signature(chunk: Any) -> tuple:
+    """What the stages' activation shapes depend on: each tensor's shape and dtype, and each
+    Python int, bool, str or None itself (a length the loss function cuts the tokens to, a
+    mode); other values by their type. Keyed by types alone, a second step whose int halved
+    the sequence ran on the stages built for the first: rank 1 received the old shape and
+    crashed in its first block."""
     leaves, spec = tree.flatten(chunk)
     shapes = tuple(
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves
+        (tuple(x.shape), x.dtype)
+        if isinstance(x, torch.Tensor)
+        else (type(x), x)
+        if x is None or isinstance(x, int | str)
+        else type(x)
+        for x in leaves
     )
     return str(spec), shapes
 
