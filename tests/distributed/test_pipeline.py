@@ -377,3 +377,72 @@ def test_aux_comes_from_the_last_stage_on_every_rank() -> None:
 def test_docstring_example_runs() -> None:
     module = importlib.import_module("d9d.transforms.pipeline._transform")
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
+
+
+def _cut_rank(lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    mesh = d9d.make_mesh("cpu", pp=2)
+    model = llama(F64, 2)()
+
+    def loss_fn(params, batch):
+        n = batch["length"]  # a Python int: the batch's tensors keep their shapes
+        logits = model.apply(params, batch["tokens"][:, :n])
+        return d9d.losses.cross_entropy(logits, batch["labels"][:, :n])
+
+    @d9d.pipeline(mesh, microbatches=2)
+    def step(params, opt_state, batch):
+        loss, _ = d9d.value_and_grad(loss_fn)(params, batch)
+        return params, opt_state, {"loss": loss}
+
+    params, state = step.place(model.params, (), model=model)
+    batch = batches(256)[0]
+    return [step(params, state, {**batch, "length": n})[2]["loss"] for n in lengths]
+
+
+def test_a_python_int_of_the_batch_that_changes_the_activations_rebuilds_the_stages() -> None:
+    """The stages are built for a batch's signature; a Python int in it was keyed by its type
+    alone, so a second step cutting the sequences to 8 tokens ran on the stages built for 16:
+    rank 1 received an activation of 16 positions and crashed in rope
+    (``KernelInputError: rope: cos.shape=(8, 16)``)."""
+    model = llama(F64, 2)()
+    batch = batches(256)[0]
+    expected = [
+        d9d.losses.cross_entropy(
+            model.apply(model.params, batch["tokens"][:, :n]), batch["labels"][:, :n]
+        )
+        for n in (16, 8, 16)
+    ]
+    for losses in run_on_ranks(_cut_rank, 2, (16, 8, 16), method="fork"):
+        for got, want in zip(losses, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def _closed_over_rank() -> None:
+    mesh = d9d.make_mesh("cpu", pp=2)
+    model = llama(F64, 2)()
+
+    def loss_fn(params, batch, n):
+        logits = model.apply(params, batch["tokens"][:, :n])
+        return d9d.losses.cross_entropy(logits, batch["labels"][:, :n])
+
+    @d9d.pipeline(mesh, microbatches=2)
+    def step(params, opt_state, batch):
+        n = int(batch["length"])  # a 0-d tensor, which the batch signature sees by shape
+        loss, _ = d9d.value_and_grad(lambda p, b: loss_fn(p, b, n))(params, batch)
+        return params, opt_state, {"loss": loss}
+
+    params, state = step.place(model.params, (), model=model)
+    for n in (16, 8):
+        step(params, state, {**batches(256)[0], "length": torch.tensor(n)})
+
+
+def test_an_activation_other_than_the_stages_were_built_for_is_refused_by_name() -> None:
+    """A value the batch signature does not see (a 0-d tensor, here closed over by the loss
+    function) that changes the activations: stage 0 sent 8 positions into rank 1's buffer of
+    16, which ran its blocks on it and crashed in rope (a model without rope's check would
+    have trained on the buffer's stale tail)."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: pipeline stage 0 passes on float64\[4, 8, 64\] for microbatch 0, "
+        r"but the stages were built for float64\[4, 16, 64\]",
+    ):
+        run_on_ranks(_closed_over_rank, 2, method="fork")

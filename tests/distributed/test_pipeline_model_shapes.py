@@ -47,6 +47,8 @@ class _Model(nn.Module):
             self.start = nn.Parameter(torch.zeros(WIDTH))  # as HRM's z_L_init
         if shape == "blocks sharing a weight":
             self.layers[1].proj.weight = self.layers[0].proj.weight  # as ALBERT's shared layers
+        if shape == "aux loss from blocks":
+            self.layers = nn.ModuleList([_AuxBlock(k) for k in ("a", "b", "a", "b")])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         device = self.embed.weight.device  # as Llama-4 reads embed_tokens.weight.device
@@ -54,14 +56,26 @@ class _Model(nn.Module):
         scales = {"a": 1.0, "b": 0.5}
         if self.shape == "param beside blocks":
             x = x + self.start
+        aux = 0.0
         for i, layer in enumerate(self.layers):
             x = layer(x, scales[layer.kind])
+            if self.shape == "aux loss from blocks":
+                x, block_aux = x
+                aux = aux + block_aux
             if self.shape == "norm between blocks" and i == 1:
                 x = self.norm(x)  # as Dory's norm between its sections
         if self.shape == "looped":
             for layer in self.layers[1:3]:  # as Dory's recurrent section
                 x = layer(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x)) + aux
+
+
+class _AuxBlock(_Block):
+    """A block that returns an aux loss beside its activation, which the model sums."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        y = super().forward(x, scale)
+        return y, y.square().mean()
 
 
 def _builder(shape: str):
@@ -113,12 +127,21 @@ def _train_rank(build) -> None:
         ("looped", r"runs block 'layers\.1' again after block 3 in one forward"),
         ("norm between blocks", r"module 'norm' runs between the model's blocks"),
         ("param beside blocks", r"cannot place params \['start'\] of module '_Model', which holds"),
+        (
+            "aux loss from blocks",
+            r"pipeline stage 0: block 'layers\.0' takes one activation but returns 2 tensors "
+            r"\(a tuple\), and pipeline passes only a block's activation between stages",
+        ),
     ],
 )
 def test_forwards_that_cannot_be_cut_are_refused_by_name(shape: str, match: str) -> None:
     """Before, the looped model and the norm between blocks trained silently wrong (the
     second stage recomputed the skipped part from zeros) and the param beside the blocks
-    crashed inside the model."""
+    crashed inside the model. Blocks returning an aux loss beside their activation crashed
+    every later stage (``ValueError: too many values to unpack``: a skipped block passed its
+    activation alone), and with microbatches of two sequences the later stages would have
+    unpacked its rows as the activation and the aux loss; the other blocks' aux losses could
+    never reach the last stage."""
     with pytest.raises(RankFailedError, match=r"PlanError: .*" + match):
         run_on_ranks(_train_rank, 2, _builder(shape), method="fork")
 

@@ -119,6 +119,8 @@ class _Runner:
         self.check_value = job.check_value
         self.aux: dict[int, Any] = {}
         self.weights: dict[int, torch.Tensor | None] = {}
+        # {stage: its outputs' shapes and dtypes} the stages were built for (None: probing)
+        self.built_for: dict[int, list[Any]] | None = None
 
     def run_stage(
         self, stage: int, inputs: tuple[torch.Tensor, ...], index: int, *, skip_blocks: bool = False
@@ -136,6 +138,7 @@ class _Runner:
             with count_tokens() as counts:
                 out = self.fn(self.params, *args, **kwargs)
         except StageDone:
+            self._check_built_for(stage, index, run.output)
             return run.output
         finally:
             run.done = True
@@ -159,6 +162,27 @@ class _Runner:
         # (1,), not 0-d: the schedule concatenates the last stage's outputs, and the
         # zero-bubble schedules detach them in place, which a view forbids.
         return value.reshape(1).clone()
+
+    def _check_built_for(self, stage: int, index: int, output: Any) -> None:
+        """Raise for an activation that differs from the one the stages were built for:
+        the next stage would receive it into a buffer of the other shape."""
+        if self.built_for is None:
+            return
+        values = output if isinstance(output, tuple) else (output,)
+        got = [(tuple(v.shape), v.dtype) for v in values]
+        if got != self.built_for[stage]:
+            raise PlanError(
+                f"pipeline stage {stage} passes on {_shapes(got)} for microbatch {index}, but "
+                f"the stages were built for {_shapes(self.built_for[stage])}, by a probe of the "
+                "first step of this batch signature (its tensors' shapes and dtypes, its Python "
+                "ints, bools and strings): a value it does not see changed the activations (a "
+                "0-d tensor, a value the loss function closes over); pass it in the batch as a "
+                "Python int"
+            )
+
+
+def _shapes(metas: list[Any]) -> str:
+    return ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in metas)
 
 
 class _ZeroGradsFor(torch.autograd.Function):
@@ -197,6 +221,7 @@ def run_pipeline(
     runner = _Runner(job, _StageParams(weights, layout.split), chunks, layout, sums)
     runtime = _runtime(runner, layout, chunks)
     runtime.box[0] = runner
+    runner.built_for = {stage: leaving for stage, (_, leaving) in runtime.shapes.items()}
     for stage, module in runtime.modules.items():
         module._parameters.clear()
         for i, key in enumerate(layout.split.keys[stage]):
@@ -345,9 +370,19 @@ def _aux_on_every_rank(runner: _Runner, count: int, layout: PipelineLayout) -> A
 
 
 def _signature(chunk: Any) -> tuple:
+    """What the stages' activation shapes depend on: each tensor's shape and dtype, and each
+    Python int, bool, str or None itself (a length the loss function cuts the tokens to, a
+    mode); other values by their type. Keyed by types alone, a second step whose int halved
+    the sequence ran on the stages built for the first: rank 1 received the old shape and
+    crashed in its first block."""
     leaves, spec = tree.flatten(chunk)
     shapes = tuple(
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves
+        (tuple(x.shape), x.dtype)
+        if isinstance(x, torch.Tensor)
+        else (type(x), x)
+        if x is None or isinstance(x, int | str)
+        else type(x)
+        for x in leaves
     )
     return str(spec), shapes
 

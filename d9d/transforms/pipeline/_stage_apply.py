@@ -171,7 +171,7 @@ def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
             call.stand_in(block.path, _Skip(structure.modules[block.path], run, block))
             continue
         enter = functools.partial(_enter_block, run, block)
-        exit_ = functools.partial(_exit_block, run) if block.index == run.stop - 1 else None
+        exit_ = functools.partial(_exit_block, run, block, block.index == run.stop - 1)
         call.intercept(block.path, Interception(enter=enter, exit=exit_))
     modules = structure.modules
     if not run.first:
@@ -211,14 +211,36 @@ def _enter_block(run: StageRun, block: Block, args: Any, kwargs: Any) -> tuple[A
     return replace_activation(args, kwargs, "block", lambda _: run.input[0])
 
 
-def _exit_block(run: StageRun, output: Any) -> None:
-    if run.last:
+def _exit_block(run: StageRun, block: Block, ends_stage: bool, output: Any) -> None:
+    if not run.carried:
+        _check_one_tensor(run.stage, block, output)
+    if run.last or not ends_stage:
         return
     if run.carried:
         run.output = tuple(tree.leaves(output))
     else:
         run.output = output if isinstance(output, torch.Tensor) else output[0]
     raise StageDone
+
+
+def _check_one_tensor(stage: int, block: Block, output: Any) -> None:
+    """Raise for a block that takes an activation and returns more tensors than it: the
+    stage passes on only the first, and a stage skips other stages' blocks by passing their
+    input on, so the others (an aux loss the model sums over its blocks) of the blocks on
+    other stages would never reach the loss (the model crashed unpacking a skipped block's
+    tensor, or summed its rows)."""
+    if isinstance(output, torch.Tensor):
+        return
+    tensors = [x for x in tree.leaves(output) if isinstance(x, torch.Tensor)]
+    if len(tensors) > 1:
+        raise PlanError(
+            f"pipeline stage {stage}: block {block.path!r} takes one activation but returns {len(tensors)} tensors "
+            f"(a {type(output).__name__}), and pipeline passes only a block's activation "
+            "between stages: the others of blocks on other stages (an aux loss summed over the "
+            "blocks) would never reach this one; return the activation alone, or make the "
+            "blocks take and return a tuple state that carries the others (as "
+            "d9d.models.moe.MoEState carries the aux loss)"
+        )
 
 
 def _compute_dtypes(
