@@ -111,6 +111,38 @@ def test_special_values(backend, device):
         assert top.float().tolist() == [[torch.finfo(dtype).max, -0.0]]
 
 
+def _same_with_nans(got, want) -> None:
+    """Data NaN at the same elements and bit for bit elsewhere; scales equal, NaNs included."""
+    (data, scale), (want_data, want_scale) = got, want
+    assert torch.equal(scale.isnan(), want_scale.isnan())
+    assert torch.equal(scale.nan_to_num(), want_scale.nan_to_num())
+    nan = want_data.float().isnan()
+    assert torch.equal(data.float().isnan(), nan)
+    assert torch.equal(_bits(data)[~nan], _bits(want_data)[~nan])
+
+
+# The interpreter warns of the NaN it computes with.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_nan_or_inf_makes_its_group_nan_never_finite_data(name, dtype, device):
+    """A NaN in a group gives it a NaN scale and NaN data, an inf an inf scale (its own data
+    NaN, the rest 0): the group dequantizes to NaN, as torch's amax propagates a NaN. The
+    Triton kernel's float max dropped NaN until 2026-11-28: a NaN got a finite scale (the
+    tensorwise one 1e-12 / 448, so every other element saturated to +-448) and finite data."""
+    recipe, kwargs, group = RECIPES[name]
+    x = _x(33, 130)
+    x[0, 0], x[32, 129] = float("nan"), float("inf")
+    want = K.fp8_quantize(x, recipe, dtype, backend="reference", **kwargs)
+    bad = torch.zeros(33, 130, dtype=torch.bool)
+    bad[: group[0], : group[1]] = True
+    bad[32 - 32 % group[0] :, 130 - (130 - 1) % group[1] - 1 :] = True
+    dequantized = want[0].float() * _expand(want[1], group, (33, 130))
+    assert torch.equal(dequantized.isnan(), bad) and dequantized[~bad].isfinite().all()
+    got = K.fp8_quantize(x.to(device), recipe, dtype, backend="triton", **kwargs)
+    _same_with_nans([t.cpu() for t in got], want)
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("name", RECIPES)
@@ -245,6 +277,22 @@ def test_by_expert_triton_is_bit_exact_with_the_reference(name, x_dtype, device)
             want = K.fp8_quantize(*args, group_sizes=sizes, backend="reference", **kwargs)
             assert torch.equal(_bits(got[0]), _bits(want[0]))
             assert torch.equal(got[1], want[1])
+
+
+# The interpreter warns of the NaN it computes with.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("name", list(BY_EXPERT))
+def test_by_expert_a_nan_or_inf_makes_its_group_nan_on_both_backends(name, device):
+    recipe, kwargs = BY_EXPERT[name]
+    x, sizes = _x(sum(EXPERT_ROWS), 70), torch.tensor(EXPERT_ROWS, device=device)
+    x[140, 3], x[400, 69] = float("nan"), float("-inf")  # experts 2 and 5
+    x = x.to(device)
+    for dtype in (E4M3, E5M2):
+        args = (x, recipe, dtype)
+        want = K.fp8_quantize(*args, group_sizes=sizes, backend="reference", **kwargs)
+        assert want[1].isnan().any() and want[0].float()[140, 3].isnan()
+        got = K.fp8_quantize(*args, group_sizes=sizes, backend="triton", **kwargs)
+        _same_with_nans(got, want)
 
 
 def test_by_expert_custom_op_registration(device):

@@ -41,6 +41,27 @@ def _round_to_fp8(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 
 @triton.jit
+def abs_bits(x):
+    """``|x|``'s float32 bits as int32, ordered as the magnitudes with a NaN above +inf: the
+    integer max of these is the amax, NaN where the group holds one (as torch's ``amax``).
+    A float max drops a NaN (on the GPU and in the interpreter): a NaN in ``x`` gave a finite
+    scale and finite data, where the reference gives NaN."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def amax_of_bits(bits):
+    """The float32 amax of :func:`abs_bits` values' max."""
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_of(amax, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``max(amax, EPS) / FP8_MAX``, NaN for a NaN amax (``tl.maximum`` would give EPS)."""
+    return tl.div_rn(tl.where(amax < EPS, EPS, amax), FP8_MAX)
+
+
+@triton.jit
 def scaled_to_fp8(
     x, scale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr
 ):
@@ -49,8 +70,20 @@ def scaled_to_fp8(
     (compiled for an H200, e4m3 data of a negative value that rounded to zero came out +0.0
     without it)."""
     y = tl.div_rn(x, scale)
-    y = _round_to_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANTISSA, MIN_EXPONENT)
+    # A NaN quotient (x NaN or infinite, or a NaN scale) stays NaN: the clamp would make it
+    # +-FP8_MAX.
+    saturated = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    y = _round_to_fp8(saturated, MANTISSA, MIN_EXPONENT)
     return y, ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+
+
+@triton.jit
+def fp8_bits(y, sign, DTYPE: tl.constexpr):
+    """The fp8 bits (uint8) of :func:`scaled_to_fp8`'s ``(y, sign)``; a NaN ``y`` gives 0x7F
+    (NaN in both formats, as torch casts it): the interpreter's conversion to e4m3 made a
+    NaN finite."""
+    bits = y.to(DTYPE).to(tl.uint8, bitcast=True) | sign
+    return bits | tl.where(y != y, 0x7F, 0).to(tl.uint8)
 
 
 @triton.jit
@@ -74,15 +107,16 @@ def _quantize_kernel(
         other=0.0,
     ).to(tl.float32)  # fmt: skip
     if GIVEN_AMAX:
-        scale = tl.div_rn(tl.maximum(tl.load(AMAX + matrix), EPS), FP8_MAX)
+        scale = scale_of(tl.load(AMAX + matrix), EPS, FP8_MAX)
         y, sign = scaled_to_fp8(x, scale, FP8_MAX, MANTISSA, MIN_EXPONENT)
     elif ROWS_SHARE:
-        scale = tl.div_rn(tl.maximum(row_max(row_max(tl.abs(x), axis=1), axis=0), EPS), FP8_MAX)
+        amax = amax_of_bits(row_max(row_max(abs_bits(x), axis=1), axis=0))
+        scale = scale_of(amax, EPS, FP8_MAX)
         y, sign = scaled_to_fp8(x, scale, FP8_MAX, MANTISSA, MIN_EXPONENT)
     else:
-        scale = tl.div_rn(tl.maximum(row_max(tl.abs(x), axis=1), EPS), FP8_MAX)
+        scale = scale_of(amax_of_bits(row_max(abs_bits(x), axis=1)), EPS, FP8_MAX)
         y, sign = scaled_to_fp8(x, scale[:, None], FP8_MAX, MANTISSA, MIN_EXPONENT)
-    data = y.to(DATA.dtype.element_ty).to(tl.uint8, bitcast=True) | sign
+    data = fp8_bits(y, sign, DATA.dtype.element_ty)
     tl.store(
         DATA + matrix.to(tl.int64) * stride_db + rows[:, None].to(tl.int64) * stride_dr
         + cols[None, :] * stride_dc,

@@ -19,7 +19,15 @@ import triton.language as tl
 
 from .._fp8_expert_scales import TILE_ROWS, expert_scale_shape
 from .._fp8_recipes import AMAX_EPS, fp8_max
-from .fp8_quantize import _MANTISSA, _MIN_EXPONENT, scaled_to_fp8
+from .fp8_quantize import (
+    _MANTISSA,
+    _MIN_EXPONENT,
+    abs_bits,
+    amax_of_bits,
+    fp8_bits,
+    scale_of,
+    scaled_to_fp8,
+)
 from .grouped_gemm import _find_tile
 from .launch import row_max
 
@@ -45,16 +53,16 @@ def _tiles_kernel(
         mask=mask,
         other=0.0,
     ).to(tl.float32)
-    amax = row_max(tl.abs(x), axis=0)
+    amax = row_max(abs_bits(x), axis=0)  # NaN-propagating (abs_bits)
     if ONE_SCALE:  # a 128x128 block
-        scale = tl.div_rn(tl.maximum(row_max(amax, axis=0), EPS), FP8_MAX)
+        scale = scale_of(amax_of_bits(row_max(amax, axis=0)), EPS, FP8_MAX)
         y, sign = scaled_to_fp8(x, scale, FP8_MAX, MANTISSA, MIN_EXPONENT)
         tl.store(SCALE + tile * stride_sr + col_block, scale)
     else:  # 128x1 tiles: a scale per column
-        scale = tl.div_rn(tl.maximum(amax, EPS), FP8_MAX)
+        scale = scale_of(amax_of_bits(amax), EPS, FP8_MAX)
         y, sign = scaled_to_fp8(x, scale[None, :], FP8_MAX, MANTISSA, MIN_EXPONENT)
         tl.store(SCALE + tile * stride_sr + cols, scale, mask=cols < C)
-    data = y.to(DATA.dtype.element_ty).to(tl.uint8, bitcast=True) | sign
+    data = fp8_bits(y, sign, DATA.dtype.element_ty)
     out = DATA + rows[:, None].to(tl.int64) * C + cols[None, :]
     tl.store(out, data.to(DATA.dtype.element_ty, bitcast=True), mask=mask)
 
@@ -74,7 +82,7 @@ def _columns_kernel(
     if GIVEN_AMAX:  # tensorwise: the expert's amax, one scale
         amax = tl.load(AMAX + expert) + tl.full((BLOCK_C,), 0.0, tl.float32)
     else:
-        amax = tl.full((BLOCK_C,), 0.0, tl.float32)
+        bits = tl.full((BLOCK_C,), 0, tl.int32)  # NaN-propagating (abs_bits)
         for r0 in range(start, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             mask = (rows < end)[:, None] & col_ok[None, :]
@@ -83,8 +91,9 @@ def _columns_kernel(
                 mask=mask,
                 other=0.0,
             ).to(tl.float32)
-            amax = tl.maximum(amax, row_max(tl.abs(x), axis=0))
-    scale = tl.div_rn(tl.maximum(amax, EPS), FP8_MAX)
+            bits = tl.maximum(bits, row_max(abs_bits(x), axis=0))
+        amax = amax_of_bits(bits)
+    scale = scale_of(amax, EPS, FP8_MAX)
     if GIVEN_AMAX:
         if col_block == 0:
             tl.store(SCALE + expert, row_max(scale, axis=0))
@@ -99,7 +108,7 @@ def _columns_kernel(
             other=0.0,
         ).to(tl.float32)
         y, sign = scaled_to_fp8(x, scale[None, :], FP8_MAX, MANTISSA, MIN_EXPONENT)
-        data = y.to(DATA.dtype.element_ty).to(tl.uint8, bitcast=True) | sign
+        data = fp8_bits(y, sign, DATA.dtype.element_ty)
         out = DATA + rows[:, None].to(tl.int64) * C + cols[None, :]
         tl.store(out, data.to(DATA.dtype.element_ty, bitcast=True), mask=mask)
 
