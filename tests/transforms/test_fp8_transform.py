@@ -3,6 +3,7 @@ refusals, a Hugging Face model, ``d9d.jit``, and a short training run near float
 
 from __future__ import annotations
 
+import copy
 import doctest
 import functools
 import importlib
@@ -138,6 +139,51 @@ def test_only_the_chosen_linears_run_in_fp8():
     want = module(_batch()["tokens"])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(want, Llama(LlamaConfig.tiny(n_layers=1))(_batch()["tokens"]))
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A linear whose forward does more than ``F.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0 + 1.0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain, self.own = torch.nn.Linear(32, 32), _ScaledLinear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.own(self.plain(x))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x)
+
+
+def test_a_linear_subclass_with_a_forward_of_its_own_stays_in_high_precision():
+    """fp8 stands in for ``F.linear``: it used to intercept any ``nn.Linear`` and dropped the
+    subclass's ``* 2 + 1`` silently (output 2.5 off where it peaks at 4.1)."""
+    from d9d.transforms.fp8 import fp8_linear
+
+    torch.manual_seed(0)
+    module = _Blocks()
+    block = copy.deepcopy(module.layers[0])
+    model = d9d.functionalize(module)
+    step = d9d.fp8(recipe="tensorwise")(lambda p, s, x: (p, s, model.apply(p, x)))
+    params, _ = step.place(model.params, (), model=model)
+    assert _cells(step) == {"layers.0.plain.weight": "tensorwise", "layers.0.own.weight": "-"}
+    assert "an nn.Linear subclass (_ScaledLinear) with a forward of its own" in (
+        step.plan.explain("layers.0.own.weight")
+    )
+    x = torch.randn(4, 32)
+    want = block.own(fp8_linear(x, block.plain.weight, block.plain.bias, "tensorwise"))
+    torch.testing.assert_close(step(params, (), x)[2], want, rtol=0, atol=0)
 
 
 def test_hugging_face_linears_run_in_fp8():

@@ -10,7 +10,10 @@ of the default exclusions holds:
   decide where tokens go, and a few ULPs move them; Llama's ``gate_proj`` is not one);
 - a linear whose ``in_features`` or ``out_features``, as each rank computes it (its
   ``tensor_parallel`` shard), is not a multiple of 16 (``torch._scaled_mm`` takes its K and N
-  in multiples of 16).
+  in multiples of 16);
+- a linear of an ``nn.Linear`` subclass whose ``forward`` is not ``nn.Linear.forward``: the
+  interception computes ``F.linear(x, weight, bias)`` in its place and would drop whatever
+  else that forward does.
 
 The embedding is an ``nn.Embedding``, no linear: it is never intercepted. ``d9d.moe``'s
 routed experts (an ``Experts`` module: stacked ``[E, K, N]`` weights, grouped GEMMs) compute
@@ -114,7 +117,7 @@ def choose(
         entry = plan.entries[weight]
         out_features, in_features = entry.local_shape(plan.mesh, entry.compute)
         dims = {"in_features": in_features, "out_features": out_features}
-        why = _why_not(path, dims, blocks, include, exclude)
+        why = _why_not(path, dims, blocks, include, exclude) or _own_forward(module)
         choices.append(Choice(path, weight, None if why else recipe, why))
     for name, pattern in (("include", include), ("exclude", exclude)):
         chosen = [c for c in choices if c.kind not in _NEVER]
@@ -146,6 +149,18 @@ def _other_experts(structure: Structure, plan: Plan, path: str, module: nn.Modul
         "converts a Qwen3-MoE to d9d.models.MoE)"
     )
     return [Choice(path, weight, None, why, "other_experts") for weight in weights]
+
+
+def _own_forward(module: nn.Linear) -> str:
+    """Why a linear whose class has a forward of its own stays in high precision ('' when
+    its forward is ``nn.Linear``'s): the interception stands in for ``F.linear(x, weight,
+    bias)`` and would drop what that forward does beside it (a scale, an added term)."""
+    if type(module).forward is nn.Linear.forward:
+        return ""
+    return (
+        f"an nn.Linear subclass ({type(module).__name__}) with a forward of its own, which "
+        "fp8 would replace by nn.Linear's F.linear"
+    )
 
 
 def _child(path: str, name: str) -> str:
