@@ -186,6 +186,20 @@ def test_a_linear_subclass_with_a_forward_of_its_own_stays_in_high_precision():
     torch.testing.assert_close(step(params, (), x)[2], want, rtol=0, atol=0)
 
 
+def test_a_float64_model_stays_in_high_precision_and_says_why():
+    """The fp8 GEMMs write float32, bfloat16 or float16: a float64 model's step used to fail
+    at its first call inside fp8_gemm ("out_dtype=torch.float64 is not one of ...")."""
+    model = d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=1)).double())
+    loss_fn = d9d.value_and_grad(lambda p, t: model.apply(p, t).mean())
+    step = d9d.fp8(recipe="tensorwise")(lambda p, s, t: (p, s, loss_fn(p, t)[0]))
+    params, _ = step.place(model.params, (), model=model)
+    assert set(_cells(step).values()) == {"-"}
+    assert "computed in float64: the fp8 GEMMs write ['float32', 'bfloat16', 'float16'] only" in (
+        step.plan.explain("layers.0.attn.wq.weight")
+    )
+    assert step(params, (), _batch()["tokens"])[2].dtype == torch.float64
+
+
 def test_hugging_face_linears_run_in_fp8():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

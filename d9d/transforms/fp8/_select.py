@@ -11,6 +11,7 @@ of the default exclusions holds:
 - a linear whose ``in_features`` or ``out_features``, as each rank computes it (its
   ``tensor_parallel`` shard), is not a multiple of 16 (``torch._scaled_mm`` takes its K and N
   in multiples of 16);
+- a linear (or routed experts) computed in float64, which the fp8 GEMMs do not write;
 - a linear of an ``nn.Linear`` subclass whose ``forward`` is not ``nn.Linear.forward``: the
   interception computes ``F.linear(x, weight, bias)`` in its place and would drop whatever
   else that forward does.
@@ -34,9 +35,11 @@ from typing import ClassVar
 
 from torch import nn
 
+from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
 from ...core._structure import Structure
 from ...errors import PlanError
+from ...kernels._fp8_gemm import OUT_DTYPES
 from ...moe import Experts, MoE
 from ..expert_parallel import is_expert_weight
 
@@ -108,7 +111,10 @@ def choose(
             why = _not_matched(path, include, exclude)
             for name, _ in module.named_parameters(recurse=False):
                 weight = structure.canonical(_child(path, name))
-                choices.append(Choice(path, weight, None if why else recipe, why, "experts"))
+                why_not = why or _dtype_refused(plan.entries[weight])
+                choices.append(
+                    Choice(path, weight, None if why_not else recipe, why_not, "experts")
+                )
             continue
         if not isinstance(module, nn.Linear):
             choices += _other_experts(structure, plan, path, module)
@@ -118,6 +124,7 @@ def choose(
         out_features, in_features = entry.local_shape(plan.mesh, entry.compute)
         dims = {"in_features": in_features, "out_features": out_features}
         why = _why_not(path, dims, blocks, include, exclude) or _own_forward(module)
+        why = why or _dtype_refused(entry)
         choices.append(Choice(path, weight, None if why else recipe, why))
     for name, pattern in (("include", include), ("exclude", exclude)):
         chosen = [c for c in choices if c.kind not in _NEVER]
@@ -149,6 +156,16 @@ def _other_experts(structure: Structure, plan: Plan, path: str, module: nn.Modul
         "converts a Qwen3-MoE to d9d.models.MoE)"
     )
     return [Choice(path, weight, None, why, "other_experts") for weight in weights]
+
+
+def _dtype_refused(entry: ParamPlan) -> str:
+    """Why a weight computed in a dtype the fp8 GEMMs cannot write (float64) stays in high
+    precision ('' for float32, bfloat16 and float16): the output has the input's dtype."""
+    dtype = entry.compute_dtype or entry.dtype
+    if dtype in OUT_DTYPES:
+        return ""
+    names = [str(d).removeprefix("torch.") for d in OUT_DTYPES]
+    return f"computed in {str(dtype).removeprefix('torch.')}: the fp8 GEMMs write {names} only"
 
 
 def _own_forward(module: nn.Linear) -> str:

@@ -158,8 +158,9 @@ def fp8(
     1x128 tiles and 128x128 weight blocks). The bias is added in high precision and the
     output has the input's dtype. Params, their grads and the optimizer state keep their
     dtype. By default every linear computes in fp8 but the output head (a linear outside the
-    blocks), routers (linears named ``router`` or ``gate``) and linears with a dim that is
-    not a multiple of 16; ``step.plan`` has an ``fp8`` column and ``plan.explain(path)``
+    blocks), routers (linears named ``router`` or ``gate``), linears with a dim that is
+    not a multiple of 16, weights computed in float64 and ``nn.Linear`` subclasses with a
+    ``forward`` of their own; ``step.plan`` has an ``fp8`` column and ``plan.explain(path)``
     says why a linear does not. ``d9d.moe``'s routed experts compute their grouped GEMMs'
     three matmuls in fp8 too (tensorwise: one scale per expert), chosen by their experts
     module's path. Composes with ``shard_params``, ``tensor_parallel`` (each rank scales its
