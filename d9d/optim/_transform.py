@@ -24,6 +24,7 @@ __all__ = [
     "apply_updates",
     "by_kind",
     "chain",
+    "check_params",
     "check_same_layout",
     "check_state",
     "foreach_lerp",
@@ -116,6 +117,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
     Raises:
         OptimTreeMismatchError: ``updates`` is not laid out like ``params``.
+        TypeError: a param is not a floating or complex tensor (an integer leaf would be
+            truncated back to an integer).
 
     Example:
         >>> import torch, d9d.optim as optim
@@ -123,6 +126,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
         {'w': tensor([1.5000, 0.0000])}
     """
     check_same_layout(params, updates, what="updates")
+    check_params(params, "apply_updates")
     param_leaves, spec = tree.flatten(params)
     (sums,) = by_kind(
         lambda ps, us: (torch._foreach_add(ps, us),),
@@ -223,6 +227,27 @@ def zero_count(params: Any) -> torch.Tensor:
     leaves = tree.leaves(params)
     device = leaves[0].device if leaves else torch.device("cpu")
     return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def check_params(params: Any, owner: str, *, complex_ok: bool = True) -> None:
+    """Raise ``TypeError`` unless every leaf of ``params`` is a floating tensor (or a complex
+    one, where ``complex_ok``), naming the first other leaf's path and dtype.
+
+    An integer or bool leaf has no gradient to follow: Adam failed inside ``torch.lerp``
+    (``"lerp_kernel_scalar" not implemented for 'Long'``) and SGD's float update was
+    truncated back to the integer by ``apply_updates`` (3 - 0.03 became 2).
+    """
+    for path, leaf in tree.flatten_with_paths(params)[0]:
+        if isinstance(leaf, torch.Tensor) and (
+            leaf.is_floating_point() or (complex_ok and leaf.is_complex())
+        ):
+            continue
+        kind = f"dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+        allowed = "floating or complex" if complex_ok else "floating"
+        raise TypeError(
+            f"{owner} takes params of {allowed} tensors, got leaf {path!r} of {kind}; "
+            "leave it out of the params tree (or set it to None) and keep it beside them"
+        )
 
 
 STATE_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"
