@@ -155,7 +155,14 @@ def by_kind(
     ``Partial``, ``fn`` runs on their local shards and the results are wrapped back: an
     elementwise op on equally placed shards is exactly its DTensor version, without DTensor's
     sharding propagation, whose cost grows about eightfold per mesh dimension (eager only).
+
+    ``fn`` sees a 0-d plain tensor as one element of shape ``(1,)`` (its results are shaped
+    back): the 0-d float64 and float32 scalars the primitives scale by (bias corrections,
+    the learning rate, the clipping factor) would otherwise promote a 0-d leaf, whose
+    updates came out float64 (a float32 scalar param under Adam) or float32 (a bfloat16
+    one), computed unlike every other leaf.
     """
+    fn = _zero_d_as_one_element(fn)
     first = lists[0]
     groups = [
         [i for i, leaf in enumerate(first) if isinstance(leaf, DTensor) is is_dtensor]
@@ -171,6 +178,28 @@ def by_kind(
             for i, value in zip(group, result, strict=True):
                 out[i] = value
     return merged
+
+
+def _zero_d_as_one_element(
+    fn: Callable[..., tuple[Sequence[Any], ...]],
+) -> Callable[..., tuple[list[Any], ...]]:
+    """``fn`` with 0-d plain tensors passed in as shape ``(1,)`` views and shaped back out."""
+
+    def wrapped(*lists: Sequence[Any]) -> tuple[list[Any], ...]:
+        first = lists[0]
+        zero_d = [not isinstance(x, DTensor) and x.ndim == 0 for x in first]
+        if not any(zero_d):
+            return tuple(list(result) for result in fn(*lists))
+        widened = [
+            [x.reshape(1) if flat else x for x, flat in zip(values, zero_d, strict=True)]
+            for values in lists
+        ]
+        return tuple(
+            [x.reshape(()) if flat else x for x, flat in zip(result, zero_d, strict=True)]
+            for result in fn(*widened)
+        )
+
+    return wrapped
 
 
 def foreach_lerp(starts: Sequence[Any], ends: Sequence[Any], weight: float) -> list[Any]:

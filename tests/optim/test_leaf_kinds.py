@@ -98,3 +98,35 @@ def test_none_leaves_are_empty_subtrees():
     updates, state = opt.update({"w": torch.ones(3), "frozen": None}, opt.init(params), params)
     assert updates["frozen"] is None and state[0].mu["frozen"] is None
     assert optim.apply_updates(params, updates)["frozen"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "opt",
+    [
+        optim.adamw(0.1, weight_decay=0.1),
+        optim.adam(0.1, nesterov=True),
+        optim.sgd(0.1, momentum=0.9),
+        optim.lion(0.1),
+        optim.chain(optim.clip_by_global_norm(0.5), optim.scale(-1.0)),
+    ],
+    ids=["adamw", "nadam", "sgd", "lion", "clip"],
+)
+def test_a_scalar_param_is_updated_as_a_one_element_param(opt, dtype):
+    """The 0-d float64 bias corrections and float32 learning rate and clipping factor
+    promoted a 0-d leaf: a float32 scalar's Adam update came out float64 (4e-9 off the same
+    value held as shape (1,)), a bfloat16 one's float32 or float64 (3e-4 off)."""
+    torch.manual_seed(0)
+    values = torch.randn(2, 3).to(dtype)
+    scalar = {"s": values[0, 0].clone(), "v": values[0]}
+    one = {"s": values[0, :1].clone(), "v": values[0]}
+    states = [opt.init(scalar), opt.init(one)]
+    for step in range(3):
+        grads = torch.randn(2, 3).to(dtype)
+        (u0, states[0]), (u1, states[1]) = (
+            opt.update({"s": grads[0, 0], "v": grads[1]}, states[0], scalar),
+            opt.update({"s": grads[0, :1], "v": grads[1]}, states[1], one),
+        )
+        assert u0["s"].shape == () and u0["s"].dtype == u1["s"].dtype == dtype, step
+        assert torch.equal(u0["s"].reshape(1), u1["s"])
+        scalar, one = optim.apply_updates(scalar, u0), optim.apply_updates(one, u1)
