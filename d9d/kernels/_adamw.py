@@ -106,7 +106,8 @@ def adamw(
     For each ``(p, g, m, v)``: ``m = beta1*m + (1-beta1)*g``, ``v = beta2*v + (1-beta2)*g**2``,
     ``p = p*(1 - lr*weight_decay) - lr/(1 - beta1**step) * m / (sqrt(v/(1 - beta2**step)) +
     eps)``, computed in float32 whatever the tensors' dtypes (bfloat16 params with float32
-    moments work). ``params``, ``exp_avgs`` and ``exp_avg_sqs`` are overwritten: use it on
+    moments work; float64 ones in float64), the scalar factors ``lr/(1 - beta1**step)``,
+    ``sqrt(1 - beta2**step)`` and ``1 - lr*weight_decay`` in float64 as torch does. ``params``, ``exp_avgs`` and ``exp_avg_sqs`` are overwritten: use it on
     donated buffers. Runs without autograd. Pass ``lr`` and ``step`` as 0-d tensors under
     ``torch.compile`` so a new value does not recompile.
 
@@ -146,8 +147,11 @@ def adamw(
     if not params:
         return
     device = params[0].device
-    lr = torch.as_tensor(lr, dtype=torch.float32, device=device)
-    step = torch.as_tensor(step, dtype=torch.float32, device=device)
+    # float64: the bias corrections are taken from these, and in float32 ``1 - 0.999**1`` is
+    # 1.3e-5 off (0.999 itself rounds), which moved each param 40 ulps from torch.optim.AdamW
+    # over 50 steps (torch computes them in Python floats, i.e. float64).
+    lr = torch.as_tensor(lr, dtype=torch.float64, device=device)
+    step = torch.as_tensor(step, dtype=torch.float64, device=device)
     impl = _resolve_all((*params, *grads, *exp_avgs, *exp_avg_sqs), backend)
     with torch.no_grad():
         impl(params, grads, exp_avgs, exp_avg_sqs, lr=lr, step=step, **hyper)

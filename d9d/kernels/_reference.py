@@ -104,15 +104,20 @@ def adamw(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW update (decoupled weight decay, bias-corrected), in place, in float32."""
-    lr, step = _wide(lr), _wide(step)
+    """One AdamW update (decoupled weight decay, bias-corrected), in place, in float32.
+
+    The scalar factors are computed in float64 (as ``torch.optim.AdamW`` computes them in
+    Python floats), then applied as 0-d tensors, which do not widen the float32 math.
+    """
+    lr, step = lr.to(torch.float64), step.to(torch.float64)
     step_size = lr / (1 - beta1**step)
     bias_correction2_sqrt = torch.sqrt(1 - beta2**step)
+    decay = 1 - lr * weight_decay
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         g_wide = _wide(g)
         m_wide = _wide(m) * beta1 + g_wide * (1 - beta1)
         v_wide = _wide(v) * beta2 + g_wide.square() * (1 - beta2)
-        p_wide = _wide(p) * (1 - lr * weight_decay)
+        p_wide = _wide(p) * decay
         p_wide = p_wide - step_size * m_wide / (v_wide.sqrt() / bias_correction2_sqrt + eps)
         p.copy_(p_wide)
         m.copy_(m_wide)

@@ -12,6 +12,7 @@ from d9d.optim._transform import (
     STATE_FIX,
     GradientTransformation,
     by_kind,
+    check_params,
     check_same_layout,
     check_state,
     foreach_lerp,
@@ -57,6 +58,10 @@ def scale_by_adam(
     the grads' dtype, if wider), updated and divided there, and only the new moments are
     rounded back to their storage dtypes; the updates come out in that float32 dtype.
 
+    A complex param is treated as the pair of its real and imaginary parts, as
+    ``torch.optim.Adam`` does (``v`` averages ``re**2`` and ``im**2``, not ``g**2``); its
+    moments are complex tensors of its dtype.
+
     Args:
         b1: decay rate of the first moment, in [0, 1) (default 0.9).
         b2: decay rate of the second moment, in [0, 1) (default 0.999).
@@ -76,7 +81,9 @@ def scale_by_adam(
         ValueError: ``b1`` or ``b2`` outside [0, 1), ``eps``/``eps_root`` negative,
             ``nesterov`` not a bool, or a
             state dtype that is not a floating dtype of 2 bytes or more (8-bit moments need
-            per-block scales, which are not built).
+            per-block scales, which are not built); at ``init``, ``mu_dtype``/``nu_dtype``
+            with complex params.
+        TypeError: at ``init``, a params leaf is not a floating or complex tensor.
 
     Example:
         >>> import torch
@@ -98,6 +105,15 @@ def scale_by_adam(
     upcast = mu_dtype is not None or nu_dtype is not None
 
     def init(params: Any) -> ScaleByAdamState:
+        check_params(params, "scale_by_adam")
+        if upcast:
+            complex_paths = [p for p, x in tree.flatten_with_paths(params)[0] if x.is_complex()]
+            if complex_paths:
+                raise ValueError(
+                    f"scale_by_adam got mu_dtype={mu_dtype} / nu_dtype={nu_dtype} and complex "
+                    f"params {complex_paths}: a real storage dtype would drop their imaginary "
+                    "parts; leave mu_dtype and nu_dtype None, or mask the complex params out"
+                )
         return ScaleByAdamState(
             count=zero_count(params),
             mu=tree.map(lambda p: torch.zeros_like(p, dtype=mu_dtype), params),
@@ -116,6 +132,14 @@ def scale_by_adam(
         leaves, spec = tree.flatten(updates)
 
         def moments(grads: list, stored_mu: list, stored_nu: list) -> tuple[Any, ...]:
+            complex_leaves = [g.is_complex() for g in grads]
+            if any(complex_leaves):
+                # As torch.optim.Adam: a complex leaf is a pair of real ones (real and
+                # imaginary parts), so nu averages re**2 and im**2, never the complex g*g.
+                grads, stored_mu, stored_nu = (
+                    [_real(x, c) for x, c in zip(xs, complex_leaves, strict=True)]
+                    for xs in (grads, stored_mu, stored_nu)
+                )
             mu, nu = stored_mu, stored_nu
             if upcast:
                 grads = [g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads]
@@ -138,6 +162,14 @@ def scale_by_adam(
             if upcast:
                 mu = [m.to(s.dtype) for m, s in zip(mu, stored_mu, strict=True)]
                 nu = [v.to(s.dtype) for v, s in zip(nu, stored_nu, strict=True)]
+            if any(complex_leaves):
+                numer, mu, nu = (
+                    [
+                        torch.view_as_complex(x) if c else x
+                        for x, c in zip(xs, complex_leaves, strict=True)
+                    ]
+                    for xs in (numer, mu, nu)
+                )
             return numer, mu, nu
 
         new_updates, mu, nu = by_kind(
@@ -149,3 +181,8 @@ def scale_by_adam(
         return tree.unflatten(spec, new_updates), new_state
 
     return GradientTransformation(init, update)
+
+
+def _real(x: torch.Tensor, is_complex: bool) -> torch.Tensor:
+    """A complex ``x`` as ``torch.view_as_real(x)`` (a trailing dim of 2), others as they are."""
+    return torch.view_as_real(x) if is_complex else x

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -16,7 +17,12 @@ __all__ = [
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    # numbers.Real, not int | float: a numpy float32 (a config read with numpy) is a real
+    # number too, and was refused as "must be a finite real number" (numpy float64, a
+    # float subclass, passed).
+    return (
+        isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)  # type: ignore[arg-type]
+    )
 
 
 def check_bool(name: str, value: object) -> None:

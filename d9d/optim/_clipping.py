@@ -39,7 +39,8 @@ def global_norm(updates: Any) -> torch.Tensor:
 
     Returns:
         A 0-d plain tensor on the first leaf's device, equal on every rank; 0 for an empty
-        tree. It is float32, or float64 when a leaf is float64. Inside a ``pipeline`` step
+        tree. It is float32, or float64 when a leaf is float64 (or complex128). A complex
+        leaf counts ``|z|**2`` per element. Inside a ``pipeline`` step
         it is the norm over every stage's leaves (a tied param counted once).
 
     Example:
@@ -53,7 +54,8 @@ def global_norm(updates: Any) -> torch.Tensor:
         "take it before, on the device: chain(clip_by_global_norm(1.0), offloaded(adamw(...)))",
     )
     leaves = tree.leaves(updates)
-    dtype = torch.float64 if any(leaf.dtype == torch.float64 for leaf in leaves) else torch.float32
+    wide = (torch.float64, torch.complex128)
+    dtype = torch.float64 if any(leaf.dtype in wide for leaf in leaves) else torch.float32
     square = _squared_norm(leaves, dtype)
     step = current()
     if step is not None and step.plan.stage_group is not None:
@@ -64,6 +66,9 @@ def global_norm(updates: Any) -> torch.Tensor:
 def _squared_norm(leaves: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     groups: dict[Any, list[torch.Tensor]] = {}
     for leaf in leaves:
+        # A complex leaf's norm is that of its real and imaginary parts (as clip_grad_norm_'s
+        # is); _foreach_norm with a real dtype refuses complex tensors.
+        leaf = torch.view_as_real(leaf) if leaf.is_complex() else leaf
         key = leaf.device_mesh if isinstance(leaf, DTensor) else leaf.device
         groups.setdefault(key, []).append(leaf)
     if not groups:

@@ -12,6 +12,7 @@ from d9d.optim._transform import (
     STATE_FIX,
     GradientTransformation,
     by_kind,
+    check_params,
     check_same_layout,
     check_state,
     foreach_lerp,
@@ -46,6 +47,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
 
     Raises:
         ValueError: ``b1`` or ``b2`` outside [0, 1).
+        TypeError: at ``init``, a params leaf is not a floating tensor (complex ones too:
+            Lion's sign has no agreed complex form).
 
     Example:
         >>> import torch
@@ -58,6 +61,9 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     check_unit_interval("b2", b2)
 
     def init(params: Any) -> ScaleByLionState:
+        # Complex params are refused: Lion's sign has no agreed complex form (torch.sign
+        # raises; optax takes z/|z|, the paper says nothing).
+        check_params(params, "scale_by_lion", complex_ok=False)
         return ScaleByLionState(count=zero_count(params), mu=tree.map(torch.zeros_like, params))
 
     def update(updates: Any, state: ScaleByLionState, params: Any = None) -> tuple[Any, Any]:

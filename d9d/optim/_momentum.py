@@ -12,6 +12,7 @@ from d9d.optim._transform import (
     STATE_FIX,
     GradientTransformation,
     by_kind,
+    check_params,
     check_same_layout,
     check_state,
 )
@@ -45,6 +46,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     Raises:
         ValueError: ``decay`` is negative, ``nesterov`` is not a bool, or ``nesterov=True``
             with ``decay == 0``.
+        TypeError: at ``init``, a params leaf is not a floating or complex tensor.
 
     Example:
         >>> import torch
@@ -63,6 +65,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         )
 
     def init(params: Any) -> TraceState:
+        check_params(params, "trace")
         return TraceState(trace=tree.map(torch.zeros_like, params))
 
     def update(updates: Any, state: TraceState, params: Any = None) -> tuple[Any, Any]:

@@ -12,7 +12,13 @@ from d9d import tree
 from d9d.optim._checks import check_non_negative
 from d9d.optim._masking import Mask, masked
 from d9d.optim._schedules import Schedule, constant
-from d9d.optim._transform import GradientTransformation, by_kind, check_state, zero_count
+from d9d.optim._transform import (
+    GradientTransformation,
+    by_kind,
+    check_params,
+    check_state,
+    zero_count,
+)
 
 __all__ = [
     "AddDecayedWeightsState",
@@ -100,7 +106,8 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     Raises:
         ValueError: a float ``learning_rate`` is negative or not finite.
         TypeError: ``learning_rate`` is neither a real number nor callable, or (at ``init``)
-            the schedule does not return a 0-d tensor.
+            the schedule does not return a 0-d tensor or a params leaf is not a floating or
+            complex tensor.
 
     Example:
         >>> import torch
@@ -121,6 +128,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         )
 
     def init(params: Any) -> ScaleByLearningRateState:
+        check_params(params, "scale_by_learning_rate")
         count = zero_count(params)
         learning_rate = schedule(count)
         if not (isinstance(learning_rate, torch.Tensor) and learning_rate.shape == ()):

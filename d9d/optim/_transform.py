@@ -24,6 +24,7 @@ __all__ = [
     "apply_updates",
     "by_kind",
     "chain",
+    "check_params",
     "check_same_layout",
     "check_state",
     "foreach_lerp",
@@ -116,6 +117,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
     Raises:
         OptimTreeMismatchError: ``updates`` is not laid out like ``params``.
+        TypeError: a param is not a floating or complex tensor (an integer leaf would be
+            truncated back to an integer).
 
     Example:
         >>> import torch, d9d.optim as optim
@@ -123,6 +126,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
         {'w': tensor([1.5000, 0.0000])}
     """
     check_same_layout(params, updates, what="updates")
+    check_params(params, "apply_updates")
     param_leaves, spec = tree.flatten(params)
     (sums,) = by_kind(
         lambda ps, us: (torch._foreach_add(ps, us),),
@@ -151,7 +155,14 @@ def by_kind(
     ``Partial``, ``fn`` runs on their local shards and the results are wrapped back: an
     elementwise op on equally placed shards is exactly its DTensor version, without DTensor's
     sharding propagation, whose cost grows about eightfold per mesh dimension (eager only).
+
+    ``fn`` sees a 0-d plain tensor as one element of shape ``(1,)`` (its results are shaped
+    back): the 0-d float64 and float32 scalars the primitives scale by (bias corrections,
+    the learning rate, the clipping factor) would otherwise promote a 0-d leaf, whose
+    updates came out float64 (a float32 scalar param under Adam) or float32 (a bfloat16
+    one), computed unlike every other leaf.
     """
+    fn = _zero_d_as_one_element(fn)
     first = lists[0]
     groups = [
         [i for i, leaf in enumerate(first) if isinstance(leaf, DTensor) is is_dtensor]
@@ -167,6 +178,28 @@ def by_kind(
             for i, value in zip(group, result, strict=True):
                 out[i] = value
     return merged
+
+
+def _zero_d_as_one_element(
+    fn: Callable[..., tuple[Sequence[Any], ...]],
+) -> Callable[..., tuple[list[Any], ...]]:
+    """``fn`` with 0-d plain tensors passed in as shape ``(1,)`` views and shaped back out."""
+
+    def wrapped(*lists: Sequence[Any]) -> tuple[list[Any], ...]:
+        first = lists[0]
+        zero_d = [not isinstance(x, DTensor) and x.ndim == 0 for x in first]
+        if not any(zero_d):
+            return tuple(list(result) for result in fn(*lists))
+        widened = [
+            [x.reshape(1) if flat else x for x, flat in zip(values, zero_d, strict=True)]
+            for values in lists
+        ]
+        return tuple(
+            [x.reshape(()) if flat else x for x, flat in zip(result, zero_d, strict=True)]
+            for result in fn(*widened)
+        )
+
+    return wrapped
 
 
 def foreach_lerp(starts: Sequence[Any], ends: Sequence[Any], weight: float) -> list[Any]:
@@ -223,6 +256,27 @@ def zero_count(params: Any) -> torch.Tensor:
     leaves = tree.leaves(params)
     device = leaves[0].device if leaves else torch.device("cpu")
     return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def check_params(params: Any, owner: str, *, complex_ok: bool = True) -> None:
+    """Raise ``TypeError`` unless every leaf of ``params`` is a floating tensor (or a complex
+    one, where ``complex_ok``), naming the first other leaf's path and dtype.
+
+    An integer or bool leaf has no gradient to follow: Adam failed inside ``torch.lerp``
+    (``"lerp_kernel_scalar" not implemented for 'Long'``) and SGD's float update was
+    truncated back to the integer by ``apply_updates`` (3 - 0.03 became 2).
+    """
+    for path, leaf in tree.flatten_with_paths(params)[0]:
+        if isinstance(leaf, torch.Tensor) and (
+            leaf.is_floating_point() or (complex_ok and leaf.is_complex())
+        ):
+            continue
+        kind = f"dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+        allowed = "floating or complex" if complex_ok else "floating"
+        raise TypeError(
+            f"{owner} takes params of {allowed} tensors, got leaf {path!r} of {kind}; "
+            "leave it out of the params tree (or set it to None) and keep it beside them"
+        )
 
 
 STATE_FIX = "pass the state opt.init(params) returned for these params, or the previous step's"

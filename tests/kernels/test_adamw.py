@@ -35,6 +35,41 @@ def test_reference_matches_torch_optim():
         torch.testing.assert_close(ours, theirs.detach())
 
 
+def test_bias_corrections_are_float64_like_torch_optim():
+    """The step, lr and bias corrections were float32 tensors: ``1 - 0.999**1`` there is
+    1.3e-5 off (0.999 rounds to 0.99900001), so float64 params ended 2.7e-6 from
+    ``torch.optim.AdamW`` after 50 steps at lr 1e-3 (now 2e-16), and float32 ones took their
+    first step 1.5e-5 off (relative) through both backends."""
+    torch.manual_seed(0)
+    shapes = [(37,), (5, 3), (), (0,)]
+    params = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    moments = [[torch.zeros_like(p) for p in params] for _ in "mv"]
+    theirs = [p.clone().requires_grad_() for p in params]
+    optimizer = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.1)
+    for step in range(1, 51):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(theirs, grads, strict=True):
+            p.grad = g
+        optimizer.step()
+        K.adamw(params, grads, *moments, lr=1e-3, step=step, weight_decay=0.1)
+    for ours, expected in zip(params, theirs, strict=True):
+        torch.testing.assert_close(ours, expected.detach(), rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_first_float32_step_matches_torch_optim(backend, device):
+    torch.manual_seed(0)
+    param, grad = torch.randn(1000, device=device), torch.randn(1000, device=device)
+    theirs = param.clone().requires_grad_()
+    theirs.grad = grad.clone()
+    torch.optim.AdamW([theirs], lr=1e-3, weight_decay=0.0).step()
+    m, v = torch.zeros_like(param), torch.zeros_like(param)
+    before = param.clone()
+    K.adamw([param], [grad], [m], [v], lr=1e-3, step=1, backend=backend)
+    expected = theirs.detach() - before
+    torch.testing.assert_close(param - before, expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(
     ("dtype", "moment_dtype"),
     [

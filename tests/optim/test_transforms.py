@@ -6,6 +6,7 @@ import doctest
 import importlib
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,6 +121,28 @@ def test_chain_rejects_a_non_transformation() -> None:
 def test_bad_hyperparameters_are_rejected_eagerly(build, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         build()
+
+
+def test_numpy_scalar_hyperparameters_are_real_numbers() -> None:
+    """A numpy float32 (a config read with numpy) was refused as "must be a finite real
+    number" (the check took only int | float, and numpy's float64 subclasses float)."""
+    f32 = np.float32
+    params = {"w": torch.ones(3)}
+    for opt in (
+        optim.adamw(f32(0.5), b1=f32(0.5), b2=f32(0.75), eps=f32(0.25), weight_decay=f32(0.5)),
+        optim.sgd(f32(0.5), momentum=f32(0.5)),
+        optim.lion(f32(0.5), b1=f32(0.5), b2=f32(0.5)),
+        optim.chain(optim.clip_by_global_norm(f32(1.0)), optim.sgd(0.5)),
+    ):
+        updates, _ = opt.update(params, opt.init(params), params)
+        assert updates["w"].dtype == torch.float32
+    adam, reference = optim.adamw(f32(0.5), b1=f32(0.5)), optim.adamw(0.5, b1=0.5)
+    ours = adam.update(params, adam.init(params), params)[0]["w"]
+    torch.testing.assert_close(
+        ours, reference.update(params, reference.init(params), params)[0]["w"]
+    )
+    with pytest.raises(ValueError, match=r"b1 is a decay rate .* got b1=np.float32\(1.0\)"):
+        optim.adamw(1e-3, b1=f32(1.0))
 
 
 def test_schedule_returning_a_python_float_is_an_error() -> None:
