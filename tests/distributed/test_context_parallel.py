@@ -71,6 +71,27 @@ def test_hf_llama_equals_one_device() -> None:
     _check("hf", "cp=2", torch.float64)
 
 
+def test_hf_llama_under_pipeline_equals_one_device() -> None:
+    """pp=2 x cp=2: each stage's blocks are checked to call ring attention (a block whose
+    attention is its own code is refused), the other stage's stand-ins are not."""
+    build, data = hf_llama(torch.float64), batches(97, steps=2)
+
+    def transforms(mesh):
+        return [d9d.context_parallel(mesh), d9d.pipeline(mesh, microbatches=2)]
+
+    expected = reference(build, data)
+    assert_equivalent(
+        build,
+        transforms,
+        {"pp": 2, "cp": 2},
+        data,
+        expected,
+        dtype=torch.float64,
+        params_too=False,
+        method="fork",
+    )
+
+
 def test_fp32_losses_and_sgd_params_equal_one_device() -> None:
     _check("d9d", "cp=2", torch.float32, params_too=False)
     _check("d9d", "cp=2", torch.float32, opt="sgd")

@@ -88,6 +88,20 @@ def test_an_attention_mask_the_module_builds_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("doge"))
 
 
+def test_a_block_whose_attention_is_its_own_code_is_refused() -> None:
+    """OpenAI GPT's attention (GPT-Neo's, XGLM's too) is its own code, which never reads
+    config._attn_implementation, so switching it to "d9d_ring" left each rank attending
+    over its own slice of the sequence, with no error: the sweep's 3 AdamW steps at cp=2 gave
+    losses 4.57310, 4.66796, 4.54237 for one device's 4.57334, 4.66798, 4.54044, and params
+    up to rel 0.61 off."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: transformer\.h\.0 \(Block\) ran without calling attention through "
+        r"transformers' attention interface, .* its attention is its own code",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("openai-gpt"))
+
+
 # How a rank's step passes the model a padding mask, positions or labels, and what the
 # refusal says.
 _GIVEN = {

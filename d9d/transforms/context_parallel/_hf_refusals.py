@@ -9,8 +9,10 @@ attention or per-token work (``layer_types``: ``linear_attention``, ``hybrid``, 
 ...), or a window or chunk shorter than the sequence; one call of the model is refused when
 it is given a padding mask, positions or labels (which ``transformers`` would drop, read
 documents from, or shift within the rank's slice); and one call of attention is refused when the module passes a mask of its own
-or an argument ring attention does not implement. Anything unknown is refused: a new kind of
-layer or argument fails safe.
+or an argument ring attention does not implement. A block that ran without calling the
+``"d9d_ring"`` attention at all is refused after its forward: its attention is its own code,
+which the switch of ``config._attn_implementation`` never reaches (OpenAI GPT, GPT-Neo).
+Anything unknown is refused: a new kind of layer or argument fails safe.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core._structure import Structure
+from ...core._structure import Block, Structure
 from ...errors import PlanError
 
-__all__ = ["check_attention_call", "check_hf_inputs", "check_hf_layers", "check_hf_spans"]
+__all__ = [
+    "check_attention_call",
+    "check_block_attended",
+    "check_hf_inputs",
+    "check_hf_layers",
+    "check_hf_spans",
+    "per_token_layer",
+]
 
 # Leaf modules whose output at one position depends on other positions.
 POSITION_MIXING: tuple[type[nn.Module], ...] = (
@@ -74,6 +83,7 @@ INERT_ARGUMENTS = frozenset(
 HANDLED_ARGUMENTS = frozenset({"sliding_window", "is_causal"})
 
 _DROP_CP = "train this model without context_parallel"
+HF_ATTENTION = "d9d_ring"  # the attention implementation transformers is switched to
 
 
 def check_hf_layers(structure: Structure, config: Any) -> None:
@@ -128,6 +138,33 @@ def check_hf_spans(config: Any, seq_len: int) -> None:
                 "attention does not support; train on sequences no longer than that, or "
                 "without context_parallel"
             )
+
+
+def per_token_layer(config: Any, index: int) -> bool:
+    """Whether ``config.layer_types`` says block ``index`` has no attention (an MLP or MoE
+    layer), so that it calls no attention by design."""
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(layer_types, (list, tuple)) or index >= len(layer_types):
+        return False
+    return layer_types[index] in PER_TOKEN_LAYERS
+
+
+def check_block_attended(block: Block, calls: int) -> None:
+    """Refuse a block of a Hugging Face model that ran without calling ring attention
+    (``calls`` times it did): its attention, if it has one, is its own code (GPT-Neo's,
+    OpenAI GPT's ``_attn``), which never reads ``config._attn_implementation`` and so attended
+    over this rank's slice of the sequence only; a block without attention is not known to be
+    per-token unless ``config.layer_types`` says so."""
+    if calls:
+        return
+    raise PlanError(
+        f"{block.path} ({type(block.module).__name__}) ran without calling attention through "
+        "transformers' attention interface, which context_parallel switches to ring "
+        f"attention ({HF_ATTENTION!r}): its attention is its own code (it does not read "
+        "config._attn_implementation), which sees only this rank's slice of the sequence, "
+        "or it has none and config.layer_types does not say it is per-token "
+        f"({sorted(PER_TOKEN_LAYERS)}); {_DROP_CP}"
+    )
 
 
 # Inputs of a model's forward that a rank's slice of the sequence would silently get wrong.

@@ -12,9 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...core._runtime import ApplyCall, Runtime
-from ...core._structure import Structure
-from ._hf_refusals import check_hf_inputs, check_hf_layers, check_hf_spans
+from ...core._runtime import ApplyCall, Interception, Runtime
+from ...core._structure import Block, Structure
+from ._hf_refusals import (
+    check_block_attended,
+    check_hf_inputs,
+    check_hf_layers,
+    check_hf_spans,
+    per_token_layer,
+)
 from ._split import (
     HF_ATTENTION,
     SEQUENCE_DIM,
@@ -33,10 +39,15 @@ class ContextParallelRuntime(Runtime):
     def __init__(self, split: SequenceSplit) -> None:
         self.split = split
         self._passed: list[Structure] = []  # the models whose layers passed check_layers
+        self._attentions = 0  # ring attention calls so far: a block's are counted around it
 
     def op(self, name: str) -> Callable[..., Any] | None:
-        ops = {"attention": self.split.attention, "sequence_length": self.split.whole_length}
+        ops = {"attention": self._attention, "sequence_length": self.split.whole_length}
         return ops.get(name)
+
+    def _attention(self, *args: Any, **kwargs: Any) -> Any:
+        self._attentions += 1
+        return self.split.attention(*args, **kwargs)
 
     def on_batch(self, batch: Any) -> Any:
         return self.split.split_batch(batch)
@@ -53,6 +64,27 @@ class ContextParallelRuntime(Runtime):
         local = sequence_input(call.args, call.kwargs).shape[SEQUENCE_DIM]
         check_hf_spans(config, self.split.whole_length(local))
         call.override(config, "_attn_implementation", HF_ATTENTION)
+        # Set, not carried over: a count a jitted step kept across calls was a guard that
+        # failed on the second call (a second graph).
+        self._attentions = 0
+        for block in structure.blocks:
+            if not per_token_layer(config, block.index):
+                call.intercept(block.path, Interception(around=self._attending(call, block)))
+
+    def _attending(self, call: ApplyCall, block: Block) -> Callable[..., Any]:
+        """Run ``block`` and refuse it if it called no ring attention: a Hugging Face block
+        whose attention is its own code (GPT-Neo's, OpenAI GPT's), not ``transformers``'
+        attention interface, attended over the rank's slice only, with no error. A stand-in
+        (another pipeline stage's block) is not checked: runtimes after this one put it in."""
+
+        def around(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+            before = self._attentions
+            out = forward(*args, **kwargs)
+            if not call.stood_in(block.path):
+                check_block_attended(block, self._attentions - before)
+            return out
+
+        return around
 
     def check_layers(self, structure: Structure) -> None:
         """Refuse a Hugging Face model whose layers ring attention cannot split; once per

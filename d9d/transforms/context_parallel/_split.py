@@ -16,12 +16,11 @@ from ...errors import IndivisibleError, PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, shard_sequence
 from ...parallel._ring_attention import ring_attention_on
-from ._hf_refusals import check_attention_call
+from ._hf_refusals import HF_ATTENTION, check_attention_call
 
 __all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "sequence_input", "with_positions"]
 
 SEQUENCE_DIM = 1
-HF_ATTENTION = "d9d_ring"
 
 
 @dataclass(frozen=True)
