@@ -32,6 +32,7 @@ __all__ = [
     "read_placed",
     "refuse_unconverted",
     "safetensors_files",
+    "stored_keys",
 ]
 
 RECOMPUTED = re.compile(r"\.rotary_emb\.inv_freq$")
@@ -136,7 +137,7 @@ def safetensors_files(path: str | os.PathLike[str]) -> dict[str, Path]:
     return files
 
 
-def _stored_keys(source: Source) -> tuple[str, ...]:
+def stored_keys(source: Source) -> tuple[str, ...]:
     """Every stored key ``source`` reads."""
     match source:
         case Stored(keys=keys):
@@ -157,7 +158,7 @@ def refuse_unconverted(
         ParamTreeMismatchError: Naming the stored tensors ``model`` has no param for, which
             an import would otherwise drop.
     """
-    read = {key for source in sources.values() for key in _stored_keys(source)} | set(also)
+    read = {key for source in sources.values() for key in stored_keys(source)} | set(also)
     unknown = sorted(k for k in stored if k not in read and not RECOMPUTED.search(k))
     if unknown:
         raise ParamTreeMismatchError(
