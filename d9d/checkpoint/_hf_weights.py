@@ -128,7 +128,10 @@ def load_hf_weights(
         key = next((k for k in (param, *names.get(param, ())) if k in stored), None)
         experts = None if key else _per_expert(param, tuple(leaf.shape), stored)
         sources[param] = experts or Stored((key or param,))
-    if not partial:
+    # A param stored under none of its names is named first (read_placed), with what the
+    # folder lacks; the tensors no leaf reads are then often the same weights, renamed.
+    wanted = {key for source in sources.values() for key in stored_keys(source)}
+    if not partial and wanted <= stored:
         aliases = {alias for param in sources for alias in names.get(param, ())}
         _refuse_unread(stored, sources, aliases)
     return read_placed(path, target, sources)

@@ -263,6 +263,21 @@ def test_a_stored_tensor_no_target_leaf_reads_is_named(tmp_path: Path) -> None:
     assert got["model.norm.weight"].shape == (24,)
 
 
+def test_a_folder_of_renamed_weights_names_what_it_lacks_first(tmp_path: Path) -> None:
+    """Mixtral's folders rename the experts (``block_sparse_moe.experts.<e>.w1``), which
+    ``load_hf_weights`` does not map: the params it lacks are named, not the renamed
+    tensors as if a buffer or a pipeline stage's were left over (``partial=True``)."""
+    config = transformers.MixtralConfig(
+        vocab_size=97, hidden_size=24, intermediate_size=10, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+    )  # fmt: skip
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = d9d.functionalize(transformers.MixtralForCausalLM(config))
+    with pytest.raises(ParamTreeMismatchError, match=r"lacks weights.*mlp.experts.down_proj"):
+        checkpoint.load_hf_weights(tmp_path, model.params, tied=model.tied)
+
+
 def test_a_persistent_buffer_in_the_target_is_read(tmp_path: Path) -> None:
     """With the model's persistent buffers in the target, the loaded model computes the
     saved one's logits."""
