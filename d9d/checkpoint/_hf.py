@@ -24,6 +24,7 @@ from ._hf_fields import FieldRules, check_fields
 from ._safetensors_read import (
     RECOMPUTED,
     Stored,
+    load_whole,
     read_placed,
     refuse_unconverted,
     safetensors_files,
@@ -337,22 +338,11 @@ def import_hf(
         >>> config == LlamaConfig.tiny(), len(params)
         (True, 21)
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     config = llama_config(json.loads((path / "config.json").read_text()))
     if target is not None:
         sources = llama_sources(config)
         refuse_unconverted(safetensors_files(path), sources, "the d9d Llama")
         return config, read_placed(path, target, sources)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"{str(path / name)!r} is missing; the folder is incomplete.")
-        state.update(load_file(str(path / name)))
+    state = load_whole(path)
     return config, llama_from_hf(state, config)

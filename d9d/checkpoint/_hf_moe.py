@@ -25,7 +25,13 @@ from ..models import MoEConfig
 from ..moe import MoEConfig as LayerConfig
 from ._hf import without_tied_head
 from ._hf_fields import FieldRules, check_fields
-from ._safetensors_read import Stored, read_placed, refuse_unconverted, safetensors_files
+from ._safetensors_read import (
+    Stored,
+    load_whole,
+    read_placed,
+    refuse_unconverted,
+    safetensors_files,
+)
 
 __all__ = [
     "export_hf_moe",
@@ -388,8 +394,6 @@ def import_hf_moe(
         >>> config.moe.n_experts, params["layers.1.mlp.experts.w_gate"].shape
         (4, torch.Size([4, 64, 32]))
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     config = moe_config(json.loads((path / "config.json").read_text()))
     if target is not None:
@@ -398,15 +402,5 @@ def import_hf_moe(
         tied = ["lm_head.weight"] if config.tie_embeddings else []  # not read, as the Llama's
         refuse_unconverted(stored, sources, _MODEL, also=tied)
         return config, read_placed(path, target, sources)
-    index = path / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.is_file()
-        else ["model.safetensors"]
-    )
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"{str(path / name)!r} is missing; the folder is incomplete.")
-        state.update(load_file(str(path / name)))
+    state = load_whole(path)
     return config, moe_from_hf(state, config)

@@ -8,7 +8,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import tree as tree_lib
-from ._safetensors_read import Concatenated, Source, Stored, read_placed, safetensors_files
+from ..errors import ParamTreeMismatchError
+from ._safetensors_read import (
+    RECOMPUTED,
+    Concatenated,
+    Source,
+    Stored,
+    read_placed,
+    safetensors_files,
+    stored_keys,
+)
 
 __all__ = ["load_hf_weights"]
 
@@ -37,8 +46,30 @@ def _per_expert(param: str, shape: tuple[int, ...], stored: set[str]) -> Source 
     return source if all(set(part.keys) <= stored for _, part in parts) else None
 
 
+def _refuse_unread(stored: set[str], sources: Mapping[str, Source], aliases: set[str]) -> None:
+    """Raise unless every stored tensor is read by a target leaf, is another name of a tied
+    one, or is a recomputed ``rotary_emb.inv_freq``."""
+    read = {key for source in sources.values() for key in stored_keys(source)} | aliases
+    unread = sorted(k for k in stored if k not in read and not RECOMPUTED.search(k))
+    if unread:
+        raise ParamTreeMismatchError(
+            f"Stored tensors {unread[:10]} ({len(unread)} in all) are read by no leaf of the "
+            "target, so the load would drop them. A persistent buffer the model reads "
+            "(DeepSeek-V3's mlp.gate.e_score_correction_bias) goes in the target beside the "
+            "params (the model's buffers at those paths, e.g. {**target, **{k: "
+            "model.buffers[k] for k in model.module.state_dict() if k in model.buffers}}), "
+            "then into the module that trains; a tensor the model has no place for (a bias "
+            "its config lacks) means the folder is another model's; a target holding part of "
+            "the model (a pipeline stage's params) passes partial=True."
+        )
+
+
 def load_hf_weights(
-    path: str | os.PathLike[str], target: Any, *, tied: Mapping[str, str] | None = None
+    path: str | os.PathLike[str],
+    target: Any,
+    *,
+    tied: Mapping[str, str] | None = None,
+    partial: bool = False,
 ) -> Any:
     """Read each rank's shards of a ``transformers`` model's params from its safetensors.
 
@@ -51,11 +82,19 @@ def load_hf_weights(
     ``experts.down_proj [E, H, I]``, as ``transformers`` 5 does for Qwen3-MoE) and the folder
     per expert (``experts.<e>.gate_proj.weight``...) are read expert by expert.
 
+    Every stored tensor must be read by a leaf of ``target`` (or be another name of a tied
+    one, or a ``rotary_emb.inv_freq`` that the model recomputes), unless ``partial``: one
+    that no leaf reads would be dropped silently, a persistent buffer the model computes
+    with (DeepSeek-V3's ``e_score_correction_bias``, which ``transformers`` saves) or a
+    weight of another config. A target leaf may name a buffer as well as a param.
+
     Args:
         path: A ``save_pretrained`` folder (``model.safetensors`` or an indexed set).
         target: ``{param path: DTensor, tensor or Abstract}``: the layout and dtype of each
             param, e.g. ``step.place`` of the params of a model built on ``meta``.
         tied: ``{alias path: canonical path}`` of tied params (``model.tied``); default none.
+        partial: Allow stored tensors that no leaf of ``target`` reads (a pipeline stage
+            reading its own params); default ``False``.
 
     Returns:
         ``target``'s structure holding this rank's shards (DTensors) or tensors, in the
@@ -63,7 +102,8 @@ def load_hf_weights(
 
     Raises:
         FileNotFoundError: A weights file is missing.
-        ParamTreeMismatchError: A param is stored under none of its names.
+        ParamTreeMismatchError: A param is stored under none of its names, or (unless
+            ``partial``) a stored tensor is read by no leaf of ``target``.
         ParamShapeError: A stored tensor's shape does not fit its param.
 
     Example:
@@ -88,4 +128,10 @@ def load_hf_weights(
         key = next((k for k in (param, *names.get(param, ())) if k in stored), None)
         experts = None if key else _per_expert(param, tuple(leaf.shape), stored)
         sources[param] = experts or Stored((key or param,))
+    # A param stored under none of its names is named first (read_placed), with what the
+    # folder lacks; the tensors no leaf reads are then often the same weights, renamed.
+    wanted = {key for source in sources.values() for key in stored_keys(source)}
+    if not partial and wanted <= stored:
+        aliases = {alias for param in sources for alias in names.get(param, ())}
+        _refuse_unread(stored, sources, aliases)
     return read_placed(path, target, sources)

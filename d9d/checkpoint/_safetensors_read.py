@@ -9,11 +9,12 @@ own shards plus one stored tensor's slice, not the model (``benchmarks/hf_stream
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import tree as tree_lib
-from ..errors import ParamShapeError, ParamTreeMismatchError
+from ..errors import CheckpointCorruptError, ParamShapeError, ParamTreeMismatchError
 from ._layout import box_slices
 from ._restore import as_leaf, leaf_box, want_of
 
@@ -29,9 +30,13 @@ __all__ = [
     "Concatenated",
     "Source",
     "Stored",
+    "load_whole",
+    "open_safetensors",
     "read_placed",
     "refuse_unconverted",
     "safetensors_files",
+    "stored_keys",
+    "weight_files",
 ]
 
 RECOMPUTED = re.compile(r"\.rotary_emb\.inv_freq$")
@@ -110,33 +115,94 @@ Source = Stored | Concatenated
 """Where a param's values lie: one stored tensor (or stack of them), or parts of it."""
 
 
+def weight_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a folder: ``model.safetensors``, or every file that
+    ``model.safetensors.index.json`` lists.
+
+    Raises:
+        FileNotFoundError: A weights file is missing.
+        CheckpointCorruptError: The index is not JSON or has no ``weight_map`` of file names.
+    """
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        names = ["model.safetensors"]
+    else:
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CheckpointCorruptError(
+                f"{str(index)!r} is not a safetensors index (a JSON object whose "
+                f"'weight_map' maps each tensor to its file name): {error!r}; the folder is "
+                "damaged: fetch it again."
+            ) from error
+    files = [path / name for name in names]
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{str(file)!r} is missing; the folder is incomplete.")
+    return files
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open(file)``, its header checked: a truncated or garbled file is named.
+
+    Raises:
+        CheckpointCorruptError: ``file`` is not a readable safetensors file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        opened = safe_open(str(file), framework="pt")
+    except SafetensorError as error:
+        raise CheckpointCorruptError(
+            f"{str(file)!r} is not a readable safetensors file ({error}); the folder is "
+            "damaged (a truncated or interrupted download?): fetch that file again."
+        ) from error
+    with opened:
+        yield opened
+
+
 def safetensors_files(path: str | os.PathLike[str]) -> dict[str, Path]:
     """``{stored key: file}`` of a folder's ``model.safetensors`` or of the files that
     ``model.safetensors.index.json`` lists (headers only are read).
 
     Raises:
         FileNotFoundError: A weights file is missing.
+        CheckpointCorruptError: A file or the index is damaged, or two files hold one key.
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    else:
-        names = ["model.safetensors"]
-    files = {}
-    for name in names:
-        file = path / name
-        if not file.is_file():
-            raise FileNotFoundError(f"{str(file)!r} is missing; the folder is incomplete.")
-        with safe_open(str(file), framework="pt") as opened:
-            files.update(dict.fromkeys(opened.keys(), file))
+    files: dict[str, Path] = {}
+    for file in weight_files(path):
+        with open_safetensors(file) as opened:
+            keys = opened.keys()  # safe_open is not iterable
+            for key in keys:
+                if key in files:
+                    raise CheckpointCorruptError(
+                        f"Stored tensor {key!r} is in both {str(files[key])!r} and "
+                        f"{str(file)!r}; the folder's files overlap: fetch it again."
+                    )
+                files[key] = file
     return files
 
 
-def _stored_keys(source: Source) -> tuple[str, ...]:
+def load_whole(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a safetensors folder, whole (for a full import).
+
+    Raises:
+        FileNotFoundError: A weights file is missing.
+        CheckpointCorruptError: A file or the index is damaged, or two files hold one key.
+    """
+    by_file: dict[Path, list[str]] = {}
+    for key, file in safetensors_files(path).items():
+        by_file.setdefault(file, []).append(key)
+    state = {}
+    for file, keys in by_file.items():
+        with open_safetensors(file) as opened:
+            state.update({key: opened.get_tensor(key) for key in keys})
+    return state
+
+
+def stored_keys(source: Source) -> tuple[str, ...]:
     """Every stored key ``source`` reads."""
     match source:
         case Stored(keys=keys):
@@ -157,7 +223,7 @@ def refuse_unconverted(
         ParamTreeMismatchError: Naming the stored tensors ``model`` has no param for, which
             an import would otherwise drop.
     """
-    read = {key for source in sources.values() for key in _stored_keys(source)} | set(also)
+    read = {key for source in sources.values() for key in stored_keys(source)} | set(also)
     unknown = sorted(k for k in stored if k not in read and not RECOMPUTED.search(k))
     if unknown:
         raise ParamTreeMismatchError(
@@ -169,11 +235,9 @@ def refuse_unconverted(
 
 
 def _shapes(files: Mapping[str, Path], keys: set[str]) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
     shapes = {}
     for file in sorted({files[k] for k in keys}):
-        with safe_open(str(file), framework="pt") as opened:
+        with open_safetensors(file) as opened:
             mine = keys.intersection(opened.keys())
             shapes.update({k: tuple(opened.get_slice(k).get_shape()) for k in mine})
     return shapes
@@ -222,7 +286,7 @@ def _check(
                 f"{[n for n, _ in source.parts]} along dim {source.dim}, which do not add up."
             )
         for part, covered in found:
-            _check_part(path, global_shape, part, covered, shapes)
+            _check_part(path, global_shape, part, covered, shapes, files)
 
 
 def _check_part(
@@ -231,6 +295,7 @@ def _check_part(
     part: Stored,
     covered: tuple[int, ...],
     shapes: Mapping[str, tuple[int, ...]],
+    files: Mapping[str, Path],
 ) -> None:
     if not part.keys:
         return
@@ -244,8 +309,8 @@ def _check_part(
         if not fits:
             raise ParamShapeError(
                 f"Param {path!r} of shape {global_shape} needs stored tensor {key!r} of "
-                f"shape {needed}, but it has shape {got}; the folder is not the model of "
-                "this config."
+                f"shape {needed}, but it has shape {got} in {str(files[key])!r}; the folder "
+                "is not the model of this config."
             )
     expected_count = covered[0] if part.stacked else 1
     if len(part.keys) != expected_count:
@@ -281,8 +346,6 @@ def _read_box(
     out: torch.Tensor,
 ) -> None:
     """Copy the param's ``box`` from the stored tensors into ``out`` (its local shard)."""
-    from safetensors import safe_open
-
     offset, shape = box
     if source.stacked:
         pieces = [
@@ -293,7 +356,7 @@ def _read_box(
     for key, target, piece_offset, piece_shape in pieces:
         stored_offset, stored_shape = source.stored_box(piece_offset, piece_shape)
         # One open per tensor: the mmap (and the pages the copy faulted in) goes with it.
-        with safe_open(str(files[key]), framework="pt") as opened:
+        with open_safetensors(files[key]) as opened:
             stored = opened.get_slice(key)
             view = (
                 stored[box_slices(stored_offset, stored_shape)]

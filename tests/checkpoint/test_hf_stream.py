@@ -207,11 +207,93 @@ def test_merged_experts_read_from_per_expert_weights(tmp_path: Path, layout: str
             target = {merged: checkpoint.Abstract((5, 32, 32), torch.float32, mesh, (Shard(1),))}
         else:
             target, _ = _step(layout).place(model.params, (), model=model)
-        got = checkpoint.load_hf_weights(tmp_path, target, tied=model.tied)
+        partial = layout == "gate|up over 3 ranks"  # one param of the folder's
+        got = checkpoint.load_hf_weights(tmp_path, target, tied=model.tied, partial=partial)
         return _mismatches(got, full)
 
     world = 3 if layout == "gate|up over 3 ranks" else 2
     assert run_on_ranks(rank, world) == [[]] * world
+
+
+DEEPSEEK_V3_HF = dict(
+    vocab_size=97, hidden_size=24, intermediate_size=40, moe_intermediate_size=10,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+    num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=12,
+    kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6,
+    experts_implementation="eager",
+)  # fmt: skip
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+def _deepseek_v3_folder(folder: Path) -> Any:
+    """A DeepSeek-V3 whose routing bias (a persistent buffer, which ``save_pretrained``
+    writes) steers every token to experts 1 and 0 of group 0, saved to ``folder``."""
+    config = transformers.DeepseekV3Config(**DEEPSEEK_V3_HF)
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        hf.get_buffer(BIAS).copy_(torch.tensor([0.0, 3.0, 0.0, -3.0]))
+    hf.save_pretrained(folder)
+    return hf
+
+
+def test_a_stored_tensor_no_target_leaf_reads_is_named(tmp_path: Path) -> None:
+    """A stored tensor no target leaf reads was dropped: DeepSeek-V3's routing bias, loaded
+    into a target of the params, left the bias of a fresh module (zeros) and logits 0.012
+    off at a peak of 0.33, with no error; a Qwen2 folder's biases, read into a Llama."""
+    hf = _deepseek_v3_folder(tmp_path / "deepseek")
+    with torch.device("meta"):
+        model = d9d.functionalize(transformers.DeepseekV3ForCausalLM(hf.config))
+    with pytest.raises(ParamTreeMismatchError, match=rf"\['{BIAS}'\].*read by no leaf"):
+        checkpoint.load_hf_weights(tmp_path / "deepseek", model.params, tied=model.tied)
+
+    llama = dict(
+        vocab_size=97, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama)).save_pretrained(
+        tmp_path / "qwen2"
+    )
+    with torch.device("meta"):
+        model = d9d.functionalize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)))
+    with pytest.raises(ParamTreeMismatchError, match=r"self_attn.k_proj.bias"):
+        checkpoint.load_hf_weights(tmp_path / "qwen2", model.params, tied=model.tied)
+    part = {"model.norm.weight": model.params["model.norm.weight"]}
+    got = checkpoint.load_hf_weights(tmp_path / "qwen2", part, partial=True)
+    assert got["model.norm.weight"].shape == (24,)
+
+
+def test_a_folder_of_renamed_weights_names_what_it_lacks_first(tmp_path: Path) -> None:
+    """Mixtral's folders rename the experts (``block_sparse_moe.experts.<e>.w1``), which
+    ``load_hf_weights`` does not map: the params it lacks are named, not the renamed
+    tensors as if a buffer or a pipeline stage's were left over (``partial=True``)."""
+    config = transformers.MixtralConfig(
+        vocab_size=97, hidden_size=24, intermediate_size=10, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+    )  # fmt: skip
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = d9d.functionalize(transformers.MixtralForCausalLM(config))
+    with pytest.raises(ParamTreeMismatchError, match=r"lacks weights.*mlp.experts.down_proj"):
+        checkpoint.load_hf_weights(tmp_path, model.params, tied=model.tied)
+
+
+def test_a_persistent_buffer_in_the_target_is_read(tmp_path: Path) -> None:
+    """With the model's persistent buffers in the target, the loaded model computes the
+    saved one's logits."""
+    hf = _deepseek_v3_folder(tmp_path)
+    with torch.device("meta"):
+        skeleton = d9d.functionalize(transformers.DeepseekV3ForCausalLM(hf.config))
+    persistent = [k for k in skeleton.module.state_dict() if k in skeleton.buffers]
+    assert persistent == [BIAS]
+    target = {**skeleton.params, **{k: skeleton.buffers[k] for k in persistent}}
+    loaded = checkpoint.load_hf_weights(tmp_path, target, tied=skeleton.tied)
+    model = d9d.functionalize(transformers.DeepseekV3ForCausalLM(hf.config))
+    for k in persistent:
+        model.buffers[k].copy_(loaded[k])
+    params = {k: loaded[k] for k in model.params}
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.apply(params, tokens).logits, hf(tokens).logits)
 
 
 def test_a_plain_target_reads_whole_tensors_in_its_dtype(tmp_path: Path) -> None:
