@@ -266,10 +266,16 @@ def check_params(params: Any, owner: str, *, complex_ok: bool = True) -> None:
     (``"lerp_kernel_scalar" not implemented for 'Long'``) and SGD's float update was
     truncated back to the integer by ``apply_updates`` (3 - 0.03 became 2).
     """
-    for path, leaf in tree.flatten_with_paths(params)[0]:
-        if isinstance(leaf, torch.Tensor) and (
+
+    def accepted(leaf: Any) -> bool:
+        return isinstance(leaf, torch.Tensor) and (
             leaf.is_floating_point() or (complex_ok and leaf.is_complex())
-        ):
+        )
+
+    if all(accepted(leaf) for leaf in tree.leaves(params)):  # once a step: paths only on error
+        return
+    for path, leaf in tree.flatten_with_paths(params)[0]:
+        if accepted(leaf):
             continue
         kind = f"dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
         allowed = "floating or complex" if complex_ok else "floating"
