@@ -93,6 +93,8 @@ class Structure:
         without_grad: Paths of the modules whose forward computes without grad
             (``computes_without_grad``: read here, once, and not in a traced step, where
             reading a decorator's closure cells would break Dynamo's view of them).
+        frozen: Canonical paths of the params built with ``requires_grad=False``, which get
+            no grad through ``Model.apply`` (a zero one from ``d9d.value_and_grad``).
     """
 
     module: nn.Module
@@ -108,6 +110,7 @@ class Structure:
     positional_inputs: tuple[str, ...] = ()
     position_wise: tuple[str, ...] = ()
     without_grad: tuple[str, ...] = ()
+    frozen: frozenset[str] = frozenset()
 
     def given_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """``{name: value}`` of a call of the forward, its positional inputs by name."""
@@ -129,6 +132,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
     tied: dict[str, str] = {}
     canonical_by_id: dict[int, str] = {}
     slots: list[Slot] = []
+    frozen: set[str] = set()
     for owner_path, owner in module.named_modules(remove_duplicate=False):
         for name, tensor in owner._parameters.items():
             if tensor is None:
@@ -137,6 +141,8 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
             canonical = canonical_by_id.setdefault(id(tensor), key)
             if canonical == key:
                 params[key] = tensor.detach()
+                if not tensor.requires_grad:
+                    frozen.add(key)
             else:
                 tied[key] = canonical
             slots.append(Slot(key, owner, name, is_param=True))
@@ -179,6 +185,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
         ),
         position_wise=position_wise_paths(module),
         without_grad=tuple(p for p, m in modules.items() if computes_without_grad(m)),
+        frozen=frozenset(frozen),
     )
     return structure, params, buffers
 

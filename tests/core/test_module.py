@@ -299,3 +299,59 @@ def test_a_deep_copy_is_a_model_of_its_own_module() -> None:
     expected = d9d.losses.cross_entropy(logits, tokens[:, 1:])
     for got in run_on_ranks(lambda: loss(copy.deepcopy(model)), 2):
         torch.testing.assert_close(got, expected)
+
+
+class _PartlyFrozen(nn.Module):
+    """A frozen scale at the root and a frozen linear in block 0 of two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((4,), 1.5), requires_grad=False)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.layers[0].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x * self.scale))
+        return x
+
+
+@pytest.mark.parametrize("shard", ["params", "opt_state"])
+def test_a_param_built_without_grad_gets_a_zero_grad_alone_and_in_a_step(shard: str) -> None:
+    """A param with ``requires_grad=False`` (frozen) gets no grad through ``apply``, as in
+    torch: ``value_and_grad`` gives it zeros, so a masked optimizer leaves it as it is and it
+    adds nothing to a global grad norm. Every param used to be differentiated alike: the
+    frozen ones got their full grads (sums of |grad| 0.21 to 1.25 here), which the optimizer
+    applied and clipping counted."""
+    from d9d.testing import run_on_ranks
+
+    torch.manual_seed(0)
+    module = _PartlyFrozen().double()
+    model = d9d.functionalize(module)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    module(x).square().mean().backward()
+    want = {p: t.grad for p, t in module.named_parameters()}
+    frozen = {"scale", "layers.0.weight", "layers.0.bias"}
+    assert {p for p, g in want.items() if g is None} == frozen
+    loss = d9d.value_and_grad(lambda p, x: model.apply(p, x).square().mean())
+    grads = loss(model.params, x)[1]
+    for path, grad in grads.items():
+        torch.testing.assert_close(grad, torch.zeros_like(grad) if path in frozen else want[path])
+
+    def rank() -> dict[str, torch.Tensor]:
+        own = copy.deepcopy(model)  # a module per thread rank
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        grad_of = d9d.value_and_grad(lambda p, x: own.apply(p, x).square().mean())
+
+        @d9d.shard_params(mesh, shard=shard)
+        @d9d.remat("full", mesh=mesh)
+        def step(params, opt_state, batch):
+            return grad_of(params, batch)[1], opt_state, {}
+
+        params, _ = step.place(own.params, ())
+        out = step(params, (), step.shard_batch(x))[0]
+        return {p: g.full_tensor() for p, g in out.items()}
+
+    for got in run_on_ranks(rank, 2):
+        for path, grad in got.items():
+            torch.testing.assert_close(grad, grads[path])
