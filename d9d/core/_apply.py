@@ -24,7 +24,7 @@ from ._gather import gather_params
 from ._runtime import ApplyCall, Interception
 from ._structure import Block, Slot, Structure
 
-__all__ = ["apply_in_step"]
+__all__ = ["apply_in_step", "held"]
 
 
 def apply_in_step(
@@ -50,7 +50,8 @@ def apply_in_step(
         running = [s for s in structure.root_slots if not call.stood_in(structure.owner_path(s))]
         locals_ = call.gather(None, call.param_keys(running))
         keys = [structure.canonical(s.key) for s in running]
-        saved = [slot.swap(locals_[key]) for slot, key in zip(running, keys, strict=True)]
+        tensors = [held(locals_[key], key, structure) for key in keys]
+        saved = [slot.swap(t) for slot, t in zip(running, tensors, strict=True)]
         saved += [slot.swap(buffers[slot.key]) for slot in structure.buffer_slots]
         try:
             with call.environment():
@@ -61,6 +62,14 @@ def apply_in_step(
     finally:
         for runtime in reversed(entered):
             runtime.exit_apply(call)
+
+
+def held(tensor: Any, key: str, structure: Structure) -> Any:
+    """What the slot of the param at ``key`` holds for the forward: ``tensor``, detached if
+    the param was built with ``requires_grad=False`` (``Structure.frozen``), so that, as in
+    torch, no grad reaches it (``value_and_grad`` gives it zeros). Detached here, after its
+    gather, so that runtimes still know the param they were given by identity."""
+    return tensor.detach() if key in structure.frozen else tensor
 
 
 def _forward_within(
@@ -91,7 +100,8 @@ def _gathered_block(
     slots: tuple[Slot, ...] = block.slots
     locals_ = call.gather(block, call.param_keys(slots))
     keys = [call.structure.canonical(s.key) for s in slots]
-    saved = [slot.swap(locals_[key]) for slot, key in zip(slots, keys, strict=True)]
+    tensors = [held(locals_[key], key, call.structure) for key in keys]
+    saved = [slot.swap(t) for slot, t in zip(slots, tensors, strict=True)]
     try:
         return forward(*args, **kwargs)
     finally:

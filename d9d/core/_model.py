@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import hf
 from ..errors import ParamShapeError, ParamTreeMismatchError
-from ._apply import apply_in_step
+from ._apply import apply_in_step, held
 from ._context import current
 from ._embedding_ids import embedding_checks
 from ._structure import Axes, Structure, structure_of
@@ -68,7 +68,9 @@ class Model:
         give the same outputs. Not thread-safe on one module: build a ``Model`` per thread.
         Inside a transformed step the params are DTensors and each is gathered to its compute
         layout when used: a block's params (a child of an ``nn.ModuleList``) when that block
-        runs, the others when ``apply`` starts.
+        runs, the others when ``apply`` starts. A param the module built with
+        ``requires_grad=False`` is used detached: no grad reaches it (``d9d.value_and_grad``
+        gives it zeros), as in torch.
 
         Args:
             params: ``{path: tensor}`` with exactly the paths of ``self.params``.
@@ -115,8 +117,11 @@ class Model:
         structure = self.structure
         saved = []
         for slot in structure.slots:
-            source = params if slot.is_param else self.buffers
-            saved.append(slot.swap(source[structure.canonical(slot.key)]))
+            if slot.is_param:
+                key = structure.canonical(slot.key)
+                saved.append(slot.swap(held(params[key], key, structure)))
+            else:
+                saved.append(slot.swap(self.buffers[slot.key]))
         try:
             with embedding_checks(self.structure.modules):
                 return self.module(*args, **kwargs)

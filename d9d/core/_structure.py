@@ -93,6 +93,8 @@ class Structure:
         without_grad: Paths of the modules whose forward computes without grad
             (``computes_without_grad``: read here, once, and not in a traced step, where
             reading a decorator's closure cells would break Dynamo's view of them).
+        frozen: Canonical paths of the params built with ``requires_grad=False``, which get
+            no grad through ``Model.apply`` (a zero one from ``d9d.value_and_grad``).
     """
 
     module: nn.Module
@@ -108,6 +110,7 @@ class Structure:
     positional_inputs: tuple[str, ...] = ()
     position_wise: tuple[str, ...] = ()
     without_grad: tuple[str, ...] = ()
+    frozen: frozenset[str] = frozenset()
 
     def given_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """``{name: value}`` of a call of the forward, its positional inputs by name."""
@@ -129,6 +132,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
     tied: dict[str, str] = {}
     canonical_by_id: dict[int, str] = {}
     slots: list[Slot] = []
+    frozen: set[str] = set()
     for owner_path, owner in module.named_modules(remove_duplicate=False):
         for name, tensor in owner._parameters.items():
             if tensor is None:
@@ -137,6 +141,8 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
             canonical = canonical_by_id.setdefault(id(tensor), key)
             if canonical == key:
                 params[key] = tensor.detach()
+                if not tensor.requires_grad:
+                    frozen.add(key)
             else:
                 tied[key] = canonical
             slots.append(Slot(key, owner, name, is_param=True))
@@ -148,10 +154,19 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
                 continue
             buffers[key] = tensor.detach()
             slots.append(Slot(key, owner, name, is_param=False))
-    unique = tuple({(id(s.owner), s.name, s.is_param): s for s in slots}.values())
-    blocks = _blocks(module, unique)
-    in_blocks = {id(s) for block in blocks for s in block.slots}
-    root_slots = tuple(s for s in unique if s.is_param and id(s) not in in_blocks)
+    unique = tuple({_identity(s): s for s in slots}.values())
+    # Every path of a slot: a module shared by several blocks (or by a block and the code
+    # around the blocks) is used, and gathered, in each of them.
+    aliases: dict[tuple[int, str, bool], list[str]] = {}
+    for slot in slots:
+        aliases.setdefault(_identity(slot), []).append(slot.key)
+    blocks = _blocks(module, unique, aliases)
+    prefixes = tuple(block.path + "." for block in blocks)
+    root_slots = tuple(
+        s
+        for s in unique
+        if s.is_param and any(not k.startswith(prefixes) for k in aliases[_identity(s)])
+    )
     modules = dict(module.named_modules())
     paths = {id(m): p for p, m in modules.items()}
     owners: dict[str, list[str]] = {}
@@ -179,6 +194,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
         ),
         position_wise=position_wise_paths(module),
         without_grad=tuple(p for p, m in modules.items() if computes_without_grad(m)),
+        frozen=frozenset(frozen),
     )
     return structure, params, buffers
 
@@ -218,11 +234,23 @@ def block_paths(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return prefixes
 
 
-def _blocks(module: nn.Module, slots: tuple[Slot, ...]) -> tuple[Block, ...]:
-    """The blocks that own params, with the param slots under each."""
+def _identity(slot: Slot) -> tuple[int, str, bool]:
+    """What one slot is, under every path that reaches it."""
+    return id(slot.owner), slot.name, slot.is_param
+
+
+def _blocks(
+    module: nn.Module, slots: tuple[Slot, ...], aliases: dict[tuple[int, str, bool], list[str]]
+) -> tuple[Block, ...]:
+    """The blocks that own params, with the param slots under each (under any of a slot's
+    paths: a module shared by two blocks has its slots in both)."""
     blocks: list[Block] = []
     for prefix, block in block_paths(module):
-        owned = tuple(s for s in slots if s.is_param and s.key.startswith(prefix + "."))
+        owned = tuple(
+            s
+            for s in slots
+            if s.is_param and any(k.startswith(prefix + ".") for k in aliases[_identity(s)])
+        )
         if owned:
             blocks.append(Block(len(blocks), prefix, block, owned))
     return tuple(blocks)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import d9d
-from d9d.errors import ParamShapeError, ParamTreeMismatchError
+from d9d.errors import ParamShapeError, ParamTreeMismatchError, PlanError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import assert_trees_all_close
 
@@ -299,3 +299,154 @@ def test_a_deep_copy_is_a_model_of_its_own_module() -> None:
     expected = d9d.losses.cross_entropy(logits, tokens[:, 1:])
     for got in run_on_ranks(lambda: loss(copy.deepcopy(model)), 2):
         torch.testing.assert_close(got, expected)
+
+
+class _PartlyFrozen(nn.Module):
+    """A frozen scale at the root and a frozen linear in block 0 of two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((4,), 1.5), requires_grad=False)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.layers[0].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x * self.scale))
+        return x
+
+
+@pytest.mark.parametrize("shard", ["params", "opt_state"])
+def test_a_param_built_without_grad_gets_a_zero_grad_alone_and_in_a_step(shard: str) -> None:
+    """A param with ``requires_grad=False`` (frozen) gets no grad through ``apply``, as in
+    torch: ``value_and_grad`` gives it zeros, so a masked optimizer leaves it as it is and it
+    adds nothing to a global grad norm. Every param used to be differentiated alike: the
+    frozen ones got their full grads (sums of |grad| 0.21 to 1.25 here), which the optimizer
+    applied and clipping counted."""
+    from d9d.testing import run_on_ranks
+
+    torch.manual_seed(0)
+    module = _PartlyFrozen().double()
+    model = d9d.functionalize(module)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    module(x).square().mean().backward()
+    want = {p: t.grad for p, t in module.named_parameters()}
+    frozen = {"scale", "layers.0.weight", "layers.0.bias"}
+    assert {p for p, g in want.items() if g is None} == frozen
+    loss = d9d.value_and_grad(lambda p, x: model.apply(p, x).square().mean())
+    grads = loss(model.params, x)[1]
+    for path, grad in grads.items():
+        torch.testing.assert_close(grad, torch.zeros_like(grad) if path in frozen else want[path])
+
+    def rank() -> dict[str, torch.Tensor]:
+        own = copy.deepcopy(model)  # a module per thread rank
+        mesh = d9d.make_mesh("cpu", fsdp=2)
+        grad_of = d9d.value_and_grad(lambda p, x: own.apply(p, x).square().mean())
+
+        @d9d.shard_params(mesh, shard=shard)
+        @d9d.remat("full", mesh=mesh)
+        def step(params, opt_state, batch):
+            return grad_of(params, batch)[1], opt_state, {}
+
+        params, _ = step.place(own.params, ())
+        out = step(params, (), step.shard_batch(x))[0]
+        return {p: g.full_tensor() for p, g in out.items()}
+
+    for got in run_on_ranks(rank, 2):
+        for path, grad in got.items():
+            torch.testing.assert_close(grad, grads[path])
+
+
+class _SharedBlock(nn.Module):
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.own = nn.Linear(4, 4)
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(torch.tanh(self.own(x))))
+
+
+class _SharedAcrossBlocks(nn.Module):
+    """One linear used by both blocks, registered at the root first (``first="root"``) or in
+    the blocks first and used around them too (``first="blocks"``)."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__()
+        shared = nn.Linear(4, 4)
+        if first == "root":
+            self.shared = shared
+        self.layers = nn.ModuleList(_SharedBlock(shared) for _ in range(2))
+        if first == "blocks":
+            self.shared = shared
+        self.first = first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first == "blocks":
+            x = self.shared(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("first", ["root", "blocks"])
+@pytest.mark.parametrize("policy", [None, "full"])
+def test_a_module_shared_between_blocks_computes_with_the_given_params(
+    first: str, policy: str | None
+) -> None:
+    """A module that two blocks share is gathered into its slots for each of them (and for
+    the code around the blocks that uses it), and recomputed by ``remat`` with them. Its
+    slots belonged to the last block only, so in a step the first block computed with the
+    module's own weights, not the params given (loss 0.0914 for 0.0906, grads 0.031 off);
+    one registered in the blocks first kept the step's tensors only around the blocks, and a
+    recomputed block read the module's own (grads 0.0136 off under remat("full"))."""
+    from d9d.testing import run_on_ranks
+
+    torch.manual_seed(0)
+    model = d9d.functionalize(_SharedAcrossBlocks(first).double())
+    params = {p: t * 1.3 + 0.05 for p, t in model.params.items()}  # not the module's own
+    x = torch.randn(4, 4, dtype=torch.float64)
+    grad_of = d9d.value_and_grad(lambda p, x, m=model: m.apply(p, x))
+    want = grad_of(params, x)
+
+    def rank() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        own = copy.deepcopy(model)
+        mesh = d9d.make_mesh("cpu", dp=1)
+        transform = (
+            d9d.remat(policy, mesh=mesh)
+            if policy
+            else d9d.shard_params(mesh, axis=None, replicate_axis="dp")
+        )
+        grads = d9d.value_and_grad(lambda p, x: own.apply(p, x))
+        step = transform(lambda p, s, x: (grads(p, x), s, {}))
+        placed, _ = step.place(params, (), model=own)
+        (value, got), _, _ = step(placed, (), x)
+        return value, {p: g.to_local() for p, g in got.items()}
+
+    value, grads = run_on_ranks(rank, 1)[0]
+    torch.testing.assert_close(value, want[0])
+    for path, grad in grads.items():
+        torch.testing.assert_close(grad, want[1][path])
+
+
+@pytest.mark.parametrize("first", ["root", "blocks"])
+def test_pipeline_refuses_a_module_shared_between_stages_by_name(first: str) -> None:
+    """Each stage would train a copy of its own (its slots went to the last block only)."""
+    from d9d.testing import run_on_ranks
+
+    model = d9d.functionalize(_SharedAcrossBlocks(first))
+
+    def rank() -> None:
+        mesh = d9d.make_mesh("cpu", pp=2)
+        grads = d9d.value_and_grad(lambda p, x: model.apply(p, x))
+        step = d9d.pipeline(mesh, microbatches=1)(lambda p, s, x: (grads(p, x)[1], s, {}))
+        match = (
+            r"pipeline cannot place param '(layers\.0\.)?shared\.weight': block 'layers\.0' of "
+            r"stage 0 and a "
+            r"module outside the blocks both hold it .* share it only within the blocks of "
+            r"one stage"
+        )
+        with pytest.raises(PlanError, match=match):
+            step.place(model.params, (), model=model)
+
+    run_on_ranks(rank, 2, method="fork")

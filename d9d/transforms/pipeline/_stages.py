@@ -105,6 +105,7 @@ def split_stages(model: Model, count: int, split_paths: Sequence[str] | None = N
         cuts = _cuts_from_paths(paths, list(split_paths), count)
     bounds = (0, *cuts, len(paths))
     blocks = tuple((bounds[s], bounds[s + 1]) for s in range(count))
+    _check_shared(structure, blocks)
     keys = []
     for s, (start, stop) in enumerate(blocks):
         held = [
@@ -116,6 +117,30 @@ def split_stages(model: Model, count: int, split_paths: Sequence[str] | None = N
             held += [k for owner in after for k in structure.root_owners[owner]]
         keys.append(tuple(k for k in dict.fromkeys(held)))
     return StageSplit(blocks, paths, tuple(keys), before, after)
+
+
+def _check_shared(structure: Structure, blocks: tuple[tuple[int, int], ...]) -> None:
+    """Raise for a param that blocks of two stages hold, or a block and a module outside the
+    blocks (a module shared between them): each stage would update a copy of its own."""
+    stage_of: dict[str, tuple[int, str]] = {}
+    root = {k for keys in structure.root_owners.values() for k in keys}
+    for s, (start, stop) in enumerate(blocks):
+        for block in structure.blocks[start:stop]:
+            for slot in block.slots:
+                key = structure.canonical(slot.key)
+                first = stage_of.setdefault(key, (s, block.path))
+                where = None
+                if key in root:
+                    where = "a module outside the blocks"
+                elif first[0] != s:
+                    where = f"block {first[1]!r} of stage {first[0]}"
+                if where is not None:
+                    raise PlanError(
+                        f"pipeline cannot place param {key!r}: block {block.path!r} of stage "
+                        f"{s} and {where} both hold it (a module shared between them), and "
+                        "each stage would train a copy of its own; share it only within the "
+                        "blocks of one stage (split_paths), or use another layout than pipeline"
+                    )
 
 
 def _root_sides(structure: Structure) -> tuple[tuple[str, ...], tuple[str, ...]]:

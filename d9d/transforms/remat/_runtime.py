@@ -74,7 +74,12 @@ class RematRuntime(Runtime):
             contexts = compiled_contexts(self.policy)
         else:
             contexts = functools.partial(_eager_contexts, call, self.policy)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        # The block's keywords reach it through the partial, not through ``checkpoint``,
+        # which takes some for itself (``debug``, ``early_stop``, ``determinism_check``,
+        # ``preserve_rng_state``): a block's ``debug=True`` was refused by torch, its
+        # ``early_stop`` dropped without a word.
+        block = functools.partial(forward, **kwargs) if kwargs else forward
+        return checkpoint(block, *args, use_reentrant=False, context_fn=contexts)
 
 
 def _eager_contexts(call: ApplyCall, policy: str) -> tuple[Any, Any]:
