@@ -53,6 +53,9 @@ class ContextParallelRuntime(Runtime):
         return self.split.split_batch(batch)
 
     def enter_apply(self, call: ApplyCall) -> None:
+        # Set at every call of every model, not carried over: a count a jitted step kept
+        # across calls was a guard that failed on each next call (a graph per call).
+        self._attentions = 0
         structure = call.structure
         config = hf_config(structure.module)
         if config is not None:  # the call's own inputs, before the positions added here
@@ -64,9 +67,6 @@ class ContextParallelRuntime(Runtime):
         local = sequence_input(call.args, call.kwargs).shape[SEQUENCE_DIM]
         check_hf_spans(config, self.split.whole_length(local))
         call.override(config, "_attn_implementation", HF_ATTENTION)
-        # Set, not carried over: a count a jitted step kept across calls was a guard that
-        # failed on the second call (a second graph).
-        self._attentions = 0
         for block in structure.blocks:
             if not per_token_layer(config, block.index):
                 call.intercept(block.path, Interception(around=self._attending(call, block)))
