@@ -172,7 +172,7 @@ def _parallel(config: TrainConfig, step: Callable[..., Any]) -> Any:
     if options and not {"dp", "fsdp"} & set(axes):
         # shard_params' precision, accumulation and host state over one rank, on a replicate
         # axis: nothing to gather or reduce (a one-rank fsdp axis would copy every param
-        # through a collective each step).
+        # each step, though with no collective).
         axes["dp"] = 1
     mesh = make_mesh(**(axes or {"fsdp": 1}))
     if "dp" in axes or "fsdp" in axes:

@@ -29,10 +29,11 @@ __all__ = ["codec_statistics", "gathering_axes", "shard_statistics", "shard_valu
 _c10d = torch.ops._c10d_functional
 
 
-def gathering_axes(entry: ParamPlan) -> list[int]:
-    """The mesh axes ``entry`` is gathered over (stored and computed laid out differently)."""
-    pairs = zip(entry.storage, entry.compute, strict=True)
-    return [i for i, (stored, used) in enumerate(pairs) if stored != used]
+def gathering_axes(entry: ParamPlan, mesh: DeviceMesh) -> list[int]:
+    """The mesh axes ``entry`` is gathered over (stored and computed laid out differently),
+    but those of one rank, where nothing is gathered."""
+    pairs = zip(entry.storage, entry.compute, mesh.shape, strict=True)
+    return [i for i, (stored, used, size) in enumerate(pairs) if stored != used and size > 1]
 
 
 # What a rank that holds no value of an index gives to the all-reduce of a statistic.
@@ -123,7 +124,7 @@ def codec_statistics(plan: Plan, params: Mapping[str, Any]) -> dict[str, torch.T
             continue
         if not isinstance(stored, DTensor):
             continue
-        groups = tuple(plan.group_names[i] for i in gathering_axes(entry))
+        groups = tuple(plan.group_names[i] for i in gathering_axes(entry, plan.mesh))
         found.setdefault((entry.codec.statistic_op, groups), []).append(path)
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():

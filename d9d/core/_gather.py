@@ -102,7 +102,7 @@ class _Gather(torch.autograd.Function):
         local, statistic = stored.to_local(), None
         if entry.codec.statistic_op is not None:  # over the gathering axes (no cast has one:
             # a jitted step never looks a group up here)
-            names = [mesh.get_group(i).group_name for i in gathering_axes(entry)]
+            names = [mesh.get_group(i).group_name for i in gathering_axes(entry, mesh)]
             (statistic,) = shard_statistics([entry], [local], names, mesh)
         encoded = entry.codec.encode(local, shard_values(entry, mesh, statistic))
         stored = local_like(encoded, stored)
@@ -214,10 +214,25 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
             locals_ = [t.to_local() for t in stored]
-            statistics[key] = shard_statistics(entries, locals_, [group], plan.mesh)
-            flat = _flat_shards(stored, entries, axis, plan.mesh.shape[axis], statistics[key])
-            buffers[key] = _c10d.all_gather_into_tensor(flat, plan.mesh.shape[axis], group)
+            ranks = plan.mesh.shape[axis]
+            statistics[key] = shard_statistics(entries, locals_, _groups(group, ranks), plan.mesh)
+            flat = _flat_shards(stored, entries, axis, ranks, statistics[key])
+            buffers[key] = _all_gather(flat, ranks, group)
     return IssuedGather(tuple(paths), buffers, statistics)
+
+
+def _all_gather(flat: torch.Tensor, ranks: int, group: str) -> torch.Tensor:
+    """The all-gather of ``flat`` over ``ranks`` ranks of ``group``, not yet waited for; over
+    one rank ``flat`` itself: no collective, as DTensor skips a one-rank mesh axis (a
+    one-rank ``fsdp`` axis all-gathered every param and reduce-scattered every grad each
+    step, counted in ``step.comms`` as bytes that never crossed a wire)."""
+    return flat if ranks == 1 else _c10d.all_gather_into_tensor(flat, ranks, group)
+
+
+def _groups(group: str, ranks: int) -> list[str]:
+    """The process groups a statistic is all-reduced over for a gather over ``group`` of
+    ``ranks`` ranks: none over one rank."""
+    return [group] if ranks > 1 else []
 
 
 def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> Any:
@@ -368,9 +383,10 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.defer = deferring()
         if issued is None:
-            statistics = shard_statistics(entries, [t.to_local() for t in stored], [group], mesh)
+            locals_ = [t.to_local() for t in stored]
+            statistics = shard_statistics(entries, locals_, _groups(group, ranks), mesh)
             flat = _flat_shards(list(stored), list(entries), axis, ranks, statistics)
-            buffer = _c10d.all_gather_into_tensor(flat, ranks, group)
+            buffer = _all_gather(flat, ranks, group)
         else:
             buffer, statistics = issued
         gathered = _c10d.wait_tensor(buffer).view(ranks, -1)

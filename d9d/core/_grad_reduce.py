@@ -166,15 +166,19 @@ def reduce_many(
             pieces.append(whole.unflatten(dim, (ranks, chunk)).movedim(dim, 0).reshape(ranks, -1))
             layouts.append((dim, (*grad.shape[:dim], chunk, *grad.shape[dim + 1 :])))
         flat = torch.cat(pieces, dim=1).reshape(-1)
-        flat = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
+        if ranks > 1:  # over one rank the sum is the grad: no collective, as DTensor skips it
+            flat = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ranks, group))
     else:
         flat = torch.cat([g.reshape(-1) for g in scaled])
-        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group))
+        if ranks > 1:
+            flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group))
         layouts = None
-    if first.grad[axis].reduce_op == "avg":
+    if first.grad[axis].reduce_op == "avg" and ranks > 1:
         flat = flat / ranks
     over = _reduced_together(tuple(entries), axis)
     for other in over:
+        if mesh.shape[other] == 1:
+            continue
         flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", groups[other]))
         if first.grad[other].reduce_op == "avg":
             flat = flat / mesh.shape[other]
