@@ -96,3 +96,17 @@ def test_a_second_run_while_one_writes_is_refused_and_the_lock_goes_with_the_run
         '{"step": 2',
     ]
     assert main(_args(out, "--resume")) == 0  # the lock left with the run
+
+
+@pytest.mark.parametrize("under", ["", "run"], ids=["a-file", "inside-a-file"])
+def test_an_out_that_a_file_blocks_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], under: str
+) -> None:
+    """It failed with a bare ``[Errno 17] File exists`` (exit 1) once the model was built."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / under if under else tmp_path / "file"
+    assert main(_args(out)) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"d9d train: error: --out '{out}' cannot be a folder: '{tmp_path / 'file'}' is a file; "
+        "pass another --out"
+    )
