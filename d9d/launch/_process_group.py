@@ -47,8 +47,12 @@ def init_process_group(
         timeout: How long a collective or store wait may block (default 10 minutes).
 
     Raises:
-        ValueError: The process was not started by ``torchrun`` (no ``RANK`` set).
+        ValueError: The process was not started by ``torchrun`` (no ``RANK`` set), or a
+            variable of the ``env://`` rendezvous is missing (``WORLD_SIZE``, ``MASTER_ADDR``,
+            ``MASTER_PORT``).
         TimeoutError: A rank did not join within ``timeout``.
+        ConnectionError: The store at ``MASTER_ADDR:MASTER_PORT`` could not be reached (or,
+            on the rank that serves it, not opened); the message names both variables.
 
     Example:
         >>> import d9d
@@ -66,7 +70,37 @@ def init_process_group(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world = _rendezvous(timeout)
     store.set_timeout(timeout)
     store = dist.PrefixStore(round_scope(store, rank, world, timeout), store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _rendezvous(timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """``dist.rendezvous("env://")``, whose failures name the variables to check.
+
+    torch says only ``DistNetworkError: The client socket has timed out ... (10.0.0.1, 29500)``
+    or ``DistStoreError: Timed out after 601 seconds waiting for clients. 1/2 clients
+    joined.``, which name neither ``MASTER_ADDR``, ``MASTER_PORT`` nor ``WORLD_SIZE``: what a
+    user launching without torchrun (or with a wrong ``--master-addr``) has to fix.
+    """
+    try:
+        return next(dist.rendezvous("env://", timeout=timeout))
+    except dist.DistError as error:
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        where = f"MASTER_ADDR={addr} MASTER_PORT={port}"
+        said = " ".join(str(error).split())
+        if isinstance(error, dist.DistStoreError):  # the serving rank waited for the others
+            raise TimeoutError(
+                f"rank {rank} of WORLD_SIZE={world} served the job's store at {where}, and not "
+                f"every rank reached it within {timeout} ({said}): start WORLD_SIZE ranks, each "
+                "with this MASTER_ADDR (an address of this host that theirs can reach) and "
+                "MASTER_PORT, or launch with torchrun, which sets them"
+            ) from error
+        raise ConnectionError(
+            f"rank {rank} of WORLD_SIZE={world} could not reach (rank 0: open) the job's store "
+            f"at {where} within {timeout} ({said}): set MASTER_ADDR to the host of rank 0, reachable from "
+            "this one, and MASTER_PORT to a free port there, the same on every rank (torchrun "
+            "sets both from --master-addr/--master-port or --rdzv-endpoint)"
+        ) from error

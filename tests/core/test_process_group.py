@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +21,34 @@ def test_outside_torchrun_it_says_how_to_launch(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match=r"RANK is not set: launch with `torchrun"):
         d9d.init_process_group()
+
+
+def _closed_port() -> int:
+    """A port of this host that nothing listens on (bound, then let go)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"], ids=["serving-rank", "client-rank"])
+def test_a_store_nobody_reaches_names_master_addr_and_port(
+    monkeypatch: pytest.MonkeyPatch, rank: str
+) -> None:
+    """torch's own errors (``DistNetworkError: The client socket has timed out ...``,
+    ``DistStoreError: ... 1/2 clients joined``) named no variable to fix, and were not the
+    ``TimeoutError`` the docstring promised; both stop within the timeout."""
+    port = str(_closed_port())
+    env = {"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    expected = TimeoutError if rank == "0" else ConnectionError
+    with pytest.raises(expected) as caught:
+        d9d.init_process_group("gloo", timeout=timedelta(seconds=1))
+    message = str(caught.value)
+    assert f"rank {rank} of WORLD_SIZE=2" in message
+    assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in message
+    assert not dist.is_initialized()
 
 
 def _worker(env: dict[str, str], results: Any) -> None:

@@ -128,6 +128,13 @@ def check_flags(config: TrainConfig) -> None:
                 else "a checkpoint folder (out/checkpoints/step_N)"
             )
             raise DataError(f"{flag} {str(path)!r} does not exist; pass {what}")
+    out = Path(config.out)
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # found after the model was built, as a bare [Errno 17]
+        raise ValueError(
+            f"--out {str(config.out)!r} cannot be a folder: {str(blocking)!r} is a file; pass "
+            "another --out"
+        )
     data_folder = config.data is not None and Path(config.data).is_dir()
     if data_folder and not (Path(config.data) / "train.bin").is_file():  # its files are read
         data, out = Path(config.data).resolve(), Path(config.out).resolve()

@@ -13,18 +13,31 @@ A torchft replica group restarted with its command (``--fault-tolerant``) contin
 unless it holds checkpoints: those need ``--resume`` (the group restores its newest, and heals
 from the live groups if they are ahead), else the group would start at step 0 and, if every
 group did, fail at its first save of a step the old run had committed.
+
+Two runs at once in one ``--out`` (a job launched twice, a requeued job beside the one it
+replaces) both found the folder empty and wrote into it: the folder kept one run's
+``config.json`` and records beside the other's checkpoints, and a ``--resume`` restored
+those under the wrong flags. So rank 0 holds an exclusive ``flock`` on the folder from before
+it looks until the run ends (:func:`lock_out`), and a second run, resumed or not, is refused.
+The kernel drops the lock of a process that dies, so a killed run leaves none behind; where
+folders cannot be locked (NFS maps ``flock`` to byte-range locks, which need a file open for
+writing; Lustre without ``-o flock``) the run goes on unlocked, as checkpoint claims do
+(``d9d/checkpoint/_claim.py``).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import torch.distributed as dist
 
 from ...errors import ConfigError
 
-__all__ = ["check_fresh_out"]
+__all__ = ["OutLock", "check_fresh_out", "lock_out"]
 
 # What a run writes first (rank 0): either one means a run has been there.
 _RUN_FILES = ("config.json", "metrics.jsonl")
@@ -91,3 +104,75 @@ def check_fresh_out(out: Path, *, resuming: bool, replica_group: int | None = No
             f"--out {str(out)!r} already holds a run ({', '.join(found)}); pass --resume to "
             "continue it, or a new --out to start another (nothing was written)"
         )
+
+
+class OutLock:
+    """Rank 0's exclusive lock on ``--out`` for one run (none on other ranks, or where
+    folders cannot be locked)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let another run into the folder (at the run's end); idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+
+def _lock(out: Path) -> tuple[int | None, bool]:
+    """A descriptor of ``out`` (created) holding its lock, or ``None``; and whether another
+    process holds the lock."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:  # held by another run, or locks unsupported: run unlocked
+        os.close(fd)
+        return None, exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    return fd, False
+
+
+def lock_out(out: Path) -> OutLock:
+    """Lock ``out`` for this run, refusing while another run holds it (collective under a
+    process group: rank 0 creates and locks the folder and tells the others).
+
+    Call it before :func:`check_fresh_out`, so that no other run starts writing between the
+    look and the run's first write; release the lock once the run's last write is done.
+
+    Raises:
+        ConfigError: Another process holds ``out``'s lock (a run still going, or still
+            committing its last checkpoint).
+        OSError: ``out`` cannot be created (a file of that name, a read-only parent).
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> lock = lock_out(folder)
+        >>> try:
+        ...     lock_out(folder)
+        ... except ConfigError as error:
+        ...     print(str(error).split(",")[0].endswith("is in use by another d9d train run"))
+        True
+        >>> lock.release()
+        >>> lock_out(folder).release()  # free again
+    """
+    fd, busy, error = None, False, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            fd, busy = _lock(out)
+        except OSError as exc:
+            error = exc
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdict = [busy, error]
+        dist.broadcast_object_list(verdict, src=0)
+        busy, error = verdict
+    if error is not None:
+        raise error
+    if busy:
+        raise ConfigError(
+            f"--out {str(out)!r} is in use by another d9d train run, which holds its lock "
+            "until it ends (its last checkpoint committed); wait for it, or pass a new --out "
+            "(nothing was written)"
+        )
+    return OutLock(fd)

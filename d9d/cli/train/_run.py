@@ -38,7 +38,7 @@ from ._data import training_tokens
 from ._eval import Evaluator, split_held_out
 from ._log import MetricsLog
 from ._metrics import SpeedMeter, peak_memory
-from ._out import check_fresh_out
+from ._out import check_fresh_out, lock_out
 from ._preempt import Preemption
 from ._profile import StepProfiler
 from ._progress import TrainProgress
@@ -144,15 +144,17 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
         DataError: The data path is missing or empty, holds ids past the vocab, or is a
             token file whose dtype holds fewer ids than the vocab.
         ValueError: An option is out of range.
-        ConfigError: Resuming with a flag that changes the schedule or the model, or
-            ``out`` holds a run and neither ``resume`` nor ``resume_from`` is given.
+        ConfigError: Resuming with a flag that changes the schedule or the model,
+            ``out`` holds a run and neither ``resume`` nor ``resume_from`` is given, or
+            another run is writing into ``out``.
         CheckpointCorruptError: ``resume_from`` is damaged, or every checkpoint is.
         FloatingPointError: A loss or gradient norm is not finite (that step is not saved).
     """
     _check(config)
     started_group = _init_distributed(config)
-    replica = None
+    replica, out_lock = None, None
     try:
+        out_lock = lock_out(config.out)  # held until the run's last write: one run at a time
         replica = join_replica_group(config) if config.fault_tolerant else None
         check_fresh_out(
             config.out,
@@ -161,11 +163,14 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainRun:
         )
         run = _train(config, console, replica)
     except BaseException:
+        if out_lock is not None:
+            out_lock.release()
         if replica is not None:
             replica.close()
         if started_group:
             dist.destroy_process_group()
         raise
+    out_lock.release()
     if replica is not None:
         replica.close()
     if started_group:
