@@ -8,6 +8,7 @@ from typing import Any, Literal
 from d9d.errors import ConfigError
 from d9d.moe import MoEConfig as LayerConfig
 
+from ..llama._fields import check_positive_finite, check_positive_ints, check_seed
 from ..llama._pad import check_pad_token_id
 
 __all__ = ["MoEConfig"]
@@ -51,7 +52,9 @@ class MoEConfig:
             gradient and starts at zero (``nn.Embedding(padding_idx=...)``).
 
     Raises:
-        ConfigError: A size is not positive, heads do not divide, an odd head dim,
+        ConfigError: A size (``head_dim`` included) is not a positive int, ``rope_theta``,
+            ``norm_eps`` or ``init_std`` is not finite and positive, ``seed`` is not an int,
+            heads do not divide, an odd head dim,
             ``qk_norm`` is not False, True or ``"full"``, or ``moe.dim != dim``.
 
     Example:
@@ -79,10 +82,11 @@ class MoEConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (*_POSITIVE_INTS, "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"MoEConfig.{name} must be a positive int, got {name}={value!r}.")
+        check_positive_ints(self, (*_POSITIVE_INTS, "max_seq_len"))
+        if self.head_dim is not None:  # 0 is refused, not read as None (dim // n_heads)
+            check_positive_ints(self, ("head_dim",))
+        check_positive_finite(self, ("rope_theta", "norm_eps", "init_std"))
+        check_seed(self)
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(
                 f"MoEConfig.n_dense_layers={self.n_dense_layers} must be in [0, n_layers="

@@ -72,6 +72,15 @@ def test_forward_and_init_are_deterministic() -> None:
         (dict(n_kv_heads=3), "n_heads=4 must be divisible by n_kv_heads=3"),
         (dict(qk_norm="heads"), "qk_norm='heads' must be False, True"),
         (dict(qk_norm=1), "qk_norm=1 must be False, True"),
+        # head_dim=0 was read as None (dim // n_heads = 16); the others were not checked at all
+        (dict(head_dim=0), "MoEConfig.head_dim must be a positive int, got head_dim=0."),
+        (dict(head_dim=-8), "MoEConfig.head_dim must be a positive int, got head_dim=-8."),
+        (dict(head_dim=8.0), "MoEConfig.head_dim must be a positive int, got head_dim=8.0."),
+        (dict(rope_theta=0.0), "MoEConfig.rope_theta must be a finite positive number, got"),
+        (dict(rope_theta=float("nan")), "rope_theta must be a finite positive number, got rope"),
+        (dict(norm_eps=-1.0), "MoEConfig.norm_eps must be a finite positive number, got norm"),
+        (dict(init_std=-1.0), "MoEConfig.init_std must be a finite positive number, got init"),
+        (dict(seed="x"), "MoEConfig.seed must be an int, got seed='x'."),
     ],
 )
 def test_config_errors(fields: dict, match: str) -> None:
