@@ -80,8 +80,8 @@ class Attention(nn.Module):
             self.logical_axes = {r"^[qk]_norm\.weight$": (_FULL_QK_NORM_AXIS,)}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Head counts come from the projections (-1): under tensor parallelism each rank
-        # holds n_heads / tp of them.
+        # Head counts come from the projections' widths: under tensor parallelism each rank
+        # holds n_heads / tp of them (not -1, which an empty batch leaves ambiguous).
         batch, seq, _ = x.shape
         q, k = self.wq(x), self.wk(x)
         if self.full_qk_norm:
@@ -93,14 +93,15 @@ class Attention(nn.Module):
                     "(per head) or keep the heads whole."
                 )
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(batch, seq, -1, self.head_dim)
-        k = k.view(batch, seq, -1, self.head_dim)
+        q = q.view(batch, seq, q.shape[-1] // self.head_dim, self.head_dim)
+        k = k.view(batch, seq, k.shape[-1] // self.head_dim, self.head_dim)
         if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, cos, sin)  # d9d.kernels.rope rotates q and k in one call
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x)
+        v = v.view(batch, seq, v.shape[-1] // self.head_dim, self.head_dim)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, q.shape[2] * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -137,3 +137,12 @@ def test_large_presets_plan_on_a_simulated_mesh(name: str) -> None:
     wq = plan.entries[f"layers.{layer}.attn.wq.weight"]
     assert Shard(0) in wq.storage and len(set(wq.storage)) == 2  # sharded over both axes
     assert plan.total_bytes() == MoEConfig.preset(name).num_params * 4
+
+
+@pytest.mark.parametrize("qk_norm", [True, "full"])
+def test_an_empty_batch_gives_empty_logits_and_no_aux_loss(qk_norm: bool | str) -> None:
+    """Raised ``cannot reshape tensor of 0 elements`` in the attention's views."""
+    out = MoE(MoEConfig.tiny(qk_norm=qk_norm))(torch.zeros(2, 0, dtype=torch.long))
+    assert out.logits.shape == (2, 0, 256)
+    assert out.aux_loss.item() == 0.0
+    assert not out.expert_load["layers.1.mlp"].any()
