@@ -1,5 +1,7 @@
 """The MoE presets are the architectures they name: OLMoE-1B-7B against ``transformers``'
-``OlmoeForCausalLM`` (param count and shapes on meta, logits of a small config in float64)."""
+``OlmoeForCausalLM`` (param count and shapes on meta, logits of a small config in float64),
+Qwen3-30B-A3B's count, and DeepSeek-V3's routed layer (sigmoid scores, groups, bias, scaling,
+a shared expert) against ``DeepseekV3MoE``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import d9d
 from d9d.cli.plan._measured_step import plan_step
 from d9d.errors import PlanError
 from d9d.models import MoE, MoEConfig
+from d9d.moe import MoE as MoELayer
 from d9d.moe import MoEConfig as LayerConfig
+from d9d.moe import route
 from d9d.testing import fake_world
 
 transformers = pytest.importorskip("transformers")
@@ -128,3 +132,66 @@ def test_norms_over_all_heads_refuse_a_rank_holding_some_heads() -> None:
     attn.wq = torch.nn.Linear(64, 32, bias=False)  # 2 of the 4 heads, as on one of 2 tp ranks
     with pytest.raises(ValueError, match="normalizes all 64 query features at once, but this"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_qwen3_preset_has_the_params_of_qwen3_30b_a3b() -> None:
+    published = dict(
+        vocab_size=151_936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=40_960, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**published))
+    config = MoEConfig.preset("qwen3-30b-a3b")
+    assert config.num_params == sum(p.numel() for p in hf.parameters()) == 30_532_122_624
+    assert (config.norm_eps, config.rope_theta, config.max_seq_len) == (1e-6, 1e6, 40_960)
+
+
+def test_deepseek_v3_routed_layer_matches_transformers() -> None:
+    """The preset's routing flags on a small layer: 16 experts in 4 groups (2 used), top-4."""
+    preset = MoEConfig.preset("deepseek-v3").moe
+    flags = {
+        name: getattr(preset, name)
+        for name in ("score_func", "norm_topk", "routed_scaling_factor", "n_shared_experts")
+    }
+    config = LayerConfig(
+        dim=32, n_experts=16, top_k=4, expert_dim=24, n_group=4, topk_group=2,
+        bias_update_rate=1e-3, **flags,
+    )  # fmt: skip
+    hf_config = transformers.DeepseekV3Config(
+        hidden_size=32, moe_intermediate_size=24, n_routed_experts=16, num_experts_per_tok=4,
+        n_group=4, topk_group=2, n_shared_experts=preset.n_shared_experts,
+        routed_scaling_factor=preset.routed_scaling_factor, norm_topk_prob=preset.norm_topk,
+        experts_implementation="eager",
+    )  # fmt: skip
+    hf = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE(hf_config)
+    hf = hf.to(torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        hf.gate.e_score_correction_bias.copy_(torch.randn(16, generator=generator) * 0.05)
+    ours = MoELayer(config).to(torch.float64)
+    gate, up = hf.experts.gate_up_proj.detach().chunk(2, dim=1)  # [E, 2I, H]
+    shared = hf.shared_experts
+    ours.load_state_dict({
+        "router.weight": hf.gate.weight.detach(),
+        "router.expert_bias": hf.gate.e_score_correction_bias,
+        "experts.w_gate": gate.transpose(1, 2),
+        "experts.w_up": up.transpose(1, 2),
+        "experts.w_down": hf.experts.down_proj.detach().transpose(1, 2),
+        "shared.w_gate.weight": shared.gate_proj.weight.detach(),
+        "shared.w_up.weight": shared.up_proj.weight.detach(),
+        "shared.w_down.weight": shared.down_proj.weight.detach(),
+    })  # fmt: skip
+    x = torch.randn(3, 7, 32, generator=generator, dtype=torch.float64)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf.gate(x)
+        routing = route(x.view(-1, 32) @ ours.router.weight.T, config, ours.router.expert_bias)
+        assert torch.equal(routing.expert_ids.sort(-1).values, hf_ids.sort(-1).values)
+        by_expert = routing.weights.gather(-1, routing.expert_ids.argsort(-1))
+        # transformers' router runs in float32: its weights agree to ~1e-7
+        hf_by_expert = hf_weights.gather(-1, hf_ids.argsort(-1)).double()
+        torch.testing.assert_close(by_expert, hf_by_expert, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours(x).out, hf(x), rtol=1e-6, atol=1e-5)
