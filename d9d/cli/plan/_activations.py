@@ -126,7 +126,8 @@ def moe_activation_bytes(config: MoEConfig, layout: ActivationLayout) -> int | N
     The dense blocks are the first ones, rank 0's (the first pipeline stage holds them).
 
     Per block and token, no remat: attention ``4d + 2q + 2kv + H + 1`` elements (``q`` and
-    ``kv`` the query and key/value widths; with ``qk_norm`` ``2q + 2kv + H + KV`` more), then
+    ``kv`` the query and key/value widths; with ``qk_norm`` ``2q + 2kv + H + KV`` more, ``2q +
+    2kv + 2`` for ``qk_norm="full"``), then
     a dense MLP ``2d + 1 + 4f`` or an MoE layer (:func:`_moe_layer_bytes`); ``"full"`` keeps
     each block's input ``d``. Outside the blocks as for :func:`activation_bytes`.
 
@@ -145,8 +146,9 @@ def moe_activation_bytes(config: MoEConfig, layout: ActivationLayout) -> int | N
         kept = blocks * d * a * tokens
     else:
         attention = 4 * d + 2 * q + 2 * kv + heads + 1
-        if config.qk_norm:
-            attention += 2 * q + 2 * kv + heads + config.n_kv_heads
+        if config.qk_norm:  # a norm's rsqrt per head, or per token for "full"
+            per_row = 2 if config.qk_norm == "full" else heads + config.n_kv_heads
+            attention += 2 * q + 2 * kv + per_row
         per_token, per_block = _moe_layer_bytes(config.moe, a)
         kept = (blocks * attention + dense * (2 * d + 1 + 4 * config.ffn_dim)) * a * tokens
         kept += (blocks - dense) * (per_token * tokens + per_block)

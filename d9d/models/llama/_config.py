@@ -7,6 +7,7 @@ from typing import Any
 
 from d9d.errors import ConfigError
 
+from ._fields import check_positive_finite, check_positive_ints, check_seed
 from ._pad import check_pad_token_id
 
 __all__ = ["LlamaConfig"]
@@ -51,7 +52,8 @@ class LlamaConfig:
             ``transformers``) does.
 
     Raises:
-        ConfigError: ``pad_token_id`` is not a token id, a size is not positive, ``dim`` is not divisible by ``n_heads``,
+        ConfigError: ``pad_token_id`` is not a token id, a size is not positive, ``rope_theta``,
+            ``norm_eps`` or ``init_std`` is not finite and positive, ``dim`` is not divisible by ``n_heads``,
             ``n_heads`` by ``n_kv_heads``, or the head dim is odd (RoPE rotates pairs).
 
     Example:
@@ -75,18 +77,8 @@ class LlamaConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(
-                    f"LlamaConfig.{name} must be a positive int, got {name}={value!r}."
-                )
-        for name in _POSITIVE_FLOATS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ConfigError(
-                    f"LlamaConfig.{name} must be a positive number, got {name}={value!r}."
-                )
+        check_positive_ints(self, _POSITIVE_INTS)
+        check_positive_finite(self, _POSITIVE_FLOATS)
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"LlamaConfig.dim must be divisible by n_heads, got dim={self.dim}, "
@@ -103,8 +95,7 @@ class LlamaConfig:
                 f"LlamaConfig head dim dim // n_heads must be even for RoPE, got "
                 f"dim={self.dim}, n_heads={self.n_heads}, head_dim={self.head_dim}."
             )
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"LlamaConfig.seed must be an int, got seed={self.seed!r}.")
+        check_seed(self)
         check_pad_token_id(self)
 
     @classmethod

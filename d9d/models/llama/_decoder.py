@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -23,6 +23,13 @@ from ._ops import attention, rms_norm, rope, rope_cos_sin, rope_inv_freq, swiglu
 __all__ = ["MLP", "Attention", "Block", "Decoder", "RMSNorm"]
 
 _Device = torch.device | str | None
+
+# The logical axis of a norm over all heads' queries or keys (OLMoE's q_norm/k_norm): no
+# tensor_parallel rule maps it, so sharding the heads over tp is refused with this name.
+_FULL_QK_NORM_AXIS = (
+    "norm over all heads of q or k (qk_norm='full'), whose statistics would span the tp "
+    "ranks (not implemented by d9d)"
+)
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +46,13 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE; bias-free ``wq``, ``wk``, ``wv``, ``wo``
-    and, with ``qk_norm``, a per-head RMSNorm ``q_norm``/``k_norm`` of queries and keys before
-    RoPE (Qwen3)."""
+    and, with ``qk_norm``, an RMSNorm ``q_norm``/``k_norm`` of queries and keys before RoPE:
+    per head (``True``, width ``head_dim``: Qwen3) or over all heads at once (``"full"``,
+    widths ``n_heads * head_dim`` and ``n_kv_heads * head_dim``: OLMoE).
+
+    A ``"full"`` norm's statistics span every head, so its weights name a logical axis no
+    ``tensor_parallel`` rule maps: sharding the heads over ``tp`` is refused by name.
+    """
 
     def __init__(
         self,
@@ -49,32 +61,47 @@ class Attention(nn.Module):
         n_kv_heads: int,
         head_dim: int,
         *,
-        qk_norm: bool = False,
+        qk_norm: bool | Literal["full"] = False,
         norm_eps: float = 1e-6,
         device: _Device = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.full_qk_norm = qk_norm == "full"
         q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         self.wq = nn.Linear(dim, q_dim, bias=False, device=device)
         self.wk = nn.Linear(dim, kv_dim, bias=False, device=device)
         self.wv = nn.Linear(dim, kv_dim, bias=False, device=device)
         self.wo = nn.Linear(q_dim, dim, bias=False, device=device)
-        self.q_norm = RMSNorm(head_dim, norm_eps, device=device) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps, device=device) if qk_norm else None
+        q_width, k_width = (q_dim, kv_dim) if self.full_qk_norm else (head_dim, head_dim)
+        self.q_norm = RMSNorm(q_width, norm_eps, device=device) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, norm_eps, device=device) if qk_norm else None
+        if self.full_qk_norm:  # found by d9d.functionalize before the decoder's own rules
+            self.logical_axes = {r"^[qk]_norm\.weight$": (_FULL_QK_NORM_AXIS,)}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Head counts come from the projections (-1): under tensor parallelism each rank
-        # holds n_heads / tp of them.
+        # Head counts come from the projections' widths: under tensor parallelism each rank
+        # holds n_heads / tp of them (not -1, which an empty batch leaves ambiguous).
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None:
+        q, k = self.wq(x), self.wk(x)
+        if self.full_qk_norm:
+            if q.shape[-1] != self.wo.in_features:  # axes overridden to shard the heads
+                raise ValueError(
+                    f"qk_norm='full' normalizes all {self.wo.in_features} query features at "
+                    f"once, but this rank holds {q.shape[-1]} of them: its heads are sharded "
+                    "(tensor_parallel), which such a norm does not support; use qk_norm=True "
+                    "(per head) or keep the heads whole."
+                )
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq, q.shape[-1] // self.head_dim, self.head_dim)
+        k = k.view(batch, seq, k.shape[-1] // self.head_dim, self.head_dim)
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, cos, sin)  # d9d.kernels.rope rotates q and k in one call
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x)
+        v = v.view(batch, seq, v.shape[-1] // self.head_dim, self.head_dim)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, q.shape[2] * self.head_dim))
 
 
 class MLP(nn.Module):

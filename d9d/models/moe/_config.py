@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from d9d.errors import ConfigError
 from d9d.moe import MoEConfig as LayerConfig
 
+from ..llama._fields import check_positive_finite, check_positive_ints, check_seed
 from ..llama._pad import check_pad_token_id
 
 __all__ = ["MoEConfig"]
@@ -21,7 +22,8 @@ class MoEConfig:
 
     Blocks ``0 .. n_dense_layers - 1`` keep a dense SwiGLU MLP of width ``ffn_dim``; the others
     hold a :class:`d9d.moe.MoE` built from ``moe``. Attention is grouped-query with RoPE and,
-    with ``qk_norm``, a per-head RMSNorm of queries and keys (Qwen3). Presets: :meth:`tiny`,
+    with ``qk_norm``, an RMSNorm of queries and keys, per head (Qwen3) or over all heads
+    (OLMoE). Presets: :meth:`tiny`,
     :meth:`small` (CPU), and the shapes of OLMoE-1B-7B, Qwen3-30B-A3B and DeepSeek-V3 (for
     ``d9d plan`` on the meta device; DeepSeek-V3's multi-head latent attention is stood in
     for by GQA of the same width), or by name with :meth:`preset`.
@@ -36,7 +38,10 @@ class MoEConfig:
         moe: The MoE layers' options.
         n_dense_layers: Leading blocks with a dense MLP. Default 0.
         head_dim: Width of one head; default ``dim // n_heads``.
-        qk_norm: Per-head RMSNorm of q and k before RoPE. Default False.
+        qk_norm: RMSNorm of q and k before RoPE: ``True`` per head (width ``head_dim``,
+            Qwen3), ``"full"`` over all heads at once (widths ``n_heads * head_dim`` and
+            ``n_kv_heads * head_dim``, OLMoE; ``tensor_parallel`` refuses it), or False
+            (default).
         max_seq_len: Longest sequence. Default 4096.
         rope_theta: RoPE base. Default 10000.
         norm_eps: RMSNorm epsilon. Default 1e-6.
@@ -47,8 +52,10 @@ class MoEConfig:
             gradient and starts at zero (``nn.Embedding(padding_idx=...)``).
 
     Raises:
-        ConfigError: A size is not positive, heads do not divide, an odd head dim, or
-            ``moe.dim != dim``.
+        ConfigError: A size (``head_dim`` included) is not a positive int, ``rope_theta``,
+            ``norm_eps`` or ``init_std`` is not finite and positive, ``seed`` is not an int,
+            heads do not divide, an odd head dim,
+            ``qk_norm`` is not False, True or ``"full"``, or ``moe.dim != dim``.
 
     Example:
         >>> cfg = MoEConfig.tiny()
@@ -65,7 +72,7 @@ class MoEConfig:
     moe: LayerConfig
     n_dense_layers: int = 0
     head_dim: int | None = None
-    qk_norm: bool = False
+    qk_norm: bool | Literal["full"] = False
     max_seq_len: int = 4096
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
@@ -75,10 +82,11 @@ class MoEConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (*_POSITIVE_INTS, "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"MoEConfig.{name} must be a positive int, got {name}={value!r}.")
+        check_positive_ints(self, (*_POSITIVE_INTS, "max_seq_len"))
+        if self.head_dim is not None:  # 0 is refused, not read as None (dim // n_heads)
+            check_positive_ints(self, ("head_dim",))
+        check_positive_finite(self, ("rope_theta", "norm_eps", "init_std"))
+        check_seed(self)
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(
                 f"MoEConfig.n_dense_layers={self.n_dense_layers} must be in [0, n_layers="
@@ -96,6 +104,11 @@ class MoEConfig:
             )
         if self.attention_head_dim % 2:
             raise ConfigError(f"MoEConfig head dim {self.attention_head_dim} must be even (RoPE).")
+        if not (isinstance(self.qk_norm, bool) or self.qk_norm == "full"):
+            raise ConfigError(
+                f"MoEConfig.qk_norm={self.qk_norm!r} must be False, True (a norm per head, "
+                "Qwen3) or 'full' (one norm over all heads, OLMoE)."
+            )
         if self.moe.dim != self.dim:
             raise ConfigError(
                 f"MoEConfig.moe.dim={self.moe.dim} must equal dim={self.dim}: the MoE layers "
@@ -118,7 +131,10 @@ class MoEConfig:
         """All distinct params (a tied head counted once)."""
         heads = self.attention_head_dim
         attn = 2 * self.dim * heads * (self.n_heads + self.n_kv_heads)
-        attn += 2 * heads if self.qk_norm else 0
+        if self.qk_norm == "full":
+            attn += heads * (self.n_heads + self.n_kv_heads)
+        elif self.qk_norm:
+            attn += 2 * heads
         norms = 2 * self.dim
         dense = self.n_dense_layers * (attn + norms + 3 * self.dim * self.ffn_dim)
         sparse = self.n_moe_layers * (attn + norms + self.moe.num_params)
@@ -152,13 +168,15 @@ class MoEConfig:
 
     @classmethod
     def olmoe_1b_7b(cls, **overrides: Any) -> MoEConfig:
-        """OLMoE-1B-7B shapes: 16 blocks, 64 experts top-8 of width 1024, aux loss 0.01."""
+        """OLMoE-1B-7B shapes: 16 blocks, 64 experts top-8 of width 1024, aux loss 0.01, q/k
+        norms over all heads, norm eps 1e-5 (allenai/OLMoE-1B-7B-0924's config)."""
         moe = LayerConfig(
             dim=2048, n_experts=64, top_k=8, expert_dim=1024, aux_loss_coef=0.01,
             z_loss_coef=1e-3,
         )  # fmt: skip
         fields = dict(vocab_size=50_304, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16)
-        return cls(**(fields | dict(ffn_dim=1024, moe=moe, qk_norm=True) | overrides))
+        rest = dict(ffn_dim=1024, moe=moe, qk_norm="full", norm_eps=1e-5)
+        return cls(**(fields | rest | overrides))
 
     @classmethod
     def qwen3_30b_a3b(cls, **overrides: Any) -> MoEConfig:

@@ -57,9 +57,18 @@ def test_frozen() -> None:
         (dict(vocab_size=-1), r"vocab_size must be a positive int, got vocab_size=-1"),
         (dict(n_layers=2.0), r"n_layers must be a positive int, got n_layers=2.0"),
         (dict(n_kv_heads=True), r"n_kv_heads must be a positive int, got n_kv_heads=True"),
-        (dict(norm_eps=0.0), r"norm_eps must be a positive number, got norm_eps=0.0"),
-        (dict(rope_theta=-1.0), r"rope_theta must be a positive number, got rope_theta=-1.0"),
-        (dict(init_std=0), r"init_std must be a positive number, got init_std=0"),
+        (dict(norm_eps=0.0), r"norm_eps must be a finite positive number, got norm_eps=0.0"),
+        (dict(rope_theta=-1.0), r"rope_theta must be a finite positive number, got rope_theta=-1"),
+        (dict(init_std=0), r"init_std must be a finite positive number, got init_std=0"),
+        # an infinite eps zeroed every activation, an infinite std gave NaN weights, unrefused
+        (
+            dict(norm_eps=float("inf")),
+            r"norm_eps must be a finite positive number, got norm_eps=inf",
+        ),
+        (
+            dict(init_std=float("inf")),
+            r"init_std must be a finite positive number, got init_std=inf",
+        ),
         (dict(dim=66), r"dim must be divisible by n_heads, got dim=66, n_heads=4: pick"),
         (dict(n_kv_heads=3), r"n_heads=4, n_kv_heads=3: pick n_kv_heads among the divisors"),
         (dict(dim=12, n_heads=4), r"must be even for RoPE.*head_dim=3"),

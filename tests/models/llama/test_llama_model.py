@@ -263,3 +263,14 @@ def test_forward_names_tokens_that_are_not_a_tensor() -> None:
         TypeError, match=r"expects tokens as a tensor .*got list; pass torch.tensor"
     ):
         Llama(TINY, device="meta")([[1, 2, 3]])
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["no-rows", "no-positions"])
+def test_an_empty_batch_gives_empty_logits_and_zero_grads(shape: tuple[int, int]) -> None:
+    """Attention's views read the head count as -1, which 0 elements leave ambiguous: raised
+    ``cannot reshape tensor of 0 elements``."""
+    model = Llama(LlamaConfig.tiny())
+    logits = model(torch.zeros(shape, dtype=torch.long))
+    assert logits.shape == (*shape, 256)
+    logits.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
