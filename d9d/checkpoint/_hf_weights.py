@@ -14,6 +14,7 @@ from ._safetensors_read import (
     Concatenated,
     Source,
     Stored,
+    ignored_on_load,
     read_placed,
     safetensors_files,
     stored_keys,
@@ -46,11 +47,18 @@ def _per_expert(param: str, shape: tuple[int, ...], stored: set[str]) -> Source 
     return source if all(set(part.keys) <= stored for _, part in parts) else None
 
 
-def _refuse_unread(stored: set[str], sources: Mapping[str, Source], aliases: set[str]) -> None:
+def _refuse_unread(
+    path: str | os.PathLike[str],
+    stored: set[str],
+    sources: Mapping[str, Source],
+    aliases: set[str],
+) -> None:
     """Raise unless every stored tensor is read by a target leaf, is another name of a tied
-    one, or is a recomputed ``rotary_emb.inv_freq``."""
+    one, is a recomputed ``rotary_emb.inv_freq``, or is one ``transformers`` skips when it
+    loads the folder's model (``ignored_on_load``)."""
     read = {key for source in sources.values() for key in stored_keys(source)} | aliases
-    unread = sorted(k for k in stored if k not in read and not RECOMPUTED.search(k))
+    skipped = (RECOMPUTED, *ignored_on_load(path))
+    unread = sorted(k for k in stored if k not in read and not any(p.search(k) for p in skipped))
     if unread:
         raise ParamTreeMismatchError(
             f"Stored tensors {unread[:10]} ({len(unread)} in all) are read by no leaf of the "
@@ -83,7 +91,9 @@ def load_hf_weights(
     per expert (``experts.<e>.gate_proj.weight``...) are read expert by expert.
 
     Every stored tensor must be read by a leaf of ``target`` (or be another name of a tied
-    one, or a ``rotary_emb.inv_freq`` that the model recomputes), unless ``partial``: one
+    one, a ``rotary_emb.inv_freq`` that the model recomputes, or one that ``transformers``
+    skips when it loads the folder's model: its class's ``_keys_to_ignore_on_load_unexpected``,
+    such as DeepSeek-V3's multi-token-prediction layer), unless ``partial``: one
     that no leaf reads would be dropped silently, a persistent buffer the model computes
     with (DeepSeek-V3's ``e_score_correction_bias``, which ``transformers`` saves) or a
     weight of another config. A target leaf may name a buffer as well as a param.
@@ -133,5 +143,5 @@ def load_hf_weights(
     wanted = {key for source in sources.values() for key in stored_keys(source)}
     if not partial and wanted <= stored:
         aliases = {alias for param in sources for alias in names.get(param, ())}
-        _refuse_unread(stored, sources, aliases)
+        _refuse_unread(path, stored, sources, aliases)
     return read_placed(path, target, sources)

@@ -40,6 +40,26 @@ __all__ = [
 ]
 
 RECOMPUTED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+def ignored_on_load(path: str | os.PathLike[str]) -> tuple[re.Pattern[str], ...]:
+    """The patterns of stored tensors that ``transformers`` itself skips when it loads the
+    folder's model: its class's ``_keys_to_ignore_on_load_unexpected`` (DeepSeek-V3's
+    multi-token-prediction layer ``model.layers.61``, the ``attn.bias`` masks old GPT-2
+    checkpoints hold), by the ``architectures`` of its ``config.json``; none without one."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+        import transformers
+    except (OSError, ValueError, ImportError):
+        return ()
+    names = config.get("architectures") if isinstance(config, dict) else None
+    patterns: list[str] = []
+    for name in names if isinstance(names, list) else []:
+        model_class = getattr(transformers, str(name), None)
+        patterns += getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or []
+    return tuple(re.compile(pattern) for pattern in patterns)
+
+
 """Non-weights some older Hugging Face checkpoints hold; d9d's models recompute them."""
 
 

@@ -423,3 +423,26 @@ def test_each_rank_peak_memory_is_its_shard_not_the_model(tmp_path: Path) -> Non
     # The full import holds the whole model (measured 1.01x to 1.10x); 0.9x leaves room for
     # the page cache the kernel may reclaim from a loaded machine's mapped file pages.
     assert all(grown >= 0.9 * model_bytes for grown, _ in full), (full, model_bytes)
+
+
+def test_tensors_transformers_skips_on_load_are_not_refused(tmp_path: Path) -> None:
+    """A folder may hold tensors ``transformers`` itself skips when loading its model (its
+    class's ``_keys_to_ignore_on_load_unexpected``: old GPT-2 checkpoints' ``attn.bias``
+    masks, DeepSeek-V3's multi-token-prediction layer 61): refusing them refused the real
+    folders; any other leftover is still named."""
+
+    config = transformers.GPT2Config(vocab_size=97, n_embd=24, n_layer=1, n_head=4)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["transformer.h.0.attn.bias"] = torch.ones(1, 1, 8, 8)  # as old checkpoints hold
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with torch.device("meta"):
+        model = d9d.functionalize(transformers.GPT2LMHeadModel(config))
+    got = checkpoint.load_hf_weights(tmp_path, model.params, tied=model.tied)
+    assert torch.equal(
+        got["transformer.h.0.attn.c_attn.weight"], weights["transformer.h.0.attn.c_attn.weight"]
+    )
+    weights["transformer.h.0.mlp.extra"] = torch.ones(3)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ParamTreeMismatchError, match=r"\['transformer.h.0.mlp.extra'\]"):
+        checkpoint.load_hf_weights(tmp_path, model.params, tied=model.tied)
