@@ -11,6 +11,7 @@ import functools
 import importlib
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -414,6 +415,34 @@ def test_a_python_int_of_the_batch_that_changes_the_activations_rebuilds_the_sta
     for losses in run_on_ranks(_cut_rank, 2, (16, 8, 16), method="fork"):
         for got, want in zip(losses, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def _counted_rank() -> list[str]:
+    mesh = d9d.make_mesh("cpu", pp=2)
+    model = llama(F64, 2)()
+
+    def loss_fn(params, batch):
+        return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+    @d9d.pipeline(mesh, microbatches=2)
+    def step(params, opt_state, batch):
+        loss, _ = d9d.value_and_grad(loss_fn)(params, batch)
+        return params, opt_state, {"loss": loss}
+
+    params, state = step.place(model.params, (), model=model)
+    batch = batches(256)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(10):
+            step(params, state, {**batch, "step": n})  # a Python int the loss never reads
+    return [str(w.message) for w in caught if "batch signatures" in str(w.message)]
+
+
+def test_a_python_int_that_changes_every_step_is_named_once_the_builds_pile_up() -> None:
+    """A Python int of the batch is part of the stages' key by value: one that changes every
+    step (a step counter) rebuilt the stages every step, with no word."""
+    for caught in run_on_ranks(_counted_rank, 2, method="fork"):
+        assert len(caught) == 1 and "belongs in it as a 0-d tensor" in caught[0]
 
 
 def _closed_over_rank() -> None:

@@ -17,6 +17,7 @@ probe (``_stage_shapes``), and report their traffic and compute spans (``_stage_
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -387,11 +388,22 @@ def _signature(chunk: Any) -> tuple:
     return str(spec), shapes
 
 
+_KEPT_BUILDS = 8  # stage builds kept per layout (by batch signature)
+
+
 def _runtime(runner: _Runner, layout: PipelineLayout, chunks: list[Any]) -> _Runtime:
     key = (_signature(chunks[0]), len(chunks), getattr(runner.fn, "__code__", runner.fn))
     runtime = layout.cache.get(key)
     if runtime is None:
-        if len(layout.cache) > 8:
+        if len(layout.cache) > _KEPT_BUILDS:
+            warnings.warn(
+                f"pipeline built its stages for more than {_KEPT_BUILDS} batch signatures "
+                "(the batch's tensor shapes and dtypes, and its Python ints, bools and "
+                "strings, by value), and builds them again for each new one (a probe of every "
+                "stage): a value of the batch that changes every step but not the activations "
+                "(a step counter) belongs in it as a 0-d tensor",
+                stacklevel=2,
+            )
             layout.cache.clear()
         runtime = _build(runner, layout, len(chunks))
         layout.cache[key] = runtime
