@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._index_checks import raise_outside
 
-__all__ = ["checked_ids", "embedding_checks", "named_inputs"]
+__all__ = ["checked_ids", "embedding_checks", "looks_up_its_input", "named_inputs"]
 
 
 class _Inputs(threading.local):
@@ -111,7 +111,7 @@ def embedding_checks(modules: Mapping[str, nn.Module]) -> Iterator[None]:
     for path, module in modules.items():
         if not isinstance(module, nn.Embedding):
             continue
-        if type(module).forward is nn.Embedding.forward:  # the lookup of its first argument
+        if looks_up_its_input(module):
             handles.append(module.register_forward_pre_hook(_check_hook(path)))
             continue
         lookups = _LookupChecks(module, path)
@@ -133,6 +133,11 @@ def _check_hook(path: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
     return check
 
 
+def looks_up_its_input(module: nn.Embedding) -> bool:
+    """Whether ``module``'s forward is ``nn.Embedding``'s: the lookup of its first argument."""
+    return type(module).forward is nn.Embedding.forward
+
+
 class _LookupChecks(TorchFunctionMode):
     """Checks the ids of each lookup of ``module``'s table while its own ``forward`` runs
     (entered by a forward pre-hook, left by a forward hook that runs on errors too), for an
@@ -148,7 +153,9 @@ class _LookupChecks(TorchFunctionMode):
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.__exit__(None, None, None)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is nn.functional.embedding:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")

@@ -106,9 +106,10 @@ def adamw(
     For each ``(p, g, m, v)``: ``m = beta1*m + (1-beta1)*g``, ``v = beta2*v + (1-beta2)*g**2``,
     ``p = p*(1 - lr*weight_decay) - lr/(1 - beta1**step) * m / (sqrt(v/(1 - beta2**step)) +
     eps)``, computed in float32 whatever the tensors' dtypes (bfloat16 params with float32
-    moments work; float64 ones in float64), the scalar factors ``lr/(1 - beta1**step)``,
-    ``sqrt(1 - beta2**step)`` and ``1 - lr*weight_decay`` in float64 as torch does. ``params``, ``exp_avgs`` and ``exp_avg_sqs`` are overwritten: use it on
-    donated buffers. Runs without autograd. Pass ``lr`` and ``step`` as 0-d tensors under
+    moments work; float64 ones in float64). The bias corrections ``lr/(1 - beta1**step)`` and
+    ``sqrt(1 - beta2**step)`` are computed in float64, as torch does (the reference computes
+    ``1 - lr*weight_decay`` there too; Triton in float32, in the kernel). ``params``,
+    ``exp_avgs`` and ``exp_avg_sqs`` are overwritten: use it on donated buffers. Runs without autograd. Pass ``lr`` and ``step`` as 0-d tensors under
     ``torch.compile`` so a new value does not recompile.
 
     Args:

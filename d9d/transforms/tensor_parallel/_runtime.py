@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
 from ...core._context import current
-from ...core._embedding_ids import checked_ids
+from ...core._embedding_ids import checked_ids, looks_up_its_input
 from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Interception, Runtime, replace_activation
 from ...core._structure import Structure, block_paths
@@ -53,7 +53,7 @@ from ._checks import (
 )
 from ._layout import ActivationLayout
 from ._sequence_sources import sources
-from ._table_lookups import around_table_lookups, looks_up_its_input
+from ._table_lookups import around_table_lookups
 
 __all__ = ["TensorParallelRuntime"]
 

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from ...core._embedding_ids import checked_ids
 from ._layout import ActivationLayout
 
-__all__ = ["around_table_lookups", "looks_up_its_input"]
+__all__ = ["around_table_lookups"]
 
 _EMBEDDING_ARGS = (
     "input",
@@ -32,11 +32,6 @@ _EMBEDDING_ARGS = (
     "scale_grad_by_freq",
     "sparse",
 )
-
-
-def looks_up_its_input(module: nn.Embedding) -> bool:
-    """Whether ``module``'s forward is ``nn.Embedding``'s: the lookup of its first argument."""
-    return type(module).forward is nn.Embedding.forward
 
 
 def around_table_lookups(
