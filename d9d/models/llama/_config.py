@@ -7,7 +7,7 @@ from typing import Any
 
 from d9d.errors import ConfigError
 
-from ._fields import check_positive_finite, check_positive_ints, check_seed
+from .._fields import check_positive_finite, check_positive_ints, check_seed
 from ._pad import check_pad_token_id
 
 __all__ = ["LlamaConfig"]

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from d9d.errors import ConfigError
 from d9d.moe import MoEConfig as LayerConfig
 
-from ..llama._fields import check_positive_finite, check_positive_ints, check_seed
+from .._fields import check_positive_finite, check_positive_ints, check_seed
 from ..llama._pad import check_pad_token_id
 
 __all__ = ["MoEConfig"]
