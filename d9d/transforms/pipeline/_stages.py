@@ -120,26 +120,21 @@ def split_stages(model: Model, count: int, split_paths: Sequence[str] | None = N
 
 
 def _check_shared(structure: Structure, blocks: tuple[tuple[int, int], ...]) -> None:
-    """Raise for a param that blocks of two stages hold, or a block and a module outside the
-    blocks (a module shared between them): each stage would update a copy of its own."""
-    stage_of: dict[str, tuple[int, str]] = {}
+    """Raise for a param that a block and a module outside the blocks both hold (a module
+    shared between them): the stages would each train a copy of their own. One that blocks of
+    several stages share is left to the transform's check (summed between the end stages)."""
     root = {k for keys in structure.root_owners.values() for k in keys}
     for s, (start, stop) in enumerate(blocks):
         for block in structure.blocks[start:stop]:
             for slot in block.slots:
                 key = structure.canonical(slot.key)
-                first = stage_of.setdefault(key, (s, block.path))
-                where = None
                 if key in root:
-                    where = "a module outside the blocks"
-                elif first[0] != s:
-                    where = f"block {first[1]!r} of stage {first[0]}"
-                if where is not None:
                     raise PlanError(
                         f"pipeline cannot place param {key!r}: block {block.path!r} of stage "
-                        f"{s} and {where} both hold it (a module shared between them), and "
-                        "each stage would train a copy of its own; share it only within the "
-                        "blocks of one stage (split_paths), or use another layout than pipeline"
+                        f"{s} and a module outside the blocks both hold it (a module shared "
+                        "between them), and each stage would train a copy of its own; share it "
+                        "only within the blocks of one stage (split_paths), or use another "
+                        "layout than pipeline"
                     )
 
 
