@@ -103,13 +103,16 @@ def _marked(node: fx.Node) -> bool:
 def _is_root(node: fx.Node) -> bool:
     """A marked forward all-gather (the first of a chain: later ones are in its chain), or
     the concatenated shards of a gather over one rank, which are its buffer with no
-    collective (``core/_gather.py``'s ``_all_gather``): copied for the backward alike."""
+    collective (``core/_gather.py``'s ``_all_gather``), waited for all the same: copied for
+    the backward alike."""
     if not _marked(node) or in_backward(node):
         return False
-    gather = _c10d.all_gather_into_tensor.default
-    if node.target is gather:
+    if node.target is _c10d.all_gather_into_tensor.default:
         return True
-    return node.target is _aten.cat.default and all(u.target is not gather for u in node.users)
+    # The one-rank buffer is waited for as a gather's would be; no other cat is (a codec
+    # statistic's, which fp8's gather under jit traces beside its gathers, is not).
+    waited = _c10d.wait_tensor.default
+    return node.target is _aten.cat.default and any(u.target is waited for u in node.users)
 
 
 def _is_view(node: fx.Node) -> bool:
