@@ -32,8 +32,9 @@ _c10d = torch.ops._c10d_functional
 def gathering_axes(entry: ParamPlan, mesh: DeviceMesh) -> list[int]:
     """The mesh axes ``entry`` is gathered over (stored and computed laid out differently),
     but those of one rank, where nothing is gathered."""
-    pairs = zip(entry.storage, entry.compute, mesh.shape, strict=True)
-    return [i for i, (stored, used, size) in enumerate(pairs) if stored != used and size > 1]
+    # mesh.size(i), not mesh.shape: torch 2.11's Dynamo cannot iterate a traced mesh's shape.
+    pairs = enumerate(zip(entry.storage, entry.compute, strict=True))
+    return [i for i, (stored, used) in pairs if stored != used and mesh.size(i) > 1]
 
 
 # What a rank that holds no value of an index gives to the all-reduce of a statistic.
