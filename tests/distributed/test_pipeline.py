@@ -12,6 +12,7 @@ import importlib
 import math
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -380,12 +381,14 @@ def test_docstring_example_runs() -> None:
     assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
 
-def _cut_rank(lengths: tuple[int, ...]) -> list[torch.Tensor]:
+def _cutting_step() -> tuple[Any, Any, Any, dict[str, torch.Tensor]]:
+    """A pp=2 step whose loss cuts the sequences to the batch's ``length`` (a Python int: the
+    batch's tensors keep their shapes); its placed params and state, and a batch."""
     mesh = d9d.make_mesh("cpu", pp=2)
     model = llama(F64, 2)()
 
     def loss_fn(params, batch):
-        n = batch["length"]  # a Python int: the batch's tensors keep their shapes
+        n = batch["length"]
         logits = model.apply(params, batch["tokens"][:, :n])
         return d9d.losses.cross_entropy(logits, batch["labels"][:, :n])
 
@@ -395,7 +398,11 @@ def _cut_rank(lengths: tuple[int, ...]) -> list[torch.Tensor]:
         return params, opt_state, {"loss": loss}
 
     params, state = step.place(model.params, (), model=model)
-    batch = batches(256)[0]
+    return step, params, state, batches(256)[0]
+
+
+def _cut_rank(lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    step, params, state, batch = _cutting_step()
     return [step(params, state, {**batch, "length": n})[2]["loss"] for n in lengths]
 
 
@@ -418,23 +425,11 @@ def test_a_python_int_of_the_batch_that_changes_the_activations_rebuilds_the_sta
 
 
 def _counted_rank() -> list[str]:
-    mesh = d9d.make_mesh("cpu", pp=2)
-    model = llama(F64, 2)()
-
-    def loss_fn(params, batch):
-        return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
-
-    @d9d.pipeline(mesh, microbatches=2)
-    def step(params, opt_state, batch):
-        loss, _ = d9d.value_and_grad(loss_fn)(params, batch)
-        return params, opt_state, {"loss": loss}
-
-    params, state = step.place(model.params, (), model=model)
-    batch = batches(256)[0]
+    step, params, state, batch = _cutting_step()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in range(10):
-            step(params, state, {**batch, "step": n})  # a Python int the loss never reads
+            step(params, state, {**batch, "length": 16, "step": n})  # "step": never read
     return [str(w.message) for w in caught if "batch signatures" in str(w.message)]
 
 
