@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ...checkpoint._claim import Claim
 from ...errors import ConfigError
 
-__all__ = ["OutLock", "check_fresh_out", "lock_out"]
+__all__ = ["check_fresh_out", "lock_out"]
 
 # What a run writes first (rank 0): either one means a run has been there.
 _RUN_FILES = ("config.json", "metrics.jsonl")
@@ -106,20 +107,6 @@ def check_fresh_out(out: Path, *, resuming: bool, replica_group: int | None = No
         )
 
 
-class OutLock:
-    """Rank 0's exclusive lock on ``--out`` for one run (none on other ranks, or where
-    folders cannot be locked)."""
-
-    def __init__(self, fd: int | None) -> None:
-        self._fd = fd
-
-    def release(self) -> None:
-        """Let another run into the folder (at the run's end); idempotent."""
-        if self._fd is not None:
-            os.close(self._fd)  # closing the only descriptor drops the flock
-            self._fd = None
-
-
 def _lock(out: Path) -> tuple[int | None, bool]:
     """A descriptor of ``out`` (created) holding its lock, or ``None``; and whether another
     process holds the lock."""
@@ -133,7 +120,7 @@ def _lock(out: Path) -> tuple[int | None, bool]:
     return fd, False
 
 
-def lock_out(out: Path) -> OutLock:
+def lock_out(out: Path) -> Claim:
     """Lock ``out`` for this run, refusing while another run holds it (collective under a
     process group: rank 0 creates and locks the folder and tells the others).
 
@@ -175,4 +162,4 @@ def lock_out(out: Path) -> OutLock:
             "until it ends (its last checkpoint committed); wait for it, or pass a new --out "
             "(nothing was written)"
         )
-    return OutLock(fd)
+    return Claim(fd)
