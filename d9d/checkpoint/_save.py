@@ -33,6 +33,8 @@ from ._layout import brief, chunk_shape, dtype_name, layout_of, local_box, write
 __all__ = ["SaveHandle", "save"]
 
 _VALUES = (bool, int, float, str)
+# The store counter that makes each save's nonce, and so its store keys, unique.
+_SAVES_KEY = "d9d/ckpt/saves"
 
 
 def _check_args(step: Any, metadata: Any, keep: Any) -> None:
@@ -239,6 +241,11 @@ def save(
     if dist.is_initialized() and dist.get_world_size() > 1:
         rank, world = dist.get_rank(), dist.get_world_size()
         store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            # The nonce names the store keys the ranks meet through, which stay after the
+            # save: one drawn again (32 bits) read an earlier save's outcomes and committed
+            # without waiting for the other ranks. The count of this store's saves never repeats.
+            nonce = f"{store.add(_SAVES_KEY, 1)}-{nonce}"
     tmp = _format.tmp_path(directory, step, nonce)  # rank 0's nonce is the one all ranks use
     # Claimed before any rank can write into it (they do after _agree), so that no rotation
     # ever takes it for a dead save's leftover.
