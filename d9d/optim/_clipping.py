@@ -106,6 +106,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     shrunk by the same factor so the global norm becomes ``max_norm``. This equals
     ``torch.nn.utils.clip_grad_norm_`` up to its ``1e-6`` in the denominator. The factor is
     a 0-d tensor (no ``.item()``, no branch on its value). See ``global_norm`` for DTensors.
+    Non-finite updates raise nothing, as ``clip_grad_norm_`` by default: a NaN makes every
+    update NaN; an infinity makes the factor 0 (finite updates 0, infinite ones NaN).
 
     Args:
         max_norm: the largest allowed global L2 norm (> 0).

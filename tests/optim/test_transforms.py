@@ -30,6 +30,22 @@ def test_clip_leaves_small_updates_unchanged() -> None:
     torch.testing.assert_close(clip.update(updates, clip.init(updates))[0], updates)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_clip_of_non_finite_updates_is_clip_grad_norm_s(bad: float) -> None:
+    """As torch's default (``error_if_nonfinite=False``): a NaN makes every update NaN; an
+    infinity makes the norm inf, the factor 0, the finite updates 0 and the infinite NaN."""
+    updates = {"a": torch.tensor([1.0, bad]), "b": torch.tensor([3.0, 4.0])}
+    clip = optim.clip_by_global_norm(1.0)
+    theirs = [torch.zeros(2, requires_grad=True) for _ in updates]
+    for param, update in zip(theirs, updates.values(), strict=True):
+        param.grad = update.clone()
+    norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    torch.testing.assert_close(optim.global_norm(updates), norm, equal_nan=True)
+    clipped = clip.update(updates, clip.init(updates))[0]
+    for got, param in zip(clipped.values(), theirs, strict=True):
+        torch.testing.assert_close(got, param.grad, rtol=0, atol=0, equal_nan=True)
+
+
 def test_adam_state_mirrors_params_with_a_0d_count() -> None:
     params = {"w": torch.zeros(5, 3), "b": torch.zeros(7)}
     state = optim.scale_by_adam().init(params)
