@@ -68,6 +68,9 @@ def test_train_reads_a_text_folder(tmp_path: Path) -> None:
     [
         (["--data", "/no/such/path"], r"--data '/no/such/path' does not exist"),
         (["--steps", "0"], r"--steps must be >= 1, got 0"),
+        (["--clip", "0"], r"--clip must be a positive number .*, got 0\.0; clipping cannot"),
+        (["--clip", "nan"], r"--clip must be a positive number .*, got nan"),
+        (["--weight-decay", "-0.1"], r"--weight-decay must be a number >= 0, got -0\.1"),
         (["--preset", "huge"], r"huge"),
         (["--seq-len", "4096"], r"--seq-len 4096 exceeds the 'tiny' preset's max_seq_len 256"),
         (["--vocab-size", "100"], r"token id \d+ but the model's vocab_size is 100"),

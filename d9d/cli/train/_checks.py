@@ -24,6 +24,13 @@ def check_flags(config: TrainConfig) -> None:
             )
     if not (config.lr > 0 and math.isfinite(config.lr)):
         raise ValueError(f"--lr must be a positive number, got {config.lr}")
+    if not (config.clip > 0 and math.isfinite(config.clip)):
+        raise ValueError(
+            f"--clip must be a positive number (the largest global gradient norm), got "
+            f"{config.clip}; clipping cannot be turned off: a large --clip leaves it inactive"
+        )
+    if not (config.weight_decay >= 0 and math.isfinite(config.weight_decay)):
+        raise ValueError(f"--weight-decay must be a number >= 0, got {config.weight_decay}")
     if not (config.dist_timeout > 0 and math.isfinite(config.dist_timeout)):
         raise ValueError(
             f"--dist-timeout must be a positive number of seconds, got {config.dist_timeout}"
