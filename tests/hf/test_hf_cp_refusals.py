@@ -155,6 +155,41 @@ def test_an_attention_chunk_shorter_than_the_sequence_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("llama4_text", attention_chunk_size=4))
 
 
+def test_a_sliding_window_only_the_config_holds_is_refused() -> None:
+    """PhiMoE (no layer_types) builds its window mask from config.sliding_window and passes
+    attention no sliding_window=, so ring attention ran over the whole sequence with no
+    error: windows of 4 over sequences of 16, 2 AdamW steps at cp=2 in float64, losses
+    4.60409, 4.56147 for one device's 4.60530, 4.55672 (those of no window), params up to
+    rel 1.0 off."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: the model has attention layers over 4 positions "
+        r"\(config\.sliding_window=4\), shorter than the sequence \(8\)",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("phimoe", sliding_window=4))
+
+
+def test_a_dynamic_rope_past_max_position_embeddings_is_refused() -> None:
+    """transformers rescales a "dynamic" RoPE by the largest position id of the call, which on
+    a cp rank is its part's, not the sequence's: a Llama with max_position_embeddings=8 on
+    sequences of 16, 2 AdamW steps at cp=2 in float64, lost 4.568417, 4.538961 for one
+    device's 4.568399, 4.538964, params up to rel 1.6e-2 off, no error. Within
+    max_position_embeddings the frequencies stay the configured ones and cp runs."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: the model's RoPE is 'dynamic' \(config\.rope_parameters\), which "
+        r"rescales its frequencies .* the sequence \(8\) exceeds "
+        r"config\.max_position_embeddings=4",
+    ):
+        run_on_ranks(
+            _cp_forward, 2, _build("llama", rope_parameters=dynamic, max_position_embeddings=4)
+        )
+    run_on_ranks(
+        _cp_forward, 2, _build("llama", rope_parameters=dynamic, max_position_embeddings=8)
+    )
+
+
 def test_an_attention_argument_ring_attention_does_not_implement_is_refused() -> None:
     """Inkling's relative position bias, say; inert arguments pass."""
     module = torch.nn.Identity()
@@ -163,3 +198,17 @@ def test_an_attention_argument_ring_attention_does_not_implement_is_refused() ->
         PlanError, match=r"Identity passes attention \['position_bias'\], which context_parallel"
     ):
         check_attention_call(module, None, {"position_bias": torch.zeros(4), "use_cache": False})
+
+
+def test_a_sliding_window_passed_to_attention_is_refused_by_the_call() -> None:
+    """A window the module passes attention is refused too, whatever the config says (a
+    module may read its window from another field), before any exchange of the ring."""
+    from d9d.transforms.context_parallel._split import SequenceSplit
+
+    split = SequenceSplit("unused", "cp", rank=0, size=2, load_balance="zigzag")
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(
+        PlanError,
+        match=r"attends over a sliding window of 7 positions, shorter than the sequence \(8\)",
+    ):
+        split.attention(q, k, v, window=7)

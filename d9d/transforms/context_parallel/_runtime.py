@@ -18,6 +18,7 @@ from ._hf_refusals import (
     check_block_attended,
     check_hf_inputs,
     check_hf_layers,
+    check_hf_rope,
     check_hf_spans,
     per_token_layer,
 )
@@ -65,7 +66,9 @@ class ContextParallelRuntime(Runtime):
         if config is None:
             return
         local = sequence_input(call.args, call.kwargs).shape[SEQUENCE_DIM]
-        check_hf_spans(config, self.split.whole_length(local))
+        whole = self.split.whole_length(local)
+        check_hf_spans(config, whole)
+        check_hf_rope(config, whole)
         call.override(config, "_attn_implementation", HF_ATTENTION)
         for block in structure.blocks:
             if not per_token_layer(config, block.index):
