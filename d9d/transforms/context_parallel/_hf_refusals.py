@@ -81,8 +81,9 @@ INERT_ARGUMENTS = frozenset(
         "layer_idx",
     }
 )
-# Arguments the ring attention call itself takes (sliding_window is checked there).
-HANDLED_ARGUMENTS = frozenset({"sliding_window", "is_causal"})
+# Arguments the ring attention call itself takes (sliding_window is checked there; s_aux are
+# attention sinks, GPT-OSS's).
+HANDLED_ARGUMENTS = frozenset({"sliding_window", "is_causal", "s_aux"})
 
 _DROP_CP = "train this model without context_parallel"
 HF_ATTENTION = "d9d_ring"  # the attention implementation transformers is switched to
@@ -257,11 +258,6 @@ def check_attention_call(
             f"{name} soft-caps its attention scores (softcap={kwargs['softcap']}), which "
             "context_parallel's ring attention does not do; build the model with "
             "attn_logit_softcapping=None, or train it without context_parallel"
-        )
-    if kwargs.get("s_aux") is not None:  # GPT-OSS's sinks; silently dropped, logits differ
-        raise PlanError(
-            f"{name} adds attention sinks (s_aux) to its softmax, which context_parallel's "
-            "ring attention does not do; train it without context_parallel"
         )
     unknown = sorted(
         key

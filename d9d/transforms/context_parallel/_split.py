@@ -86,12 +86,14 @@ class SequenceSplit:
         causal: bool = True,
         scale: float | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence; ``[B, H, S_local, D]``.
 
         Each block's attention comes from the kernel registry's ``block_attention`` op. A
         sliding ``window`` (keys at most ``window - 1`` positions back) is refused unless it
-        spans the whole sequence, where it changes nothing."""
+        spans the whole sequence, where it changes nothing; ``sinks`` ``[H]`` are attention
+        sinks (see :func:`d9d.parallel.ring_attention`)."""
         whole = self.whole_length(q.shape[-2])
         if window is not None and window < whole:
             raise PlanError(
@@ -111,6 +113,7 @@ class SequenceSplit:
             load_balance=self.load_balance,
             scale=scale,
             block=resolve("block_attention", q, None),
+            sinks=sinks,
         )
 
 
@@ -168,7 +171,8 @@ def hf_ring_attention(
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = kwargs.get("sliding_window")
-    out = attend(query, key, value, causal=causal, scale=scaling, window=window)
+    sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per head
+    out = attend(query, key, value, causal=causal, scale=scaling, window=window, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
