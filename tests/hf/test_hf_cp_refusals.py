@@ -102,6 +102,27 @@ def test_a_block_whose_attention_is_its_own_code_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("openai-gpt"))
 
 
+def test_a_block_failing_before_it_calls_attention_is_named() -> None:
+    """Falcon's attention is its own code: for an attention implementation other than its
+    few, it adds the mask transformers builds, None for "d9d_ring", and raised a TypeError
+    deep in transformers that named neither the block nor context_parallel."""
+    import transformers
+
+    config = transformers.FalconConfig(
+        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = transformers.FalconForCausalLM(config).double()
+    with pytest.raises(
+        RankFailedError,
+        match=r"(?s)TypeError: unsupported operand.*context_parallel: transformer\.h\.0 "
+        r"\(FalconDecoderLayer\) raised this before calling attention through transformers' "
+        r"attention interface.*train this model without context_parallel",
+    ):
+        run_on_ranks(_cp_forward, 2, lambda: d9d.functionalize(copy.deepcopy(module)))
+
+
 # How a rank's step passes the model a padding mask, positions or labels, and what the
 # refusal says.
 _GIVEN = {

@@ -34,6 +34,7 @@ __all__ = [
     "check_hf_rope",
     "check_hf_spans",
     "per_token_layer",
+    "unattended_failure_note",
 ]
 
 # Leaf modules whose output at one position depends on other positions.
@@ -203,6 +204,21 @@ def check_block_attended(block: Block, calls: int) -> None:
         "config._attn_implementation), which sees only this rank's slice of the sequence, "
         "or it has none and config.layer_types does not say it is per-token "
         f"({sorted(PER_TOKEN_LAYERS)}); {_DROP_CP}"
+    )
+
+
+def unattended_failure_note(block: Block) -> str:
+    """The note added to an error a Hugging Face block raised before it called ring attention:
+    the likely cause is attention code of its own, which meets what ``"d9d_ring"`` changes
+    (Falcon's eager attention adds the mask transformers builds for names it knows, and
+    found None: ``TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType'``)."""
+    return (
+        f"context_parallel: {block.path} ({type(block.module).__name__}) raised this before "
+        "calling attention through transformers' attention interface, which "
+        f"context_parallel switches to ring attention ({HF_ATTENTION!r}, for which "
+        "transformers builds no mask): if its attention is its own code (it reads "
+        "config._attn_implementation for the names it knows only), context_parallel cannot "
+        f"split it; {_DROP_CP}"
     )
 
 
