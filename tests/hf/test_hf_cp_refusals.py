@@ -211,6 +211,16 @@ def test_a_dynamic_rope_past_max_position_embeddings_is_refused() -> None:
     )
 
 
+def test_attention_dropout_in_training_is_refused_by_module() -> None:
+    """A module in training mode passes its attention dropout; ring attention has none."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: LlamaAttention drops out attention probabilities in training "
+        r"\(dropout=0\.1\), .* attention dropout at 0",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("llama", attention_dropout=0.1))
+
+
 def test_an_attention_argument_ring_attention_does_not_implement_is_refused() -> None:
     """Inkling's relative position bias, say; inert arguments pass."""
     module = torch.nn.Identity()

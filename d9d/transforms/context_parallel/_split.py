@@ -166,7 +166,12 @@ def hf_ring_attention(
             f"attention implementation {HF_ATTENTION!r} runs only inside a context_parallel step"
         )
     if dropout:
-        raise PlanError(f"context_parallel attention has no dropout; got dropout={dropout}")
+        raise PlanError(
+            f"{type(module).__name__} drops out attention probabilities in training "
+            f"(dropout={dropout}), which context_parallel's ring attention does not do; build "
+            "the model with its attention dropout at 0 (the config's attention_dropout, "
+            "attn_pdrop or attention_probs_dropout_prob), or train without context_parallel"
+        )
     check_attention_call(module, attention_mask, kwargs)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
