@@ -221,6 +221,21 @@ def test_attention_dropout_in_training_is_refused_by_module() -> None:
         run_on_ranks(_cp_forward, 2, _build("llama", attention_dropout=0.1))
 
 
+def test_an_alibi_model_is_refused_for_taking_no_positions() -> None:
+    """Bloom's ALiBi biases come from the tokens a call is given, a rank's slice under cp."""
+    import transformers
+
+    config = transformers.BloomConfig(vocab_size=97, hidden_size=48, n_layer=2, n_head=6)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = transformers.BloomForCausalLM(config).double()
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: .* neither positions= nor position_ids= \(an ALiBi model, as Bloom",
+    ):
+        run_on_ranks(_cp_forward, 2, lambda: d9d.functionalize(copy.deepcopy(module)))
+
+
 def test_an_attention_argument_ring_attention_does_not_implement_is_refused() -> None:
     """Inkling's relative position bias, say; inert arguments pass."""
     module = torch.nn.Identity()

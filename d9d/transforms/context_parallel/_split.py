@@ -127,7 +127,9 @@ def with_positions(
         raise PlanError(
             "context_parallel gives each rank a slice of every sequence, so the model must "
             "take the tokens' global positions: its forward has neither positions= nor "
-            "position_ids="
+            "position_ids= (an ALiBi model, as Bloom or MPT, biases attention by distances "
+            "it computes over the tokens it is given, this rank's slice); train it without "
+            "context_parallel"
         )
     if structure.given_inputs(args, kwargs).get(name) is not None:
         return kwargs
