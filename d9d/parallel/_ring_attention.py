@@ -107,6 +107,7 @@ class _RingAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sinks: torch.Tensor | None,
         group_name: str,
         rank: int,
         cp: int,
@@ -132,16 +133,21 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 k_cur, v_cur = _received(pending, (k_cur, v_cur))
+        if sinks is not None:  # one more logit per row, of a zero value: scales rows down
+            sink = sinks.to(dtype).view(1, heads, 1).expand_as(lse)
+            merged = torch.logaddexp(lse, sink)
+            out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+            lse = merged
         # Not a no-op .to(): torch 2.11's Dynamo hands the traced backward a zero ``dout`` for
         # an output that a no-op .to() (or .contiguous()) returned, so jitted cp grads were 0.
         result = out if out.dtype == q.dtype else out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         ctx.options = (group_name, rank, cp, causal, zigzag, scale, block)
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group_name, rank, cp, causal, zigzag, scale, block = ctx.options
         seq = q.shape[2]
         dtype = compute_dtype(q.dtype)
@@ -178,7 +184,20 @@ class _RingAttention(torch.autograd.Function):
                 moving = (dk_cur, dv_cur)
                 dk_cur, dv_cur = _received(_pass_to_next(moving, group_name, rank, cp), moving)
         grads = (dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype))
-        return *grads, None, None, None, None, None, None, None
+        return *grads, _sink_grad(sinks, out, dout, lse), None, None, None, None, None, None, None
+
+
+def _sink_grad(
+    sinks: torch.Tensor | None, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor | None:
+    """The grad of the sink logits ``[H]`` from this rank's rows: a sink's value is zero, so
+    its score's grad is ``-P_sink * rowsum(dO * O)`` (``lse`` includes the sinks)."""
+    if sinks is None:
+        return None
+    dtype = lse.dtype
+    delta = (dout.to(dtype) * out.to(dtype)).sum(dim=-1)
+    p_sink = torch.exp(sinks.to(dtype).view(1, -1, 1) - lse)
+    return (-(p_sink * delta)).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def _validate(
@@ -187,6 +206,7 @@ def _validate(
     v: torch.Tensor,
     load_balance: object,
     scale: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     check_load_balance(load_balance)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -217,6 +237,14 @@ def _validate(
         )
     if scale is not None and not (isinstance(scale, int | float) and 0 < scale < math.inf):
         raise ValueError(f"{scale=} must be a finite number > 0, or None for 1/sqrt(head_dim).")
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,)
+    ):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(
+            f"sinks must be one logit per query head, a tensor of shape ({heads},) ({shapes}); "
+            f"got {shape}."
+        )
 
 
 def ring_attention(
@@ -229,6 +257,7 @@ def ring_attention(
     load_balance: LoadBalance = "zigzag",
     scale: float | None = None,
     block: BlockAttention = MATH_BLOCK_ATTENTION,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the sequence split across ``group``.
 
@@ -250,13 +279,16 @@ def ring_attention(
             sequence was split with.
         scale: Score scale (default ``1 / sqrt(head_dim)``).
         block: The per-block attention backend (default the pure-PyTorch math version).
+        sinks: Attention sinks ``[heads]`` (default None): one more logit per query row and
+            head, unscaled, of a zero value (GPT-OSS's ``sinks``), so each row's softmax
+            has ``exp(sinks[h])`` more in its denominator; differentiable.
 
     Returns:
         This rank's attention output ``[batch, heads, seq_local, v_dim]``, dtype of ``q``.
 
     Raises:
-        ValueError: Shapes, dtypes, ``heads % kv_heads``, ``scale`` or ``load_balance`` are
-            invalid.
+        ValueError: Shapes, dtypes, ``heads % kv_heads``, ``scale``, ``sinks`` or
+            ``load_balance`` are invalid.
         IndivisibleError: ``load_balance="zigzag"`` with an odd ``seq_local``.
         TypeError: ``group`` is not a process group.
 
@@ -284,6 +316,7 @@ def ring_attention(
         load_balance=load_balance,
         scale=scale,
         block=block,
+        sinks=sinks,
     )
 
 
@@ -299,11 +332,14 @@ def ring_attention_on(
     load_balance: LoadBalance = "zigzag",
     scale: float | None = None,
     block: BlockAttention = MATH_BLOCK_ATTENTION,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`ring_attention` on the group named ``group_name``, of ``size`` ranks, this rank
     being its ``rank``-th: what ``context_parallel`` calls, with the three read from its mesh
     when it builds its runtime, so a trace sees no process group object."""
-    _validate(q, k, v, load_balance, scale)
+    _validate(q, k, v, load_balance, scale, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     zigzag = load_balance == "zigzag"
-    return _RingAttention.apply(q, k, v, group_name, rank, size, causal, zigzag, scale, block)
+    return _RingAttention.apply(
+        q, k, v, sinks, group_name, rank, size, causal, zigzag, scale, block
+    )

@@ -169,6 +169,8 @@ _HF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-pad0": ("Qwen2", {"pad_token_id": 0, "tie_word_embeddings": False}),
     "qwen2-pad96": ("Qwen2", {"pad_token_id": 96, "tie_word_embeddings": True}),
     "gemma": ("Gemma", {"head_dim": 8}),
+    # scaling query_pre_attn_scalar**-0.5 = 1/16, not head_dim**-0.5; sliding layers (4096)
+    "gemma2-nocap": ("Gemma2", {"head_dim": 8, "attn_logit_softcapping": None}),
     "gpt2": ("GPT2", {"bos_token_id": 96, "eos_token_id": 96}),
 }
 

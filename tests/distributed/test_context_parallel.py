@@ -283,12 +283,27 @@ def test_a_model_without_positions_is_named() -> None:
         run_on_ranks(rank, 2)
 
 
-@pytest.mark.parametrize("family", ["qwen2-pad0", "gemma", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen2-pad0", "gemma", "gpt2", "gemma2-nocap"])
 def test_hf_families_equal_one_device(family: str) -> None:
     """``pad_token_id`` set (Qwen2 with q/k/v biases; Gemma, tied, whose norms sum weight
-    grads in float32: rel 1e-5) and GPT-2 (``Conv1D``, learned positions, tied head)."""
+    grads in float32: rel 1e-5), GPT-2 (``Conv1D``, learned positions, tied head) and Gemma2
+    without soft-capping: the ``scaling`` its attention passes (1/16, from
+    ``query_pre_attn_scalar``) reaches ring attention (dropped, its losses were rel 2e-4 off)
+    and its sliding layers, whose window spans the sequence, run. Gemma2's params only
+    losses: its float32 norms round by the split's shapes, which 5 AdamW steps make up to rel
+    2e-2 on params near 0 (params rel 2e-15 after 2 steps with those casts kept float64,
+    ``float64_islands`` in ``tests/hf/sweep.py``, by hand)."""
     build, data = hf_model(family, torch.float64), batches(97)
-    tol = {"rtol": 1e-5, "atol": 1e-8} if family == "gemma" else None
+    tol = {"rtol": 1e-5, "atol": 1e-8} if family.startswith("gemma") else None
     mesh_axes, transforms = LAYOUTS["cp=2"]
     expected = reference(build, data)
-    assert_equivalent(build, transforms, mesh_axes, data, expected, dtype=torch.float64, tol=tol)
+    assert_equivalent(
+        build,
+        transforms,
+        mesh_axes,
+        data,
+        expected,
+        dtype=torch.float64,
+        tol=tol,
+        params_too=family != "gemma2-nocap",
+    )

@@ -102,6 +102,27 @@ def test_a_block_whose_attention_is_its_own_code_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("openai-gpt"))
 
 
+def test_a_block_failing_before_it_calls_attention_is_named() -> None:
+    """Falcon's attention is its own code: for an attention implementation other than its
+    few, it adds the mask transformers builds, None for "d9d_ring", and raised a TypeError
+    deep in transformers that named neither the block nor context_parallel."""
+    import transformers
+
+    config = transformers.FalconConfig(
+        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = transformers.FalconForCausalLM(config).double()
+    with pytest.raises(
+        RankFailedError,
+        match=r"(?s)TypeError: unsupported operand.*context_parallel: transformer\.h\.0 "
+        r"\(FalconDecoderLayer\) raised this before calling attention through transformers' "
+        r"attention interface.*train this model without context_parallel",
+    ):
+        run_on_ranks(_cp_forward, 2, lambda: d9d.functionalize(copy.deepcopy(module)))
+
+
 # How a rank's step passes the model a padding mask, positions or labels, and what the
 # refusal says.
 _GIVEN = {
@@ -155,6 +176,66 @@ def test_an_attention_chunk_shorter_than_the_sequence_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("llama4_text", attention_chunk_size=4))
 
 
+def test_a_sliding_window_only_the_config_holds_is_refused() -> None:
+    """PhiMoE (no layer_types) builds its window mask from config.sliding_window and passes
+    attention no sliding_window=, so ring attention ran over the whole sequence with no
+    error: windows of 4 over sequences of 16, 2 AdamW steps at cp=2 in float64, losses
+    4.60409, 4.56147 for one device's 4.60530, 4.55672 (those of no window), params up to
+    rel 1.0 off."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: the model has attention layers over 4 positions "
+        r"\(config\.sliding_window=4\), shorter than the sequence \(8\)",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("phimoe", sliding_window=4))
+
+
+def test_a_dynamic_rope_past_max_position_embeddings_is_refused() -> None:
+    """transformers rescales a "dynamic" RoPE by the largest position id of the call, which on
+    a cp rank is its part's, not the sequence's: a Llama with max_position_embeddings=8 on
+    sequences of 16, 2 AdamW steps at cp=2 in float64, lost 4.568417, 4.538961 for one
+    device's 4.568399, 4.538964, params up to rel 1.6e-2 off, no error. Within
+    max_position_embeddings the frequencies stay the configured ones and cp runs."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: the model's RoPE is 'dynamic' \(config\.rope_parameters\), which "
+        r"rescales its frequencies .* the sequence \(8\) exceeds "
+        r"config\.max_position_embeddings=4",
+    ):
+        run_on_ranks(
+            _cp_forward, 2, _build("llama", rope_parameters=dynamic, max_position_embeddings=4)
+        )
+    run_on_ranks(
+        _cp_forward, 2, _build("llama", rope_parameters=dynamic, max_position_embeddings=8)
+    )
+
+
+def test_attention_dropout_in_training_is_refused_by_module() -> None:
+    """A module in training mode passes its attention dropout; ring attention has none."""
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: LlamaAttention drops out attention probabilities in training "
+        r"\(dropout=0\.1\), .* attention dropout at 0",
+    ):
+        run_on_ranks(_cp_forward, 2, _build("llama", attention_dropout=0.1))
+
+
+def test_an_alibi_model_is_refused_for_taking_no_positions() -> None:
+    """Bloom's ALiBi biases come from the tokens a call is given, a rank's slice under cp."""
+    import transformers
+
+    config = transformers.BloomConfig(vocab_size=97, hidden_size=48, n_layer=2, n_head=6)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = transformers.BloomForCausalLM(config).double()
+    with pytest.raises(
+        RankFailedError,
+        match=r"PlanError: .* neither positions= nor position_ids= \(an ALiBi model, as Bloom",
+    ):
+        run_on_ranks(_cp_forward, 2, lambda: d9d.functionalize(copy.deepcopy(module)))
+
+
 def test_an_attention_argument_ring_attention_does_not_implement_is_refused() -> None:
     """Inkling's relative position bias, say; inert arguments pass."""
     module = torch.nn.Identity()
@@ -163,3 +244,17 @@ def test_an_attention_argument_ring_attention_does_not_implement_is_refused() ->
         PlanError, match=r"Identity passes attention \['position_bias'\], which context_parallel"
     ):
         check_attention_call(module, None, {"position_bias": torch.zeros(4), "use_cache": False})
+
+
+def test_a_sliding_window_passed_to_attention_is_refused_by_the_call() -> None:
+    """A window the module passes attention is refused too, whatever the config says (a
+    module may read its window from another field), before any exchange of the ring."""
+    from d9d.transforms.context_parallel._split import SequenceSplit
+
+    split = SequenceSplit("unused", "cp", rank=0, size=2, load_balance="zigzag")
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(
+        PlanError,
+        match=r"attends over a sliding window of 7 positions, shorter than the sequence \(8\)",
+    ):
+        split.attention(q, k, v, window=7)

@@ -162,11 +162,13 @@ def test_gemma2_soft_capped_attention_is_refused_under_cp() -> None:
 
 
 def test_a_sliding_window_shorter_than_the_sequence_is_refused_under_cp() -> None:
-    """Mistral's default window (4096) spans the test sequences; one of 4 does not."""
+    """Mistral's default window (4096) spans the test sequences; one of 4 does not. Its
+    config has no layer_types, and its window is refused from config.sliding_window before
+    the model runs."""
     with pytest.raises(
         RankFailedError,
-        match=r"PlanError: the model attends over a sliding window of 4 positions, shorter "
-        r"than the sequence \(8\)",
+        match=r"PlanError: the model has attention layers over 4 positions "
+        r"\(config\.sliding_window=4\), shorter than the sequence \(8\)",
     ):
         run_on_ranks(_cp_forward, 2, build("mistral", sliding_window=4))
 

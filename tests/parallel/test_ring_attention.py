@@ -126,6 +126,58 @@ def test_sdpa_blocks_match_full_attention(cp, heads, kv_heads, causal, dtype):
     _check(cp, heads, kv_heads, 6 * cp, dtype, causal, "zigzag", block=SDPA_BLOCK_ATTENTION)
 
 
+def _attention_with_sinks(q, k, v, sinks, *, causal):
+    """GPT-OSS's eager attention: one more logit per row, ``sinks[h]``, of a zero value."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool).tril(), -torch.inf)
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
+
+
+def _sinks_rank(tensors, sinks, causal, load_balance, block):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    group = mesh.get_group("cp")
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v, dout = (
+        shard_sequence(t, 2, rank, cp, load_balance=load_balance).requires_grad_() for t in tensors
+    )
+    sinks = sinks.clone().requires_grad_()
+    out = ring_attention(
+        q, k, v, group=group, causal=causal, load_balance=load_balance, block=block, sinks=sinks
+    )
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad, sinks.grad
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("load_balance", ["zigzag", None])
+@pytest.mark.parametrize(
+    "block", [MATH_BLOCK_ATTENTION, SDPA_BLOCK_ATTENTION], ids=["math", "sdpa"]
+)
+def test_attention_sinks_match_full_attention(cp, causal, load_balance, block):
+    """Sinks (GPT-OSS's ``s_aux``) scale each row by its share of the softmax after the ring's
+    merge; their grads are the rank's rows' share, summed over ranks here (as cp's grads are)."""
+    tensors = _inputs(6, 2, 4 * cp, torch.float64)
+    sinks = torch.linspace(-2.0, 3.0, 6, dtype=torch.float64)
+    results = run_on_ranks(_sinks_rank, cp, tensors, sinks, causal, load_balance, block)
+    q, k, v, dout = (t.clone().requires_grad_() for t in tensors)
+    want_sinks = sinks.clone().requires_grad_()
+    expected = _attention_with_sinks(q, k, v, want_sinks, causal=causal)
+    expected.backward(dout)
+    got = [
+        unshard_sequence([r[i] for r in results], 2, load_balance=load_balance) for i in range(4)
+    ]
+    for actual, want in zip(got, [expected, q.grad, k.grad, v.grad], strict=True):
+        torch.testing.assert_close(actual, want.detach(), **TOL[torch.float64])
+    sink_grad = torch.stack([r[4] for r in results]).sum(0)
+    torch.testing.assert_close(sink_grad, want_sinks.grad, **TOL[torch.float64])
+
+
 @pytest.mark.parametrize(("seq_q", "seq_k", "causal"), [(5, 5, True), (3, 7, False), (6, 6, False)])
 def test_sdpa_block_equals_math_block(seq_q, seq_k, causal):
     """Forward (output, log-sum-exp) and backward from a final output and log-sum-exp, on odd
@@ -245,6 +297,10 @@ def test_ring_attention_input_errors(one_rank_mesh):
         ring_attention(q, k, v, group=group, scale=-1.0)
     with pytest.raises(ValueError, match=r"load_balance='ring'"):
         ring_attention(q, k, v, group=group, load_balance="ring")
+    with pytest.raises(
+        ValueError, match=r"sinks must be one logit per query head.*\(4,\).*got \(2,\)"
+    ):
+        ring_attention(q, k, v, group=group, sinks=torch.zeros(2))
 
 
 def _ring(mesh):

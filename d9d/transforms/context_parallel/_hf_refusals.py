@@ -6,7 +6,8 @@ model is refused by name, before its forward, when its blocks hold a module that
 positions by itself (a convolution over the sequence: Mamba, gated delta nets, short
 convolutions; a recurrent cell; pooling) or its config says a layer is anything but
 attention or per-token work (``layer_types``: ``linear_attention``, ``hybrid``, ``conv``,
-...), or a window or chunk shorter than the sequence; one call of the model is refused when
+...), or a window or chunk shorter than the sequence, or a ``"dynamic"`` RoPE past
+``max_position_embeddings``; one call of the model is refused when
 it is given a padding mask, positions or labels (which ``transformers`` would drop, read
 documents from, or shift within the rank's slice); and one call of attention is refused when the module passes a mask of its own
 or an argument ring attention does not implement. A block that ran without calling the
@@ -30,8 +31,10 @@ __all__ = [
     "check_block_attended",
     "check_hf_inputs",
     "check_hf_layers",
+    "check_hf_rope",
     "check_hf_spans",
     "per_token_layer",
+    "unattended_failure_note",
 ]
 
 # Leaf modules whose output at one position depends on other positions.
@@ -79,8 +82,9 @@ INERT_ARGUMENTS = frozenset(
         "layer_idx",
     }
 )
-# Arguments the ring attention call itself takes (sliding_window is checked there).
-HANDLED_ARGUMENTS = frozenset({"sliding_window", "is_causal"})
+# Arguments the ring attention call itself takes (sliding_window is checked there; s_aux are
+# attention sinks, GPT-OSS's).
+HANDLED_ARGUMENTS = frozenset({"sliding_window", "is_causal", "s_aux"})
 
 _DROP_CP = "train this model without context_parallel"
 HF_ATTENTION = "d9d_ring"  # the attention implementation transformers is switched to
@@ -124,19 +128,55 @@ def check_hf_layers(structure: Structure, config: Any) -> None:
 
 def check_hf_spans(config: Any, seq_len: int) -> None:
     """Refuse a sliding window or attention chunk shorter than the whole sequence
-    (``seq_len``): transformers builds both as masks, which ring attention does not apply."""
+    (``seq_len``): transformers builds both as masks, which ring attention does not apply.
+    A config without ``layer_types`` is read for both fields directly: a model of one kind
+    of layer may build its window from ``config.sliding_window`` without passing it to
+    attention (PhiMoE), so the call of attention alone does not show it."""
     layer_types = getattr(config, "layer_types", None)
-    if not isinstance(layer_types, (list, tuple)):
-        return
-    for kind in dict.fromkeys(layer_types):
-        field = ATTENTION_LAYERS.get(kind)
+    if isinstance(layer_types, (list, tuple)):
+        spans = [
+            (f"{kind!r} layers", ATTENTION_LAYERS.get(kind)) for kind in dict.fromkeys(layer_types)
+        ]
+    else:
+        spans = [("attention layers", field) for field in ATTENTION_LAYERS.values() if field]
+    for what, field in spans:
         span = getattr(config, field, None) if field else None
         if isinstance(span, int) and span < seq_len:
             raise PlanError(
-                f"the model has {kind!r} layers over {span} positions (config.{field}={span}), "
+                f"the model has {what} over {span} positions (config.{field}={span}), "
                 f"shorter than the sequence ({seq_len}), which context_parallel's ring "
                 "attention does not support; train on sequences no longer than that, or "
                 "without context_parallel"
+            )
+
+
+def check_hf_rope(config: Any, seq_len: int) -> None:
+    """Refuse a ``"dynamic"`` RoPE over a sequence (``seq_len``) longer than
+    ``config.max_position_embeddings``: transformers then rescales the rotary frequencies by
+    the largest position id a call sees, which on a context_parallel rank is that of its part
+    of the sequence, not the sequence's (so ranks would rotate by other frequencies than one
+    device does)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return
+    per_type = params if "rope_type" not in params else {None: params}
+    limit = getattr(config, "max_position_embeddings", None)
+    for layer_type, rope in per_type.items():
+        rope_type = rope.get("rope_type") if isinstance(rope, dict) else None
+        if (
+            isinstance(rope_type, str)
+            and "dynamic" in rope_type
+            and not (isinstance(limit, int) and seq_len <= limit)
+        ):
+            where = "" if layer_type is None else f"[{layer_type!r}]"
+            raise PlanError(
+                f"the model's RoPE is {rope_type!r} (config.rope_parameters{where}), which "
+                f"rescales its frequencies by the largest position id of a call once the "
+                f"sequence ({seq_len}) exceeds config.max_position_embeddings={limit}: each "
+                "context_parallel rank holds only a part of the positions, so ranks would "
+                "rotate by other frequencies than one device; train on sequences no longer "
+                "than max_position_embeddings, with another rope_type, or without "
+                "context_parallel"
             )
 
 
@@ -164,6 +204,21 @@ def check_block_attended(block: Block, calls: int) -> None:
         "config._attn_implementation), which sees only this rank's slice of the sequence, "
         "or it has none and config.layer_types does not say it is per-token "
         f"({sorted(PER_TOKEN_LAYERS)}); {_DROP_CP}"
+    )
+
+
+def unattended_failure_note(block: Block) -> str:
+    """The note added to an error a Hugging Face block raised before it called ring attention:
+    the likely cause is attention code of its own, which meets what ``"d9d_ring"`` changes
+    (Falcon's eager attention adds the mask transformers builds for names it knows, and
+    found None: ``TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType'``)."""
+    return (
+        f"context_parallel: {block.path} ({type(block.module).__name__}) raised this before "
+        "calling attention through transformers' attention interface, which "
+        f"context_parallel switches to ring attention ({HF_ATTENTION!r}, for which "
+        "transformers builds no mask): if its attention is its own code (it reads "
+        "config._attn_implementation for the names it knows only), context_parallel cannot "
+        f"split it; {_DROP_CP}"
     )
 
 
@@ -219,11 +274,6 @@ def check_attention_call(
             f"{name} soft-caps its attention scores (softcap={kwargs['softcap']}), which "
             "context_parallel's ring attention does not do; build the model with "
             "attn_logit_softcapping=None, or train it without context_parallel"
-        )
-    if kwargs.get("s_aux") is not None:  # GPT-OSS's sinks; silently dropped, logits differ
-        raise PlanError(
-            f"{name} adds attention sinks (s_aux) to its softmax, which context_parallel's "
-            "ring attention does not do; train it without context_parallel"
         )
     unknown = sorted(
         key

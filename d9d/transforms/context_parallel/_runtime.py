@@ -18,8 +18,10 @@ from ._hf_refusals import (
     check_block_attended,
     check_hf_inputs,
     check_hf_layers,
+    check_hf_rope,
     check_hf_spans,
     per_token_layer,
+    unattended_failure_note,
 )
 from ._split import (
     HF_ATTENTION,
@@ -65,7 +67,9 @@ class ContextParallelRuntime(Runtime):
         if config is None:
             return
         local = sequence_input(call.args, call.kwargs).shape[SEQUENCE_DIM]
-        check_hf_spans(config, self.split.whole_length(local))
+        whole = self.split.whole_length(local)
+        check_hf_spans(config, whole)
+        check_hf_rope(config, whole)
         call.override(config, "_attn_implementation", HF_ATTENTION)
         for block in structure.blocks:
             if not per_token_layer(config, block.index):
@@ -74,12 +78,19 @@ class ContextParallelRuntime(Runtime):
     def _attending(self, call: ApplyCall, block: Block) -> Callable[..., Any]:
         """Run ``block`` and refuse it if it called no ring attention: a Hugging Face block
         whose attention is its own code (GPT-Neo's, OpenAI GPT's), not ``transformers``'
-        attention interface, attended over the rank's slice only, with no error. A stand-in
-        (another pipeline stage's block) is not checked: runtimes after this one put it in."""
+        attention interface, attended over the rank's slice only, with no error; one that
+        fails before calling it gets a note naming it (Falcon's attention, its own code, adds
+        the mask it expects and meets None). A stand-in (another pipeline stage's block) is
+        not checked: runtimes after this one put it in."""
 
         def around(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
             before = self._attentions
-            out = forward(*args, **kwargs)
+            try:
+                out = forward(*args, **kwargs)
+            except Exception as error:
+                if self._attentions == before and not call.stood_in(block.path):
+                    error.add_note(unattended_failure_note(block))
+                raise
             if not call.stood_in(block.path):
                 check_block_attended(block, self._attentions - before)
             return out

@@ -86,12 +86,14 @@ class SequenceSplit:
         causal: bool = True,
         scale: float | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence; ``[B, H, S_local, D]``.
 
         Each block's attention comes from the kernel registry's ``block_attention`` op. A
         sliding ``window`` (keys at most ``window - 1`` positions back) is refused unless it
-        spans the whole sequence, where it changes nothing."""
+        spans the whole sequence, where it changes nothing; ``sinks`` ``[H]`` are attention
+        sinks (see :func:`d9d.parallel.ring_attention`)."""
         whole = self.whole_length(q.shape[-2])
         if window is not None and window < whole:
             raise PlanError(
@@ -111,6 +113,7 @@ class SequenceSplit:
             load_balance=self.load_balance,
             scale=scale,
             block=resolve("block_attention", q, None),
+            sinks=sinks,
         )
 
 
@@ -124,7 +127,9 @@ def with_positions(
         raise PlanError(
             "context_parallel gives each rank a slice of every sequence, so the model must "
             "take the tokens' global positions: its forward has neither positions= nor "
-            "position_ids="
+            "position_ids= (an ALiBi model, as Bloom or MPT, biases attention by distances "
+            "it computes over the tokens it is given, this rank's slice); train it without "
+            "context_parallel"
         )
     if structure.given_inputs(args, kwargs).get(name) is not None:
         return kwargs
@@ -163,12 +168,18 @@ def hf_ring_attention(
             f"attention implementation {HF_ATTENTION!r} runs only inside a context_parallel step"
         )
     if dropout:
-        raise PlanError(f"context_parallel attention has no dropout; got dropout={dropout}")
+        raise PlanError(
+            f"{type(module).__name__} drops out attention probabilities in training "
+            f"(dropout={dropout}), which context_parallel's ring attention does not do; build "
+            "the model with its attention dropout at 0 (the config's attention_dropout, "
+            "attn_pdrop or attention_probs_dropout_prob), or train without context_parallel"
+        )
     check_attention_call(module, attention_mask, kwargs)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = kwargs.get("sliding_window")
-    out = attend(query, key, value, causal=causal, scale=scaling, window=window)
+    sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per head
+    out = attend(query, key, value, causal=causal, scale=scaling, window=window, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
