@@ -46,6 +46,8 @@ def _offsets(group_sizes: Tensor) -> Tensor:
 
 @torch.library.custom_op("d9d::grouped_gemm_torch", mutates_args=())
 def _torch_forward(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+    if x.shape[1] == 0 or w.shape[2] == 0:  # _grouped_mm refuses an empty K or N's strides
+        return x.new_zeros(x.shape[0], w.shape[2])
     out = torch._grouped_mm(_pad(x, (1,)), _pad(w, (1, 2)), offs=_offsets(group_sizes))
     return out[:, : w.shape[2]].contiguous()
 
@@ -60,6 +62,8 @@ def _torch_backward(
     grad: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor
 ) -> tuple[Tensor, Tensor]:
     offsets, k, n = _offsets(group_sizes), w.shape[1], w.shape[2]
+    if k == 0 or n == 0:  # both products are empty or sums of nothing
+        return torch.zeros_like(x), torch.zeros_like(w)
     grad, x, w = _pad(grad, (1,)), _pad(x, (1,)), _pad(w, (1, 2))
     dx = torch._grouped_mm(grad, w.transpose(1, 2), offs=offsets)[:, :k]
     dw = torch._grouped_mm(x.t(), grad, offs=offsets)[:, :k, :n]
