@@ -19,6 +19,9 @@ def reference(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     """A loop over experts, each a full ``x @ w[e]`` masked to its rows: no host sync.
 
     It does ``E`` times the work of the grouped product, in float32 (float64 stays float64).
+    Its input is masked too, so that the gradients, like the product, see only each expert's
+    rows: unmasked, a NaN in one row of ``x`` made every expert's weight gradient NaN
+    (``0 * NaN`` in ``x.T @ grad``), and one in ``w[e]`` every row's input gradient.
     """
     wide = torch.promote_types(x.dtype, torch.float32)
     ends = group_sizes.cumsum(0)
@@ -26,7 +29,8 @@ def reference(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     x_wide, out = x.to(wide), x.new_zeros(x.shape[0], w.shape[2], dtype=wide)
     for e in range(w.shape[0]):
         mine = (rows >= ends[e] - group_sizes[e]) & (rows < ends[e])
-        out = out + torch.where(mine[:, None], x_wide @ w[e].to(wide), 0.0)
+        x_mine = torch.where(mine[:, None], x_wide, 0.0)
+        out = out + torch.where(mine[:, None], x_mine @ w[e].to(wide), 0.0)
     return out.to(x.dtype)
 
 
