@@ -79,7 +79,8 @@ def _chunked_loop(
     labels = labels.reshape(-1)
     write_grad = need_grad_hidden or need_grad_weight
     loss_sum = torch.zeros((), dtype=_loss_dtype(hidden), device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
+    # Contiguous, as the fake says, whatever hidden's strides.
+    grad_hidden = hidden.new_empty(hidden.shape) if need_grad_hidden else hidden.new_empty(0)
     # Accumulated in weight's dtype by addmm, which sums in float32 then rounds once per chunk.
     grad_weight = torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0)
     for start in range(0, hidden.shape[0], chunk_size):

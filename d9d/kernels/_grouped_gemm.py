@@ -44,6 +44,12 @@ def _pad(t: Tensor, dims: tuple[int, ...]) -> Tensor:
     return F.pad(t, pad) if any(pad) else t
 
 
+def _contiguous_like(t: Tensor) -> Tensor:
+    """A fake gradient as the backends return it: contiguous whatever ``t``'s strides (a
+    fake of ``t``'s strides failed inductor's stride assert for a column-major ``x``)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _offsets(group_sizes: Tensor) -> Tensor:
     return group_sizes.cumsum(0, dtype=torch.int32)
 
@@ -67,7 +73,7 @@ def _torch_backward(
 ) -> tuple[Tensor, Tensor]:
     offsets, k, n = _offsets(group_sizes), w.shape[1], w.shape[2]
     if k == 0 or n == 0:  # both products are empty or sums of nothing
-        return torch.zeros_like(x), torch.zeros_like(w)
+        return x.new_zeros(x.shape), w.new_zeros(w.shape)
     grad, x, w = _pad(grad, (1,)), _pad(x, (1,)), _pad(w, (1, 2))
     dx = torch._grouped_mm(grad, w.transpose(1, 2), offs=offsets)[:, :k]
     dw = torch._grouped_mm(x.t(), grad, offs=offsets)[:, :k, :n]
@@ -76,7 +82,7 @@ def _torch_backward(
 
 @_torch_backward.register_fake
 def _(grad: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(w)
+    return _contiguous_like(x), _contiguous_like(w)
 
 
 @torch.library.custom_op("d9d::grouped_gemm_triton", mutates_args=())
@@ -103,7 +109,7 @@ def _triton_backward(
 
 @_triton_backward.register_fake
 def _(grad: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(w)
+    return _contiguous_like(x), _contiguous_like(w)
 
 
 def _setup_context(ctx, inputs, output) -> None:
