@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import d9d.kernels as K
+from d9d.errors import KernelInputError
 
 
 def _run(fn, tensors, backend):
@@ -57,3 +58,21 @@ def test_moe_unpermute_empty_top_k_or_hidden(backend, top_k, hidden, device):
     weights = torch.rand(5, top_k, device=device)
     unpermute = lambda y, r, w, backend: K.moe_unpermute(y, r, w, backend=backend)  # noqa: E731
     _assert_same(unpermute, [outputs, row_map, weights], backend)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+def test_fused_linear_cross_entropy_hidden_0(backend, device):
+    hidden, weight = torch.randn(3, 0, device=device), torch.randn(5, 0, device=device)
+    labels = torch.tensor([1, -100, 4], device=device)
+    loss = lambda h, w, backend: K.fused_linear_cross_entropy(h, w, labels, backend=backend)  # noqa: E731
+    _assert_same(loss, [hidden, weight], backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_empty_vocab_is_refused_by_name(backend, device):
+    labels = torch.zeros(3, dtype=torch.long, device=device)
+    with pytest.raises(KernelInputError, match=r"logits.shape=torch.Size\(\[3, 0\]\) has an emp"):
+        K.cross_entropy(torch.randn(3, 0, device=device), labels, backend=backend)
+    hidden, weight = torch.randn(3, 4, device=device), torch.randn(0, 4, device=device)
+    with pytest.raises(KernelInputError, match=r"weight.shape=torch.Size\(\[0, 4\]\) has an emp"):
+        K.fused_linear_cross_entropy(hidden, weight, labels, backend=backend)
