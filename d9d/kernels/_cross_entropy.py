@@ -98,7 +98,8 @@ def cross_entropy(
         The mean loss, a 0-d float32 tensor, differentiable in ``logits``.
 
     Raises:
-        KernelInputError: non-float logits, non-integer labels, mismatched shapes or devices.
+        KernelInputError: non-float logits, non-integer labels, mismatched shapes or devices,
+            an empty vocab (``logits.shape[-1] == 0``).
         UnknownKernelError: unknown backend name.
         KernelUnavailableError: the forced backend cannot run here.
 
@@ -110,6 +111,11 @@ def cross_entropy(
     check_floating("cross_entropy", logits=logits)
     if logits.dim() == 0:
         raise KernelInputError(f"cross_entropy: logits must be [..., vocab], got {logits.shape=}")
+    if logits.shape[-1] == 0:
+        raise KernelInputError(
+            f"cross_entropy: {logits.shape=} has an empty vocab: a softmax over no class has "
+            "no probability; give logits at least one class"
+        )
     check_labels("cross_entropy", labels, tuple(logits.shape[:-1]))
     check_same("cross_entropy", "device", logits=logits, labels=labels)
     return resolve("cross_entropy", logits, backend)(logits, labels, ignore_index)

@@ -41,14 +41,16 @@ def reference(
     out_dtype: torch.dtype,
 ) -> Tensor:
     """Each expert's ``a.T @ b`` over its rows, the operands dequantized to float32 (the other
-    experts' rows masked: ``E`` times the work, no host sync)."""
+    experts' rows of both masked: ``E`` times the work, no host sync; ``b`` unmasked, a NaN
+    in one expert's rows made every expert's output NaN, ``0 * NaN``)."""
     a_wide = dequantize_by_expert(a, a_scale, group_sizes, recipe)
     b_wide = dequantize_by_expert(b, b_scale, group_sizes, recipe)
     ends, rows = group_sizes.cumsum(0), torch.arange(a.shape[0], device=a.device)
     out = []
     for e in range(group_sizes.shape[0]):
         mine = (rows >= ends[e] - group_sizes[e]) & (rows < ends[e])
-        out.append(torch.where(mine[:, None], a_wide, 0.0).t() @ b_wide)
+        mask = mine[:, None]
+        out.append(torch.where(mask, a_wide, 0.0).t() @ torch.where(mask, b_wide, 0.0))
     if not out:
         return a.new_empty(0, a.shape[1], b.shape[1], dtype=out_dtype)
     return torch.stack(out).to(out_dtype)

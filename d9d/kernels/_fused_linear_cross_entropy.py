@@ -75,11 +75,12 @@ def _chunked_loop(
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(mean loss, unscaled grad of hidden, unscaled grad of weight)``; unneeded ones empty."""
-    hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
+    hidden = hidden.reshape(labels.numel(), hidden.shape[-1])  # not -1: ambiguous if hidden 0
     write_grad = need_grad_hidden or need_grad_weight
     loss_sum = torch.zeros((), dtype=_loss_dtype(hidden), device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
+    # Contiguous, as the fake says, whatever hidden's strides.
+    grad_hidden = hidden.new_empty(hidden.shape) if need_grad_hidden else hidden.new_empty(0)
     # Accumulated in weight's dtype by addmm, which sums in float32 then rounds once per chunk.
     grad_weight = torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0)
     for start in range(0, hidden.shape[0], chunk_size):
@@ -192,7 +193,7 @@ def fused_linear_cross_entropy(
         label is ignored, as in ``torch``.
 
     Raises:
-        KernelInputError: bad dtypes, shapes, devices, or ``chunk_size`` < 1.
+        KernelInputError: bad dtypes, shapes, devices, an empty vocab, or ``chunk_size`` < 1.
         UnknownKernelError: unknown backend name.
         KernelUnavailableError: the forced backend cannot run here.
 
@@ -210,6 +211,11 @@ def fused_linear_cross_entropy(
         raise KernelInputError(
             f"{op}: expected hidden [..., hidden] and weight [vocab, hidden], "
             f"got {hidden.shape=}, {weight.shape=}"
+        )
+    if weight.shape[0] == 0:
+        raise KernelInputError(
+            f"{op}: {weight.shape=} has an empty vocab: a softmax over no class has no "
+            "probability; give weight at least one row"
         )
     check_labels(op, labels, tuple(hidden.shape[:-1]))
     if not isinstance(chunk_size, int) or chunk_size < 1:

@@ -19,6 +19,9 @@ def reference(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     """A loop over experts, each a full ``x @ w[e]`` masked to its rows: no host sync.
 
     It does ``E`` times the work of the grouped product, in float32 (float64 stays float64).
+    Its input is masked too, so that the gradients, like the product, see only each expert's
+    rows: unmasked, a NaN in one row of ``x`` made every expert's weight gradient NaN
+    (``0 * NaN`` in ``x.T @ grad``), and one in ``w[e]`` every row's input gradient.
     """
     wide = torch.promote_types(x.dtype, torch.float32)
     ends = group_sizes.cumsum(0)
@@ -26,7 +29,8 @@ def reference(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     x_wide, out = x.to(wide), x.new_zeros(x.shape[0], w.shape[2], dtype=wide)
     for e in range(w.shape[0]):
         mine = (rows >= ends[e] - group_sizes[e]) & (rows < ends[e])
-        out = out + torch.where(mine[:, None], x_wide @ w[e].to(wide), 0.0)
+        x_mine = torch.where(mine[:, None], x_wide, 0.0)
+        out = out + torch.where(mine[:, None], x_mine @ w[e].to(wide), 0.0)
     return out.to(x.dtype)
 
 
@@ -40,12 +44,20 @@ def _pad(t: Tensor, dims: tuple[int, ...]) -> Tensor:
     return F.pad(t, pad) if any(pad) else t
 
 
+def _contiguous_like(t: Tensor) -> Tensor:
+    """A fake gradient as the backends return it: contiguous whatever ``t``'s strides (a
+    fake of ``t``'s strides failed inductor's stride assert for a column-major ``x``)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _offsets(group_sizes: Tensor) -> Tensor:
     return group_sizes.cumsum(0, dtype=torch.int32)
 
 
 @torch.library.custom_op("d9d::grouped_gemm_torch", mutates_args=())
 def _torch_forward(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+    if x.shape[1] == 0 or w.shape[2] == 0:  # _grouped_mm refuses an empty K or N's strides
+        return x.new_zeros(x.shape[0], w.shape[2])
     out = torch._grouped_mm(_pad(x, (1,)), _pad(w, (1, 2)), offs=_offsets(group_sizes))
     return out[:, : w.shape[2]].contiguous()
 
@@ -60,6 +72,8 @@ def _torch_backward(
     grad: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor
 ) -> tuple[Tensor, Tensor]:
     offsets, k, n = _offsets(group_sizes), w.shape[1], w.shape[2]
+    if k == 0 or n == 0:  # both products are empty or sums of nothing
+        return x.new_zeros(x.shape), w.new_zeros(w.shape)
     grad, x, w = _pad(grad, (1,)), _pad(x, (1,)), _pad(w, (1, 2))
     dx = torch._grouped_mm(grad, w.transpose(1, 2), offs=offsets)[:, :k]
     dw = torch._grouped_mm(x.t(), grad, offs=offsets)[:, :k, :n]
@@ -68,7 +82,7 @@ def _torch_backward(
 
 @_torch_backward.register_fake
 def _(grad: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(w)
+    return _contiguous_like(x), _contiguous_like(w)
 
 
 @torch.library.custom_op("d9d::grouped_gemm_triton", mutates_args=())
@@ -95,7 +109,7 @@ def _triton_backward(
 
 @_triton_backward.register_fake
 def _(grad: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(w)
+    return _contiguous_like(x), _contiguous_like(w)
 
 
 def _setup_context(ctx, inputs, output) -> None:

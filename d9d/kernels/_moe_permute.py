@@ -57,6 +57,8 @@ def _unpermute_embedding_bag(permuted_out: Tensor, row_map: Tensor, weights: Ten
     It reads each row once and writes each token once, where the reference materializes the
     ``[T, top_k, H]`` gather; its backward is a scatter of the weighted gradient rows.
     """
+    if permuted_out.shape[1] == 0 or row_map.shape[1] == 0:  # embedding_bag refuses these
+        return unpermute_reference(permuted_out, row_map, weights)
     wide = _wide(permuted_out.dtype)
     bags = F.embedding_bag(
         row_map, permuted_out.to(wide), per_sample_weights=weights.to(wide), mode="sum"

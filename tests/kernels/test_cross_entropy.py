@@ -60,6 +60,21 @@ def test_cross_entropy_strided_logits_and_int32_labels(device, assert_close):
             assert_close(actual, expected, torch.float32)
 
 
+def test_cross_entropy_masked_vocab_prefix_is_finite(device, assert_close):
+    """-inf logits filling the first vocab blocks (1024 wide in the interpreter, 4096 on a
+    GPU): the online softmax's running max stays -inf there, which must not make NaN."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5000, device=device)
+    logits[:3, :4500] = float("-inf")  # rows 0-2 masked past a GPU block; row 3 not
+    logits[1, 17] = 2.0  # an unmasked logit before the masked run's end
+    labels = torch.tensor([4600, 17, -100, 3], device=device)
+    got = _ce("triton", logits, labels)
+    ref = _ce("reference", logits, labels)
+    assert got[0].isfinite() and got[1].isfinite().all()
+    for actual, expected in zip(got, ref, strict=True):
+        assert_close(actual, expected, torch.float32)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_cross_entropy_all_ignored_is_nan_with_zero_grads(backend, device):
     logits, labels = torch.randn(3, 10, device=device), torch.full((3,), -100, device=device)

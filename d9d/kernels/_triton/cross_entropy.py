@@ -35,8 +35,10 @@ def _logsumexp(LOGITS, rows, row_mask, stride, n_cols, ROWS: tl.constexpr, BLOCK
         ).to(tl.float32)
         x = tl.where(col_mask[None, :], x, float("-inf"))
         new_max = tl.maximum(running_max, row_max(x, axis=1))
-        running_sum = running_sum * tl.exp(running_max - new_max) + row_sum(
-            tl.exp(x - new_max[:, None]), axis=1
+        # While every logit so far is -inf, shift by 0: -inf - -inf would be NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + row_sum(
+            tl.exp(x - shift[:, None]), axis=1
         )
         running_max = new_max
     return running_max + tl.log(running_sum)

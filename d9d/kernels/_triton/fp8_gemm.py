@@ -89,6 +89,7 @@ def gemm(
     """``[T, N]``: ``a [T, K]`` times ``b [E, K, N]`` per expert's rows, scales as validated by
     ``d9d.kernels.fp8_grouped_gemm`` (``a_scale`` 2-d, ``b_scale`` 3-d)."""
     (rows, k), (experts, _, n) = a.shape, b.shape
+    group_sizes = group_sizes.contiguous()  # read as a dense array, like grouped_gemm's
     out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
     if rows == 0 or n == 0:
         return out

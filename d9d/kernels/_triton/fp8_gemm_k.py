@@ -87,6 +87,7 @@ def gemm_k(
     scales 2-d (a row per expert or per tile), as ``d9d.kernels.fp8_grouped_gemm_k`` passes
     them."""
     (_, m), (_, n), experts = a.shape, b.shape, group_sizes.shape[0]
+    group_sizes = group_sizes.contiguous()  # read as a dense array, like grouped_gemm's
     out = torch.empty(experts, m, n, dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out

@@ -122,6 +122,7 @@ def quantize_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` as ``d9d.kernels.fp8_quantize`` documents them with ``group_sizes``."""
     (rows, cols), experts = x.shape, group_sizes.shape[0]
+    group_sizes = group_sizes.contiguous()  # read as a dense array, like grouped_gemm's
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale = torch.empty(expert_scale_shape(rows, cols, experts, recipe, block), device=x.device)
     if cols == 0 or scale.numel() == 0:

@@ -117,7 +117,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 def gemm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """``[T, N]`` in ``x``'s dtype; ``w`` ``[E, K, N]`` may be any strided view (a transpose)."""
-    x = x.contiguous()
+    # group_sizes too: the kernels read it as a dense array (a strided view read that way
+    # gave wrong rows, and sizes past its end wrote out of bounds).
+    x, group_sizes = x.contiguous(), group_sizes.contiguous()
     (rows, k), (experts, _, n) = x.shape, w.shape
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows > 0 and n > 0:
@@ -132,7 +134,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.T
 
 def weight_grad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """``[E, K, N]``: ``x[rows of e].T @ dy[rows of e]`` per expert (zero for empty ones)."""
-    x, dy = x.contiguous(), dy.contiguous()
+    x, dy, group_sizes = x.contiguous(), dy.contiguous(), group_sizes.contiguous()
     (_, k), (_, n), experts = x.shape, dy.shape, group_sizes.shape[0]
     dw = torch.empty(experts, k, n, dtype=x.dtype, device=x.device)
     if dw.numel() > 0:

@@ -90,14 +90,15 @@ def forward(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(y, x + residual or None, rstd)`` with ``rstd`` float32 of shape ``x.shape[:-1]``."""
-    n_cols = x.shape[-1]
-    x2 = x.reshape(-1, n_cols).contiguous()
+    n_rows, n_cols = x.shape[:-1].numel(), x.shape[-1]  # not reshape(-1, 0): ambiguous
+    x2 = x.reshape(n_rows, n_cols).contiguous()
     y = torch.empty_like(x2)
-    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    res2 = residual.reshape(-1, n_cols).contiguous() if residual is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    res2 = residual.reshape(n_rows, n_cols).contiguous() if residual is not None else None
     res_out = torch.empty_like(x2) if residual is not None else None
-    n_rows = x2.shape[0]
-    if n_rows > 0:
+    if n_rows == 0 or n_cols == 0:  # nothing to normalize
+        rstd.fill_(float("nan"))  # rsqrt of the mean of no element, as the reference's
+    else:
         block = triton.next_power_of_2(n_cols)
         rows = tile_rows(block, n_rows)
         _forward_kernel[(triton.cdiv(n_rows, rows),)](
@@ -129,21 +130,22 @@ def backward(
     need_dweight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)``; ``dx`` includes ``dres`` when given; ``dweight`` empty if not needed."""
-    n_cols = x.shape[-1]
-    x2 = x.reshape(-1, n_cols).contiguous()
+    n_rows, n_cols = x.shape[:-1].numel(), x.shape[-1]
+    x2 = x.reshape(n_rows, n_cols).contiguous()
     dx = torch.empty_like(x2)
-    n_rows = x2.shape[0]
+    if n_cols == 0:  # no element: dx empty, dweight [0]
+        return dx.view(x.shape), weight.new_empty(0)
     block = triton.next_power_of_2(n_cols)
     rows = tile_rows(block, n_rows)
     programs, tiles_per_program = persistent_programs(x.device, max(1, triton.cdiv(n_rows, rows)))
     partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x.device)
     if n_rows > 0:
         _backward_kernel[(programs,)](
-            dy.reshape(-1, n_cols).contiguous(),
+            dy.reshape(n_rows, n_cols).contiguous(),
             x2,
             weight.contiguous(),
             rstd.reshape(-1).contiguous(),
-            dres.reshape(-1, n_cols).contiguous() if dres is not None else None,
+            dres.reshape(n_rows, n_cols).contiguous() if dres is not None else None,
             dx,
             partial,
             n_rows,

@@ -112,7 +112,7 @@ def rotate(
     batch, seq_len, q_heads, head_dim = q.shape
     k_heads = k.shape[2]
     q_rows, k_rows = batch * seq_len * q_heads, batch * seq_len * k_heads
-    if q_rows + k_rows == 0:
+    if q_rows + k_rows == 0 or head_dim == 0:  # no element to rotate
         return q_out, k_out
     half = head_dim // 2
     block = triton.next_power_of_2(half)
