@@ -205,6 +205,10 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
             {**FT, "replica_group_id": 0, "diloco": 8, "diloco_warmup": 12},
             r"--diloco-warmup 12 must be >= 0 and a multiple of --diloco 8",
         ),
+        (
+            {**FT, "replica_group_id": 0, "diloco": 8, "master_weights": True, "dtype": "bfloat16"},
+            r"--diloco does not run with --master-weights yet: an outer round replaces",
+        ),
     ],
 )
 def test_diloco_flags_are_checked(fields: dict, match: str) -> None:
