@@ -62,9 +62,9 @@ def outer_round(
 def _pseudo_gradient(anchor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``anchor - param`` of this rank's pieces, in float32 at least: a bfloat16 difference,
     times a token count, summed over the groups and divided, would round at each of those
-    (a lone group's plain-average round moved 10004 of 79040 bfloat16 params of the tiny
-    Llama, by up to 1.2e-4), where float32 holds the difference of two bfloat16 values and
-    the outer step rounds once, into the anchor's dtype."""
+    (a lone group's plain-average round moved 10004 of the 79040 bfloat16 params of a
+    one-layer tiny Llama, by up to 1.2e-4), where float32 holds the difference of two
+    bfloat16 values and the outer step rounds once, into the anchor's dtype."""
     wide = torch.promote_types(anchor.dtype, torch.float32)
     return _local(anchor).to(wide) - _local(param).to(wide)
 
