@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from ft_groups import kill_and_restart, signal_all, start_group, steps_logged, wait_for
 from ft_groups import lighthouse as ft_lighthouse
 
@@ -205,6 +206,10 @@ FT = {"fault_tolerant": True, "lighthouse": "http://localhost:1", "replica_group
             {**FT, "replica_group_id": 0, "diloco": 8, "diloco_warmup": 12},
             r"--diloco-warmup 12 must be >= 0 and a multiple of --diloco 8",
         ),
+        (
+            {**FT, "replica_group_id": 0, "diloco": 8, "master_weights": True, "dtype": "bfloat16"},
+            r"--diloco does not run with --master-weights yet: an outer round replaces",
+        ),
     ],
 )
 def test_diloco_flags_are_checked(fields: dict, match: str) -> None:
@@ -219,3 +224,24 @@ def test_the_diloco_warmup_flag_reaches_the_diloco_step() -> None:
     group = ReplicaGroup(manager, None, 2, 1.0, config.diloco, 1, config.diloco_warmup)
     step = group.wrap(lambda params, state, batch: (params, state, {}))
     assert (step.inner_steps, step.warmup_steps) == (4, 8)
+
+
+def test_a_resumed_diloco_group_counts_the_rounds_it_committed_not_its_inner_steps() -> None:
+    """torchft heals the groups whose count is behind the quorum's: a group restored at inner
+    step 2 (rounds every 2 steps) once counted 2 among live groups that had committed 2
+    rounds, healed from none, and hung in their next round's all-reduce (it ran its inner
+    steps instead); one counting more than the live groups would have been copied back by
+    them. Its manager counts the rounds its checkpoint saved, as the live groups do."""
+    counts = {"step": 0, "batches_committed": 0}
+    manager = SimpleNamespace(**{name: lambda *a, **k: None for name in MANAGER_METHODS})
+    manager.current_step = lambda: counts["step"]
+    manager.state_dict = lambda: dict(counts)
+    manager.load_state_dict = counts.update
+    group = ReplicaGroup(manager, None, 2, 1.0, diloco=2, microbatches=1, diloco_warmup=2)
+    step = group.wrap(lambda params, state, batch: (params, state, {}))
+    params, state = step.place({"w": torch.zeros(2)}, ())
+    # Rounds after steps 1 and 2 (the warm-up), 4 and 6; one of them dropped.
+    group.resume_at(6, params, state, {"torchft": {"step": 3, "batches_committed": 5}})
+    assert counts == {"step": 3, "batches_committed": 5}
+    group.resume_at(6, params, state, None)  # no count saved: every round up to step 6
+    assert counts["step"] == 4

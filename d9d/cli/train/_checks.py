@@ -224,6 +224,13 @@ def _check_fault_tolerance(config: TrainConfig) -> None:
             "--diloco does not run with --pp yet: no test has run a DiLoCo outer round over "
             "pipeline stages; drop --pp, or --diloco (--fault-tolerant alone runs with --pp)"
         )
+    if config.diloco is not None and config.master_weights:
+        raise ConfigError(
+            "--diloco does not run with --master-weights yet: an outer round replaces the "
+            "params with the new anchor, but the optimizer would go on from its float32 "
+            "masters, the group's own params before the round, and undo it; drop "
+            "--master-weights (--dtype bfloat16 alone computes in bfloat16 with float32 params)"
+        )
     if config.diloco is not None and config.save_every % config.diloco:
         raise ConfigError(
             f"--save-every {config.save_every} is not a multiple of --diloco "

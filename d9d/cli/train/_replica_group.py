@@ -105,10 +105,12 @@ class ReplicaGroup:
         its ``state_dict()`` saved in the checkpoint's ``metadata["torchft"]``, if there)
         and, for a group behind that heals from this one at the first quorum, the params and
         optimizer state served to it."""
-        state = {"step": step, "batches_committed": 0}
         saved = metadata.get("torchft") if isinstance(metadata, dict) else None
-        if isinstance(saved, dict):
-            state["batches_committed"] = int(saved.get("batches_committed", 0))
+        saved = saved if isinstance(saved, dict) else {}
+        state = {
+            "step": self._count_at(step, saved),
+            "batches_committed": int(saved.get("batches_committed", 0)),
+        }
         self.manager.load_state_dict(state)
         if isinstance(self._step, DiLoCoStep):
             self._step.serve(params, opt_state)
@@ -116,6 +118,21 @@ class ReplicaGroup:
         for runtime in self._step.runtimes:
             if isinstance(runtime, FaultTolerantRuntime):
                 runtime.serve(params, opt_state)
+
+    def _count_at(self, step: int, saved: dict[str, Any]) -> int:
+        """The manager's step count at a checkpoint of ``step`` steps: the steps committed,
+        or under DiLoCo the outer rounds committed (the checkpoint's own count, ``saved``
+        from the manager that saved it; else every round up to ``step``). Not the inner
+        steps: torchft heals the groups whose count is behind the quorum's, so a group
+        restored at inner step 2 with rounds after every 2 steps, counting 2 among live
+        groups at round 2, healed none and hung in the next round's all-reduce, and one
+        counting more than them would have been copied back by the live groups."""
+        if self.diloco is None:
+            return step
+        if "step" in saved:
+            return int(saved["step"])
+        warmup = min(step, self.diloco_warmup)
+        return warmup + (step - warmup) // self.diloco
 
     def join(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """After :meth:`start_step` said this group rejoined: under DiLoCo, the live peer's

@@ -16,7 +16,7 @@ from ...core._memory import Memory, local_bytes
 from ...core._runtime import Runtime
 from ...core._step import OutermostStep
 from ...errors import PlanError
-from ...optim import GradientTransformation, sgd
+from ...optim import GradientTransformation, MasterWeightsState, sgd
 from .._rejoin import PeerState
 from .._replica_groups import GroupCount
 from ._outer_round import outer_round
@@ -83,6 +83,15 @@ class DiLoCoStep(OutermostStep):
             outer.init(params), inner_step=0, tokens=0))``, every tree laid out like the
             placed params.
         """
+        if _holds_masters(opt_state):
+            raise PlanError(
+                "diloco does not run with an inner optimizer that keeps master copies of the "
+                "params (d9d.optim.master_weights) yet: an outer round replaces the params "
+                "with the new anchor, but the inner optimizer would go on from its masters, "
+                "the group's own params before the round, and undo it; store the params in "
+                "float32 (shard_params(param_dtype=torch.bfloat16) computes in bfloat16), or "
+                "drop master_weights"
+            )
         params, opt_state = self.step.place(params, opt_state, **kwargs)
         voting = [type(r).__name__ for r in self.step.runtimes if _votes(r)]
         if voting:
@@ -243,6 +252,16 @@ restarted then at their next quorum (it heals a group whose count is behind the 
 def _count_rounds(manager: Any, rounds: int) -> None:
     """Set the committed rounds ``manager`` counts (its step), its other counts kept."""
     manager.load_state_dict({**manager.state_dict(), "step": rounds})
+
+
+def _holds_masters(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds ``master_weights``'s copies of the params, in the
+    NamedTuples, tuples and lists that ``chain``, ``masked`` and ``offloaded`` build."""
+    if isinstance(opt_state, MasterWeightsState):
+        return True
+    if isinstance(opt_state, tuple | list):
+        return any(_holds_masters(s) for s in opt_state)
+    return False
 
 
 def _votes(runtime: Runtime) -> bool:

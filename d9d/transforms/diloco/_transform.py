@@ -187,7 +187,9 @@ def diloco(
             neither ``"tokens"`` nor ``"equal"``, or ``warmup_steps`` is not an int >= 0
             and a multiple of ``inner_steps``.
         PlanError: the step is already under ``diloco``, or (when placed) votes on each
-            step's commit (``d9d.fault_tolerant``), or (when called, under
+            step's commit (``d9d.fault_tolerant``) or its optimizer state holds
+            ``d9d.optim.master_weights``' masters (a round would be undone by them), or
+            (when called, under
             ``weighting="tokens"``) its loss counted no tokens.
 
     Example:
