@@ -424,3 +424,21 @@ def test_an_out_folder_inside_the_data_folder_is_refused(
     assert len(err) == 1
     assert f"--out '{folder / 'runs' / 'a'}' is inside --data '{folder}'" in err[0]
     assert not (folder / "runs").exists()
+
+
+def test_resume_on_data_changed_to_as_many_tokens_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The same --data path, rewritten with other text of the same length: the loader's
+    # position checked only the window count, so the run resumed over other data, exit 0.
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello d9d " * 20)
+    args = _args(tmp_path / "run", "--steps", "2", "--save-every", "2", "--data", str(folder))
+    assert main(args) == 0
+    (folder / "a.txt").write_text("HELLO D9D " * 20)
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    err = _err(capsys).strip().splitlines()
+    assert "TokenLoader state was saved with tokens_digest=" in err[-1]
+    assert "(other tokens: another file or corpus, or one edited since)" in err[-1]
