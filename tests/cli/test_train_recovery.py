@@ -249,6 +249,23 @@ def test_allow_config_change_resumes_with_the_new_flags(
     assert [s for s, _, _ in _records(run)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--batch-size", "4"), ("--seq-len", "8"), ("--seed", "5")]
+)
+def test_allow_config_change_refuses_a_changed_data_order_before_restoring(
+    run: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    # It warned "resuming with changed flags", restored, said "resumed from ... at step 4",
+    # then the loader refused the position with advice for library code, exit 2.
+    assert main([*_args(run, "--resume", "--allow-config-change"), flag, value]) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1, err
+    old = {"--batch-size": "2", "--seq-len": "16", "--seed": "0"}[flag]
+    assert err[0].startswith(f"d9d train: error: {flag} {value} (was {old}): the checkpoint's ")
+    assert "data position counts steps of 2 sequences of 16 tokens in --seed 0's order" in err[0]
+    assert err[0].endswith("pass the old values to resume, or start a new run in another --out")
+
+
 # Item 12: a damaged newest checkpoint is recoverable from the CLI.
 
 

@@ -2,7 +2,8 @@
 
 * The flags that change the schedule or the model must equal the ``config.json`` of the run
   that wrote the checkpoint, unless ``--allow-config-change``; those that lay the optimizer
-  state out (``STATE_FLAGS``) must equal it.
+  state out (``STATE_FLAGS``) or fix the data order the saved position counts in
+  (``DATA_ORDER_FLAGS``) must equal it.
 * ``--resume`` tries every ``step_<N>`` folder newest first and falls back past damaged ones
   (no ``COMMIT`` or ``metadata.json``, unparsable metadata, a chunk failing its checksum);
   ``--resume-from PATH`` restores exactly PATH or fails. Every rank must read its slices;
@@ -30,6 +31,7 @@ from ...checkpoint import _format
 from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
 __all__ = [
+    "DATA_ORDER_FLAGS",
     "SCHEDULE_FLAGS",
     "STATE_FLAGS",
     "check_is_checkpoint",
@@ -56,6 +58,11 @@ SCHEDULE_FLAGS = (
     "vocab_size",
     "eval_fraction",
 )
+
+
+# Schedule flags that fix which rows each step reads: the checkpoint's data position is a
+# step of batches of this size, length and order, so they cannot change in a resumed run.
+DATA_ORDER_FLAGS = ("batch_size", "seq_len", "seed")
 
 
 # Flags that change the optimizer state's layout: a checkpoint restores only into its own.
@@ -95,10 +102,12 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
     Args:
         current: This run's config as ``config.json`` would hold it.
         saved_file: The ``config.json`` of the run that wrote the checkpoint.
-        allow: ``--allow-config-change``: warn instead of refusing.
+        allow: ``--allow-config-change``: warn instead of refusing, except for
+            ``DATA_ORDER_FLAGS``.
 
     Raises:
-        ConfigError: A flag differs and ``allow`` is false.
+        ConfigError: A flag differs and ``allow`` is false, or a ``DATA_ORDER_FLAGS`` one
+            differs.
     """
     try:
         saved = json.loads(saved_file.read_text())
@@ -128,6 +137,19 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
     if not changed:
         return
     listed = ", ".join(changed)
+    reordered = [
+        f"{_flag(name)} {new[name]} (was {old[name]})"
+        for name in DATA_ORDER_FLAGS
+        if old[name] != new[name]
+    ]
+    if allow and reordered:
+        raise ConfigError(
+            f"{', '.join(reordered)}: the checkpoint's data position counts steps of "
+            f"{old['batch_size']} sequences of {old['seq_len']} tokens in --seed "
+            f"{old['seed']}'s order, and cannot be carried to another, even with "
+            "--allow-config-change (which lets the other schedule flags change); pass the old "
+            "values to resume, or start a new run in another --out"
+        )
     if allow:
         say(f"warning: resuming with changed flags: {listed} (--allow-config-change)")
         return
