@@ -43,6 +43,13 @@ def _tokens_of(source: Source) -> np.ndarray:
     if isinstance(source, str | os.PathLike):
         return byte_corpus(source)
     if isinstance(source, Sequence):
+        not_paths = [item for item in source if not isinstance(item, str | os.PathLike)]
+        if not_paths:
+            raise DataError(
+                f"a {type(source).__name__} source is read as a list of paths of text, but it "
+                f"holds {type(not_paths[0]).__name__} {not_paths[0]!r}: pass token ids as a 1-D "
+                "integer np.ndarray (np.asarray(ids)), or a list of paths"
+            )
         token_files = [str(path) for path in source if Path(path).suffix == ".bin"]
         if token_files:
             raise DataError(

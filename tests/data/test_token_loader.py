@@ -191,6 +191,13 @@ def test_bad_sources():
         TokenLoader(np.zeros(9), global_batch_size=1, seq_len=1)
     with pytest.raises(DataError, match=r"cannot read tokens from a int; pass a 1-D integer"):
         TokenLoader(3, global_batch_size=1, seq_len=1)
+    # Token ids in a list (or bytes) were taken for paths: a bare TypeError from pathlib.
+    with pytest.raises(DataError, match=r"holds int 5: pass token ids as a 1-D integer np.nd"):
+        TokenLoader([5, 6, 7], global_batch_size=1, seq_len=1)
+    with pytest.raises(
+        DataError, match=r"a bytes source is read as a list of paths of text, but it holds int 104"
+    ):
+        TokenLoader(b"hello", global_batch_size=1, seq_len=1)
 
 
 def test_missing_and_empty_paths(tmp_path):
