@@ -457,5 +457,12 @@ def test_resume_on_data_changed_to_as_many_tokens_is_refused(
     capsys.readouterr()
     assert main([*args, "--resume"]) == 2
     err = _err(capsys).strip().splitlines()
-    assert "TokenLoader state was saved with tokens_digest=" in err[-1]
-    assert "(other tokens: another file or corpus, or one edited since)" in err[-1]
+    assert len(err) == 1, err  # not "resumed from" first
+    step_2 = tmp_path / "run" / "checkpoints" / "step_2"
+    assert re.fullmatch(
+        rf"d9d train: error: '{re.escape(str(step_2))}' was saved reading other tokens than this run reads "
+        r"\(tokens_digest \d+ \(this run's: \d+\)\): pass the --data \(with the files it held "
+        r"then\), --token-dtype and --eval-fraction of the run that wrote it, or start a new "
+        r"run in another --out",
+        err[0],
+    )

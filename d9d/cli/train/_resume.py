@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from ... import checkpoint
 from ...checkpoint import _format
-from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ...data import TokenLoader
+from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DataError
 
 __all__ = [
     "DATA_ORDER_FLAGS",
@@ -36,6 +37,7 @@ __all__ = [
     "STATE_FLAGS",
     "check_is_checkpoint",
     "check_unchanged",
+    "load_data_position",
     "restore",
     "say",
     "set_aside_newer",
@@ -159,6 +161,30 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
         "changes the schedule or the model. Pass the old values to resume that run, or "
         "--allow-config-change to resume with the new ones"
     )
+
+
+def load_data_position(loader: TokenLoader, position: Any, path: Path) -> None:
+    """Move ``loader`` to the data position the checkpoint ``path`` saved, refusing in the
+    flags' words one saved reading other tokens (``--data`` rewritten, another
+    ``--token-dtype`` or ``--eval-fraction``); the loader checks the rest.
+
+    Raises:
+        DataError: The position was saved on other tokens, or is no loader position.
+    """
+    mine = loader.state_dict()
+    differ = [
+        f"{key} {position[key]} (this run's: {mine[key]})"
+        for key in ("num_windows", "tokens_digest")
+        if isinstance(position, dict) and key in position and position[key] != mine[key]
+    ]
+    if differ:
+        raise DataError(
+            f"{str(path)!r} was saved reading other tokens than this run reads "
+            f"({', '.join(differ)}): pass the --data (with the files it held then), "
+            "--token-dtype and --eval-fraction of the run that wrote it, or start a new run in "
+            "another --out"
+        )
+    loader.load_state_dict(position)
 
 
 def check_is_checkpoint(path: Path) -> None:
