@@ -3,6 +3,7 @@
 from ._corpus import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE
 from ._corpus import byte_corpus as byte_corpus
 from ._corpus import stdlib_corpus as stdlib_corpus
+from ._digest import tokens_digest as tokens_digest
 from ._loader import TokenLoader as TokenLoader
 from ._packing import epoch_permutation as epoch_permutation
 from ._packing import num_windows as num_windows
@@ -16,4 +17,5 @@ __all__ = [
     "num_windows",
     "stdlib_corpus",
     "token_file",
+    "tokens_digest",
 ]

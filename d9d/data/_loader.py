@@ -13,6 +13,7 @@ import torch
 from d9d.errors import DataError
 
 from ._corpus import byte_corpus
+from ._digest import tokens_digest
 from ._packing import epoch_permutation, gather_windows, num_windows
 from ._token_file import token_file
 
@@ -21,8 +22,11 @@ __all__ = ["TokenLoader"]
 Source = np.ndarray | str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 # Kept in ``state_dict``; the config entries must match on ``load_state_dict``.
-_CONFIG_KEYS = ("seed", "seq_len", "global_batch_size", "num_windows")
+_CONFIG_KEYS = ("seed", "seq_len", "global_batch_size", "num_windows", "tokens_digest")
 _STATE_KEYS = ("step", "epoch", *_CONFIG_KEYS)
+# A state saved before ``tokens_digest`` was kept is checked without it.
+_OLD_STATE_KEYS = frozenset(_STATE_KEYS) - {"tokens_digest"}
+_WHY = {"tokens_digest": " (other tokens: another file or corpus, or one edited since)"}
 
 
 def _tokens_of(source: Source) -> np.ndarray:
@@ -39,6 +43,13 @@ def _tokens_of(source: Source) -> np.ndarray:
     if isinstance(source, str | os.PathLike):
         return byte_corpus(source)
     if isinstance(source, Sequence):
+        not_paths = [item for item in source if not isinstance(item, str | os.PathLike)]
+        if not_paths:
+            raise DataError(
+                f"a {type(source).__name__} source is read as a list of paths of text, but it "
+                f"holds {type(not_paths[0]).__name__} {not_paths[0]!r}: pass token ids as a 1-D "
+                "integer np.ndarray (np.asarray(ids)), or a list of paths"
+            )
         token_files = [str(path) for path in source if Path(path).suffix == ".bin"]
         if token_files:
             raise DataError(
@@ -144,6 +155,7 @@ class TokenLoader:
         self._seed = seed
         self._dp_rank = dp_rank
         self._step = 0
+        self._digest: int | None = None  # tokens_digest(tokens), read when first needed
         # Permutations of the last two epochs touched: a batch spans at most two.
         self._permutations: dict[int, np.ndarray] = {}
 
@@ -156,6 +168,13 @@ class TokenLoader:
     def num_windows(self) -> int:
         """Sequences (windows of ``seq_len + 1`` tokens) per epoch."""
         return self._num_windows
+
+    @property
+    def tokens_digest(self) -> int:
+        """``d9d.data.tokens_digest`` of ``tokens``: what ``load_state_dict`` checks the data by."""
+        if self._digest is None:
+            self._digest = tokens_digest(self._tokens)
+        return self._digest
 
     @property
     def step(self) -> int:
@@ -212,7 +231,8 @@ class TokenLoader:
 
     def state_dict(self) -> dict[str, int]:
         """The position, JSON-serializable: ``step`` and ``epoch`` of the next batch, plus the
-        config it is valid for (``seed``, ``seq_len``, ``global_batch_size``, ``num_windows``).
+        config and data it is valid for (``seed``, ``seq_len``, ``global_batch_size``,
+        ``num_windows``, ``tokens_digest``).
 
         Identical on every dp rank. Store it with the train state and pass it to
         ``load_state_dict`` to continue exactly where this loader is.
@@ -224,6 +244,7 @@ class TokenLoader:
             "seq_len": self._seq_len,
             "global_batch_size": self._global_batch_size,
             "num_windows": self._num_windows,
+            "tokens_digest": self.tokens_digest,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -235,9 +256,11 @@ class TokenLoader:
         Raises:
             DataError: a key is missing or unknown, a value is not an int, or the state was
                 saved with another ``seed``, ``seq_len``, ``global_batch_size`` or data
-                (``num_windows``): resuming would then not continue the same data order.
+                (``num_windows``, ``tokens_digest``): resuming would then not continue the
+                same data order. A state saved before ``tokens_digest`` existed is checked
+                without it.
         """
-        if not isinstance(state, Mapping) or set(state) != set(_STATE_KEYS):
+        if not isinstance(state, Mapping) or set(state) not in (set(_STATE_KEYS), _OLD_STATE_KEYS):
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise DataError(
                 f"not a TokenLoader state: got keys {keys}, expected {sorted(_STATE_KEYS)}; "
@@ -248,11 +271,11 @@ class TokenLoader:
             raise DataError(f"TokenLoader state values must be ints, step >= 0; got {dict(state)}")
         mine = self.state_dict()
         for key in _CONFIG_KEYS:
-            if state[key] != mine[key]:
+            if key in state and state[key] != mine[key]:
                 raise DataError(
                     f"TokenLoader state was saved with {key}={state[key]}, this loader has "
-                    f"{key}={mine[key]}: build the loader with the saved config and data, or "
-                    "start the data order afresh instead of loading the state"
+                    f"{key}={mine[key]}{_WHY.get(key, '')}: build the loader with the saved "
+                    "config and data, or start the data order afresh instead of loading the state"
                 )
         epoch = state["step"] * self._global_batch_size // self._num_windows
         if state["epoch"] != epoch:

@@ -249,6 +249,23 @@ def test_allow_config_change_resumes_with_the_new_flags(
     assert [s for s, _, _ in _records(run)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--batch-size", "4"), ("--seq-len", "8"), ("--seed", "5")]
+)
+def test_allow_config_change_refuses_a_changed_data_order_before_restoring(
+    run: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    # It warned "resuming with changed flags", restored, said "resumed from ... at step 4",
+    # then the loader refused the position with advice for library code, exit 2.
+    assert main([*_args(run, "--resume", "--allow-config-change"), flag, value]) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1, err
+    old = {"--batch-size": "2", "--seq-len": "16", "--seed": "0"}[flag]
+    assert err[0].startswith(f"d9d train: error: {flag} {value} (was {old}): the checkpoint's ")
+    assert "data position counts steps of 2 sequences of 16 tokens in --seed 0's order" in err[0]
+    assert err[0].endswith("pass the old values to resume, or start a new run in another --out")
+
+
 # Item 12: a damaged newest checkpoint is recoverable from the CLI.
 
 
@@ -424,3 +441,28 @@ def test_an_out_folder_inside_the_data_folder_is_refused(
     assert len(err) == 1
     assert f"--out '{folder / 'runs' / 'a'}' is inside --data '{folder}'" in err[0]
     assert not (folder / "runs").exists()
+
+
+def test_resume_on_data_changed_to_as_many_tokens_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The same --data path, rewritten with other text of the same length: the loader's
+    # position checked only the window count, so the run resumed over other data, exit 0.
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello d9d " * 20)
+    args = _args(tmp_path / "run", "--steps", "2", "--save-every", "2", "--data", str(folder))
+    assert main(args) == 0
+    (folder / "a.txt").write_text("HELLO D9D " * 20)
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    err = _err(capsys).strip().splitlines()
+    assert len(err) == 1, err  # not "resumed from" first
+    step_2 = tmp_path / "run" / "checkpoints" / "step_2"
+    assert re.fullmatch(
+        rf"d9d train: error: '{re.escape(str(step_2))}' was saved reading other tokens than this run reads "
+        r"\(tokens_digest \d+ \(this run's: \d+\)\): pass the --data \(with the files it held "
+        r"then\), --token-dtype and --eval-fraction of the run that wrote it, or start a new "
+        r"run in another --out",
+        err[0],
+    )

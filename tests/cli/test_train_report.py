@@ -11,8 +11,11 @@ import pytest
 import torch
 
 import d9d.cli.train._report
+from d9d import functionalize
 from d9d.cli import main
-from d9d.models import LlamaConfig
+from d9d.cli._config import TrainConfig
+from d9d.cli.train._report import header_lines
+from d9d.models import Llama, LlamaConfig
 
 
 def _args(out: Path, *extra: str) -> list[str]:
@@ -38,6 +41,18 @@ def test_header_names_model_data_step_device_and_out_before_the_first_step(
     ]
     assert lines[5].startswith("step 1/2 loss ")
     assert sum(line.startswith("model ") for line in lines) == 1
+
+
+def test_header_counts_epochs_in_the_loader_s_windows() -> None:
+    # 300 tokens are 18 windows of 16 + 1; 8 steps of 4 sequences read 32 windows, 1.78
+    # epochs. The header said 512 / 300 = 1.71, as if every token began a sequence.
+    config = TrainConfig(steps=8, batch_size=4, seq_len=16, data=Path("small.txt"))
+    model = functionalize(Llama(LlamaConfig.tiny()))
+    rows = header_lines(config, LlamaConfig.tiny(), model, None, 300, 0, torch.device("cpu"))
+    assert rows[1] == (
+        "data",
+        "small.txt (text, as bytes): 300 tokens; 8 steps read 512 of them (1.78 epochs)",
+    )
 
 
 def _named(line: str, out: Path) -> set[str]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from d9d.data import TokenLoader, byte_corpus, epoch_permutation, stdlib_corpus
+from d9d.data import TokenLoader, byte_corpus, epoch_permutation, stdlib_corpus, tokens_digest
 from d9d.data._packing import gather_windows
 from d9d.errors import DataError
 
@@ -97,7 +97,7 @@ def test_resume_is_exact():
     state = json.loads(json.dumps(first.state_dict()))
     assert state == {
         "step": 17, "epoch": 0, "seed": 7, "seq_len": SEQ_LEN, "global_batch_size": 8,
-        "num_windows": 150,
+        "num_windows": 150, "tokens_digest": tokens_digest(STREAM),
     }  # fmt: skip
     resumed = _loader(seed=7)
     resumed.load_state_dict(state)
@@ -191,6 +191,13 @@ def test_bad_sources():
         TokenLoader(np.zeros(9), global_batch_size=1, seq_len=1)
     with pytest.raises(DataError, match=r"cannot read tokens from a int; pass a 1-D integer"):
         TokenLoader(3, global_batch_size=1, seq_len=1)
+    # Token ids in a list (or bytes) were taken for paths: a bare TypeError from pathlib.
+    with pytest.raises(DataError, match=r"holds int 5: pass token ids as a 1-D integer np.nd"):
+        TokenLoader([5, 6, 7], global_batch_size=1, seq_len=1)
+    with pytest.raises(
+        DataError, match=r"a bytes source is read as a list of paths of text, but it holds int 104"
+    ):
+        TokenLoader(b"hello", global_batch_size=1, seq_len=1)
 
 
 def test_missing_and_empty_paths(tmp_path):
@@ -207,6 +214,11 @@ def test_missing_and_empty_paths(tmp_path):
         ({"seq_len": 16}, r"saved with seq_len=16, this loader has seq_len=8"),
         ({"global_batch_size": 4}, r"saved with global_batch_size=4, this loader has .*=8"),
         ({"num_windows": 149}, r"saved with num_windows=149, this loader has num_windows=150"),
+        (
+            {"tokens_digest": 5},
+            r"saved with tokens_digest=5, this loader has tokens_digest=\d+ "
+            r"\(other tokens: another file or corpus, or one edited since\)",
+        ),
         ({"epoch": 1}, r"inconsistent: step=3 is in epoch 0, but it says epoch=1"),
         ({"step": -1}, r"values must be ints, step >= 0"),
         ({"step": 3.0}, r"values must be ints, step >= 0"),
@@ -222,6 +234,32 @@ def test_bad_state_dict(change, match):
     with pytest.raises(DataError, match=match):
         target.load_state_dict(state)
     assert target.step == 0
+
+
+def test_resume_on_other_tokens_of_the_same_length_is_refused():
+    # Another corpus that packs into as many windows passed every check: the resumed run
+    # went on, silently, over other data.
+    other = STREAM.copy()
+    other[600] += 1  # a sampled position: 1,203 tokens are all sampled
+    source = _loader()
+    for _ in range(3):
+        next(source)
+    target = TokenLoader(other, global_batch_size=8, seq_len=SEQ_LEN)
+    assert target.num_windows == source.num_windows
+    with pytest.raises(DataError, match=r"saved with tokens_digest=\d+, this loader has"):
+        target.load_state_dict(source.state_dict())
+    assert target.step == 0
+
+
+def test_a_state_saved_before_the_digest_still_loads():
+    source = _loader()
+    for _ in range(3):
+        next(source)
+    state = source.state_dict()
+    del state["tokens_digest"]
+    resumed = _loader()
+    resumed.load_state_dict(state)
+    _assert_batches_equal(next(resumed), next(source))
 
 
 def test_state_dict_missing_key_or_not_a_mapping():

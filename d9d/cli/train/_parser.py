@@ -127,7 +127,8 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         "--allow-config-change",
         action="store_true",
         help="resume although --steps, --lr, --warmup, --preset or another flag that changes "
-        "the schedule or the model differs from the run's config.json",
+        "the schedule or the model differs from the run's config.json (not --batch-size, "
+        "--seq-len or --seed, which the saved data position counts in)",
     )
     add_debug(run)
     run.add_argument(

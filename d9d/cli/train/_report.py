@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ... import checkpoint
 from ...core._model import Model
 from ...core._step import TransformedStep
+from ...data import num_windows
 from ...models import LlamaConfig, MoEConfig
 from ...transforms.diloco import DiLoCoStep
 from .._config import TrainConfig
@@ -66,7 +67,11 @@ def header_lines(
     if held_out:
         data += f" (and {held_out:,} held out for --eval-every)"
     read = config.steps * per_step
-    data += f"; {config.steps} steps read {read:,} of them ({read / tokens:.3g} epochs)"
+    # An epoch is the loader's windows, not the tokens: the tail past the last window is never
+    # read, and each window's last token is the next one's first (a 300-token stream is 18
+    # windows of 16 + 1: 8 steps of 4 read 1.78 epochs, not 512 / 300 = 1.71).
+    epochs = config.steps * config.batch_size / max(num_windows(tokens, config.seq_len), 1)
+    data += f"; {config.steps} steps read {read:,} of them ({epochs:.3g} epochs)"
     batch = (
         f"{config.batch_size} sequences x {config.seq_len} tokens = {per_step:,} tokens per step"
     )

@@ -2,7 +2,8 @@
 
 * The flags that change the schedule or the model must equal the ``config.json`` of the run
   that wrote the checkpoint, unless ``--allow-config-change``; those that lay the optimizer
-  state out (``STATE_FLAGS``) must equal it.
+  state out (``STATE_FLAGS``) or fix the data order the saved position counts in
+  (``DATA_ORDER_FLAGS``) must equal it.
 * ``--resume`` tries every ``step_<N>`` folder newest first and falls back past damaged ones
   (no ``COMMIT`` or ``metadata.json``, unparsable metadata, a chunk failing its checksum);
   ``--resume-from PATH`` restores exactly PATH or fails. Every rank must read its slices;
@@ -27,13 +28,16 @@ import torch.distributed as dist
 
 from ... import checkpoint
 from ...checkpoint import _format
-from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ...data import TokenLoader
+from ...errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DataError
 
 __all__ = [
+    "DATA_ORDER_FLAGS",
     "SCHEDULE_FLAGS",
     "STATE_FLAGS",
     "check_is_checkpoint",
     "check_unchanged",
+    "load_data_position",
     "restore",
     "say",
     "set_aside_newer",
@@ -56,6 +60,11 @@ SCHEDULE_FLAGS = (
     "vocab_size",
     "eval_fraction",
 )
+
+
+# Schedule flags that fix which rows each step reads: the checkpoint's data position is a
+# step of batches of this size, length and order, so they cannot change in a resumed run.
+DATA_ORDER_FLAGS = ("batch_size", "seq_len", "seed")
 
 
 # Flags that change the optimizer state's layout: a checkpoint restores only into its own.
@@ -95,10 +104,12 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
     Args:
         current: This run's config as ``config.json`` would hold it.
         saved_file: The ``config.json`` of the run that wrote the checkpoint.
-        allow: ``--allow-config-change``: warn instead of refusing.
+        allow: ``--allow-config-change``: warn instead of refusing, except for
+            ``DATA_ORDER_FLAGS``.
 
     Raises:
-        ConfigError: A flag differs and ``allow`` is false.
+        ConfigError: A flag differs and ``allow`` is false, or a ``DATA_ORDER_FLAGS`` one
+            differs.
     """
     try:
         saved = json.loads(saved_file.read_text())
@@ -128,6 +139,19 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
     if not changed:
         return
     listed = ", ".join(changed)
+    reordered = [
+        f"{_flag(name)} {new[name]} (was {old[name]})"
+        for name in DATA_ORDER_FLAGS
+        if old[name] != new[name]
+    ]
+    if allow and reordered:
+        raise ConfigError(
+            f"{', '.join(reordered)}: the checkpoint's data position counts steps of "
+            f"{old['batch_size']} sequences of {old['seq_len']} tokens in --seed "
+            f"{old['seed']}'s order, and cannot be carried to another, even with "
+            "--allow-config-change (which lets the other schedule flags change); pass the old "
+            "values to resume, or start a new run in another --out"
+        )
     if allow:
         say(f"warning: resuming with changed flags: {listed} (--allow-config-change)")
         return
@@ -137,6 +161,30 @@ def check_unchanged(current: dict[str, Any], saved_file: Path, *, allow: bool) -
         "changes the schedule or the model. Pass the old values to resume that run, or "
         "--allow-config-change to resume with the new ones"
     )
+
+
+def load_data_position(loader: TokenLoader, position: Any, path: Path) -> None:
+    """Move ``loader`` to the data position the checkpoint ``path`` saved, refusing in the
+    flags' words one saved reading other tokens (``--data`` rewritten, another
+    ``--token-dtype`` or ``--eval-fraction``); the loader checks the rest.
+
+    Raises:
+        DataError: The position was saved on other tokens, or is no loader position.
+    """
+    mine = loader.state_dict()
+    differ = [
+        f"{key} {position[key]} (this run's: {mine[key]})"
+        for key in ("num_windows", "tokens_digest")
+        if isinstance(position, dict) and key in position and position[key] != mine[key]
+    ]
+    if differ:
+        raise DataError(
+            f"{str(path)!r} was saved reading other tokens than this run reads "
+            f"({', '.join(differ)}): pass the --data (with the files it held then), "
+            "--token-dtype and --eval-fraction of the run that wrote it, or start a new run in "
+            "another --out"
+        )
+    loader.load_state_dict(position)
 
 
 def check_is_checkpoint(path: Path) -> None:

@@ -277,19 +277,20 @@ def _train(config: TrainConfig, console: Console | None, replica: ReplicaGroup |
         step = _jit(step)
 
     def restore_one(path: Path, restore_rng: bool) -> checkpoint.TrainState:
-        return checkpoint.restore_train_state(
+        state = checkpoint.restore_train_state(
             path,
             params=params,
             opt_state=opt_state,
             restore_rng=restore_rng,
             partial=(config.pp or 1) > 1,  # a pipeline rank restores its stage's params only
         )
+        resume.load_data_position(loader, state.data, path)  # before "resumed from" is said
+        return state
 
     first_step = 0
     state = resume.restore(directory, config.resume_from, restore_one) if resuming else None
     if state is not None:
         params, opt_state, first_step = state.params, state.opt_state, state.step
-        loader.load_state_dict(state.data)
         resume.set_aside_newer(directory, first_step)
         if replica is not None:  # the groups behind the one furthest ahead heal from it
             replica.resume_at(first_step, params, opt_state, state.metadata)
