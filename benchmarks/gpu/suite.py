@@ -13,6 +13,7 @@ Exit status 0 only when every stage succeeded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import summary
@@ -170,9 +172,33 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--only names unknown stages {unknown}: stages are {names}")
     budgets = _budgets(args.budget, args.smoke)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    # One compile cache for every stage: the profile stage's step is the mfu stage's, cached.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="d9d-gpu-inductor-"))
-    os.environ["PYTHONUNBUFFERED"] = "1"
+    with _stage_environment():
+        return _run(args, only, budgets)
+
+
+@contextlib.contextmanager
+def _stage_environment() -> Iterator[None]:
+    """The stages' environment while the suite runs: unbuffered output and one inductor cache
+    for every stage (the profile stage's step is the mfu stage's, cached), a temporary folder
+    removed at the end unless ``TORCHINDUCTOR_CACHE_DIR`` names one. ``os.environ`` is as it
+    was afterwards: in-process callers (the tests) used to keep one ``d9d-gpu-inductor-*``
+    folder per call in the temporary directory."""
+    saved = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED")}
+    with tempfile.TemporaryDirectory(prefix="d9d-gpu-inductor-") as cache:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
+        os.environ["PYTHONUNBUFFERED"] = "1"
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _run(args: argparse.Namespace, only: list[str], budgets: dict[str, float]) -> int:
+    """The stages in ``only``, each under its budget, then the summary; 0 when all were ok."""
     total_s = args.total or (None if args.smoke else TOTAL_S)
     deadline = time.monotonic() + (total_s or float("inf"))
     reports = {}

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -166,6 +167,27 @@ def test_a_stage_with_too_little_of_the_total_left_is_recorded_not_run(tmp_path:
             "error": "not run: less than 5 s was left of the suite's 3 s",
         }
     assert "| jit | not run |" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_suite_leaves_no_inductor_cache_folder_or_environment_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its run's inductor cache is a temporary folder, removed at the end (one
+    ``d9d-gpu-inductor-*`` folder was left in /tmp per call), and ``os.environ`` is restored."""
+    import suite
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    assert suite.main([str(tmp_path / "out"), "--only", "env", "--total", "3"]) == 1
+    assert list(temp.iterdir()) == []
+    assert dict(os.environ) == before
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "kept"))
+    assert suite.main([str(tmp_path / "out"), "--only", "env", "--total", "3"]) == 1
+    assert list(temp.iterdir()) == [] and os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("kept")
 
 
 def test_timeline_sums_busy_time_and_finds_the_idle_gaps() -> None:
