@@ -184,7 +184,8 @@ class _RingAttention(torch.autograd.Function):
                 moving = (dk_cur, dv_cur)
                 dk_cur, dv_cur = _received(_pass_to_next(moving, group_name, rank, cp), moving)
         grads = (dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype))
-        return *grads, _sink_grad(sinks, out, dout, lse), None, None, None, None, None, None, None
+        sink_grad = _sink_grad(sinks, out, dout, lse) if ctx.needs_input_grad[3] else None
+        return *grads, sink_grad, None, None, None, None, None, None, None
 
 
 def _sink_grad(

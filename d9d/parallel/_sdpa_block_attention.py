@@ -131,9 +131,10 @@ def _repeat(kv: torch.Tensor, group: int) -> torch.Tensor:
     return kv if group == 1 else kv.repeat_interleave(group, dim=1)
 
 
-def _pad(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``x`` zero-padded to ``size`` on its last dim, which is dense: the CPU kernel reads its
-    rows as dense (a q of last-dim stride 2 gave an output 3.5 off, grads 1600 off)."""
+def _dense_padded(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` zero-padded to ``size`` on its last dim, copied dense when that dim's stride is
+    not 1: the CPU kernel reads rows as dense (a q of last-dim stride 2 gave an output 3.5
+    off, grads 1600 off)."""
     if x.shape[-1] != size:
         return F.pad(x, (0, size - x.shape[-1]))
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -151,9 +152,9 @@ def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         group, size = q.shape[1] // k.shape[1], padded_size(q, v)
         out, lse = kernel.forward(
-            _pad(q, size),
-            _pad(_repeat(k, group), size),
-            _pad(_repeat(v, group), size),
+            _dense_padded(q, size),
+            _dense_padded(_repeat(k, group), size),
+            _dense_padded(_repeat(v, group), size),
             causal,
             scale,
         )
@@ -175,11 +176,11 @@ def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
         group, size = q.shape[1] // kv_heads, padded_size(q, v)
         head, v_head = q.shape[-1], v.shape[-1]
         dq, dk, dv = kernel.backward(
-            _pad(dout.to(q.dtype), size),
-            _pad(q, size),
-            _pad(_repeat(k, group), size),
-            _pad(_repeat(v, group), size),
-            _pad(out.to(q.dtype), size),
+            _dense_padded(dout.to(q.dtype), size),
+            _dense_padded(q, size),
+            _dense_padded(_repeat(k, group), size),
+            _dense_padded(_repeat(v, group), size),
+            _dense_padded(out.to(q.dtype), size),
             lse.to(torch.promote_types(q.dtype, torch.float32)),
             causal,
             scale,

@@ -178,6 +178,27 @@ def test_attention_sinks_match_full_attention(cp, causal, load_balance, block):
     torch.testing.assert_close(sink_grad, want_sinks.grad, **TOL[torch.float64])
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("sinks_dtype", [torch.bfloat16, torch.float32])
+def test_bfloat16_attention_with_sinks_of_either_dtype(sinks_dtype):
+    """bfloat16 q/k/v with sinks kept in bfloat16 or float32 (Flint keeps them float32): the
+    sinks join the float32 merge and their grad comes back in their own dtype."""
+    tensors = [t.to(torch.bfloat16) for t in _inputs(6, 2, 8, torch.float64)]
+    sinks = torch.linspace(-2.0, 3.0, 6).to(sinks_dtype)
+    results = run_on_ranks(_sinks_rank, 2, tensors, sinks, True, "zigzag", MATH_BLOCK_ATTENTION)
+    q, k, v, dout = (t.double().requires_grad_() for t in tensors)
+    want_sinks = sinks.double().requires_grad_()
+    expected = _attention_with_sinks(q, k, v, want_sinks, causal=True)
+    expected.backward(dout)
+    got = [unshard_sequence([r[i] for r in results], 2, load_balance="zigzag") for i in range(4)]
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    for actual, want in zip(got, [expected, q.grad, k.grad, v.grad], strict=True):
+        torch.testing.assert_close(actual.double(), want.detach(), **tol)
+    sink_grads = [r[4] for r in results]
+    assert all(g.dtype == sinks_dtype for g in sink_grads)
+    torch.testing.assert_close(torch.stack(sink_grads).double().sum(0), want_sinks.grad, **tol)
+
+
 @pytest.mark.parametrize(("seq_q", "seq_k", "causal"), [(5, 5, True), (3, 7, False), (6, 6, False)])
 def test_sdpa_block_equals_math_block(seq_q, seq_k, causal):
     """Forward (output, log-sum-exp) and backward from a final output and log-sum-exp, on odd

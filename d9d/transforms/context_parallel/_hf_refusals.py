@@ -7,13 +7,15 @@ positions by itself (a convolution over the sequence: Mamba, gated delta nets, s
 convolutions; a recurrent cell; pooling) or its config says a layer is anything but
 attention or per-token work (``layer_types``: ``linear_attention``, ``hybrid``, ``conv``,
 ...), or a window or chunk shorter than the sequence, or a ``"dynamic"`` RoPE past
-``max_position_embeddings``; one call of the model is refused when
-it is given a padding mask, positions or labels (which ``transformers`` would drop, read
-documents from, or shift within the rank's slice); and one call of attention is refused when the module passes a mask of its own
-or an argument ring attention does not implement. A block that ran without calling the
-``"d9d_ring"`` attention at all is refused after its forward: its attention is its own code,
-which the switch of ``config._attn_implementation`` never reaches (OpenAI GPT, GPT-Neo).
-Anything unknown is refused: a new kind of layer or argument fails safe.
+``max_position_embeddings``; one call of the model is refused when it is given a padding
+mask, positions or labels (which ``transformers`` would drop, read documents from, or shift
+within the rank's slice); and one call of attention is refused when the module passes a
+mask of its own, a dropout in training, or an argument ring attention does not implement.
+A block that ran without calling the ``"d9d_ring"`` attention at all is refused after its
+forward: its attention is its own code, which the switch of ``config._attn_implementation``
+never reaches (OpenAI GPT, GPT-Neo); one that failed before calling it (not by a refusal of
+d9d's) gets a note saying so. Anything unknown is refused: a new kind of layer or argument
+fails safe.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed
+
+from ... import errors
 from ...core._runtime import ApplyCall, Interception, Runtime
 from ...core._structure import Block, Structure
 from ._hf_refusals import (
@@ -33,6 +37,15 @@ from ._split import (
 )
 
 __all__ = ["ContextParallelRuntime"]
+
+# Errors a block's own attention code does not cause: d9d's refusals (dropout, a mask of the
+# module's own, ... raised by the "d9d_ring" attention itself), memory, collectives; they get
+# no note saying its attention may be its own code.
+_NOT_ATTENTION_CODE: tuple[type[BaseException], ...] = (
+    *(getattr(errors, name) for name in errors.__all__),
+    torch.OutOfMemoryError,
+    torch.distributed.DistError,
+)
 
 
 class ContextParallelRuntime(Runtime):
@@ -88,7 +101,11 @@ class ContextParallelRuntime(Runtime):
             try:
                 out = forward(*args, **kwargs)
             except Exception as error:
-                if self._attentions == before and not call.stood_in(block.path):
+                if (
+                    self._attentions == before
+                    and not call.stood_in(block.path)
+                    and not isinstance(error, _NOT_ATTENTION_CODE)
+                ):
                     error.add_note(unattended_failure_note(block))
                 raise
             if not call.stood_in(block.path):
