@@ -113,3 +113,31 @@ def test_bf16_params_sum_microbatch_grads_in_the_reduce_dtype(
     options = {"shard": shard, "param_dtype": param_dtype, "reduce_dtype": F32, "microbatches": 2}
     got = run_on_ranks(_sharded_grads, 2, _BF16_MODEL, {"fsdp": 2}, options, _BATCH)[0]
     _assert_equal(got, _reference(_BF16_MODEL, _BATCH, 4, BF16, F32))
+
+
+def _tp_all_reduce_bytes(reduce: torch.dtype) -> tuple[int, int]:
+    """``(bytes all-reduced over tp in one step, elements of the norms' fsdp shards)`` on
+    fsdp=2 x tp=2, bf16 compute: the forward's all-reduces of bf16 activations, and the
+    norms' grads (``Partial`` sums over tp under sequence parallelism)."""
+    mesh = d9d.make_mesh("cpu", fsdp=2, tp=2)
+    model = copy.deepcopy(_MODEL)
+
+    def step_fn(params: dict, opt_state: tuple, batch: dict) -> tuple:
+        return d9d.value_and_grad(lambda p, b: _loss(model, p, b))(params, batch)[1], opt_state, {}
+
+    step = d9d.shard_params(mesh, "fsdp", param_dtype=BF16, reduce_dtype=reduce)(step_fn)
+    step = d9d.tensor_parallel(mesh, "tp")(step)
+    params, _ = step.place(model.params, (), model=model)
+    stats = step.comms(params, (), step.shard_batch(_BATCH))
+    norms = [p.to_local().numel() for k, p in params.items() if k.endswith("norm.weight")]
+    return stats.bytes[("all_reduce", "tp")], sum(norms)
+
+
+def test_tp_sums_of_norm_grads_are_in_the_reduce_dtype() -> None:
+    """fsdp=2 x tp=2: a norm's grad is reduce-scattered over fsdp and then all-reduced over
+    tp in ``reduce_dtype``: float32 moves 2 bytes more per element of its shard than bf16,
+    and nothing else all-reduced over tp changes."""
+    wide, elements = run_on_ranks(_tp_all_reduce_bytes, 4, F32)[0]
+    narrow, _ = run_on_ranks(_tp_all_reduce_bytes, 4, BF16)[0]
+    assert elements == 3 * 64 // 2  # three norms of 64, each rank's half
+    assert wide - narrow == elements * (F32.itemsize - BF16.itemsize)
