@@ -88,7 +88,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("reduce", [F32, BF16])
+@pytest.mark.parametrize("reduce", [F32, BF16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_float32_params_computed_in_bf16_reduce_in_the_reduce_dtype(
     layout: str, reduce: torch.dtype
@@ -101,7 +101,7 @@ def test_float32_params_computed_in_bf16_reduce_in_the_reduce_dtype(
     _assert_equal(got, _reference(_MODEL, _BATCH, ranks, BF16, reduce))
 
 
-@pytest.mark.parametrize("param_dtype", [None, BF16])
+@pytest.mark.parametrize("param_dtype", [None, BF16], ids=["no_cast", "bfloat16"])
 @pytest.mark.parametrize("shard", ["params", "grads", "opt_state"])
 def test_bf16_params_sum_microbatch_grads_in_the_reduce_dtype(
     shard: str, param_dtype: torch.dtype | None
