@@ -117,8 +117,12 @@ def _differentiate(
     added into its tensor in place as the backward produces it, and that tensor is returned
     as the grad (:func:`_grads`)."""
     leaves, spec = tree.flatten(params)
+    wide = _summed_wider(params)
     with torch.enable_grad(), count_tokens() as counts:
-        inputs = [_differentiable(leaf) for leaf in leaves]
+        inputs = [
+            _differentiable(leaf) if dtype is None else _widened(leaf, dtype)
+            for leaf, dtype in zip(leaves, wide, strict=True)
+        ]
         with differentiating(leaves, inputs):
             out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
@@ -149,6 +153,33 @@ def _gather_once(
 def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:
     """``leaf`` detached, as a new autograd leaf for ``autograd.grad`` to differentiate."""
     return leaf.detach().requires_grad_(True)
+
+
+def _summed_wider(params: Any) -> list[torch.dtype | None]:
+    """Per leaf of ``params``: the reduce dtype its microbatch grads are summed in where that
+    is wider than the leaf's own, while the running step defers reductions, else None.
+
+    The gathers' backward returns such a grad unreduced in the reduce dtype, and autograd
+    casts a grad to the dtype of the input it is for: differentiated w.r.t. a bf16 leaf
+    (bf16 params, ``reduce_dtype=torch.float32``) each microbatch's grad was rounded to bf16
+    and the sums were bf16 ones. The leaf is then differentiated as a copy in the wider
+    dtype, which the gathers cast back to the compute dtype (exactly: the values are the
+    leaf's)."""
+    step = current()
+    if step is None or not step.defer_reduction:
+        return [None] * len(tree.flatten(params)[0])
+    out: list[torch.dtype | None] = []
+    for path, leaf in tree.flatten_with_paths(params)[0]:
+        entry = step.plan.entries.get(path)
+        reduce = None if entry is None else entry.reduce_dtype
+        wider = reduce is not None and torch.promote_types(leaf.dtype, reduce) != leaf.dtype
+        out.append(reduce if wider else None)
+    return out
+
+
+def _widen(leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``leaf`` copied to ``dtype``, as a new autograd leaf (:func:`_summed_wider`)."""
+    return leaf.detach().to(dtype).requires_grad_(True)
 
 
 def _grads(
@@ -185,6 +216,7 @@ def _added_into(total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 _differentiable = torch.compiler.allow_in_graph(
     torch.compiler.disable(_mark_differentiable, recursive=False)
 )
+_widened = torch.compiler.allow_in_graph(torch.compiler.disable(_widen, recursive=False))
 _grads_of = torch.compiler.allow_in_graph(torch.compiler.disable(_grads, recursive=False))
 
 

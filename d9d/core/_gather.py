@@ -98,6 +98,9 @@ class _Gather(torch.autograd.Function):
         ctx.shape, ctx.stride, ctx.dtype = stored.shape, stored.stride(), stored.dtype
         ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, deferring()
         if entry.codec is None:
+            compute = entry.dtype
+            if stored.dtype != compute:  # a leaf widened for its sums (``_autodiff``)
+                stored = local_like(stored.to_local().to(compute), stored)
             return stored.redistribute(mesh, entry.compute).to_local()
         local, statistic = stored.to_local(), None
         if entry.codec.statistic_op is not None:  # over the gathering axes (no cast has one:

@@ -3,6 +3,7 @@ per step), and ``--dtype bfloat16`` computes in bf16 over float32 master weights
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 import d9d
 from d9d.cli import main
 from d9d.cli._config import TrainConfig
+from d9d.cli._precision import stored_params
 from d9d.cli._train_step import _optimizer, _parallel, make_train_step
 from d9d.cli.train._run import _check_microbatches
 from d9d.errors import ConfigError
@@ -224,3 +226,45 @@ def test_pipeline_microbatches_that_do_not_split_a_rank_s_rows_name_the_flags() 
     ):
         _check_microbatches(TrainConfig(pp=2, microbatches=4, batch_size=12), data_ranks=2)
     _check_microbatches(TrainConfig(pp=2, fsdp=2, batch_size=16), data_ranks=2)
+
+
+def _grads_under(flags: dict, model: d9d.Model, batch: dict) -> dict[str, torch.Tensor]:
+    """The grads ``d9d train``'s sharding for ``flags`` hands the optimizer, gathered whole."""
+    config = TrainConfig(batch_size=4, seq_len=16, **flags)
+    model = copy.deepcopy(model)
+
+    def loss_fn(params: dict, batch: dict) -> torch.Tensor:
+        return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+    def grads_step(params: dict, opt_state: tuple, batch: dict) -> tuple:
+        return d9d.value_and_grad(loss_fn)(params, batch)[1], opt_state, {}
+
+    step = _parallel(config, grads_step)
+    params, _ = step.place(stored_params(config, model.params), (), model=model)
+    grads, _, _ = step(params, (), step.shard_batch(batch))
+    return {k: g.full_tensor() for k, g in grads.items()}
+
+
+def test_master_weights_sum_the_bfloat16_grads_in_float32() -> None:
+    """``--master-weights`` over ``--fsdp 2 --grad-accum 2``: each of the 4 slices' grads is
+    computed in bf16 (the bf16 params' own dtype), and they are summed over microbatches and
+    ranks in float32, then rounded once to the bf16 grads kept: bit for bit the reference
+    below. Summed in bf16 (the params' dtype, what the flag gave before) 10 of the 16,384
+    embedding elements differ from it (the greatest by 1.1%)."""
+    torch.manual_seed(0)
+    model = d9d.functionalize(Llama(LlamaConfig.tiny(n_layers=1)))
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    flags = {"dtype": "bfloat16", "master_weights": True, "grad_accum": 2, "fsdp": 2}
+    got = run_on_ranks(_grads_under, 2, flags, model, batch)[0]
+    wanted = {k: torch.zeros(v.shape) for k, v in model.params.items()}
+    for row in range(4):
+        params = {k: v.detach().bfloat16().requires_grad_() for k, v in model.params.items()}
+        logits = model.apply(params, batch["tokens"][row : row + 1])
+        loss = d9d.losses.cross_entropy(logits, batch["labels"][row : row + 1])
+        grads = torch.autograd.grad(loss, list(params.values()))
+        for key, grad in zip(params, grads, strict=True):
+            wanted[key] += grad.float()
+    for key, grad in got.items():
+        assert grad.dtype == torch.bfloat16, key
+        torch.testing.assert_close(grad, (wanted[key] / 4).bfloat16(), rtol=0, atol=0)

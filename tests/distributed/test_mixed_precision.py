@@ -1,0 +1,143 @@
+"""``shard_params``' mixed precision against a one-device reference that does the same casts.
+
+The reference computes each data-parallel rank's (and microbatch's) grads on one device in
+the compute dtype, casts them to the reduce dtype and takes their mean there, then rounds
+the mean to the stored params' dtype: what the docs say the sharded step does. Summing in
+the compute dtype instead differs from it by bf16 roundings (3e-3 to 6e-3 of a param's
+largest grad here), so each comparison is bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from equivalence import batches, llama
+
+import d9d
+from d9d.testing import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def _loss(model: d9d.Model, params: dict, batch: dict) -> torch.Tensor:
+    return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+
+def _sharded_grads(
+    model: d9d.Model, mesh_axes: dict[str, int], options: dict, batch: dict
+) -> dict[str, torch.Tensor]:
+    """The grads the step body gets under ``shard_params(mesh, "fsdp", **options)``, whole."""
+    mesh = d9d.make_mesh("cpu", **mesh_axes)
+    model = copy.deepcopy(model)
+
+    def grads_step(params: dict, opt_state: tuple, batch: dict) -> tuple:
+        return d9d.value_and_grad(lambda p, b: _loss(model, p, b))(params, batch)[1], opt_state, {}
+
+    step = d9d.shard_params(mesh, "fsdp", **options)(grads_step)
+    params, _ = step.place(model.params, (), model=model)
+    grads, _, _ = step(params, (), step.shard_batch(batch))
+    return {k: g.full_tensor() for k, g in grads.items()}
+
+
+def _reference(
+    model: d9d.Model, batch: dict, parts: int, compute: torch.dtype, reduce: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The mean over ``parts`` equal slices of ``batch`` of each slice's grads computed in
+    ``compute``, each cast to ``reduce`` and summed there, rounded to the params' dtypes."""
+    rows = batch["tokens"].shape[0] // parts
+    each = []
+    for i in range(parts):
+        part = {k: v[i * rows : (i + 1) * rows] for k, v in batch.items()}
+        params = {k: v.detach().to(compute).requires_grad_() for k, v in model.params.items()}
+        grads = torch.autograd.grad(_loss(model, params, part), list(params.values()))
+        each.append([g.to(reduce) for g in grads])
+    while len(each) > 1:  # in pairs, as the collectives (and microbatches, then ranks) add
+        pairs = zip(each[::2], each[1::2], strict=True)
+        each = [[a + b for a, b in zip(x, y, strict=True)] for x, y in pairs]
+    return {
+        k: (g / parts).to(v.dtype) for (k, v), g in zip(model.params.items(), each[0], strict=True)
+    }
+
+
+def _named(key: str, message: str) -> str:
+    return f"{key}: {message}"
+
+
+def _assert_equal(got: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == wanted.keys()
+    for key in got:
+        torch.testing.assert_close(
+            got[key], wanted[key], rtol=0, atol=0, msg=functools.partial(_named, key)
+        )
+
+
+_MODEL = llama(F32, 1)()
+_BF16_MODEL = llama(BF16, 1)()
+_BATCH = batches(256, global_batch=8, seq_len=16, steps=1)[0]
+
+LAYOUTS = {
+    "fsdp=2": ({"fsdp": 2}, {}, 2),
+    "dp=2 x fsdp=2": ({"dp": 2, "fsdp": 2}, {"replicate_axis": "dp"}, 4),
+    "fsdp=2, ZeRO-2": ({"fsdp": 2}, {"shard": "grads"}, 2),
+    "fsdp=2, ZeRO-1": ({"fsdp": 2}, {"shard": "opt_state"}, 2),
+}
+
+
+@pytest.mark.parametrize("reduce", [F32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_float32_params_computed_in_bf16_reduce_in_the_reduce_dtype(
+    layout: str, reduce: torch.dtype
+) -> None:
+    """float32 params, ``param_dtype=bf16``: the reduce-scatter (and HSDP's all-reduce over
+    ``dp``, ZeRO-1's all-reduce) sums each rank's bf16 grad cast to ``reduce_dtype``."""
+    mesh_axes, options, ranks = LAYOUTS[layout]
+    options = {**options, "param_dtype": BF16, "reduce_dtype": reduce}
+    got = run_on_ranks(_sharded_grads, ranks, _MODEL, mesh_axes, options, _BATCH)[0]
+    _assert_equal(got, _reference(_MODEL, _BATCH, ranks, BF16, reduce))
+
+
+@pytest.mark.parametrize("param_dtype", [None, BF16], ids=["no_cast", "bfloat16"])
+@pytest.mark.parametrize("shard", ["params", "grads", "opt_state"])
+def test_bf16_params_sum_microbatch_grads_in_the_reduce_dtype(
+    shard: str, param_dtype: torch.dtype | None
+) -> None:
+    """bf16 params (``master_weights``' layout), ``reduce_dtype=float32``, 2 microbatches
+    on fsdp=2: the 4 slices' bf16 grads are summed in float32 (over microbatches as over
+    ranks) and rounded once to bf16. They were summed in bf16: autograd rounded each
+    microbatch's float32 grad to the bf16 param it was for before it was added in."""
+    options = {"shard": shard, "param_dtype": param_dtype, "reduce_dtype": F32, "microbatches": 2}
+    got = run_on_ranks(_sharded_grads, 2, _BF16_MODEL, {"fsdp": 2}, options, _BATCH)[0]
+    _assert_equal(got, _reference(_BF16_MODEL, _BATCH, 4, BF16, F32))
+
+
+def _tp_all_reduce_bytes(reduce: torch.dtype) -> tuple[int, int]:
+    """``(bytes all-reduced over tp in one step, elements of the norms' fsdp shards)`` on
+    fsdp=2 x tp=2, bf16 compute: the forward's all-reduces of bf16 activations, and the
+    norms' grads (``Partial`` sums over tp under sequence parallelism)."""
+    mesh = d9d.make_mesh("cpu", fsdp=2, tp=2)
+    model = copy.deepcopy(_MODEL)
+
+    def step_fn(params: dict, opt_state: tuple, batch: dict) -> tuple:
+        return d9d.value_and_grad(lambda p, b: _loss(model, p, b))(params, batch)[1], opt_state, {}
+
+    step = d9d.shard_params(mesh, "fsdp", param_dtype=BF16, reduce_dtype=reduce)(step_fn)
+    step = d9d.tensor_parallel(mesh, "tp")(step)
+    params, _ = step.place(model.params, (), model=model)
+    stats = step.comms(params, (), step.shard_batch(_BATCH))
+    norms = [p.to_local().numel() for k, p in params.items() if k.endswith("norm.weight")]
+    return stats.bytes[("all_reduce", "tp")], sum(norms)
+
+
+def test_tp_sums_of_norm_grads_are_in_the_reduce_dtype() -> None:
+    """fsdp=2 x tp=2: a norm's grad is reduce-scattered over fsdp and then all-reduced over
+    tp in ``reduce_dtype``: float32 moves 2 bytes more per element of its shard than bf16,
+    and nothing else all-reduced over tp changes."""
+    wide, elements = run_on_ranks(_tp_all_reduce_bytes, 4, F32)[0]
+    narrow, _ = run_on_ranks(_tp_all_reduce_bytes, 4, BF16)[0]
+    assert elements == 3 * 64 // 2  # three norms of 64, each rank's half
+    assert wide - narrow == elements * (F32.itemsize - BF16.itemsize)
