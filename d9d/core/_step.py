@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import numbers
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -318,6 +319,10 @@ class TransformedStep:
             batch = runtime.on_batch(batch)
             params = runtime.enter_step(params)
         params, opt_state, metrics = self.fn(params, opt_state, batch)
+        averaged = self._averaged_axes()
+        if averaged:  # before any runtime ends the step (a replica group's commit)
+            names = tuple(self.mesh.mesh_dim_names or ())
+            _refuse_number_metrics(metrics, tuple(names[i] for i in averaged))
         for runtime in reversed(self._runtimes):
             params = runtime.exit_step(params)
         # Every runtime is asked, also after a refusal: its asking may be a collective.
@@ -327,14 +332,19 @@ class TransformedStep:
             runtime.end_step(params, opt_state)
         return params, opt_state, self._mean_over_ranks(metrics)
 
+    def _averaged_axes(self) -> list[int]:
+        """Indices of the mesh axes, of more than one rank, on which ranks hold different
+        tokens: those the metrics are averaged over."""
+        names = tuple(self.mesh.mesh_dim_names or ())
+        return [i for i, n in enumerate(names) if n in self.token_axes and self.mesh.shape[i] > 1]
+
     def _mean_over_ranks(self, metrics: Any) -> Any:
         """Metrics averaged over the axes on which ranks hold different tokens (integer and
         boolean ones in float64)."""
-        names = tuple(self.mesh.mesh_dim_names or ())
+        ndim = self.mesh.ndim
         hops = [
-            tuple(Partial("avg") if j == i else Replicate() for j in range(len(names)))
-            for i, name in enumerate(names)
-            if name in self.token_axes and self.mesh.shape[i] > 1
+            tuple(Partial("avg") if j == i else Replicate() for j in range(ndim))
+            for i in self._averaged_axes()
         ]
 
         def mean(leaf: Any) -> Any:
@@ -367,6 +377,21 @@ class TransformedStep:
         once a step (:attr:`Runtime.accumulates_grads`), the whole grads it holds until then
         (``Memory.accumulated_grads``)."""
         return step_memory(self.plan, self.runtimes, params, opt_state)
+
+
+def _refuse_number_metrics(metrics: Any, axes: tuple[str, ...]) -> None:
+    """Raise for the first metric that is a Python number: the step cannot average it over
+    the ranks, and this rank's own value is no global one (``loss.item()`` of a token mean is
+    this rank's share of it, rescaled, not the mean; a count is this rank's count)."""
+    for path, leaf in tree.flatten_with_paths(metrics)[0]:
+        if isinstance(leaf, numbers.Number):
+            raise TypeError(
+                f"metric {path!r} is a {type(leaf).__name__} ({leaf!r}), not a tensor: the "
+                f"step averages its metrics over the mesh axes {axes}, on which ranks hold "
+                "different tokens, and a Python number would stay this rank's own value "
+                "(loss.item() is this rank's share of the token mean, not the mean); return "
+                "it as a tensor (drop .item(), or wrap it in torch.tensor(...))"
+            )
 
 
 def _bytes_by_dtype(state: Any) -> dict[str, int]:

@@ -9,7 +9,9 @@ per-microbatch means does not.
 
 from __future__ import annotations
 
+import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -182,6 +184,39 @@ def test_an_integer_metric_is_averaged_in_float64() -> None:
         assert metrics["tokens"].dtype == F64
         torch.testing.assert_close(metrics["tokens"], torch.tensor(5 / 4, dtype=F64))
         assert metrics["rows"].tolist() == [[1.5], [0.5]]
+
+
+def test_a_python_number_metric_is_refused_where_ranks_hold_different_tokens() -> None:
+    """``loss.item()`` as a metric stayed each rank's own value, returned silently: its share
+    of the token mean, rescaled (a float32 tiny Llama, fsdp=2, ranks holding 8 and 64 valid
+    labels: 1.22 and 9.86 for a loss of 5.54)."""
+    built = llama(F64)()  # once: thread ranks share the RNG
+
+    def rank(layout: dict[str, int]):
+        mesh = d9d.make_mesh("cpu", **layout)
+        model = copy.deepcopy(built)
+
+        def step(params, opt_state, batch):
+            logits = model.apply(params, batch["tokens"])
+            loss = d9d.losses.cross_entropy(logits, batch["labels"])
+            return params, opt_state, {"loss": loss, "eval": {"loss": loss.item()}}
+
+        axes = ("fsdp", None) if "fsdp" in layout else (None, "dp")
+        step = d9d.shard_params(mesh, *axes)(step)
+        params, state = step.place(model.params, (), model=model)
+        return step(params, state, step.shard_batch(sft_batches()[0]))[2]
+
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(rank, 2, {"fsdp": 2})
+    assert re.search(
+        r"TypeError: metric 'eval\.loss' is a float \(\d\.\d+\), not a tensor: the step "
+        r"averages its metrics over the mesh axes \('fsdp',\), on which ranks hold different "
+        r"tokens, .* return it as a tensor \(drop \.item\(\), or wrap it in torch\.tensor",
+        str(info.value),
+    )
+    # One rank (a one-rank dp axis): nothing is averaged, and the number is the loss.
+    (metrics,) = run_on_ranks(rank, 1, {"dp": 1})
+    assert metrics["eval"]["loss"] == metrics["loss"].item()
 
 
 @pytest.mark.parametrize(

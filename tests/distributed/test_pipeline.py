@@ -330,7 +330,13 @@ def _error_rank(case: str):
             "DualPipeV requires at least as many microbatches as stages",
         ),
         ("no model", PlanError, r"model=model"),
-        ("apply outside", PlanError, "only inside d9d.value_and_grad"),
+        (
+            "apply outside",  # a forward-only (eval) step: refused, with what to do instead
+            PlanError,
+            r"only inside d9d.value_and_grad .* A forward-only step \(an eval step, no "
+            r"value_and_grad\) has no pipeline schedule in d9d yet: run it under a layout "
+            "without pipeline",
+        ),
         ("jit", PlanError, "does not compile a pipeline step"),
     ],
 )

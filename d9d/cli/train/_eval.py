@@ -92,16 +92,24 @@ class Evaluator:
                 f"{batch_size} = {batches * batch_size} sequences: each would be evaluated "
                 f"more than once; raise --eval-fraction, or lower --eval-batches"
             )
+        self._module = model.module
         self._step = step
         self._batches = batches
         self._device = device
 
     def __call__(self, params: Any) -> dict[str, float]:
-        """``eval_loss`` (nats per token) and ``eval_perplexity`` of ``params``."""
+        """``eval_loss`` (nats per token) and ``eval_perplexity`` of ``params``, with every
+        module in eval mode (dropout off) and each put back in its own mode afterwards."""
+        modes = [(module, module.training) for module in self._module.modules()]
+        self._module.eval()
         total = 0.0
-        for index in range(self._batches):
-            batch = {k: v.to(self._device) for k, v in self._loader.batch(index).items()}
-            _, _, metrics = self._step(params, None, batch)
-            total += float(metrics["loss"])
+        try:
+            for index in range(self._batches):
+                batch = {k: v.to(self._device) for k, v in self._loader.batch(index).items()}
+                _, _, metrics = self._step(params, None, batch)
+                total += float(metrics["loss"])
+        finally:
+            for module, training in modes:
+                module.training = training
         loss = total / self._batches  # every batch holds as many tokens, none ignored
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}

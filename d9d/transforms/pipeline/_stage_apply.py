@@ -157,7 +157,10 @@ def enter_stage(layout: PipelineLayout, call: ApplyCall) -> None:
     if run is None:
         raise PlanError(
             "under pipeline, model.apply runs only inside d9d.value_and_grad (which runs the "
-            "stages); compute every use of the model inside the differentiated loss function"
+            "stages); compute every use of the model inside the differentiated loss function. "
+            "A forward-only step (an eval step, no value_and_grad) has no pipeline schedule "
+            "in d9d yet: run it under a layout without pipeline (the params restored there "
+            "from a checkpoint)"
         )
     if run.applied:
         raise PlanError(
