@@ -1,5 +1,6 @@
 """Batch trees beyond ``{"tokens", "labels"}`` through every splitter of the batch
-(``shard_params(microbatches=k)``, ``step.shard_batch``, ``context_parallel``): what splits
+(``shard_params(microbatches=k)``, ``step.shard_batch``, ``context_parallel``, ``pipeline``'s
+microbatches): what splits
 equals one device fed the whole batch; a leaf that hides tensors from the pytree is refused."""
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ def _loss_fn(model: d9d.Model):
     return loss_fn
 
 
-BUILD = llama(F64, 1)
+BUILD = llama(F64, 2)
 
 LAYOUTS = {
     "2 microbatches": ({"fsdp": 1}, lambda m: d9d.shard_params(m, "fsdp", microbatches=2)),
     "dp=2 (shard_batch)": ({"dp": 2}, lambda m: d9d.shard_params(m, None, "dp")),
     "cp=2": ({"cp": 2}, lambda m: d9d.context_parallel(m)),
+    "pp=2, 2 microbatches": ({"pp": 2}, lambda m: d9d.pipeline(m, microbatches=2)),
 }
 
 
@@ -99,9 +101,13 @@ def test_a_nested_batch_with_weights_and_metadata_equals_one_device(layout: str)
         grads = {k: v.full_tensor() for k, v in metrics["grads"].items()}
         return metrics["loss"], grads
 
-    for loss, grads in run_on_ranks(rank, max(mesh_axes.values())):
+    method = "fork" if "pp" in mesh_axes else "thread"  # the threaded group has no p2p ops
+    for loss, grads in run_on_ranks(rank, max(mesh_axes.values()), method=method):
         torch.testing.assert_close(loss, expected_loss, rtol=1e-9, atol=0)
-        d9d.testing.assert_trees_all_close(grads, expected, rtol=1e-9, atol=1e-12)
+        # Under pipeline each rank holds its stages' grads only.
+        d9d.testing.assert_trees_all_close(
+            grads, {k: expected[k] for k in grads}, rtol=1e-9, atol=1e-12
+        )
 
 
 def _step_of(mesh_axes: dict, transform):
