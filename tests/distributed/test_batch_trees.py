@@ -1,7 +1,8 @@
 """Batch trees beyond ``{"tokens", "labels"}`` through every splitter of the batch
 (``shard_params(microbatches=k)``, ``step.shard_batch``, ``context_parallel``, ``pipeline``'s
-microbatches): what splits
-equals one device fed the whole batch; a leaf that hides tensors from the pytree is refused."""
+microbatches): what splits equals one device fed the whole batch; what a splitter would cut
+wrong (a leaf that hides tensors from the pytree, tensors that disagree on the dim it cuts) is
+refused by name."""
 
 from __future__ import annotations
 
