@@ -22,6 +22,7 @@ from ._context import StepContext, count_tokens, current, differentiating, recor
 from ._embedding_ids import named_inputs
 from ._gather import gather_params
 from ._grad_reduce import reduce_to
+from ._hidden_tensors import refuse_hidden_tensors
 from ._plan import Plan
 from ._runtime import Differentiation, Inputs
 
@@ -228,8 +229,11 @@ def split_microbatches(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int
     accumulating step under ``jit``.
 
     Raises:
-        IndivisibleError: A tensor's dim 0 does not divide into ``parts``.
+        IndivisibleError: Tensors disagree on dim 0, or it does not divide into ``parts``.
+        TypeError: A leaf hides tensors from the pytree (a dataclass; a mapping not a dict).
     """
+    if parts > 1:
+        _refuse_mixed_batch_sizes(args, kwargs, parts)
     arg_parts = _split_tree(args, parts, "argument")
     kwarg_parts = {k: _split_tree(v, parts, f"argument {k}") for k, v in kwargs.items()}
     return [
@@ -237,11 +241,42 @@ def split_microbatches(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int
     ]
 
 
+def _refuse_mixed_batch_sizes(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int) -> None:
+    """Raise unless every tensor argument of rank >= 1 holds as many examples (dim 0), as
+    ``check_batch`` asks of the step's batch: one built inside the step (a mask or weights
+    per position, ``[S]``) was cut along its own dim 0, each microbatch taking a piece."""
+    trees = [("argument", args), *((f"argument {k}", v) for k, v in kwargs.items())]
+    sizes = {
+        leaf.shape[0]
+        for _, value in trees
+        for leaf in tree.leaves(value)
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0
+    }
+    if len(sizes) < 2:
+        return
+    found = {
+        f"{what} {path}".strip(): leaf.shape[0]
+        for what, value in trees
+        for path, leaf in tree.flatten_with_paths(value)[0]
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0
+    }
+    raise IndivisibleError(
+        f"the tensors d9d.value_and_grad's function is given disagree on the batch size "
+        f"(dim 0), along which {parts} microbatches split every one of them: {found}; pass "
+        "only tensors of the batch (one row per example), and keep a tensor shared by every "
+        "example (a mask or weights per position) in the function's closure"
+    )
+
+
 def _split_tree(value: Any, parts: int, what: str) -> list[Any]:
     leaves, spec = tree.flatten(value)
     columns = []
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+            if parts > 1:
+                path = tree.paths(value)[i]
+                name = f"{what} {path!r}" if path else what
+                refuse_hidden_tensors(name, leaf, f"{parts} microbatches")
             columns.append([leaf] * parts)
             continue
         if leaf.shape[0] % parts:

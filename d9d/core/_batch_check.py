@@ -44,7 +44,10 @@ def check_batch(batch: Any, mesh: DeviceMesh) -> None:
     if len(set(sizes.values())) > 1:
         raise IndivisibleError(
             f"batch leaves disagree on the batch size (dim 0): {sizes}; every tensor in the "
-            "batch must hold the same number of examples"
+            "batch must hold the same number of examples (dim 0 is the batch, which "
+            "microbatches and data-parallel shards split): expand a tensor shared by every "
+            "example (a mask or positions [1, S]) to the batch size, or build it in the loss "
+            "function"
         )
     if mesh.size() > 1:
         shapes = ", ".join(

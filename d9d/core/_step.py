@@ -25,6 +25,7 @@ from ._codec_statistics import codec_statistics
 from ._comm_count import CollectiveCounter, CommStats
 from ._context import StepContext, current, running
 from ._gather import distribute
+from ._hidden_tensors import refuse_hidden_tensors
 from ._memory import Memory, local_bytes, step_memory
 from ._mesh import make_mesh
 from ._param_plan import ParamPlan
@@ -149,11 +150,16 @@ class TransformedStep:
 
         Raises:
             IndivisibleError: A leaf's batch size does not divide by the data-parallel ranks.
+            TypeError: A leaf hides tensors from the pytree (a dataclass; a mapping not a
+                dict), which would go whole to every rank.
         """
         index, count = self.data_rank()
 
         def take(path: str, leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+                if count > 1:
+                    name = f"batch leaf {path!r}" if path else "the batch"
+                    refuse_hidden_tensors(name, leaf, f"{count} data-parallel shards")
                 return leaf
             if leaf.shape[0] % count:
                 raise IndivisibleError(

@@ -51,6 +51,11 @@ LAYOUTS = {
         "thread",
         lambda m: [d9d.context_parallel(m), d9d.shard_params(m, "fsdp")],
     ),
+    "fsdp=2 x cp=2, 2 microbatches": (
+        {"fsdp": 2, "cp": 2},
+        "thread",
+        lambda m: [d9d.context_parallel(m), d9d.shard_params(m, "fsdp", microbatches=2)],
+    ),
     "fsdp=2 x tp=2": (
         {"fsdp": 2, "tp": 2},
         "thread",
@@ -60,6 +65,11 @@ LAYOUTS = {
         {"pp": 2},
         "fork",
         lambda m: [d9d.pipeline(m, schedule="1f1b", microbatches=4)],
+    ),
+    "pp=2 x cp=2, 2 microbatches": (
+        {"pp": 2, "cp": 2},
+        "fork",
+        lambda m: [d9d.context_parallel(m), d9d.pipeline(m, microbatches=2)],
     ),
     "pp=2 x dp=2, 2 microbatches": (
         {"pp": 2, "dp": 2},

@@ -11,6 +11,7 @@ from torch import nn
 
 from ... import tree
 from ...core._context import sequence_attention
+from ...core._hidden_tensors import refuse_hidden_tensors
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
 from ...kernels._registry import resolve
@@ -46,11 +47,19 @@ class SequenceSplit:
         """Every tensor of rank >= 2 in ``batch`` cut to this rank's shard of dim 1.
 
         Raises:
-            IndivisibleError: A leaf's dim 1 does not cut into the layout's equal chunks.
+            IndivisibleError: Leaves disagree on dim 1, or it does not cut into the layout's
+                equal chunks.
+            TypeError: A leaf hides tensors from the pytree (a dataclass; a mapping not a
+                dict), which every rank would take whole.
         """
+        _refuse_mixed_lengths(batch)
 
         def cut(path: str, leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor) or leaf.ndim <= SEQUENCE_DIM:
+            if not isinstance(leaf, torch.Tensor):
+                name = f"batch leaf {path!r}" if path else "the batch"
+                refuse_hidden_tensors(name, leaf, f"{self.size} sequence slices")
+                return leaf
+            if leaf.ndim <= SEQUENCE_DIM:
                 return leaf
             chunks = 2 * self.size if self.load_balance == "zigzag" else self.size
             if leaf.shape[SEQUENCE_DIM] % chunks:
@@ -114,6 +123,24 @@ class SequenceSplit:
             scale=scale,
             block=resolve("block_attention", q, None),
             sinks=sinks,
+        )
+
+
+def _refuse_mixed_lengths(batch: Any) -> None:
+    """Raise unless every tensor of rank >= 2 in ``batch`` has one length on dim 1: one whose
+    dim 1 is not the sequence (a per-example ``[B, 4]`` beside tokens ``[B, 16]``) was cut
+    like one, each rank taking some of its columns, whenever the chunks divided it."""
+    lengths = {
+        path: leaf.shape[SEQUENCE_DIM]
+        for path, leaf in tree.flatten_with_paths(batch)[0]
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > SEQUENCE_DIM
+    }
+    if len(set(lengths.values())) > 1:
+        raise IndivisibleError(
+            f"batch leaves disagree on the sequence length (dim 1, which context_parallel cuts "
+            f"in every batch tensor of rank >= 2): {lengths}; give every such tensor the "
+            "tokens' sequence length, and pass values per example as tensors of rank 1 "
+            "([B], which every rank takes whole)"
         )
 
 
