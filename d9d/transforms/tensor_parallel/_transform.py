@@ -221,8 +221,10 @@ def tensor_parallel(
             sequence parallelism, a block child or head with a weight whole on the axis, no
             sharded linear and no position-wise declaration; at a call, ``labels=`` (a
             model's own loss) under ``loss_parallel``, ``output_router_logits`` under
-            sequence parallelism, or a vocab-sharded embedding with ``max_norm`` or
-            ``scale_grad_by_freq``.
+            sequence parallelism, a vocab-sharded embedding with ``max_norm`` or
+            ``scale_grad_by_freq``, or a module in training mode that would draw random
+            numbers (an ``nn.Dropout`` with ``p > 0``, an ``attention_dropout`` or a router's
+            ``jitter_noise`` above 0), which the axis's ranks would draw inconsistently.
         IndivisibleError: When placing, a heads dim does not divide over the axis.
 
     Example:
