@@ -175,7 +175,7 @@ def jit(
     ``(params, opt_state)`` are updated in their own buffers, with no second copy of the model
     alive); the returned trees alias those buffers. The trees passed in then hold the new
     values: passing one to a d9d entry point (any jitted or eager step, ``place``,
-    ``value_and_grad``, ``checkpoint.save``) raises :class:`~d9d.errors.DonatedTreeError`,
+    ``value_and_grad``, ``Model.apply``, ``checkpoint.save``) raises :class:`~d9d.errors.DonatedTreeError`,
     and other code reading one reads the new values (``.clone()`` what must outlive the call
     before it).
 

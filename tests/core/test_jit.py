@@ -464,3 +464,18 @@ def test_a_donated_tree_is_refused_by_an_eager_call_of_the_transformed_step() ->
     with pytest.raises(DonatedTreeError, match=r"^argument 0 leaf 'w' was donated to call 1"):
         step(params, new_state, x)
     assert step(new, new_state, x)[0]["w"].full_tensor().tolist() == [4.0, 4.0, 4.0]
+
+
+def test_a_donated_tree_is_refused_by_model_apply() -> None:
+    """An evaluation of the old params (``model.apply``) read the new values."""
+    model = d9d.functionalize(torch.nn.Linear(3, 2))
+    params = _clone(model.params)
+
+    def step(params, opt_state, x):
+        return d9d.tree.map(lambda p: p * 2, params), opt_state, {}
+
+    new, _, _ = d9d.jit(step, backend="aot_eager")(params, {"m": torch.zeros(1)}, None)
+    x = torch.ones(1, 3)
+    with pytest.raises(DonatedTreeError, match=r"^params leaf 'bias' was donated to call 1"):
+        model.apply(params, x)
+    torch.testing.assert_close(model.apply(new, x), 2 * model.apply(model.params, x))
