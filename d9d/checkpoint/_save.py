@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import tree as tree_lib
+from ..core._donation import check_not_donated
 from ..errors import CheckpointExistsError
 from . import _claim, _format
 from ._commit import SaveHandle, Write, WriteJob, post_failure
@@ -211,6 +212,8 @@ def save(
 
     Raises:
         CheckpointExistsError: ``<directory>/step_<step>`` already exists.
+        DonatedTreeError: A leaf was donated to a ``d9d.jit`` call (the tree passed to a
+            jitted step, not the one it returned): its buffer holds that call's new values.
         TypeError: A leaf is of an unsupported type or dtype, or ``metadata`` is not JSON.
         ValueError: ``step`` or ``keep`` is invalid, two leaves share a path, a leaf is
             on the meta device or ``Partial``, or ranks disagree on the step or a leaf.
@@ -234,6 +237,10 @@ def save(
         raise CheckpointExistsError(
             f"{str(final)!r} already exists; save under a new step, or delete it first."
         )
+    # A donated tree's buffers hold a later step's values: saved under ``step`` they would be
+    # a checkpoint of step N holding step N+1 (the save copies what it writes before it
+    # returns, so a tree saved before the next jitted call is safe).
+    check_not_donated(tree, name="the tree to save")
     leaves, records = _records(tree)
     nonce = secrets.token_hex(4)
     rank, world, store = 0, 1, None

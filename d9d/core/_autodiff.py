@@ -19,6 +19,7 @@ from .. import tree
 from ..errors import IndivisibleError
 from ._backward_region import backward_region
 from ._context import StepContext, count_tokens, current, differentiating, record_step_tokens
+from ._donation import check_not_donated
 from ._embedding_ids import named_inputs
 from ._gather import gather_params
 from ._grad_reduce import reduce_to
@@ -47,6 +48,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
     Raises:
         TypeError: A params leaf is not a floating tensor, or ``fn`` does not return a 0-d
             floating tensor.
+        DonatedTreeError: (called eagerly) a params leaf was donated to an earlier
+            ``d9d.jit`` call, so its buffer holds that call's new values.
 
     Example:
         >>> f = value_and_grad(lambda p, x: (p["w"] * x).sum())
@@ -61,6 +64,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         # comes back as its own stand-in object, which cannot unflatten (optree raises
         # ``length mismatch``; torch 2.11 and 2.13). So each frame flattens ``params`` itself.
         pairs = tree.flatten_with_paths(params)[0]
+        if not torch.compiler.is_compiling():  # a jitted call checked its inputs already
+            check_not_donated(params, name="value_and_grad's params")
         for path, leaf in pairs:
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
                 kind = f"dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf)

@@ -4,6 +4,8 @@ on one buffer, no new value or output read from a buffer the copies overwrite)."
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,20 +69,34 @@ def copy_into(old: Any, new: Any) -> None:
         a.copy_(b)
 
 
-def check_not_donated(arg: Any, *, argnum: int) -> None:
+def check_not_donated(arg: Any, *, name: str) -> None:
+    """Refuse a tree holding a leaf donated to an earlier jitted call: its buffer holds that
+    call's new values, so reading it as the old tree (a checkpoint of the previous step, an
+    EMA, a comparison, another step) is silently wrong. JAX raises on a deleted array;
+    PyTorch cannot free a buffer under a live tensor, so d9d checks at its entry points.
+
+    Args:
+        arg: The tree to check.
+        name: What the tree is, for the message (``"argument 0"``, ``"the tree to save"``).
+
+    Raises:
+        DonatedTreeError: A leaf of ``arg`` was donated.
+    """
     if not any(hasattr(leaf, _DONATED) for leaf in tree.leaves(arg)):
         return
     for path, leaf in tree.flatten_with_paths(arg)[0]:
         call = getattr(leaf, _DONATED, None)
         if call is not None:
             raise DonatedTreeError(
-                f"argument {argnum} leaf {path!r} was donated to call {call} of this step and "
-                "its buffer now holds newer values; pass the tree that call returned"
+                f"{name} leaf {path!r} was donated to call {call} of a jitted step and its "
+                "buffer now holds that call's new values; use the tree that call returned, "
+                "or a copy (.clone()) taken before the call"
             )
 
 
-# A buffer (its device and address) -> (argument, leaf index, leaf) of each donated leaf in it.
-_Buffers = dict[tuple[torch.device, int], list[tuple[int, int, Any]]]
+# Per device, the donated leaves' byte spans, sorted and apart: the first address of each,
+# one past the last of each, and each leaf's (argument, leaf index).
+_Spans = dict[torch.device, tuple[list[int], list[int], list[tuple[int, int]]]]
 
 
 def _local(leaf: Any) -> torch.Tensor | None:
@@ -92,15 +108,20 @@ def _local(leaf: Any) -> torch.Tensor | None:
     return local if local.numel() else None
 
 
-def _buffer(local: torch.Tensor) -> tuple[torch.device, int]:
-    return local.device, local.untyped_storage().data_ptr()
-
-
 def _bytes(local: torch.Tensor) -> tuple[int, int]:
     """The first byte of its buffer ``local`` reads and one past its last."""
     start = local.storage_offset()
     end = start + 1 + sum((n - 1) * s for n, s in zip(local.shape, local.stride(), strict=True))
     return start * local.element_size(), end * local.element_size()
+
+
+def _span(local: torch.Tensor) -> tuple[int, int]:
+    """:func:`_bytes` as addresses. Not per storage: two storages may hold one memory
+    (``torch.from_numpy`` of two overlapping views of one array), and a leaf written into one
+    overwrote the other's elements with no error."""
+    base = local.untyped_storage().data_ptr()
+    start, end = _bytes(local)
+    return base + start, base + end
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -114,30 +135,28 @@ def _leaf_name(arg: Any, index: int, *, kind: str, argnum: int) -> str:
     return f"{kind} {argnum} leaf {tree.flatten_with_paths(arg)[0][index][0]!r}"
 
 
-def donated_memory(args: Sequence[Any], donate: Sequence[int]) -> _Buffers:
-    """The buffers of the donated leaves, after checking that no two leaves overlap: each is
+def donated_memory(args: Sequence[Any], donate: Sequence[int]) -> _Spans:
+    """The memory of the donated leaves, after checking that no two leaves overlap: each is
     overwritten with its own new value, so one would overwrite the other's (the same tensor
     twice, or a view of another, gave both the last value written).
 
     Raises:
         DonatedTreeError: Two donated leaves share memory.
     """
-    buffers: _Buffers = {}
+    by_device: dict[torch.device, list[tuple[int, int, int, int]]] = {}
     for i in donate:
         for index, leaf in enumerate(tree.leaves(args[i])):  # paths only for the message
             local = _local(leaf)
             if local is not None:
-                buffers.setdefault(_buffer(local), []).append((i, index, local))
-    for held in buffers.values():
-        if len(held) < 2:
-            continue
-        spans = sorted((*_bytes(local), i, index) for i, index, local in held)
-        reach, widest = spans[0][1], spans[0]
-        for span in spans[1:]:
-            if span[0] < reach:
+                by_device.setdefault(local.device, []).append((*_span(local), i, index))
+    spans: _Spans = {}
+    for device, held in by_device.items():
+        held.sort()  # by start: two that overlap make some neighbours overlap
+        for before, span in itertools.pairwise(held):
+            if span[0] < before[1]:
                 first, second = (
                     _leaf_name(args[i], index, kind="argument", argnum=i)
-                    for _, _, i, index in (widest, span)
+                    for _, _, i, index in (before, span)
                 )
                 raise DonatedTreeError(
                     f"{first} and {second} share memory (one tensor passed twice, or a "
@@ -145,13 +164,23 @@ def donated_memory(args: Sequence[Any], donate: Sequence[int]) -> _Buffers:
                     "own buffer, so one would overwrite the other: pass separate tensors "
                     "(clone one of them), or build the jit with donate=()"
                 )
-            if span[1] > reach:
-                reach, widest = span[1], span
-    return buffers
+        spans[device] = ([h[0] for h in held], [h[1] for h in held], [(h[2], h[3]) for h in held])
+    return spans
+
+
+def _donated_under(donated: _Spans, leaf: Any) -> list[tuple[int, int]]:
+    """(argument, leaf index) of each donated leaf sharing a byte with ``leaf``."""
+    local = _local(leaf)
+    if local is None or local.device not in donated:
+        return []
+    starts, ends, leaves = donated[local.device]
+    start, end = _span(local)
+    # The spans are apart and sorted by start, so their ends are sorted too.
+    return leaves[bisect.bisect_right(ends, start) : bisect.bisect_left(starts, end)]
 
 
 def check_outputs_apart(
-    args: Sequence[Any], results: Sequence[Any], donated: _Buffers, donate: Sequence[int]
+    args: Sequence[Any], results: Sequence[Any], donated: _Spans, donate: Sequence[int]
 ) -> None:
     """Refuse an output (not donated) that shares memory with a donated leaf: the call has
     overwritten that leaf with its new value, where the eager step returns the old one.
@@ -163,20 +192,16 @@ def check_outputs_apart(
         if k in donate:
             continue
         for index, leaf in enumerate(tree.leaves(out)):
-            local = _local(leaf)
-            for i, donated_index, other in (
-                donated.get(_buffer(local), ()) if local is not None else ()
-            ):
-                if _overlap(local, other):
-                    output = _leaf_name(out, index, kind="output", argnum=k)
-                    argument = _leaf_name(args[i], donated_index, kind="argument", argnum=i)
-                    raise DonatedTreeError(
-                        f"{output} of the step shares memory with {argument} (it is that "
-                        "tensor, or a view of it), which this call overwrote with its new "
-                        "value; the eager step returns the old one: return a copy (.clone()) of "
-                        "it. The donated trees passed to this call hold the new values and "
-                        "are donated"
-                    )
+            for i, donated_index in _donated_under(donated, leaf):
+                output = _leaf_name(out, index, kind="output", argnum=k)
+                argument = _leaf_name(args[i], donated_index, kind="argument", argnum=i)
+                raise DonatedTreeError(
+                    f"{output} of the step shares memory with {argument} (it is that "
+                    "tensor, or a view of it), which this call overwrote with its new "
+                    "value; the eager step returns the old one: return a copy (.clone()) of "
+                    "it. The donated trees passed to this call hold the new values and "
+                    "are donated"
+                )
 
 
 def _refuse_copy_of_donated(new: str, old: str) -> DonatedTreeError:
@@ -207,13 +232,8 @@ def check_new_leaves_apart(args: Sequence[Any], out: Sequence[Any], donate: Sequ
     }
     for i in donate:
         for index, leaf in enumerate(tree.leaves(out[i])):
-            local = _local(leaf)
-            for j, other_index, other in (
-                donated.get(_buffer(local), ()) if local is not None else ()
-            ):
-                if (j, other_index) in kept:
-                    continue
-                if (j, other_index) != (i, index) and _overlap(local, other):
+            for j, other_index in _donated_under(donated, leaf):
+                if (j, other_index) not in kept and (j, other_index) != (i, index):
                     raise _refuse_copy_of_donated(
                         _leaf_name(args[i], index, kind="argument", argnum=i),
                         _leaf_name(args[j], other_index, kind="argument", argnum=j),

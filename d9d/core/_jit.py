@@ -112,8 +112,8 @@ class Jitted(OutermostStep):
         return tuple(None if i in self.donate else o for i, o in enumerate(out))
 
     def __call__(self, *args: Any) -> Any:
-        for i in self.donate:
-            check_not_donated(args[i], argnum=i)
+        for i, arg in enumerate(args):  # any argument: a donated batch leaf reads new values too
+            check_not_donated(arg, name=f"argument {i}")
         donated = donated_memory(args, self.donate)
         context = None
         config: dict[str, Any] = {"trace_autograd_ops": True}
@@ -173,8 +173,11 @@ def jit(
     The forward, the backward (``value_and_grad`` inside the step) and the optimizer update
     land in one graph. Argument ``i`` in ``donate`` is overwritten with output ``i`` (so
     ``(params, opt_state)`` are updated in their own buffers, with no second copy of the model
-    alive); the returned trees alias those buffers, and passing an old donated tree again raises
-    :class:`~d9d.errors.DonatedTreeError`.
+    alive); the returned trees alias those buffers. The trees passed in then hold the new
+    values: passing one to a d9d entry point (any jitted or eager step, ``place``,
+    ``value_and_grad``, ``Model.apply``, ``checkpoint.save``) raises :class:`~d9d.errors.DonatedTreeError`,
+    and other code reading one reads the new values (``.clone()`` what must outlive the call
+    before it).
 
     Args:
         step: ``step(params, opt_state, batch) -> (params, opt_state, metrics)``; may be used as
@@ -192,7 +195,7 @@ def jit(
         The compiled step (a :class:`Jitted`), called like ``step``.
 
     Raises:
-        DonatedTreeError: An argument holds a tree donated to an earlier call; two donated
+        DonatedTreeError: An argument holds a leaf donated to an earlier call; two donated
             leaves share memory; or the step returns a donated input (or a view of one) as
             another donated leaf or as an output that is not donated (return a ``.clone()``).
         IndexRangeError: An integer input (token ids, labels) indexes past the embedding or

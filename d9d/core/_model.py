@@ -15,6 +15,7 @@ from .. import hf
 from ..errors import ParamShapeError, ParamTreeMismatchError
 from ._apply import apply_in_step, held
 from ._context import current
+from ._donation import check_not_donated
 from ._embedding_ids import embedding_checks
 from ._structure import Axes, Structure, structure_of
 
@@ -84,6 +85,8 @@ class Model:
         Raises:
             ParamTreeMismatchError: ``params`` misses paths of the model or has extra ones.
             ParamShapeError: A param's (global) shape is not the model's.
+            DonatedTreeError: (called eagerly) a param was donated to an earlier ``d9d.jit``
+                call, so its buffer holds that call's new values.
             IndexRangeError: An ``nn.Embedding`` gets ids outside ``[0, num_embeddings)``
                 (checked before its lookup; the error names the ``d9d.value_and_grad``
                 input they come from, like ``batch['tokens']``).
@@ -99,6 +102,8 @@ class Model:
         versions = _versions(self.buffers)
         step = current()
         if step is None:
+            if not torch.compiler.is_compiling():  # a jitted call checked its inputs already
+                check_not_donated(params, name="params")
             self.check_params(params)
             out = self._apply_alone(params, args, kwargs)
         else:  # the params may be local shards here: the plan holds their global shapes

@@ -24,6 +24,7 @@ from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._codec_statistics import codec_statistics
 from ._comm_count import CollectiveCounter, CommStats
 from ._context import StepContext, current, running
+from ._donation import check_not_donated
 from ._gather import distribute
 from ._hidden_tensors import refuse_hidden_tensors
 from ._memory import Memory, local_bytes, step_memory
@@ -244,7 +245,11 @@ class TransformedStep:
         Raises:
             ParamTreeMismatchError: With ``model``, ``params`` has other paths than the model's.
             ParamShapeError: With ``model``, a param's shape is not the model's.
+            DonatedTreeError: A leaf was donated to a ``d9d.jit`` call: it holds that
+                call's new values.
         """
+        check_not_donated(params, name="params")
+        check_not_donated(opt_state, name="opt_state")
         if model is not None:
             model.check_params(params)
             if axes is None:
@@ -292,6 +297,8 @@ class TransformedStep:
         return StepContext(self.plan, self._runtimes)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        for i, arg in enumerate((params, opt_state, batch)):  # d9d.jit checks them itself
+            check_not_donated(arg, name=f"argument {i}")
         self.check_inputs(params, opt_state, batch)
         with running(self.context()):
             return self.run(params, opt_state, batch)

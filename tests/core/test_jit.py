@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import d9d
 from d9d.cli._train_step import make_train_step
 from d9d.core._jit import _shared_patch
+from d9d.core._step import TransformedStep
 from d9d.errors import DonatedTreeError, IndexRangeError, ParamShapeError, RecompileError
 from d9d.models import Llama, LlamaConfig
 from d9d.testing import assert_trees_all_close
@@ -293,6 +295,26 @@ def test_donated_leaves_that_share_memory_are_refused_by_name() -> None:
     assert_trees_all_close(got, _sgd_step({"a": w, "b": w}, {}, x)[0], rtol=0, atol=0)
 
 
+def test_donated_leaves_on_one_memory_through_two_storages_are_refused_by_name() -> None:
+    """Tensors of two numpy views of one array have storages of their own on one memory: the
+    check compared storages, so ``a`` came back holding ``b``'s new values where they overlap
+    (no error). An output on that memory is refused too."""
+    array = np.zeros(6, dtype=np.float32)
+    a, b = torch.from_numpy(array), torch.from_numpy(array[2:])
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    jitted = d9d.jit(_sgd_step, backend="aot_eager")
+    with pytest.raises(DonatedTreeError, match="argument 0 leaf 'a' and argument 0 leaf 'b' share"):
+        jitted({"a": a, "b": b}, {}, torch.ones(6))
+    assert not array.any()
+
+    def step(params, opt_state, x):
+        new, opt_state, metrics = _sgd_step(params, opt_state, x)
+        return new, opt_state, {**metrics, "b": x}
+
+    with pytest.raises(DonatedTreeError, match="output 2 leaf 'b' of the step shares memory"):
+        d9d.jit(step, backend="aot_eager")({"a": a[:2].clone()}, {"m": a[3:]}, b)
+
+
 def test_an_output_that_reads_a_donated_buffer_is_refused_by_name() -> None:
     """A metric that is a donated input (or a view of one) read the new value written into its
     buffer, where the eager step returns the old one."""
@@ -378,3 +400,82 @@ def test_a_donated_leaf_that_is_not_a_tensor_is_refused_by_name() -> None:
         match=r"argument 1 leaf 'count' is not a tensor but a int .* hold the value in a tensor",
     ):
         d9d.jit(step, backend="aot_eager")({"w": torch.zeros(3)}, {"count": 0}, torch.ones(3))
+
+
+def _donated_and_returned():
+    """A params tree donated to a jitted call, and the tree that call returned."""
+    params, state, x = {"w": torch.zeros(4, 3)}, {"m": torch.zeros(1)}, torch.ones(4, 3)
+    new, _, _ = d9d.jit(_sgd_step, backend="aot_eager")(params, state, x)
+    return params, new
+
+
+def _use_in_jit_without_donation(params):
+    return d9d.jit(_sgd_step, donate=(), backend="aot_eager")(params, {}, torch.ones(4, 3))
+
+
+def _use_as_batch(params):
+    step = d9d.jit(lambda p, s, x: (p, s, {"x": x["w"].sum()}), backend="aot_eager")
+    return step({"v": torch.zeros(1)}, {}, params)
+
+
+def _use_in_eager_step(params):
+    return _sgd_step(params, {}, torch.ones(4, 3))
+
+
+def _use_in_place(params):
+    return TransformedStep(_sgd_step, ()).place(params, {})
+
+
+def _use_in_checkpoint_save(params, directory):
+    return d9d.checkpoint.save(directory, {"params": params}, step=0, async_=False)
+
+
+@pytest.mark.parametrize(
+    ("use", "name"),
+    [
+        (_use_in_jit_without_donation, "argument 0"),
+        (_use_as_batch, "argument 2"),
+        (_use_in_eager_step, "value_and_grad's params"),
+        (_use_in_place, "params"),
+        (_use_in_checkpoint_save, "the tree to save"),
+    ],
+)
+def test_a_donated_tree_is_refused_wherever_d9d_reads_it(use, name, tmp_path) -> None:
+    """A donated tree's buffers hold the jitted call's new values: a checkpoint of the old
+    params saved step N+1's values as step N, and an eager step, another jitted step or a
+    batch read them as if they were the old ones (no error; JAX raises on a deleted array).
+    The returned tree, or a copy taken before the call, is read as usual."""
+    args = (tmp_path,) if use is _use_in_checkpoint_save else ()
+    params, new = _donated_and_returned()
+    with pytest.raises(
+        DonatedTreeError,
+        match=rf"^{name} leaf '(w|params\.w|)' was donated to call 1 of a jitted step .* "
+        r"use the tree that call returned",
+    ):
+        use(params, *args)
+    use(new, *args)
+
+
+def test_a_donated_tree_is_refused_by_an_eager_call_of_the_transformed_step() -> None:
+    step = TransformedStep(lambda p, s, x: ({"w": p["w"] * x}, s, {}), ())
+    params, state = step.place({"w": torch.ones(3)}, {"m": torch.zeros(1)})
+    x = 2.0
+    new, new_state, _ = d9d.jit(step, backend="aot_eager")(params, state, x)
+    with pytest.raises(DonatedTreeError, match=r"^argument 0 leaf 'w' was donated to call 1"):
+        step(params, new_state, x)
+    assert step(new, new_state, x)[0]["w"].full_tensor().tolist() == [4.0, 4.0, 4.0]
+
+
+def test_a_donated_tree_is_refused_by_model_apply() -> None:
+    """An evaluation of the old params (``model.apply``) read the new values."""
+    model = d9d.functionalize(torch.nn.Linear(3, 2))
+    params = _clone(model.params)
+
+    def step(params, opt_state, x):
+        return d9d.tree.map(lambda p: p * 2, params), opt_state, {}
+
+    new, _, _ = d9d.jit(step, backend="aot_eager")(params, {"m": torch.zeros(1)}, None)
+    x = torch.ones(1, 3)
+    with pytest.raises(DonatedTreeError, match=r"^params leaf 'bias' was donated to call 1"):
+        model.apply(params, x)
+    torch.testing.assert_close(model.apply(new, x), 2 * model.apply(model.params, x))
