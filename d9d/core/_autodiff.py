@@ -237,19 +237,19 @@ def split_microbatches(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int
         IndivisibleError: Tensors disagree on dim 0, or it does not divide into ``parts``.
         TypeError: A leaf hides tensors from the pytree (a dataclass; a mapping not a dict).
     """
-    if parts > 1:
-        _refuse_mixed_batch_sizes(args, kwargs, parts)
-    arg_parts = _split_tree(args, parts, "argument")
-    kwarg_parts = {k: _split_tree(v, parts, f"argument {k}") for k, v in kwargs.items()}
+    rows = _batch_rows(args, kwargs, parts) if parts > 1 else None
+    arg_parts = _split_tree(args, parts, "argument", rows)
+    kwarg_parts = {k: _split_tree(v, parts, f"argument {k}", rows) for k, v in kwargs.items()}
     return [
         (arg_parts[i], {k: chunks[i] for k, chunks in kwarg_parts.items()}) for i in range(parts)
     ]
 
 
-def _refuse_mixed_batch_sizes(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int) -> None:
-    """Raise unless every tensor argument of rank >= 1 holds as many examples (dim 0), as
-    ``check_batch`` asks of the step's batch: one built inside the step (a mask or weights
-    per position, ``[S]``) was cut along its own dim 0, each microbatch taking a piece."""
+def _batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int) -> int | None:
+    """The examples (dim 0) every tensor argument of rank >= 1 holds, None where there is
+    none; raise unless they agree, as ``check_batch`` asks of the step's batch: one built
+    inside the step (a mask or weights per position, ``[S]``) was cut along its own dim 0,
+    each microbatch taking a piece."""
     trees = [("argument", args), *((f"argument {k}", v) for k, v in kwargs.items())]
     sizes = {
         leaf.shape[0]
@@ -258,7 +258,7 @@ def _refuse_mixed_batch_sizes(args: tuple[Any, ...], kwargs: dict[str, Any], par
         if isinstance(leaf, torch.Tensor) and leaf.ndim > 0
     }
     if len(sizes) < 2:
-        return
+        return next(iter(sizes), None)
     found = {
         f"{what} {path}".strip(): leaf.shape[0]
         for what, value in trees
@@ -273,19 +273,20 @@ def _refuse_mixed_batch_sizes(args: tuple[Any, ...], kwargs: dict[str, Any], par
     )
 
 
-def _split_tree(value: Any, parts: int, what: str) -> list[Any]:
-    leaves, spec = tree.flatten(value)
+def _split_tree(value: Any, parts: int, what: str, rows: int | None) -> list[Any]:
+    """``parts`` slices of ``value`` along dim 0; leaves that are no tensor of rank >= 1 go
+    whole to each, unless one hides a tensor of ``rows`` examples (or any, where ``rows`` is
+    None) that the slices would have cut (``refuse_hidden_tensors``)."""
+    named, spec = tree.flatten_with_paths(value)
     columns = []
-    for i, leaf in enumerate(leaves):
+    for path, leaf in named:
         if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
             if parts > 1:
-                path = tree.paths(value)[i]
                 name = f"{what} {path!r}" if path else what
-                refuse_hidden_tensors(name, leaf, f"{parts} microbatches")
+                refuse_hidden_tensors(name, leaf, f"{parts} microbatches", rows=rows)
             columns.append([leaf] * parts)
             continue
         if leaf.shape[0] % parts:
-            path = tree.paths(value)[i]
             raise IndivisibleError(
                 f"{what} {path!r} holds {leaf.shape[0]} examples, which do not split into "
                 f"{parts} microbatches; use a per-rank batch that is a multiple of {parts}"

@@ -155,12 +155,15 @@ class TransformedStep:
                 dict), which would go whole to every rank.
         """
         index, count = self.data_rank()
+        sizes = {t.shape[0] for t in tree.leaves(batch) if isinstance(t, torch.Tensor) and t.ndim}
+        rows = next(iter(sizes)) if len(sizes) == 1 else None
 
         def take(path: str, leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
                 if count > 1:
                     name = f"batch leaf {path!r}" if path else "the batch"
-                    refuse_hidden_tensors(name, leaf, f"{count} data-parallel shards")
+                    where = f"{count} data-parallel shards"
+                    refuse_hidden_tensors(name, leaf, where, rows=rows)
                 return leaf
             if leaf.shape[0] % count:
                 raise IndivisibleError(

@@ -256,3 +256,42 @@ def test_a_per_example_pair_is_refused_by_context_parallel() -> None:
         r"'pair_weight': 2, 'tokens': 16\}; .* pass values per example as tensors of rank 1",
     ):
         run_on_ranks(rank, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stamp:
+    step: torch.Tensor  # 0-d: no split cuts it
+
+
+@pytest.mark.parametrize("layout", ["2 microbatches", "dp=2 (shard_batch)"])
+def test_a_model_argument_and_0d_metadata_go_whole_to_every_part(layout: str) -> None:
+    """Beside the batch, a ``d9d.Model`` passed to the loss function (a dataclass holding its
+    module and params) and a dataclass of 0-d tensors are no data to split: each part takes
+    them whole, and the step equals one device (both were refused as hidden batch tensors)."""
+    model = BUILD()
+
+    def loss_fn(params, batch, model):
+        assert int(batch["stamp"].step) == 7
+        return d9d.losses.cross_entropy(model.apply(params, batch["tokens"]), batch["labels"])
+
+    def whole_batch():
+        return {**batches(256, steps=1)[0], "stamp": Stamp(torch.tensor(7))}
+
+    expected_loss, expected = d9d.value_and_grad(loss_fn)(model.params, whole_batch(), model)
+    mesh_axes, transform = LAYOUTS[layout]
+
+    def rank():
+        own = copy.deepcopy(model)
+
+        def step(params, opt_state, batch):
+            loss, grads = d9d.value_and_grad(loss_fn)(params, batch, own)
+            return params, opt_state, {"loss": loss, "grads": grads}
+
+        step = transform(d9d.make_mesh("cpu", **mesh_axes))(step)
+        params, state = step.place(own.params, (), model=own)
+        metrics = step(params, state, step.shard_batch(whole_batch()))[2]
+        return metrics["loss"], {k: v.full_tensor() for k, v in metrics["grads"].items()}
+
+    for loss, grads in run_on_ranks(rank, max(mesh_axes.values())):
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-9, atol=0)
+        d9d.testing.assert_trees_all_close(grads, expected, rtol=1e-9, atol=1e-12)

@@ -57,7 +57,7 @@ class SequenceSplit:
         def cut(path: str, leaf: Any) -> Any:
             if not isinstance(leaf, torch.Tensor):
                 name = f"batch leaf {path!r}" if path else "the batch"
-                refuse_hidden_tensors(name, leaf, f"{self.size} sequence slices")
+                refuse_hidden_tensors(name, leaf, f"{self.size} sequence slices", min_ndim=2)
                 return leaf
             if leaf.ndim <= SEQUENCE_DIM:
                 return leaf
