@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
 
 import pytest
 import torch
@@ -196,10 +195,11 @@ def test_an_integer_metric_is_averaged_in_float64() -> None:
         assert metrics["rows"].tolist() == [[1.5], [0.5]]
 
 
-def test_a_python_number_metric_is_refused_where_ranks_hold_different_tokens() -> None:
+def test_a_python_number_metric_is_averaged_where_ranks_hold_different_tokens() -> None:
     """``loss.item()`` as a metric stayed each rank's own value, returned silently: its share
-    of the token mean, rescaled (a float32 tiny Llama, fsdp=2, ranks holding 8 and 64 valid
-    labels: 1.22 and 9.86 for a loss of 5.54)."""
+    of the token mean, rescaled (a float64 tiny Llama, fsdp=2, ranks holding 8 and 64 valid
+    labels: 1.22 and 9.86 for a loss of 5.54). It is averaged like the tensor metrics now, and
+    a constant (an lr, a flag) keeps its value."""
     built = llama(F64)()  # once: thread ranks share the RNG
 
     def rank(layout: dict[str, int]):
@@ -209,24 +209,21 @@ def test_a_python_number_metric_is_refused_where_ranks_hold_different_tokens() -
         def step(params, opt_state, batch):
             logits = model.apply(params, batch["tokens"])
             loss = d9d.losses.cross_entropy(logits, batch["labels"])
-            return params, opt_state, {"loss": loss, "eval": {"loss": loss.item()}}
+            numbers = {"loss": loss.item(), "lr": 3e-4, "skipped": False}
+            return params, opt_state, {"loss": loss, "eval": numbers}
 
         axes = ("fsdp", None) if "fsdp" in layout else (None, "dp")
         step = d9d.shard_params(mesh, *axes)(step)
         params, state = step.place(model.params, (), model=model)
         return step(params, state, step.shard_batch(sft_batches()[0]))[2]
 
-    with pytest.raises(RankFailedError) as info:
-        run_on_ranks(rank, 2, {"fsdp": 2})
-    assert re.search(
-        r"TypeError: metric 'eval\.loss' is a float \(\d\.\d+\), not a tensor: the step "
-        r"averages its metrics over the mesh axes \('fsdp',\), on which ranks hold different "
-        r"tokens, .* return it as a tensor \(drop \.item\(\), or wrap it in torch\.tensor",
-        str(info.value),
-    )
-    # One rank (a one-rank dp axis): nothing is averaged, and the number is the loss.
-    (metrics,) = run_on_ranks(rank, 1, {"dp": 1})
-    assert metrics["eval"]["loss"] == metrics["loss"].item()
+    (one,) = run_on_ranks(rank, 1, {"dp": 1})  # nothing is averaged: the numbers as given
+    assert one["eval"] == {"loss": one["loss"].item(), "lr": 3e-4, "skipped": False}
+    for metrics in run_on_ranks(rank, 2, {"fsdp": 2}):
+        numbers = metrics["eval"]
+        torch.testing.assert_close(numbers["loss"], one["loss"], rtol=1e-12, atol=0)
+        assert numbers["lr"].dtype == torch.float64 and numbers["lr"].item() == 3e-4
+        assert numbers["skipped"].item() == 0.0
 
 
 @pytest.mark.parametrize(
