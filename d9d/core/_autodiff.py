@@ -123,7 +123,7 @@ def _differentiate(
     added into its tensor in place as the backward produces it, and that tensor is returned
     as the grad (:func:`_grads`)."""
     leaves, spec = tree.flatten(params)
-    wide = _summed_wider(params)
+    wide = _summed_wider(params, len(leaves))
     with torch.enable_grad(), count_tokens() as counts:
         inputs = [
             _differentiable(leaf) if dtype is None else _widened(leaf, dtype)
@@ -161,9 +161,10 @@ def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.detach().requires_grad_(True)
 
 
-def _summed_wider(params: Any) -> list[torch.dtype | None]:
-    """Per leaf of ``params``: the reduce dtype its microbatch grads are summed in where that
-    is wider than the leaf's own, while the running step defers reductions, else None.
+def _summed_wider(params: Any, count: int) -> list[torch.dtype | None]:
+    """Per leaf of ``params`` (``count`` of them): the reduce dtype its microbatch grads are
+    summed in where that is wider than the leaf's own, while the running step defers
+    reductions, else None.
 
     The gathers' backward returns such a grad unreduced in the reduce dtype, and autograd
     casts a grad to the dtype of the input it is for: differentiated w.r.t. a bf16 leaf
@@ -173,7 +174,7 @@ def _summed_wider(params: Any) -> list[torch.dtype | None]:
     leaf's)."""
     step = current()
     if step is None or not step.defer_reduction:
-        return [None] * len(tree.flatten(params)[0])
+        return [None] * count
     out: list[torch.dtype | None] = []
     for path, leaf in tree.flatten_with_paths(params)[0]:
         entry = step.plan.entries.get(path)
