@@ -64,7 +64,8 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         # comes back as its own stand-in object, which cannot unflatten (optree raises
         # ``length mismatch``; torch 2.11 and 2.13). So each frame flattens ``params`` itself.
         pairs = tree.flatten_with_paths(params)[0]
-        if not torch.compiler.is_compiling():  # a jitted call checked its inputs already
+        # Outside a step, as Model.apply: a step's call (or d9d.jit's) checked its inputs.
+        if current() is None and not torch.compiler.is_compiling():
             check_not_donated(params, name="value_and_grad's params")
         for path, leaf in pairs:
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):

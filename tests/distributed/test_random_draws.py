@@ -19,6 +19,13 @@ from d9d.testing import assert_trees_all_equal, run_on_ranks
 pytestmark = pytest.mark.distributed
 
 
+def _seeded(model_class: type, config: object) -> torch.nn.Module:
+    """``model_class(config)`` in float64, initialised from seed 0 (the caller's RNG untouched)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return model_class(config).to(torch.float64)
+
+
 def _gpt2(dropout: float, n_layers: int = 2) -> torch.nn.Module:
     """A tiny GPT-2 (transformers' default dropouts are 0.1), built once per test."""
     config = transformers.GPT2Config(
@@ -33,9 +40,7 @@ def _gpt2(dropout: float, n_layers: int = 2) -> torch.nn.Module:
         bos_token_id=96,
         eos_token_id=96,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(config).to(torch.float64)
+    return _seeded(transformers.GPT2LMHeadModel, config)
 
 
 def _llama(attention_dropout: float) -> torch.nn.Module:
@@ -48,9 +53,7 @@ def _llama(attention_dropout: float) -> torch.nn.Module:
         num_key_value_heads=2,
         attention_dropout=attention_dropout,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config).to(torch.float64)
+    return _seeded(transformers.LlamaForCausalLM, config)
 
 
 def _mixtral(router_jitter_noise: float) -> torch.nn.Module:
@@ -66,9 +69,7 @@ def _mixtral(router_jitter_noise: float) -> torch.nn.Module:
         router_jitter_noise=router_jitter_noise,
         experts_implementation="eager",
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.MixtralForCausalLM(config).to(torch.float64)
+    return _seeded(transformers.MixtralForCausalLM, config)
 
 
 def _tp_losses(module: torch.nn.Module) -> list[torch.Tensor]:
