@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rank_timing import rank_device, time_steps, token_batches
-from report import device_name, provenance, write_report
+from report import device_name, provenance, significant, write_report
 
 import d9d
 from d9d.kernels import _moe_dispatch_c10d as c10d_dispatch
@@ -116,7 +116,7 @@ def main() -> None:
         }
     base = results["replicated"]
     for r in results.values():
-        r["speedup_vs_replicated"] = round(base["median_step_ms"] / r["median_step_ms"], 3)
+        r["speedup_vs_replicated"] = significant(base["median_step_ms"] / r["median_step_ms"])
     report = {
         **provenance("expert_parallel", args, device_name(), backend=backend),
         "config": {

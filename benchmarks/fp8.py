@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from report import significant
 
 import d9d
 from d9d.cli._train_step import make_train_step
@@ -69,9 +70,9 @@ def sqnr_db(want: torch.Tensor, got: torch.Tensor) -> float:
 def timings(times_s: list[float]) -> dict[str, float]:
     """Median, min and max in milliseconds of run times in seconds."""
     return {
-        "median_ms": round(statistics.median(times_s) * 1e3, 4),
-        "min_ms": round(min(times_s) * 1e3, 4),
-        "max_ms": round(max(times_s) * 1e3, 4),
+        "median_ms": significant(statistics.median(times_s) * 1e3),
+        "min_ms": significant(min(times_s) * 1e3),
+        "max_ms": significant(max(times_s) * 1e3),
     }
 
 
@@ -155,7 +156,7 @@ def linear_rows(args: argparse.Namespace, device: torch.device) -> Iterator[dict
                     if recipe is None and mode == args.modes.split(",")[0]:
                         baseline_ms = row["median_ms"]
                     if baseline_ms is not None:
-                        row["speedup"] = round(baseline_ms / row["median_ms"], 3)
+                        row["speedup"] = significant(baseline_ms / row["median_ms"])
                 yield row
         del linear, weight, x, dy, exact
 
@@ -205,7 +206,7 @@ def _e2e_row(
             times.append(time.perf_counter() - start)
             losses.append(round(float(loss), 4))
     row = {"step_ms_" + key.removesuffix("_ms"): value for key, value in timings(times).items()}
-    row["tokens_per_s"] = round(args.batch * args.seq / statistics.median(times), 1)
+    row["tokens_per_s"] = significant(args.batch * args.seq / statistics.median(times))
     row["losses"] = losses
     if device.type == "cuda":
         row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -231,7 +232,7 @@ def e2e_rows(args: argparse.Namespace, device: torch.device) -> Iterator[dict[st
         if "error" not in row:
             baseline = row["tokens_per_s"] if recipe is None else baseline
             if baseline is not None:
-                row["ratio_to_bf16"] = round(row["tokens_per_s"] / baseline, 3)
+                row["ratio_to_bf16"] = significant(row["tokens_per_s"] / baseline)
         yield row
 
 

@@ -60,6 +60,17 @@ def _option(flag: str, value: Any) -> str:
     return f"--{flag} {value}"
 
 
+def significant(value: float, digits: int = 4) -> float:
+    """``value`` rounded to ``digits`` significant figures: a ratio or a time keeps the same
+    relative precision whether it is 40 or 0.007 (a fixed count of decimals would not).
+
+    Example:
+        >>> significant(0.006857075958840821), significant(1234.5678)
+        (0.006857, 1235.0)
+    """
+    return float(f"{value:.{digits}g}")
+
+
 def write_report(path: Path, report: dict[str, Any]) -> None:
     """Write ``report`` as indented JSON at ``path``, creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rank_timing import rank_device, time_steps, token_batches
-from report import device_name, provenance, write_report
+from report import device_name, provenance, significant, write_report
 
 import d9d
 from d9d.cli._train_step import make_train_step
@@ -195,7 +195,7 @@ def main() -> None:
         }
     base = results["one device"]
     for r in results.values():
-        r["speedup_vs_one_device"] = round(base["median_step_ms"] / r["median_step_ms"], 3)
+        r["speedup_vs_one_device"] = significant(base["median_step_ms"] / r["median_step_ms"])
         r["activation_fraction"] = round(
             r["saved_activation_bytes_rank0"] / base["saved_activation_bytes_rank0"], 3
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -14,7 +15,10 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def load_benchmark() -> Callable[[str], ModuleType]:
-    """``load_benchmark("mfu")``: ``benchmarks/mfu.py`` as a module."""
+    """``load_benchmark("mfu")``: ``benchmarks/mfu.py`` as a module, with ``benchmarks/`` on
+    ``sys.path`` as when the script runs (``from report import ...``)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
 
     def load(name: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(
