@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import hf
 from ._grad_mode import computes_without_grad
+from ._random_draws import may_draw
 
 __all__ = ["Axes", "Block", "Slot", "Structure", "position_wise_paths", "structure_of"]
 
@@ -95,6 +96,9 @@ class Structure:
             reading a decorator's closure cells would break Dynamo's view of them).
         frozen: Canonical paths of the params built with ``requires_grad=False``, which get
             no grad through ``Model.apply`` (a zero one from ``d9d.value_and_grad``).
+        drawing: Paths of the modules that may draw random numbers in training (a dropout
+            module, or a dropout's or jitter's rate attribute: ``may_draw``), whatever their
+            rate now: transforms read the rates and training flags of these alone at each step.
     """
 
     module: nn.Module
@@ -111,6 +115,7 @@ class Structure:
     position_wise: tuple[str, ...] = ()
     without_grad: tuple[str, ...] = ()
     frozen: frozenset[str] = frozenset()
+    drawing: tuple[str, ...] = ()
 
     def given_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """``{name: value}`` of a call of the forward, its positional inputs by name."""
@@ -195,6 +200,7 @@ def structure_of(module: nn.Module) -> tuple[Structure, dict[str, torch.Tensor],
         position_wise=position_wise_paths(module),
         without_grad=tuple(p for p, m in modules.items() if computes_without_grad(m)),
         frozen=frozenset(frozen),
+        drawing=tuple(p for p, m in modules.items() if may_draw(m)),
     )
     return structure, params, buffers
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -72,14 +73,23 @@ def _mixtral(router_jitter_noise: float) -> torch.nn.Module:
     return _seeded(transformers.MixtralForCausalLM, config)
 
 
-def _tp_losses(module: torch.nn.Module) -> list[torch.Tensor]:
+def _tp_losses(
+    module: torch.nn.Module, change: Callable[[torch.nn.Module], object] | None = None
+) -> list[torch.Tensor]:
+    """Each rank's loss of a ``tp=2`` step; with ``change``, of a second step after
+    ``change(module)`` on the rank's copy of ``module``."""
+
     def rank() -> torch.Tensor:
         mesh = d9d.make_mesh("cpu", tp=2)
         model = d9d.functionalize(copy.deepcopy(module))
         tp = d9d.tensor_parallel(mesh, sequence_parallel=False)  # GPT-2's blocks stay whole
         step = tp(train_step(model, opt := d9d.optim.sgd(0.1)))
         params, state = step.place(model.params, opt.init(model.params), model=model)
-        return step(params, state, batches(97)[0])[2]["loss"]
+        params, state, metrics = step(params, state, batches(97)[0])
+        if change is not None:
+            change(model.structure.module)
+            metrics = step(params, state, batches(97)[1])[2]
+        return metrics["loss"]
 
     return run_on_ranks(rank, 2)
 
@@ -114,6 +124,37 @@ def test_dropout_in_training_is_refused_by_name_under_tensor_parallel(
     on every shard. Refused before any draw, naming the module and its config fields."""
     with pytest.raises(RankFailedError, match=message):
         _tp_losses(build())
+
+
+@pytest.mark.parametrize(
+    ("build", "change", "message"),
+    [
+        (
+            lambda: _gpt2(0.0, n_layers=1),
+            lambda module: setattr(module.transformer.h[0].attn.resid_dropout, "p", 0.1),
+            r"module 'transformer.h.0.attn.resid_dropout' \(Dropout, p=0.1\) drops out",
+        ),
+        (
+            lambda: _llama(0.0),
+            lambda module: setattr(module.model.layers[0].self_attn, "attention_dropout", 0.1),
+            r"module 'model.layers.0.self_attn' has attention_dropout=0.1, drawn in training",
+        ),
+        (
+            lambda: _mixtral(0.1).eval(),
+            lambda module: module.train(),
+            r"module 'model.layers.0.mlp' has jitter_noise=0.1, drawn in training",
+        ),
+    ],
+    ids=["nn.Dropout p set above 0", "attention_dropout set above 0", "module.train()"],
+)
+def test_a_draw_turned_on_after_a_step_is_refused_at_the_next(
+    build: Any, change: Any, message: str
+) -> None:
+    """The modules that may draw are found once per model structure, rate 0 included; their
+    rates and training flags are read at each ``Model.apply``, so a rate set above 0 or
+    ``module.train()`` between two steps is refused at the second."""
+    with pytest.raises(RankFailedError, match=message):
+        _tp_losses(build(), change)
 
 
 def test_a_model_with_dropout_in_eval_mode_steps_under_tensor_parallel() -> None:

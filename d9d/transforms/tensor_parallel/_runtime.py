@@ -178,7 +178,7 @@ class TensorParallelRuntime(Runtime):
         roles = self.roles(call.structure)
         check_own_loss(list(roles.heads), self.layout, call.kwargs)
         check_router_logits(call.structure, self.layout, call.kwargs)
-        check_random_draws(call.structure, self.layout)  # per call: module.train() may change
+        check_random_draws(call.structure, self.layout)  # per call: a rate or train() may change
         state = _Call(call, self.layout, roles.modules)
         for block in call.structure.blocks:
             call.intercept(block.path, Interception(enter=functools.partial(_enter_block, state)))
