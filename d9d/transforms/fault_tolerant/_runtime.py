@@ -26,6 +26,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
+from ...core._context import current
 from ...core._gather import local_like
 from ...core._microbatches import sum_microbatches
 from ...core._runtime import Differentiation, Runtime
@@ -120,7 +121,15 @@ class FaultTolerantRuntime(Runtime):
     def differentiate(
         self, job: Differentiation
     ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
-        value, aux, grads, weight = self._run(job)
+        # Summed over microbatches and groups in the plan's reduce dtype where it is wider
+        # than the param's (bf16 params, reduce_dtype=float32), rounded once by value_and_grad.
+        step = current()
+        assert step is not None
+        previous, step.wide_grads = step.wide_grads, True
+        try:
+            value, aux, grads, weight = self._run(job)
+        finally:
+            step.wide_grads = previous
         value, grads, count = self._over_groups(value, grads, weight)
         return value, aux, grads, count
 
