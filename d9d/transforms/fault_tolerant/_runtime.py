@@ -138,10 +138,11 @@ class FaultTolerantRuntime(Runtime):
     ) -> tuple[torch.Tensor, list[Any]]:
         if self.drives_differentiation:  # reduced in ``differentiate``
             return value, grads
-        if weight is not None:  # the group's means, back to sums over its tokens
-            grads = [_times(g, weight) for g in grads]
-        value, grads, _ = self._over_groups(value, grads, weight)
-        return value, grads
+        # In float32 at least, each grad rounded back to its dtype once: the driver's grads
+        # are rounded means, which a bf16 product with the count and quotient rounded again.
+        wide = [_times(g, weight) if weight is not None else _wide(g) for g in grads]
+        value, wide, _ = self._over_groups(value, wide, weight)
+        return value, [w.to(g.dtype) for w, g in zip(wide, grads, strict=True)]
 
     def _over_groups(
         self, value: torch.Tensor, grads: list[Any], weight: torch.Tensor | None
@@ -195,9 +196,16 @@ class FaultTolerantRuntime(Runtime):
 
 
 def _times(grad: Any, weight: torch.Tensor) -> Any:
-    """``grad`` (a DTensor's local piece in its stead) times ``weight``, multiplied in
-    float32 at least: a bfloat16 weight would round token counts above 256."""
+    """``grad`` (a DTensor's local piece in its stead) times ``weight``, in float32 at
+    least: a bfloat16 weight would round token counts above 256."""
     local = grad.to_local() if isinstance(grad, DTensor) else grad
     count = tokens_like(weight, local)
-    scaled = (local.to(count.dtype) * count).to(local.dtype)
+    scaled = local.to(count.dtype) * count
     return local_like(scaled, grad) if isinstance(grad, DTensor) else scaled
+
+
+def _wide(grad: Any) -> Any:
+    """``grad`` (a DTensor's local piece in its stead) in float32 at least."""
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    wide = local.to(torch.promote_types(local.dtype, torch.float32))
+    return local_like(wide, grad) if isinstance(grad, DTensor) else wide
