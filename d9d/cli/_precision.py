@@ -36,8 +36,9 @@ def shard_options(config: TrainConfig) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if _DTYPES[config.dtype] is not None:
         options["param_dtype"] = _DTYPES[config.dtype]
-        # Summed over ranks and microbatches in float32, as the float32 params' grads are:
-        # under --master-weights the params' own dtype would sum bf16 grads in bf16.
+        # Summed over ranks, microbatches and (fault_tolerant reads it from the plan) replica
+        # groups in float32, as the float32 params' grads are: under --master-weights the
+        # params' own dtype would sum bf16 grads in bf16.
         options["reduce_dtype"] = torch.float32
     if config.grad_accum > 1 and not replica_microbatches(config) > 1:
         options["microbatches"] = config.grad_accum

@@ -165,7 +165,7 @@ def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:
 def _summed_wider(params: Any, count: int) -> list[torch.dtype | None]:
     """Per leaf of ``params`` (``count`` of them): the reduce dtype its microbatch grads are
     summed in where that is wider than the leaf's own, while the running step defers
-    reductions, else None.
+    reductions or holds its grads wide (``StepContext.wide_grads``), else None.
 
     The gathers' backward returns such a grad unreduced in the reduce dtype, and autograd
     casts a grad to the dtype of the input it is for: differentiated w.r.t. a bf16 leaf
@@ -174,7 +174,7 @@ def _summed_wider(params: Any, count: int) -> list[torch.dtype | None]:
     dtype, which the gathers cast back to the compute dtype (exactly: the values are the
     leaf's)."""
     step = current()
-    if step is None or not step.defer_reduction:
+    if step is None or not (step.defer_reduction or step.wide_grads):
         return [None] * count
     out: list[torch.dtype | None] = []
     for path, leaf in tree.flatten_with_paths(params)[0]:

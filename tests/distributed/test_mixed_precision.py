@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 
 import pytest
 import torch
 from equivalence import batches, llama
+from lone_manager import LoneManager
+from torch.distributed import ReduceOp
 
 import d9d
 from d9d.testing import run_on_ranks
@@ -29,9 +32,15 @@ def _loss(model: d9d.Model, params: dict, batch: dict) -> torch.Tensor:
 
 
 def _sharded_grads(
-    model: d9d.Model, mesh_axes: dict[str, int], options: dict, batch: dict
+    model: d9d.Model,
+    mesh_axes: dict[str, int],
+    options: dict,
+    batch: dict,
+    manager: object | None = None,
+    microbatches: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The grads the step body gets under ``shard_params(mesh, "fsdp", **options)``, whole."""
+    """The grads the step body gets under ``shard_params(mesh, "fsdp", **options)``, whole;
+    with a ``manager``, under ``fault_tolerant(manager, microbatches=microbatches)`` too."""
     mesh = d9d.make_mesh("cpu", **mesh_axes)
     model = copy.deepcopy(model)
 
@@ -39,6 +48,8 @@ def _sharded_grads(
         return d9d.value_and_grad(lambda p, b: _loss(model, p, b))(params, batch)[1], opt_state, {}
 
     step = d9d.shard_params(mesh, "fsdp", **options)(grads_step)
+    if manager is not None:
+        step = d9d.fault_tolerant(manager, microbatches=microbatches)(step)
     params, _ = step.place(model.params, (), model=model)
     grads, _, _ = step(params, (), step.shard_batch(batch))
     return {k: g.full_tensor() for k, g in grads.items()}
@@ -141,3 +152,107 @@ def test_tp_sums_of_norm_grads_are_in_the_reduce_dtype() -> None:
     narrow, _ = run_on_ranks(_tp_all_reduce_bytes, 4, BF16)[0]
     assert elements == 3 * 64 // 2  # three norms of 64, each rank's half
     assert wide - narrow == elements * (F32.itemsize - BF16.itemsize)
+
+
+@pytest.mark.parametrize("shard", ["grads", "opt_state"])
+def test_fault_tolerant_microbatches_of_bf16_params_sum_in_the_reduce_dtype(shard: str) -> None:
+    """As above under ZeRO-1/2 with ``fault_tolerant(manager, microbatches=2)``
+    accumulating (a lone replica group), which reduces each microbatch inside the group as
+    it comes: ZeRO's reduced grads were rounded to the bf16 params, and summed in bf16."""
+    options = {"shard": shard, "reduce_dtype": F32}
+    got = run_on_ranks(
+        _sharded_grads, 2, _BF16_MODEL, {"fsdp": 2}, options, _BATCH, LoneManager([True] * 2), 2
+    )[0]
+    _assert_equal(got, _reference(_BF16_MODEL, _BATCH, 4, BF16, F32))
+
+
+class _Groups:
+    """The managers of two replica groups run as threads: each all-reduce sums both groups'
+    buffers in their dtype; every step commits."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2)
+        self.given: list[torch.Tensor | None] = [None, None]
+        self.reduced: list[tuple[torch.dtype, int]] = []
+
+    def manager(self, group: int) -> LoneManager:
+        groups, manager = self, LoneManager([True])
+
+        def allreduce(tensor: torch.Tensor, reduce_op: ReduceOp) -> LoneManager:
+            assert reduce_op == ReduceOp.SUM
+            groups.reduced.append((tensor.dtype, tensor.numel()))
+            groups.given[group] = tensor.clone()
+            groups.barrier.wait()
+            tensor.copy_(groups.given[0] + groups.given[1])
+            groups.barrier.wait()
+            return manager
+
+        manager.allreduce = allreduce
+        manager.num_participants = lambda: 2
+        return manager
+
+
+def test_two_fault_tolerant_groups_sum_bf16_grads_over_microbatches_and_groups_in_float32():
+    """bf16 params, ``reduce_dtype=float32``, two replica groups (threads) of 2 microbatches
+    each: the 4 slices' grads are summed in float32, over each group's microbatches and then
+    over the groups in one float32 all-reduce, and rounded once to bf16. Both sums were bf16
+    ones (0.6% of a param's largest grad off here)."""
+    groups, got = _Groups(), [None, None]
+    halves = [{k: v[4 * g : 4 * g + 4] for k, v in _BATCH.items()} for g in range(2)]
+
+    def run(g: int) -> None:
+        options = {"reduce_dtype": F32}
+        got[g] = _sharded_grads(_BF16_MODEL, {"fsdp": 1}, options, halves[g], groups.manager(g), 2)
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    numel = sum(v.numel() for v in _BF16_MODEL.params.values())
+    assert groups.reduced == [(F32, numel + 2)] * 2  # the grads, the loss sum and the count
+    wanted = _reference(_BF16_MODEL, _BATCH, 4, BF16, F32)
+    for grads in got:
+        _assert_equal(grads, wanted)
+    narrow = _reference(_BF16_MODEL, _BATCH, 4, BF16, BF16)
+    assert not any(torch.equal(got[0][k], narrow[k]) for k in narrow)
+
+
+def _pipelined_grads(manager: LoneManager | None) -> dict[str, torch.Tensor]:
+    """The grads of this rank's stages under ``pipeline(pp=2)`` of the bf16 model, reduced
+    in float32, with uneven valid tokens; under ``fault_tolerant(manager)`` with one."""
+    mesh = d9d.make_mesh("cpu", pp=2, dp=1)
+    model = llama(BF16, 2)()
+    batch = dict(_BATCH)
+    batch["labels"] = batch["labels"].clone()
+    batch["labels"][0, 5:] = -100
+
+    def grads_step(params: dict, opt_state: tuple, batch: dict) -> tuple:
+        return d9d.value_and_grad(lambda p, b: _loss(model, p, b))(params, batch)[1], opt_state, {}
+
+    step = d9d.pipeline(mesh, microbatches=2)(grads_step)
+    step = d9d.shard_params(mesh, None, replicate_axis="dp", reduce_dtype=F32)(step)
+    if manager is not None:
+        step = d9d.fault_tolerant(manager)(step)
+    params, _ = step.place(model.params, (), model=model)
+    grads, _, _ = step(params, (), step.shard_batch(batch))
+    return {k: g.full_tensor() for k, g in grads.items()}
+
+
+def _lone_pipelined_group() -> tuple[dict, dict, list[str]]:
+    torch.manual_seed(0)
+    plain = _pipelined_grads(None)
+    manager = LoneManager([True])
+    torch.manual_seed(0)
+    return plain, _pipelined_grads(manager), manager.calls
+
+
+def test_a_lone_pipelined_fault_tolerant_group_of_bf16_params_equals_the_pipeline():
+    """pp=2, bf16 params reduced in float32, one replica group: ``fault_tolerant`` after the
+    executor multiplies each stage's bf16 mean grads by the group's token count, all-reduces
+    and divides them in float32 and rounds once, giving back the pipeline's grads bit for
+    bit. In bf16 the product and the quotient rounded (0.5% of a param's largest grad off)."""
+    for plain, got, calls in run_on_ranks(_lone_pipelined_group, 2, method="fork"):
+        _assert_equal(got, plain)
+        numel = sum(g.numel() for g in got.values())
+        assert calls == ["start_quorum", f"allreduce torch.float32 {numel + 2}", "should_commit"]

@@ -26,6 +26,7 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
+from ...core._context import current
 from ...core._gather import local_like
 from ...core._microbatches import sum_microbatches
 from ...core._runtime import Differentiation, Runtime
@@ -120,7 +121,15 @@ class FaultTolerantRuntime(Runtime):
     def differentiate(
         self, job: Differentiation
     ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
-        value, aux, grads, weight = self._run(job)
+        # Summed over microbatches and groups in the plan's reduce dtype where it is wider
+        # than the param's (bf16 params, reduce_dtype=float32), rounded once by value_and_grad.
+        step = current()
+        assert step is not None
+        previous, step.wide_grads = step.wide_grads, True
+        try:
+            value, aux, grads, weight = self._run(job)
+        finally:
+            step.wide_grads = previous
         value, grads, count = self._over_groups(value, grads, weight)
         return value, aux, grads, count
 
@@ -129,10 +138,11 @@ class FaultTolerantRuntime(Runtime):
     ) -> tuple[torch.Tensor, list[Any]]:
         if self.drives_differentiation:  # reduced in ``differentiate``
             return value, grads
-        if weight is not None:  # the group's means, back to sums over its tokens
-            grads = [_times(g, weight) for g in grads]
-        value, grads, _ = self._over_groups(value, grads, weight)
-        return value, grads
+        # In float32 at least, each grad rounded back to its dtype once: the driver's grads
+        # are rounded means, which a bf16 product with the count and quotient rounded again.
+        wide = [_times(g, weight) if weight is not None else _wide(g) for g in grads]
+        value, wide, _ = self._over_groups(value, wide, weight)
+        return value, [w.to(g.dtype) for w, g in zip(wide, grads, strict=True)]
 
     def _over_groups(
         self, value: torch.Tensor, grads: list[Any], weight: torch.Tensor | None
@@ -186,9 +196,16 @@ class FaultTolerantRuntime(Runtime):
 
 
 def _times(grad: Any, weight: torch.Tensor) -> Any:
-    """``grad`` (a DTensor's local piece in its stead) times ``weight``, multiplied in
-    float32 at least: a bfloat16 weight would round token counts above 256."""
+    """``grad`` (a DTensor's local piece in its stead) times ``weight``, in float32 at
+    least: a bfloat16 weight would round token counts above 256."""
     local = grad.to_local() if isinstance(grad, DTensor) else grad
     count = tokens_like(weight, local)
-    scaled = (local.to(count.dtype) * count).to(local.dtype)
+    scaled = local.to(count.dtype) * count
     return local_like(scaled, grad) if isinstance(grad, DTensor) else scaled
+
+
+def _wide(grad: Any) -> Any:
+    """``grad`` (a DTensor's local piece in its stead) in float32 at least."""
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    wide = local.to(torch.promote_types(local.dtype, torch.float32))
+    return local_like(wide, grad) if isinstance(grad, DTensor) else wide

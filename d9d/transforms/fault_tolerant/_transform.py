@@ -133,10 +133,14 @@ def fault_tolerant(
     backward ends, so that all-reduce carries each rank's shard); the loss and grads stay the
     token mean over every live group's whole batch. ``shard_params(microbatches=k)`` under
     this transform is refused (both would drive the backward): give ``k`` here instead.
+    The sums over the microbatches and the all-reduce over the groups take each param's
+    reduce dtype where it is wider than the param's (``shard_params(reduce_dtype=...)``:
+    bf16 params reduced in float32 are rounded to bf16 once, at the end).
 
     Under ``pipeline`` the stage executor drives the backward; the reduction over the
     groups follows it, once a step: each rank all-reduces its own stages' grads (reduced
-    inside the group) with the same rank of every live group, which holds the same stages.
+    inside the group) with the same rank of every live group, which holds the same stages,
+    in float32 at least (each grad rounded back to its dtype once).
     Its microbatches are ``pipeline``'s (``microbatches`` here must be 1).
 
     Not yet: ``d9d.jit`` is refused by name; ``step.comms`` does not count the manager's

@@ -56,7 +56,9 @@ class _GatherWholes(torch.autograd.Function):
         mesh = wholes[0].device_mesh
         ctx.axis, ctx.groups, ctx.entries, ctx.mesh = axis, groups, entries, mesh
         ctx.strides = [w.stride() for w in wholes]
-        ctx.dtypes = [w.dtype for w in wholes]
+        # The views' own: a view widened for sums beyond one backward (``_summed_wider``)
+        # takes its reduced grad in the reduce dtype, not rounded to the stored one.
+        ctx.dtypes = [v.dtype for v in views]
         ctx.mine = [
             v.to_local().shape[e.grad_kept[axis].dim]
             if axis is not None and e.grad_kept[axis].is_shard()
