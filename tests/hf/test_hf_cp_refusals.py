@@ -3,7 +3,8 @@ model (``d9d/transforms/context_parallel/_hf_refusals.py``): layers that mix pos
 attention (a module, or a layer type), a mask the attention module builds itself, a chunk
 shorter than the sequence, an attention argument it does not implement, each found by the
 family sweep as a ``wrong`` cell (other numbers, no error) before; and a padding mask,
-positions or labels given to the model. The tiny configs are the sweep's. A plain family still
+positions or labels given to the model. Sliding windows shorter than the sequence are
+computed, the config's where the module passes none (PhiMoE). The tiny configs are the sweep's. A plain family still
 equals one device: ``SAMPLE`` in ``sweep.py`` (Cwm, whose layers are full and sliding
 attention)."""
 
@@ -11,17 +12,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from equivalence import assert_equivalent, reference
 from hf_families import data
 from sweep import tiny_config
 
 import d9d
 from d9d.errors import PlanError, RankFailedError
 from d9d.testing import run_on_ranks
-from d9d.transforms.context_parallel._hf_refusals import check_attention_call
+from d9d.transforms.context_parallel._hf_refusals import attention_window, check_attention_call
 
 pytestmark = pytest.mark.distributed
 
@@ -176,18 +179,30 @@ def test_an_attention_chunk_shorter_than_the_sequence_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("llama4_text", attention_chunk_size=4))
 
 
-def test_a_sliding_window_only_the_config_holds_is_refused() -> None:
-    """PhiMoE (no layer_types) builds its window mask from config.sliding_window and passes
-    attention no sliding_window=, so ring attention ran over the whole sequence with no
-    error: windows of 4 over sequences of 16, 2 AdamW steps at cp=2 in float64, losses
-    4.60409, 4.56147 for one device's 4.60530, 4.55672 (those of no window), params up to
-    rel 1.0 off."""
-    with pytest.raises(
-        RankFailedError,
-        match=r"PlanError: the model has attention layers over 4 positions "
-        r"\(config\.sliding_window=4\), shorter than the sequence \(8\)",
-    ):
-        run_on_ranks(_cp_forward, 2, _build("phimoe", sliding_window=4))
+def _equals_one_device(make: Callable[[], d9d.Model]) -> None:
+    """3 AdamW steps at cp=2 (zigzag) in float64: losses and params equal one device's."""
+    batches = data()
+    assert_equivalent(
+        make,
+        lambda mesh: [d9d.context_parallel(mesh)],
+        {"cp": 2},
+        batches,
+        reference(make, batches),
+        dtype=torch.float64,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "window"),
+    [("phimoe", 3), ("mistral", 3), ("gpt_oss", 5)],
+)
+def test_a_sliding_window_shorter_than_the_sequence_is_computed(model_type: str, window: int):
+    """Windows over sequences of 8 (zigzag chunks of 2): PhiMoE builds its mask from
+    config.sliding_window and passes attention no sliding_window= (ring attention ran over the
+    whole sequence before, with no error: 2 steps lost 4.60409, 4.56147 for one device's
+    4.60530, 4.55672, params up to rel 1.0 off), so the config's is used; Mistral passes it;
+    GPT-OSS's first layer is sliding (with sinks), its second full (config.layer_types)."""
+    _equals_one_device(_build(model_type, sliding_window=window))
 
 
 def test_a_dynamic_rope_past_max_position_embeddings_is_refused() -> None:
@@ -248,15 +263,43 @@ def test_an_attention_argument_ring_attention_does_not_implement_is_refused() ->
         check_attention_call(module, None, {"position_bias": torch.zeros(4), "use_cache": False})
 
 
-def test_a_sliding_window_passed_to_attention_is_refused_by_the_call() -> None:
-    """A window the module passes attention is refused too, whatever the config says (a
-    module may read its window from another field), before any exchange of the ring."""
+def test_a_bidirectional_sliding_window_is_refused_by_the_call() -> None:
+    """transformers' bidirectional window (``|q - k| <= window``) is another mask than the
+    causal one ring attention computes; refused before any exchange of the ring."""
     from d9d.transforms.context_parallel._split import SequenceSplit
 
     split = SequenceSplit("unused", "cp", rank=0, size=2, load_balance="zigzag")
     q = k = v = torch.zeros(1, 2, 4, 8)
     with pytest.raises(
         PlanError,
-        match=r"attends over a sliding window of 7 positions, shorter than the sequence \(8\)",
+        match=r"bidirectional sliding window of 7 positions, shorter than the sequence \(8\)",
     ):
-        split.attention(q, k, v, window=7)
+        split.attention(q, k, v, causal=False, window=7)
+
+
+def _attention(layer_idx: int | None = 0, **config: Any) -> torch.nn.Module:
+    module = torch.nn.Identity()
+    module.config = SimpleNamespace(**config)
+    if layer_idx is not None:
+        module.layer_idx = layer_idx
+    return module
+
+
+def test_the_window_of_a_call_is_the_one_its_layer_mask_is_built_with() -> None:
+    """config.sliding_window on the layer's 'sliding_attention' (or every layer, without
+    layer_types), the module's own where the config holds none; one that spans the sequence
+    is none; a window passed that disagrees with the config's for the layer is refused."""
+    types = ["sliding_attention", "full_attention"]
+    assert attention_window(_attention(sliding_window=4), None, 8) == 4
+    assert attention_window(_attention(sliding_window=4, layer_types=types), 4, 8) == 4
+    assert attention_window(_attention(1, sliding_window=4, layer_types=types), None, 8) is None
+    assert attention_window(_attention(sliding_window=None), 5, 8) == 5
+    assert attention_window(_attention(sliding_window=8), 8, 8) is None
+    with pytest.raises(PlanError, match=r"layer 1\) passes attention sliding_window=4, but "):
+        attention_window(_attention(1, sliding_window=4, layer_types=types), 4, 8)
+    with pytest.raises(PlanError, match=r"sliding_window=3, but transformers builds .* with 4"):
+        attention_window(_attention(sliding_window=4), 3, 8)
+    with pytest.raises(
+        PlanError, match=r"passes attention no sliding_window= and has no layer_idx"
+    ):
+        attention_window(_attention(None, sliding_window=4, layer_types=types), None, 8)
