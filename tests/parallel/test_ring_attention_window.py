@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from d9d.core._comm_count import CollectiveCounter
 from d9d.parallel import MATH_BLOCK_ATTENTION, ring_attention, shard_sequence, unshard_sequence
 from d9d.parallel._block_attention import BlockAttention
+from d9d.parallel._block_plan import BlockTask, block_tasks
 from d9d.parallel._ring_attention import _merge
 from d9d.parallel._sdpa_block_attention import SDPA_BLOCK_ATTENTION
 from d9d.testing import run_on_ranks
@@ -149,3 +150,25 @@ def test_rows_that_saw_no_key_merge_to_zero():
     _merge(out, lse, block_out, block_lse)
     assert out[0, 0, 0].eq(0).all() and out.isfinite().all()
     torch.testing.assert_close(out[0, 0, 1], block_out[0, 0, 1])
+
+
+def test_a_window_skips_the_chunks_it_leaves_out():
+    """Zigzag cp=4, chunks of 3: a window of 1 runs each rank's two own chunks only (a band,
+    as a chunk of 3 is wider than the window); one of 3 adds the neighbouring chunk's keys,
+    cropped to the 2 of them a row sees; no call reaches a chunk further back."""
+    plan = {
+        window: {
+            (rank, owner): block_tasks(rank, owner, 6, 4, causal=True, zigzag=True, window=window)
+            for rank in range(4)
+            for owner in range(4)
+        }
+        for window in (1, 3)
+    }
+    for (rank, owner), tasks in plan[1].items():
+        assert len(tasks) == (2 if owner == rank else 0)
+        assert all(t.band is not None for t in tasks)
+    # Rank 1 holds chunks 1 and 6; rank 0 chunks 0 and 7: chunk 1 sees chunk 0's last 2 keys,
+    # chunk 7 sees chunk 6's.
+    assert plan[3][1, 0] == [BlockTask(slice(0, 2), slice(1, 3), False, band=(3, 1, 3))]
+    assert plan[3][0, 1] == [BlockTask(slice(3, 5), slice(4, 6), False, band=(21, 19, 3))]
+    assert plan[3][3, 0] == []  # chunks 3, 4 against 0, 7: 7 is after both, 0 too far back
