@@ -20,6 +20,7 @@ import torch
 from equivalence import assert_equivalent, reference
 from hf_families import data
 from sweep import tiny_config
+from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: F401
 
 import d9d
 from d9d.errors import PlanError, RankFailedError
@@ -277,29 +278,40 @@ def test_a_bidirectional_sliding_window_is_refused_by_the_call() -> None:
         split.attention(q, k, v, causal=False, window=7)
 
 
-def _attention(layer_idx: int | None = 0, **config: Any) -> torch.nn.Module:
-    module = torch.nn.Identity()
-    module.config = SimpleNamespace(**config)
-    if layer_idx is not None:
-        module.layer_idx = layer_idx
-    return module
+class _Attention(torch.nn.Module):
+    """An attention module of a model file that builds sliding masks (this one imports
+    transformers' create_sliding_window_causal_mask)."""
+
+    def __init__(self, layer_idx: int | None, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(**config)
+        if layer_idx is not None:
+            self.layer_idx = layer_idx
 
 
 def test_the_window_of_a_call_is_the_one_its_layer_mask_is_built_with() -> None:
     """config.sliding_window on the layer's 'sliding_attention' (or every layer, without
-    layer_types), the module's own where the config holds none; one that spans the sequence
-    is none; a window passed that disagrees with the config's for the layer is refused."""
+    layer_types); one that spans the sequence is none; a window passed that disagrees with
+    the config's for the layer, or in a model file that builds no sliding mask, is refused."""
     types = ["sliding_attention", "full_attention"]
-    assert attention_window(_attention(sliding_window=4), None, 8) == 4
-    assert attention_window(_attention(sliding_window=4, layer_types=types), 4, 8) == 4
-    assert attention_window(_attention(1, sliding_window=4, layer_types=types), None, 8) is None
-    assert attention_window(_attention(sliding_window=None), 5, 8) == 5
-    assert attention_window(_attention(sliding_window=8), 8, 8) is None
+
+    def window(given: int | None, layer_idx: int | None = 0, **config: Any) -> int | None:
+        return attention_window(_Attention(layer_idx, config), given, 8)
+
+    assert window(None, sliding_window=4) == 4
+    assert window(4, sliding_window=4, layer_types=types) == 4
+    assert window(None, 1, sliding_window=4, layer_types=types) is None
+    assert window(4, None, sliding_window=4, layer_types=types) == 4
+    assert window(8, sliding_window=8) is None
     with pytest.raises(PlanError, match=r"layer 1\) passes attention sliding_window=4, but "):
-        attention_window(_attention(1, sliding_window=4, layer_types=types), 4, 8)
+        window(4, 1, sliding_window=4, layer_types=types)
     with pytest.raises(PlanError, match=r"sliding_window=3, but transformers builds .* with 4"):
-        attention_window(_attention(sliding_window=4), 3, 8)
-    with pytest.raises(
-        PlanError, match=r"passes attention no sliding_window= and has no layer_idx"
-    ):
-        attention_window(_attention(None, sliding_window=4, layer_types=types), None, 8)
+        window(3, sliding_window=4)
+    with pytest.raises(PlanError, match=r"sliding_window=5, but transformers builds .* with None"):
+        window(5, sliding_window=None)
+    with pytest.raises(PlanError, match=r"_Attention has no layer_idx, so context_parallel"):
+        window(None, None, sliding_window=4, layer_types=types)
+    moshi = torch.nn.Identity()  # a model file without sliding masks (Moshi's window: its cache)
+    moshi.config = SimpleNamespace(sliding_window=4)
+    with pytest.raises(PlanError, match=r"builds no mask with transformers' create_sliding_"):
+        attention_window(moshi, None, 8)

@@ -22,6 +22,7 @@ fails safe.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -154,49 +155,64 @@ def _shorter(window: Any, seq_len: int) -> int | None:
     return window if isinstance(window, int) and window < seq_len else None
 
 
+def _builds_sliding_masks(module: nn.Module) -> bool:
+    """Whether the model file of ``module`` builds masks with transformers' sliding window
+    mask (``create_sliding_window_causal_mask``, from ``config.sliding_window``)."""
+    source = sys.modules.get(type(module).__module__)
+    return getattr(source, "create_sliding_window_causal_mask", None) is not None
+
+
 def attention_window(module: nn.Module, given: Any, seq_len: int) -> int | None:
     """The causal sliding window of one call of attention over ``seq_len`` positions, None
     if it has none shorter: the window transformers builds the layer's mask with, which ring
     attention then computes (the ``sliding_window=`` the module passes, ``given``, must agree).
 
-    transformers builds a sliding mask from ``config.sliding_window`` for a
+    transformers builds a sliding mask (``create_sliding_window_causal_mask``, which the
+    module's model file must use) from ``config.sliding_window``, for a
     ``"sliding_attention"`` layer of ``config.layer_types`` (the layer being the module's
-    ``layer_idx``), or for every layer of a config without ``layer_types``; PhiMoE and
-    Qwen2-MoE pass attention no ``sliding_window=``, so the config's is used. A module whose
-    config holds no window passes its own (or none).
+    ``layer_idx``) or for every layer of a config without ``layer_types``; PhiMoE and
+    Qwen2-MoE pass attention no ``sliding_window=``, so the config's is used.
 
     Raises:
-        PlanError: ``given`` disagrees with the config's window for the layer, or the layer
-            is not known (no ``layer_idx``) while the module passes no window and the config
-            has sliding layers.
+        PlanError: A window shorter than the sequence in a model file that does not build
+            sliding masks (Moshi keeps its window for its cache), one that ``given``
+            disagrees with, or one whose layer is not known (no ``layer_idx``).
     """
     config = getattr(module, "config", None)
     field = _shorter(getattr(config, "sliding_window", None), seq_len)
     given = _shorter(given, seq_len)
-    if field is None:
-        return given
+    if given is None and field is None:
+        return None
     name = type(module).__name__
+    if not _builds_sliding_masks(module):
+        raise PlanError(
+            f"{name} has a sliding window (sliding_window={given} passed to attention, "
+            f"config.sliding_window={getattr(config, 'sliding_window', None)}) shorter than "
+            f"the sequence ({seq_len}), but its model file ({type(module).__module__}) builds "
+            "no mask with transformers' create_sliding_window_causal_mask, so which keys it "
+            f"attends to on one device is not known to context_parallel; {_DROP_CP}"
+        )
     layer_types = getattr(config, "layer_types", None)
     index = getattr(module, "layer_idx", None)
     if not isinstance(layer_types, (list, tuple)):
         expected = field
     elif isinstance(index, int) and 0 <= index < len(layer_types):
         expected = field if layer_types[index] == "sliding_attention" else None
-    elif given is None and "sliding_attention" in layer_types:
-        raise PlanError(
-            f"{name} passes attention no sliding_window= and has no layer_idx, so "
-            "context_parallel cannot tell whether its layer is one of config.layer_types' "
-            f"'sliding_attention' layers, whose mask transformers builds with "
-            f"config.sliding_window={field}, shorter than the sequence ({seq_len}); {_DROP_CP}"
-        )
+    elif given is not None and given == field:
+        expected = field
     else:
-        return given
+        raise PlanError(
+            f"{name} has no layer_idx, so context_parallel cannot tell whether its layer is "
+            "one of config.layer_types' 'sliding_attention' layers, whose mask transformers "
+            f"builds with config.sliding_window={field} (shorter than the sequence, "
+            f"{seq_len}; it passes attention sliding_window={given}); {_DROP_CP}"
+        )
     if given is not None and given != expected:
         raise PlanError(
             f"{name} (layer {index}) passes attention sliding_window={given}, but transformers "
-            f"builds the layer's mask with {expected} (from config.sliding_window={field} and "
-            "config.layer_types), over a sequence of "
-            f"{seq_len}: context_parallel cannot tell which it attends over; {_DROP_CP}"
+            f"builds the layer's mask with {expected} (from config.sliding_window="
+            f"{getattr(config, 'sliding_window', None)} and its layer_types), over a sequence "
+            f"of {seq_len}: context_parallel cannot tell which it attends over; {_DROP_CP}"
         )
     return expected
 
