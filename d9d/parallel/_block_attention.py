@@ -17,6 +17,11 @@ key/value head ``h // (H // KV)``, as ``repeat_interleave`` on the head dim woul
   compute dtype, where ``out``/``lse`` are the *final* merged output and log-sum-exp of these
   query rows (the flash-attention recompute formulation), so the probabilities
   ``exp(q k^T * scale - lse)`` are those of the full attention.
+- A backend with ``masks=True`` also takes ``mask=`` (a boolean ``[Sq, Sk]``, True where the
+  query sees the key; ``causal`` is then False) in both; ring attention passes one only for a
+  block a sliding window cuts across, and runs such blocks on :data:`MATH_BLOCK_ATTENTION`
+  for a backend without ``masks``. A row whose keys are all masked gets a zero output and
+  an ``lse`` of ``-inf``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MATH_BLOCK_ATTENTION", "BlockAttention", "compute_dtype"]
+__all__ = ["MATH_BLOCK_ATTENTION", "BlockAttention", "compute_dtype", "finite_or_zero"]
 
 BlockForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 BlockBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -40,11 +45,13 @@ class BlockAttention:
         name: Shown in errors and docs.
         forward: ``(q, k, v, *, scale, causal) -> (out, lse)``; see the module docstring.
         backward: ``(q, k, v, out, dout, lse, *, scale, causal) -> (dq, dk, dv)``.
+        masks: Whether both also take ``mask=`` (a boolean ``[Sq, Sk]``).
     """
 
     name: str
     forward: BlockForward
     backward: BlockBackward
+    masks: bool = False
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,8 +59,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (a row that saw no key yet) read as 0, to subtract safely."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, *, scale: float, causal: bool, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scaled scores ``[B, KV, G * Sq, Sk]`` and q, k in the compute dtype, grouped by KV head."""
     batch, heads, seq_q, dim = q.shape
@@ -66,21 +78,26 @@ def _scores(
     kc = k.to(dtype)
     scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale
     if causal:
-        visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
-        scores = scores.view(batch, kv_heads, group, seq_q, seq_k).masked_fill(
-            ~visible, float("-inf")
-        )
+        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.view(batch, kv_heads, group, seq_q, seq_k).masked_fill(~mask, float("-inf"))
         scores = scores.view(batch, kv_heads, group * seq_q, seq_k)
     return scores, qg, kc
 
 
 def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, _ = q.shape
-    scores, _, _ = _scores(q, k, scale=scale, causal=causal)
+    scores, _, _ = _scores(q, k, scale=scale, causal=causal, mask=mask)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    probs = torch.exp(scores - lse)
+    probs = torch.exp(scores - finite_or_zero(lse))  # a row with no key: zeros, not NaN
     out = torch.matmul(probs, v.to(scores.dtype))
     return out.view(batch, heads, seq_q, v.shape[-1]), lse.view(batch, heads, seq_q)
 
@@ -95,10 +112,11 @@ def _math_backward(
     *,
     scale: float,
     causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, dim = q.shape
     kv_heads = k.shape[1]
-    scores, qg, kc = _scores(q, k, scale=scale, causal=causal)
+    scores, qg, kc = _scores(q, k, scale=scale, causal=causal, mask=mask)
     dtype = scores.dtype
     rows = scores.shape[2]
     probs = torch.exp(scores - lse.to(dtype).reshape(batch, kv_heads, rows, 1))
@@ -114,5 +132,5 @@ def _math_backward(
     return dq, dk, dv
 
 
-MATH_BLOCK_ATTENTION = BlockAttention("math", _math_forward, _math_backward)
+MATH_BLOCK_ATTENTION = BlockAttention("math", _math_forward, _math_backward, masks=True)
 """Pure-PyTorch block attention: explicit scores, runs on any device, exact in float64."""

@@ -4,7 +4,9 @@ Each rank keeps its queries and passes its K/V block to the next rank of the rin
 times, so it sees every block once; the partial outputs are merged by their log-sum-exp.
 The backward recomputes each block's probabilities from the saved final log-sum-exp and
 passes K/V together with the dK/dV accumulated so far around the ring, then hands each
-accumulated dK/dV back to its owner.
+accumulated dK/dV back to its owner. Which rows of a block see which keys (and with what
+mask, under a sliding window) is ``_block_plan.py``'s; a sliding window skips blocks it
+leaves out but exchanges every block all the same.
 
 Each exchange is one functional ``all_to_all_single`` on the cp group whose only non-empty
 split is ``rank -> rank + 1``: P2P ops (``batch_isend_irecv``) are not implemented by the
@@ -33,12 +35,11 @@ import torch.distributed._functional_collectives as funcol
 
 from d9d.errors import IndivisibleError
 
-from ._block_attention import MATH_BLOCK_ATTENTION, BlockAttention, compute_dtype
+from ._block_attention import MATH_BLOCK_ATTENTION, BlockAttention, compute_dtype, finite_or_zero
+from ._block_plan import BlockTask, band_mask, block_tasks
 from ._zigzag import LoadBalance, check_load_balance
 
 __all__ = ["ring_attention", "ring_attention_on"]
-
-_ALL = slice(None)
 
 
 def _pass_to_next(
@@ -68,36 +69,27 @@ def _received(pending: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch
     return out
 
 
-def _block_plan(
-    rank: int, owner: int, seq_local: int, *, causal: bool, zigzag: bool
-) -> tuple[slice, slice, bool] | None:
-    """Which query rows see which columns of the K/V block of ``owner``, and whether masked.
-
-    Zigzag: rank ``r`` holds chunks ``r`` and ``2cp-1-r``. A block from ``j < r`` is visible
-    only through its early chunk (``j < r``; its late chunk is after both of ours), fully; a
-    block from ``j > r`` is visible, fully, only to our late chunk. So every off-diagonal block
-    is half a block of unmasked work on every rank.
-    """
-    if not causal:
-        return _ALL, _ALL, False
-    if owner == rank:
-        return _ALL, _ALL, True
-    if not zigzag:
-        return (_ALL, _ALL, False) if owner < rank else None
-    half = seq_local // 2
-    if owner < rank:
-        return _ALL, slice(0, half), False
-    return slice(half, seq_local), _ALL, False
-
-
 def _merge(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> None:
-    """Fold a block's ``(out, lse)`` into the running ones, in place, stably."""
+    """Fold a block's ``(out, lse)`` into the running ones, in place, stably (rows that saw no
+    key yet in either, of ``lse`` ``-inf``, stay zero)."""
     merged = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
-    out.add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    safe = finite_or_zero(merged)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
     lse.copy_(merged)
+
+
+def _call(
+    block: BlockAttention, task: BlockTask, q: torch.Tensor, k: torch.Tensor
+) -> tuple[BlockAttention, dict[str, Any]]:
+    """The backend and keywords for ``task`` on ``q`` rows and ``k`` columns (already cut):
+    a band's mask, on the math version where ``block`` takes no mask."""
+    mask = band_mask(task, q.shape[2], k.shape[2], q.device)
+    if mask is None:
+        return block, {"causal": task.causal}
+    return (block if block.masks else MATH_BLOCK_ATTENTION), {"causal": False, "mask": mask}
 
 
 class _RingAttention(torch.autograd.Function):
@@ -115,6 +107,7 @@ class _RingAttention(torch.autograd.Function):
         zigzag: bool,
         scale: float,
         block: BlockAttention,
+        window: int | None,
     ) -> torch.Tensor:
         batch, heads, seq, _ = q.shape
         dtype = compute_dtype(q.dtype)
@@ -124,13 +117,16 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             # Start the next exchange before computing, so it overlaps with this block.
             pending = _pass_to_next((k_cur, v_cur), group_name, rank, cp) if step < cp - 1 else None
-            plan = _block_plan(rank, (rank - step) % cp, seq, causal=causal, zigzag=zigzag)
-            if plan is not None:
-                rows, cols, masked = plan
-                block_out, block_lse = block.forward(
-                    q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], scale=scale, causal=masked
+            owner = (rank - step) % cp
+            for task in block_tasks(
+                rank, owner, seq, cp, causal=causal, zigzag=zigzag, window=window
+            ):
+                q_b, k_b = q[:, :, task.rows], k_cur[:, :, task.cols]
+                impl, options = _call(block, task, q_b, k_b)
+                block_out, block_lse = impl.forward(
+                    q_b, k_b, v_cur[:, :, task.cols], scale=scale, **options
                 )
-                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+                _merge(out[:, :, task.rows], lse[:, :, task.rows], block_out, block_lse)
             if pending is not None:
                 k_cur, v_cur = _received(pending, (k_cur, v_cur))
         if sinks is not None:  # one more logit per row, of a zero value: scales rows down
@@ -142,13 +138,13 @@ class _RingAttention(torch.autograd.Function):
         # an output that a no-op .to() (or .contiguous()) returned, so jitted cp grads were 0.
         result = out if out.dtype == q.dtype else out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse, sinks)
-        ctx.options = (group_name, rank, cp, causal, zigzag, scale, block)
+        ctx.options = (group_name, rank, cp, causal, zigzag, scale, block, window)
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        group_name, rank, cp, causal, zigzag, scale, block = ctx.options
+        group_name, rank, cp, causal, zigzag, scale, block, window = ctx.options
         seq = q.shape[2]
         dtype = compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -156,18 +152,22 @@ class _RingAttention(torch.autograd.Function):
         dk_cur = torch.zeros(k.shape, dtype=dtype, device=k.device)
         dv_cur = torch.zeros(v.shape, dtype=dtype, device=v.device)
         for step in range(cp):
-            plan = _block_plan(rank, (rank - step) % cp, seq, causal=causal, zigzag=zigzag)
-            if plan is not None:
-                rows, cols, masked = plan
-                dq_b, dk_b, dv_b = block.backward(
-                    q[:, :, rows],
-                    k_cur[:, :, cols],
+            owner = (rank - step) % cp
+            for task in block_tasks(
+                rank, owner, seq, cp, causal=causal, zigzag=zigzag, window=window
+            ):
+                rows, cols = task.rows, task.cols
+                q_b, k_b = q[:, :, rows], k_cur[:, :, cols]
+                impl, options = _call(block, task, q_b, k_b)
+                dq_b, dk_b, dv_b = impl.backward(
+                    q_b,
+                    k_b,
                     v_cur[:, :, cols],
                     out[:, :, rows],
                     dout[:, :, rows],
                     lse[:, :, rows],
                     scale=scale,
-                    causal=masked,
+                    **options,
                 )
                 dq[:, :, rows] += dq_b
                 dk_cur[:, :, cols] += dk_b
@@ -185,7 +185,7 @@ class _RingAttention(torch.autograd.Function):
                 dk_cur, dv_cur = _received(_pass_to_next(moving, group_name, rank, cp), moving)
         grads = (dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype))
         sink_grad = _sink_grad(sinks, out, dout, lse) if ctx.needs_input_grad[3] else None
-        return *grads, sink_grad, None, None, None, None, None, None, None
+        return *grads, sink_grad, None, None, None, None, None, None, None, None
 
 
 def _sink_grad(
@@ -208,8 +208,15 @@ def _validate(
     load_balance: object,
     scale: float | None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     check_load_balance(load_balance)
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise ValueError(
+            f"{window=} must be an int >= 1 (keys a query sees, itself included) or None."
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4 or not t.is_floating_point():
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -259,6 +266,7 @@ def ring_attention(
     scale: float | None = None,
     block: BlockAttention = MATH_BLOCK_ATTENTION,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the sequence split across ``group``.
 
@@ -283,13 +291,19 @@ def ring_attention(
         sinks: Attention sinks ``[heads]`` (default None): one more logit per query row and
             head, unscaled, of a zero value (GPT-OSS's ``sinks``), so each row's softmax
             has ``exp(sinks[h])`` more in its denominator; differentiable.
+        window: A causal sliding window (default None): a query at global position ``q``
+            sees the keys at ``q - window < k <= q`` (``transformers``' sliding window).
+            Blocks it cuts across are attended with a mask, on the math version where
+            ``block`` takes none (``block.masks``: the CUDA kernels), in float32 for
+            bfloat16; blocks wholly outside it are skipped. The exchanges stay the same.
 
     Returns:
         This rank's attention output ``[batch, heads, seq_local, v_dim]``, dtype of ``q``.
 
     Raises:
-        ValueError: Shapes, dtypes, ``heads % kv_heads``, ``scale``, ``sinks`` or
-            ``load_balance`` are invalid.
+        ValueError: Shapes, dtypes, ``heads % kv_heads``, ``scale``, ``sinks``, ``window``
+            or ``load_balance`` are invalid.
+        NotImplementedError: A ``window`` shorter than the sequence with ``causal=False``.
         IndivisibleError: ``load_balance="zigzag"`` with an odd ``seq_local``.
         TypeError: ``group`` is not a process group.
 
@@ -318,6 +332,7 @@ def ring_attention(
         scale=scale,
         block=block,
         sinks=sinks,
+        window=window,
     )
 
 
@@ -334,13 +349,22 @@ def ring_attention_on(
     scale: float | None = None,
     block: BlockAttention = MATH_BLOCK_ATTENTION,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """:func:`ring_attention` on the group named ``group_name``, of ``size`` ranks, this rank
     being its ``rank``-th: what ``context_parallel`` calls, with the three read from its mesh
     when it builds its runtime, so a trace sees no process group object."""
-    _validate(q, k, v, load_balance, scale, sinks)
+    _validate(q, k, v, load_balance, scale, sinks, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     zigzag = load_balance == "zigzag"
+    if window is not None and window >= q.shape[2] * size:
+        window = None  # it spans the sequence: no mask
+    if window is not None and not causal:
+        raise NotImplementedError(
+            f"a sliding window ({window=}) without causal masking is not implemented (a "
+            "bidirectional window is another mask: transformers' lets a query see keys at most "
+            "window positions either side); pass causal=True, or window=None"
+        )
     return _RingAttention.apply(
-        q, k, v, sinks, group_name, rank, size, causal, zigzag, scale, block
+        q, k, v, sinks, group_name, rank, size, causal, zigzag, scale, block, window
     )

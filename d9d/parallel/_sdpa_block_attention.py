@@ -5,7 +5,10 @@ the *final* output and log-sum-exp, which is the contract of
 :class:`~d9d.parallel._block_attention.BlockAttention`; none materializes the ``[Sq, Sk]``
 scores, unlike the math version. Three kernels, one backend each:
 
-- ``sdpa``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, any float dtype);
+- ``sdpa``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU, any float dtype), the
+  one that also takes a mask (as an additive ``0``/``-inf`` bias of the query's dtype), for
+  the blocks a sliding window cuts across; ring attention runs those on the math version
+  under the CUDA two;
 - ``sdpa_flash``: ``aten._scaled_dot_product_flash_attention`` (CUDA, bfloat16 and float16);
 - ``sdpa_efficient``: ``aten._scaled_dot_product_efficient_attention`` (CUDA, float32 too);
   its log-sum-exp has the query rows padded to a multiple of 32, sliced off here and padded
@@ -47,21 +50,25 @@ class _Kernel:
 
     ``forward(q, k, v, causal, scale) -> (out, lse [B, H, Sq])`` and
     ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``; ``head_multiple``:
-    the head size the kernel wants a multiple of.
+    the head size the kernel wants a multiple of; ``masks``: whether both also take
+    ``attn_mask=`` (an additive bias ``[Sq, Sk]`` of the query's dtype).
     """
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     head_multiple: int
+    masks: bool = False
 
 
-def _cpu_forward(q, k, v, causal, scale):
-    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+def _cpu_forward(q, k, v, causal, scale, attn_mask=None):
+    return _aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale
+    )
 
 
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale, attn_mask=None):
     return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=attn_mask, scale=scale
     )
 
 
@@ -140,6 +147,14 @@ def _dense_padded(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The kernel's ``attn_mask=`` for a boolean ``mask`` (none for None): 0 where visible."""
+    if mask is None:
+        return {}
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return {"attn_mask": zeros.masked_fill(~mask, float("-inf"))}
+
+
 def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
     """The :class:`BlockAttention` of ``kernel``: grouped heads and head sizes adapted to it."""
 
@@ -148,7 +163,13 @@ def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
         return -(-size // kernel.head_multiple) * kernel.head_multiple
 
     def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         group, size = q.shape[1] // k.shape[1], padded_size(q, v)
         out, lse = kernel.forward(
@@ -157,6 +178,7 @@ def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
             _dense_padded(_repeat(v, group), size),
             causal,
             scale,
+            **_bias(mask, q.dtype),
         )
         dtype = compute_dtype(q.dtype)
         return out[..., : v.shape[-1]].to(dtype), lse.to(dtype)
@@ -171,6 +193,7 @@ def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
         *,
         scale: float,
         causal: bool,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, kv_heads = k.shape[:2]
         group, size = q.shape[1] // kv_heads, padded_size(q, v)
@@ -184,13 +207,14 @@ def _block_attention(name: str, kernel: _Kernel) -> BlockAttention:
             lse.to(torch.promote_types(q.dtype, torch.float32)),
             causal,
             scale,
+            **_bias(mask, q.dtype),
         )
         dtype = compute_dtype(q.dtype)
         dk = dk[..., :head].reshape(batch, kv_heads, group, *dk.shape[2:-1], head).sum(2)
         dv = dv[..., :v_head].reshape(batch, kv_heads, group, *dv.shape[2:-1], v_head).sum(2)
         return dq[..., :head].to(dtype), dk.to(dtype), dv.to(dtype)
 
-    return BlockAttention(name, forward, backward)
+    return BlockAttention(name, forward, backward, masks=kernel.masks)
 
 
 def sdpa_unavailable(device_type: str | None) -> str | None:
@@ -209,7 +233,7 @@ def cuda_sdpa_unavailable(device_type: str | None) -> str | None:
     return None
 
 
-SDPA_BLOCK_ATTENTION = _block_attention("sdpa", _Kernel(_cpu_forward, _cpu_backward, 1))
+SDPA_BLOCK_ATTENTION = _block_attention("sdpa", _Kernel(_cpu_forward, _cpu_backward, 1, masks=True))
 """Block attention on the fused CPU SDPA kernel with log-sum-exp (see the module docstring)."""
 
 SDPA_FLASH_BLOCK_ATTENTION = _block_attention(

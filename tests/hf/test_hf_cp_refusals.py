@@ -3,7 +3,8 @@ model (``d9d/transforms/context_parallel/_hf_refusals.py``): layers that mix pos
 attention (a module, or a layer type), a mask the attention module builds itself, a chunk
 shorter than the sequence, an attention argument it does not implement, each found by the
 family sweep as a ``wrong`` cell (other numbers, no error) before; and a padding mask,
-positions or labels given to the model. The tiny configs are the sweep's. A plain family still
+positions or labels given to the model. Sliding windows shorter than the sequence are
+computed, the config's where the module passes none (PhiMoE). The tiny configs are the sweep's. A plain family still
 equals one device: ``SAMPLE`` in ``sweep.py`` (Cwm, whose layers are full and sliding
 attention)."""
 
@@ -11,17 +12,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from equivalence import assert_equivalent, reference
 from hf_families import data
 from sweep import tiny_config
+from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: F401
 
 import d9d
 from d9d.errors import PlanError, RankFailedError
 from d9d.testing import run_on_ranks
-from d9d.transforms.context_parallel._hf_refusals import check_attention_call
+from d9d.transforms.context_parallel._hf_refusals import attention_window, check_attention_call
 
 pytestmark = pytest.mark.distributed
 
@@ -176,18 +180,30 @@ def test_an_attention_chunk_shorter_than_the_sequence_is_refused() -> None:
         run_on_ranks(_cp_forward, 2, _build("llama4_text", attention_chunk_size=4))
 
 
-def test_a_sliding_window_only_the_config_holds_is_refused() -> None:
-    """PhiMoE (no layer_types) builds its window mask from config.sliding_window and passes
-    attention no sliding_window=, so ring attention ran over the whole sequence with no
-    error: windows of 4 over sequences of 16, 2 AdamW steps at cp=2 in float64, losses
-    4.60409, 4.56147 for one device's 4.60530, 4.55672 (those of no window), params up to
-    rel 1.0 off."""
-    with pytest.raises(
-        RankFailedError,
-        match=r"PlanError: the model has attention layers over 4 positions "
-        r"\(config\.sliding_window=4\), shorter than the sequence \(8\)",
-    ):
-        run_on_ranks(_cp_forward, 2, _build("phimoe", sliding_window=4))
+def _equals_one_device(make: Callable[[], d9d.Model]) -> None:
+    """3 AdamW steps at cp=2 (zigzag) in float64: losses and params equal one device's."""
+    batches = data()
+    assert_equivalent(
+        make,
+        lambda mesh: [d9d.context_parallel(mesh)],
+        {"cp": 2},
+        batches,
+        reference(make, batches),
+        dtype=torch.float64,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "window"),
+    [("phimoe", 3), ("mistral", 3), ("gpt_oss", 5)],
+)
+def test_a_sliding_window_shorter_than_the_sequence_is_computed(model_type: str, window: int):
+    """Windows over sequences of 8 (zigzag chunks of 2): PhiMoE builds its mask from
+    config.sliding_window and passes attention no sliding_window= (ring attention ran over the
+    whole sequence before, with no error: 2 steps lost 4.60409, 4.56147 for one device's
+    4.60530, 4.55672, params up to rel 1.0 off), so the config's is used; Mistral passes it;
+    GPT-OSS's first layer is sliding (with sinks), its second full (config.layer_types)."""
+    _equals_one_device(_build(model_type, sliding_window=window))
 
 
 def test_a_dynamic_rope_past_max_position_embeddings_is_refused() -> None:
@@ -248,15 +264,54 @@ def test_an_attention_argument_ring_attention_does_not_implement_is_refused() ->
         check_attention_call(module, None, {"position_bias": torch.zeros(4), "use_cache": False})
 
 
-def test_a_sliding_window_passed_to_attention_is_refused_by_the_call() -> None:
-    """A window the module passes attention is refused too, whatever the config says (a
-    module may read its window from another field), before any exchange of the ring."""
+def test_a_bidirectional_sliding_window_is_refused_by_the_call() -> None:
+    """transformers' bidirectional window (``|q - k| <= window``) is another mask than the
+    causal one ring attention computes; refused before any exchange of the ring."""
     from d9d.transforms.context_parallel._split import SequenceSplit
 
     split = SequenceSplit("unused", "cp", rank=0, size=2, load_balance="zigzag")
     q = k = v = torch.zeros(1, 2, 4, 8)
     with pytest.raises(
         PlanError,
-        match=r"attends over a sliding window of 7 positions, shorter than the sequence \(8\)",
+        match=r"bidirectional sliding window of 7 positions, shorter than the sequence \(8\)",
     ):
-        split.attention(q, k, v, window=7)
+        split.attention(q, k, v, causal=False, window=7)
+
+
+class _Attention(torch.nn.Module):
+    """An attention module of a model file that builds sliding masks (this one imports
+    transformers' create_sliding_window_causal_mask)."""
+
+    def __init__(self, layer_idx: int | None, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(**config)
+        if layer_idx is not None:
+            self.layer_idx = layer_idx
+
+
+def test_the_window_of_a_call_is_the_one_its_layer_mask_is_built_with() -> None:
+    """config.sliding_window on the layer's 'sliding_attention' (or every layer, without
+    layer_types); one that spans the sequence is none; a window passed that disagrees with
+    the config's for the layer, or in a model file that builds no sliding mask, is refused."""
+    types = ["sliding_attention", "full_attention"]
+
+    def window(given: int | None, layer_idx: int | None = 0, **config: Any) -> int | None:
+        return attention_window(_Attention(layer_idx, config), given, 8)
+
+    assert window(None, sliding_window=4) == 4
+    assert window(4, sliding_window=4, layer_types=types) == 4
+    assert window(None, 1, sliding_window=4, layer_types=types) is None
+    assert window(4, None, sliding_window=4, layer_types=types) == 4
+    assert window(8, sliding_window=8) is None
+    with pytest.raises(PlanError, match=r"layer 1\) passes attention sliding_window=4, but "):
+        window(4, 1, sliding_window=4, layer_types=types)
+    with pytest.raises(PlanError, match=r"sliding_window=3, but transformers builds .* with 4"):
+        window(3, sliding_window=4)
+    with pytest.raises(PlanError, match=r"sliding_window=5, but transformers builds .* with None"):
+        window(5, sliding_window=None)
+    with pytest.raises(PlanError, match=r"_Attention has no layer_idx, so context_parallel"):
+        window(None, None, sliding_window=4, layer_types=types)
+    moshi = torch.nn.Identity()  # a model file without sliding masks (Moshi's window: its cache)
+    moshi.config = SimpleNamespace(sliding_window=4)
+    with pytest.raises(PlanError, match=r"builds no mask with transformers' create_sliding_"):
+        attention_window(moshi, None, 8)

@@ -6,11 +6,13 @@ model is refused by name, before its forward, when its blocks hold a module that
 positions by itself (a convolution over the sequence: Mamba, gated delta nets, short
 convolutions; a recurrent cell; pooling) or its config says a layer is anything but
 attention or per-token work (``layer_types``: ``linear_attention``, ``hybrid``, ``conv``,
-...), or a window or chunk shorter than the sequence, or a ``"dynamic"`` RoPE past
+...), or an attention chunk shorter than the sequence, or a ``"dynamic"`` RoPE past
 ``max_position_embeddings``; one call of the model is refused when it is given a padding
 mask, positions or labels (which ``transformers`` would drop, read documents from, or shift
 within the rank's slice); and one call of attention is refused when the module passes a
-mask of its own, a dropout in training, or an argument ring attention does not implement.
+mask of its own, a dropout in training, an argument ring attention does not implement, or
+a sliding window that disagrees with the one its config gives the layer (ring attention
+computes causal sliding windows: :func:`attention_window` finds a call's).
 A block that ran without calling the ``"d9d_ring"`` attention at all is refused after its
 forward: its attention is its own code, which the switch of ``config._attn_implementation``
 never reaches (OpenAI GPT, GPT-Neo); one that failed before calling it (not by a refusal of
@@ -20,6 +22,7 @@ fails safe.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -29,12 +32,13 @@ from ...core._structure import Block, Structure
 from ...errors import PlanError
 
 __all__ = [
+    "attention_window",
     "check_attention_call",
     "check_block_attended",
+    "check_hf_chunks",
     "check_hf_inputs",
     "check_hf_layers",
     "check_hf_rope",
-    "check_hf_spans",
     "per_token_layer",
     "unattended_failure_note",
 ]
@@ -51,13 +55,10 @@ POSITION_MIXING: tuple[type[nn.Module], ...] = (
     nn.modules.pooling._AdaptiveMaxPoolNd,
 )
 
-# config.layer_types values ring attention runs exactly -> the config field bounding the keys
-# a query sees (checked against the sequence per call), or None.
-ATTENTION_LAYERS: dict[str, str | None] = {
-    "full_attention": None,
-    "sliding_attention": "sliding_window",
-    "chunked_attention": "attention_chunk_size",  # Llama 4: attention within chunks
-}
+# config.layer_types values ring attention runs exactly (a chunk shorter than the sequence
+# is refused per call: check_hf_chunks).
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+CHUNKED = "chunked_attention"  # Llama 4: attention within chunks of config.attention_chunk_size
 PER_TOKEN_LAYERS = frozenset({"mlp", "moe"})  # Nemotron-H's layers without attention
 # Why a known layer type is refused, where more can be said than that it mixes positions.
 LAYER_REASONS: dict[str, str] = {
@@ -84,8 +85,8 @@ INERT_ARGUMENTS = frozenset(
         "layer_idx",
     }
 )
-# Arguments the ring attention call itself takes (sliding_window is checked there; s_aux are
-# attention sinks, GPT-OSS's).
+# Arguments the ring attention call itself takes (sliding_window is checked against the config
+# by attention_window; s_aux are attention sinks, GPT-OSS's).
 HANDLED_ARGUMENTS = frozenset({"sliding_window", "is_causal", "s_aux"})
 
 _DROP_CP = "train this model without context_parallel"
@@ -128,28 +129,92 @@ def check_hf_layers(structure: Structure, config: Any) -> None:
         )
 
 
-def check_hf_spans(config: Any, seq_len: int) -> None:
-    """Refuse a sliding window or attention chunk shorter than the whole sequence
-    (``seq_len``): transformers builds both as masks, which ring attention does not apply.
-    A config without ``layer_types`` is read for both fields directly: a model of one kind
-    of layer may build its window from ``config.sliding_window`` without passing it to
-    attention (PhiMoE), so the call of attention alone does not show it."""
+def check_hf_chunks(config: Any, seq_len: int) -> None:
+    """Refuse an attention chunk (``config.attention_chunk_size``) shorter than the whole
+    sequence (``seq_len``): transformers builds it as a mask, which ring attention does not
+    apply. A config with ``layer_types`` is read only if it has chunked layers."""
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, (list, tuple)):
-        spans = [
-            (f"{kind!r} layers", ATTENTION_LAYERS.get(kind)) for kind in dict.fromkeys(layer_types)
-        ]
+        if CHUNKED not in layer_types:
+            return
+        what = f"{CHUNKED!r} layers"
     else:
-        spans = [("attention layers", field) for field in ATTENTION_LAYERS.values() if field]
-    for what, field in spans:
-        span = getattr(config, field, None) if field else None
-        if isinstance(span, int) and span < seq_len:
-            raise PlanError(
-                f"the model has {what} over {span} positions (config.{field}={span}), "
-                f"shorter than the sequence ({seq_len}), which context_parallel's ring "
-                "attention does not support; train on sequences no longer than that, or "
-                "without context_parallel"
-            )
+        what = "attention layers"
+    chunk = getattr(config, "attention_chunk_size", None)
+    if isinstance(chunk, int) and chunk < seq_len:
+        raise PlanError(
+            f"the model has {what} over {chunk} positions (config.attention_chunk_size="
+            f"{chunk}), shorter than the sequence ({seq_len}), which context_parallel's ring "
+            "attention does not support; train on sequences no longer than that, or without "
+            "context_parallel"
+        )
+
+
+def _shorter(window: Any, seq_len: int) -> int | None:
+    """``window`` if it is an int shorter than ``seq_len``, else None (it changes nothing)."""
+    return window if isinstance(window, int) and window < seq_len else None
+
+
+def _builds_sliding_masks(module: nn.Module) -> bool:
+    """Whether the model file of ``module`` builds masks with transformers' sliding window
+    mask (``create_sliding_window_causal_mask``, from ``config.sliding_window``)."""
+    source = sys.modules.get(type(module).__module__)
+    return getattr(source, "create_sliding_window_causal_mask", None) is not None
+
+
+def attention_window(module: nn.Module, given: Any, seq_len: int) -> int | None:
+    """The causal sliding window of one call of attention over ``seq_len`` positions, None
+    if it has none shorter: the window transformers builds the layer's mask with, which ring
+    attention then computes (the ``sliding_window=`` the module passes, ``given``, must agree).
+
+    transformers builds a sliding mask (``create_sliding_window_causal_mask``, which the
+    module's model file must use) from ``config.sliding_window``, for a
+    ``"sliding_attention"`` layer of ``config.layer_types`` (the layer being the module's
+    ``layer_idx``) or for every layer of a config without ``layer_types``; PhiMoE and
+    Qwen2-MoE pass attention no ``sliding_window=``, so the config's is used.
+
+    Raises:
+        PlanError: A window shorter than the sequence in a model file that does not build
+            sliding masks (Moshi keeps its window for its cache), one that ``given``
+            disagrees with, or one whose layer is not known (no ``layer_idx``).
+    """
+    config = getattr(module, "config", None)
+    field = _shorter(getattr(config, "sliding_window", None), seq_len)
+    given = _shorter(given, seq_len)
+    if given is None and field is None:
+        return None
+    name = type(module).__name__
+    if not _builds_sliding_masks(module):
+        raise PlanError(
+            f"{name} has a sliding window (sliding_window={given} passed to attention, "
+            f"config.sliding_window={getattr(config, 'sliding_window', None)}) shorter than "
+            f"the sequence ({seq_len}), but its model file ({type(module).__module__}) builds "
+            "no mask with transformers' create_sliding_window_causal_mask, so which keys it "
+            f"attends to on one device is not known to context_parallel; {_DROP_CP}"
+        )
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(layer_types, (list, tuple)):
+        expected = field
+    elif isinstance(index, int) and 0 <= index < len(layer_types):
+        expected = field if layer_types[index] == "sliding_attention" else None
+    elif given is not None and given == field:
+        expected = field
+    else:
+        raise PlanError(
+            f"{name} has no layer_idx, so context_parallel cannot tell whether its layer is "
+            "one of config.layer_types' 'sliding_attention' layers, whose mask transformers "
+            f"builds with config.sliding_window={field} (shorter than the sequence, "
+            f"{seq_len}; it passes attention sliding_window={given}); {_DROP_CP}"
+        )
+    if given is not None and given != expected:
+        raise PlanError(
+            f"{name} (layer {index}) passes attention sliding_window={given}, but transformers "
+            f"builds the layer's mask with {expected} (from config.sliding_window="
+            f"{getattr(config, 'sliding_window', None)} and its layer_types), over a sequence "
+            f"of {seq_len}: context_parallel cannot tell which it attends over; {_DROP_CP}"
+        )
+    return expected
 
 
 def check_hf_rope(config: Any, seq_len: int) -> None:

@@ -20,10 +20,10 @@ from ...core._runtime import ApplyCall, Interception, Runtime
 from ...core._structure import Block, Structure
 from ._hf_refusals import (
     check_block_attended,
+    check_hf_chunks,
     check_hf_inputs,
     check_hf_layers,
     check_hf_rope,
-    check_hf_spans,
     per_token_layer,
     unattended_failure_note,
 )
@@ -81,7 +81,7 @@ class ContextParallelRuntime(Runtime):
             return
         local = sequence_input(call.args, call.kwargs).shape[SEQUENCE_DIM]
         whole = self.split.whole_length(local)
-        check_hf_spans(config, whole)
+        check_hf_chunks(config, whole)
         check_hf_rope(config, whole)
         call.override(config, "_attn_implementation", HF_ATTENTION)
         for block in structure.blocks:

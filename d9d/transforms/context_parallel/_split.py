@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from ... import tree
-from ...core._context import sequence_attention
+from ...core._context import sequence_attention, sequence_length
 from ...core._hidden_tensors import refuse_hidden_tensors
 from ...core._structure import Structure
 from ...errors import IndivisibleError, PlanError
 from ...kernels._registry import resolve
 from ...parallel import positions_for, shard_sequence
 from ...parallel._ring_attention import ring_attention_on
-from ._hf_refusals import HF_ATTENTION, check_attention_call
+from ._hf_refusals import HF_ATTENTION, attention_window, check_attention_call
 
 __all__ = ["HF_ATTENTION", "SequenceSplit", "hf_config", "sequence_input", "with_positions"]
 
@@ -100,16 +100,19 @@ class SequenceSplit:
         """Attention of this rank's queries over the whole sequence; ``[B, H, S_local, D]``.
 
         Each block's attention comes from the kernel registry's ``block_attention`` op. A
-        sliding ``window`` (keys at most ``window - 1`` positions back) is refused unless it
-        spans the whole sequence, where it changes nothing; ``sinks`` ``[H]`` are attention
-        sinks (see :func:`d9d.parallel.ring_attention`)."""
+        causal sliding ``window`` lets a query see keys at most ``window - 1`` positions back
+        (see :func:`d9d.parallel.ring_attention`); ``sinks`` ``[H]`` are attention sinks.
+
+        Raises:
+            PlanError: A ``window`` shorter than the sequence without ``causal``.
+        """
         whole = self.whole_length(q.shape[-2])
-        if window is not None and window < whole:
+        if window is not None and window < whole and not causal:
             raise PlanError(
-                f"the model attends over a sliding window of {window} positions, shorter than "
-                f"the sequence ({whole}), which context_parallel's ring attention does not "
-                "support; train on sequences no longer than the window, or without "
-                "context_parallel"
+                f"the model attends over a bidirectional sliding window of {window} positions, "
+                f"shorter than the sequence ({whole}), which context_parallel's ring attention "
+                "does not implement (it computes causal windows only); train on sequences no "
+                "longer than the window, or without context_parallel"
             )
         return ring_attention_on(
             q,
@@ -123,6 +126,7 @@ class SequenceSplit:
             scale=scale,
             block=resolve("block_attention", q, None),
             sinks=sinks,
+            window=window,
         )
 
 
@@ -204,7 +208,7 @@ def hf_ring_attention(
     check_attention_call(module, attention_mask, kwargs)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    window = kwargs.get("sliding_window")
+    window = attention_window(module, kwargs.get("sliding_window"), sequence_length(query.shape[2]))
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks, one logit per head
     out = attend(query, key, value, causal=causal, scale=scaling, window=window, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
