@@ -14,7 +14,8 @@ this after ``apply`` returns.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ._gather import gather_params
 from ._runtime import ApplyCall, Interception
 from ._structure import Block, Slot, Structure
 
-__all__ = ["apply_in_step", "held"]
+__all__ = ["apply_in_step", "held", "released_calls"]
 
 
 def apply_in_step(
@@ -39,6 +40,8 @@ def apply_in_step(
     plan = step.plan
     call = ApplyCall(structure, plan, params, args, dict(kwargs))
     call.gather = functools.partial(_gather_now, call)
+    if step.applied is not None:
+        step.applied.append(call)
     entered = []
     try:
         for runtime in step.runtimes:
@@ -62,6 +65,27 @@ def apply_in_step(
     finally:
         for runtime in reversed(entered):
             runtime.exit_apply(call)
+
+
+@contextmanager
+def released_calls(step: StepContext | None, release: bool) -> Iterator[None]:
+    """With ``release``, each call ``apply`` makes under ``step`` within the block drops its
+    params, inputs, gather and interceptions when the block ends (a microbatch's forward and
+    backward: no recomputation needs them after). A call is a reference cycle (its gather
+    and its blocks' interceptions hold it), freed by Python's cyclic collector only: it kept
+    a microbatch's float32 copies of bf16 params (``_autodiff._summed_wider``) alive
+    through the next microbatch, twice ``step.memory``'s ``widened_params``."""
+    if step is None or not release:
+        yield
+        return
+    previous, step.applied = step.applied, []
+    try:
+        yield
+    finally:
+        calls, step.applied = step.applied, previous
+        for call in calls:
+            call.params, call.args, call.kwargs, call.state = {}, (), {}, {}
+            call.gather, call.interceptions, call.innermost = None, {}, {}
 
 
 def held(tensor: Any, key: str, structure: Structure) -> Any:

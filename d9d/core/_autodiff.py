@@ -17,11 +17,13 @@ from torch.distributed.tensor import DTensor
 
 from .. import tree
 from ..errors import IndivisibleError
+from ._accumulated_dtype import accumulated_dtype
+from ._apply import released_calls
 from ._backward_region import backward_region
 from ._context import StepContext, count_tokens, current, differentiating, record_step_tokens
 from ._donation import check_not_donated
 from ._embedding_ids import named_inputs
-from ._gather import gather_params
+from ._gather import gather_params, local_like
 from ._grad_reduce import reduce_to
 from ._hidden_tensors import refuse_hidden_tensors
 from ._plan import Plan
@@ -125,7 +127,8 @@ def _differentiate(
     as the grad (:func:`_grads`)."""
     leaves, spec = tree.flatten(params)
     wide = _summed_wider(params, len(leaves))
-    with torch.enable_grad(), count_tokens() as counts:
+    copies = any(dtype is not None for dtype in wide) and not torch.compiler.is_compiling()
+    with released_calls(current(), copies), torch.enable_grad(), count_tokens() as counts:
         inputs = [
             _differentiable(leaf) if dtype is None else _widened(leaf, dtype)
             for leaf, dtype in zip(leaves, wide, strict=True)
@@ -163,25 +166,23 @@ def _mark_differentiable(leaf: torch.Tensor) -> torch.Tensor:
 
 
 def _summed_wider(params: Any, count: int) -> list[torch.dtype | None]:
-    """Per leaf of ``params`` (``count`` of them): the reduce dtype its microbatch grads are
-    summed in where that is wider than the leaf's own, while the running step defers
-    reductions or holds its grads wide (``StepContext.wide_grads``), else None.
+    """Per leaf of ``params`` (``count`` of them): the dtype its microbatch grads are summed
+    in (:func:`accumulated_dtype`) where that is wider than the leaf's own, while the running
+    step defers reductions or holds its grads wide (``StepContext.wide_grads``), else None.
 
-    The gathers' backward returns such a grad unreduced in the reduce dtype, and autograd
-    casts a grad to the dtype of the input it is for: differentiated w.r.t. a bf16 leaf
-    (bf16 params, ``reduce_dtype=torch.float32``) each microbatch's grad was rounded to bf16
-    and the sums were bf16 ones. The leaf is then differentiated as a copy in the wider
-    dtype, which the gathers cast back to the compute dtype (exactly: the values are the
-    leaf's)."""
+    Autograd casts a grad to the dtype of the input it is for: differentiated w.r.t. a bf16
+    leaf (bf16 params, ``reduce_dtype=torch.float32``) each microbatch's grad was rounded to
+    bf16 and the sums were bf16 ones. The leaf is then differentiated as a copy in the wider
+    dtype, which the gathers cast back to the stored dtype (exactly: the values are the
+    leaf's); ``step.memory`` counts the copies (``widened_params``)."""
     step = current()
     if step is None or not (step.defer_reduction or step.wide_grads):
         return [None] * count
     out: list[torch.dtype | None] = []
     for path, leaf in tree.flatten_with_paths(params)[0]:
         entry = step.plan.entries.get(path)
-        reduce = None if entry is None else entry.reduce_dtype
-        wider = reduce is not None and torch.promote_types(leaf.dtype, reduce) != leaf.dtype
-        out.append(reduce if wider else None)
+        wide = None if entry is None else accumulated_dtype(entry)
+        out.append(wide if wide is not None and wide != leaf.dtype else None)
     return out
 
 
@@ -405,6 +406,10 @@ def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Plan | None)
         placements = entry.state_kept if entry is not None else tuple(param.placements)
         if tuple(grad.placements) != placements:
             kept = entry.grad_kept if entry is not None else placements
+            reduce = grad.dtype if entry is None else entry.reduce_dtype or entry.dtype
+            if grad.dtype != reduce and any(p.is_partial() for p in grad.placements):
+                # Summed over microbatches in their accumulated dtype, reduced in this one.
+                grad = local_like(grad.to_local().to(reduce), grad)
             grad = reduce_to(grad, kept)
             if tuple(grad.placements) != placements:
                 grad = grad.redistribute(grad.device_mesh, placements)

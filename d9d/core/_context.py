@@ -63,6 +63,9 @@ class StepContext:
             made of it (a detached alias), so that a runtime can tell its own tensors in
             what ``apply`` receives by identity (ZeRO-1/2's slices), which Dynamo traces
             where it cannot compare data pointers (:func:`differentiating`).
+        applied: While ``value_and_grad`` differentiates a microbatch with widened copies of
+            params (``_autodiff._summed_wider``), the ``ApplyCall`` each ``Model.apply``
+            made, which it releases once the backward is done (``_apply.released_calls``).
         tokens: The valid tokens the step's differentiated losses counted, summed over its
             ``value_and_grad`` calls and microbatches, each count over every rank that holds
             other tokens (:func:`record_step_tokens`); None while none was counted, and when
@@ -78,6 +81,7 @@ class StepContext:
     sequence_groups: tuple[tuple[str, int], ...] = ()
     codec_statistics: dict[str, torch.Tensor] | None = None
     differentiated: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    applied: list[Any] | None = None
     tokens: torch.Tensor | None = None
 
 

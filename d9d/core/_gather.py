@@ -27,6 +27,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ._accumulated_dtype import accumulated_dtype
 from ._codec_statistics import gathering_axes, shard_statistics, shard_values
 from ._grad_reduce import deferring, nested, padded, reduce_many, reduce_to, scaled_grad, unreduced
 from ._param_plan import ParamPlan
@@ -96,7 +97,11 @@ class _Gather(torch.autograd.Function):
     def forward(ctx: Any, stored: DTensor, mesh: DeviceMesh, entry: ParamPlan) -> torch.Tensor:
         ctx.mesh, ctx.entry = mesh, entry
         ctx.shape, ctx.stride, ctx.dtype = stored.shape, stored.stride(), stored.dtype
-        ctx.reduce_dtype, ctx.defer = entry.reduce_dtype or stored.dtype, deferring()
+        ctx.defer = deferring()
+        # Deferred, the grad is summed over microbatches first, in the accumulated dtype.
+        ctx.reduce_dtype = (
+            accumulated_dtype(entry) if ctx.defer else entry.reduce_dtype or entry.dtype
+        )
         if entry.codec is None:
             compute = entry.dtype
             if stored.dtype != compute:  # a leaf widened for its sums (``_autodiff``)

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from ._accumulated_dtype import accumulated_dtype
 from ._context import current
 from ._param_plan import ParamPlan
 
@@ -107,12 +108,12 @@ def unreduced(
     entries: Sequence[ParamPlan],
     strides: Sequence[tuple[int, ...]],
 ) -> list[DTensor]:
-    """``grads`` (local, laid out as their entries' ``grad``) cast to the reduce dtype,
-    scaled, and returned as those ``Partial`` DTensors, for the step to reduce once
-    (microbatch accumulation)."""
+    """``grads`` (local, laid out as their entries' ``grad``) cast to the dtype they are
+    summed in over microbatches (:func:`accumulated_dtype`), scaled, and returned as those
+    ``Partial`` DTensors, for the step to reduce once (microbatch accumulation)."""
     return [
         DTensor.from_local(
-            scaled_grad(g.to(e.reduce_dtype or e.dtype), e),
+            scaled_grad(g.to(accumulated_dtype(e)), e),
             mesh,
             e.grad,
             run_check=False,

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import tree
+from ._accumulated_dtype import accumulated_dtype
 from ._param_plan import ParamPlan
 from ._placed_trees import kept_apart
 from ._plan import Plan
@@ -30,11 +31,18 @@ class Memory:
     ``accumulated_grads``: the whole, unreduced grads a step that reduces once a step holds
     from its first microbatch's backward to that reduction (``shard_params(microbatches=k)``
     with ``k > 1``, every ``pipeline`` step): each param's grad in its compute layout (a
-    ZeRO-3 param's whole, not its shard), in the dtype the accumulating runtime sums it in
-    (``Runtime.accumulated_dtype``: ``shard_params``' reduce dtype, a pipeline stage's
-    reduce or, where wider, compute dtype); 0 when each block's grads are reduced as its
-    backward ends. They are held beside the last microbatch's activations, not at the
-    update: :attr:`total` leaves them out, :attr:`at_reduction` counts them.
+    ZeRO-3 param's whole, not its shard), in the dtype they are summed in (the widest of
+    the stored, compute and reduce dtypes: ``accumulated_dtype``); 0 when each block's
+    grads are reduced as its backward ends. They are held beside the last microbatch's
+    activations, not at the update: :attr:`total` leaves them out, :attr:`at_reduction`
+    counts them.
+
+    ``widened_params``: under ``shard_params(microbatches=k)``, the copies in that dtype of
+    the params stored narrower (bf16 params, ``reduce_dtype=torch.float32``) that
+    ``d9d.value_and_grad`` differentiates, each laid out as the step body sees its param
+    (ZeRO-1/2/3: this rank's shard): made for each microbatch and held through its forward
+    and backward, beside ``accumulated_grads``; freed before the reduction, so neither
+    :attr:`total` nor :attr:`at_reduction` counts them.
     """
 
     params: int
@@ -42,6 +50,7 @@ class Memory:
     opt_state: int
     host_opt_state: int = 0
     accumulated_grads: int = 0
+    widened_params: int = 0
 
     @property
     def total(self) -> int:
@@ -70,9 +79,14 @@ class Memory:
             if self.accumulated_grads
             else ""
         )
+        widened = (
+            f"; params widened for their microbatch sums {self.widened_params:,} B"
+            if self.widened_params
+            else ""
+        )
         return (
             f"params {self.params:,} B, grads {self.grads:,} B, optimizer state "
-            f"{self.opt_state:,} B: {self.total:,} B per rank{host}{accumulated}"
+            f"{self.opt_state:,} B: {self.total:,} B per rank{host}{accumulated}{widened}"
         )
 
 
@@ -91,20 +105,28 @@ def step_memory(plan: Plan, runtimes: Sequence[Runtime], params: Any, opt_state:
                 entry.shape, plan.mesh, entry.state_kept
             )
         grad_bytes += math.prod(local) * entry.dtype.itemsize
-    accumulated = 0
-    accumulating = next((r for r in runtimes if r.accumulates_grads), None)
-    if accumulating is not None:
+    accumulated = widened = 0
+    if any(r.accumulates_grads for r in runtimes):
         for path in params:
             entry = plan.entries[path]
             local = entry.local_shape(plan.mesh, entry.compute)
-            accumulated += math.prod(local) * accumulating.accumulated_dtype(entry).itemsize
+            accumulated += math.prod(local) * accumulated_dtype(entry).itemsize
+    if any(r.defers_reduction for r in runtimes):  # ``_autodiff._summed_wider``'s copies
+        for path in params:
+            entry = plan.entries[path]
+            wide = accumulated_dtype(entry)
+            if wide != entry.dtype:
+                local, _ = compute_local_shape_and_global_offset(
+                    entry.shape, plan.mesh, entry.state_kept
+                )
+                widened += math.prod(local) * wide.itemsize
     on_device = on_host = 0
     for leaf, apart in zip(tree.leaves(opt_state), kept_apart(opt_state, plan), strict=True):
         if apart:
             on_host += local_bytes(leaf)
         else:
             on_device += local_bytes(leaf)
-    return Memory(param_bytes, grad_bytes, on_device, on_host, accumulated)
+    return Memory(param_bytes, grad_bytes, on_device, on_host, accumulated, widened)
 
 
 def _held_grad_shape(entry: ParamPlan, mesh: DeviceMesh) -> tuple[int, ...]:

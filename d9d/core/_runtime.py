@@ -41,7 +41,6 @@ import torch
 from torch import fx, nn
 
 from ..errors import PlanError
-from ._param_plan import ParamPlan
 from ._plan import Plan
 from ._structure import Block, Slot, Structure
 
@@ -301,7 +300,11 @@ class Runtime:
         accumulates_grads: This runtime's differentiation holds every param's grad whole
             (in its compute layout, unreduced) from the first microbatch's backward and
             reduces their sum once a step (``step.memory``'s ``accumulated_grads``, in
-            :meth:`accumulated_dtype`).
+            ``d9d.core._accumulated_dtype.accumulated_dtype``).
+        defers_reduction: This runtime differentiates with the gathers' reductions deferred
+            (``sum_microbatches(defer_reduction=True)``): ``d9d.value_and_grad``
+            differentiates a param whose accumulated dtype is wider than its own as a copy
+            in that dtype (``step.memory``'s ``widened_params``).
         shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
             over the same params) runs this runtime too; False for one whose hooks belong to
             the training step alone (``fault_tolerant``'s quorum and commit vote).
@@ -313,6 +316,7 @@ class Runtime:
 
     drives_differentiation: bool = False
     accumulates_grads: bool = False
+    defers_reduction: bool = False
     shared: bool = True
     tokens_beyond_mesh: str | None = None
 
@@ -384,12 +388,6 @@ class Runtime:
         reduces over replica groups while another runtime drives averages them here."""
         del weight
         return value, grads
-
-    def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:
-        """The dtype in which a runtime that :attr:`accumulates_grads` holds ``entry``'s
-        summed grad: by default the reduce dtype (the gathers' backward casts each
-        microbatch's grad to it before it is returned unreduced), else the param's."""
-        return entry.reduce_dtype or entry.dtype
 
     def gather_once(self, paths: list[str], params: dict[str, Any]) -> dict[str, Any] | None:
         """The compute tensors of ``paths`` from ``params`` (autograd leaves made of the

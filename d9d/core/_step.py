@@ -392,7 +392,8 @@ class TransformedStep:
         block's grads and keeps their slices) and optimizer state, the state kept on the
         plan's state device (the host) counted apart; and, when a runtime reduces the grads
         once a step (:attr:`Runtime.accumulates_grads`), the whole grads it holds until then
-        (``Memory.accumulated_grads``)."""
+        (``Memory.accumulated_grads``) and the wider copies of narrower params it
+        differentiates meanwhile (``Memory.widened_params``)."""
         return step_memory(self.plan, self.runtimes, params, opt_state)
 
 

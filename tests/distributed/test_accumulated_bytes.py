@@ -81,12 +81,14 @@ class _HeldAfterLastBackward(_HeldAtReduction):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _held_after_last_backward(shard: str) -> tuple[int, Any]:
+def _held_after_last_backward(
+    shard: str, dtype: torch.dtype = torch.float32, **precision: torch.dtype
+) -> tuple[int, Any]:
     mesh = d9d.make_mesh("cpu", fsdp=2)
-    model = llama()()
+    model = llama(dtype)()
     opt = optimizer()
     step = train_step(model, opt)
-    step = d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=2)(step)
+    step = d9d.shard_params(mesh, "fsdp", shard=shard, microbatches=2, **precision)(step)
     params, state = step.place(model.params, opt.init(model.params), model=model)
     batch = step.shard_batch(batches(256, steps=1)[0])
     with _HeldAfterLastBackward((params, state, batch), backwards=2) as seen:
@@ -95,8 +97,11 @@ def _held_after_last_backward(shard: str) -> tuple[int, Any]:
     return sum(_storages(params, state).values()) + seen.after_last, step.memory(params, state)
 
 
-def _held_after_last_backward_per_shard() -> dict[str, tuple[int, Any]]:
-    return {s: _held_after_last_backward(s) for s in ("params", "grads", "opt_state")}
+def _held_after_last_backward_per_shard(
+    dtype: torch.dtype = torch.float32, **precision: torch.dtype
+) -> dict[str, tuple[int, Any]]:
+    shards = ("params", "grads", "opt_state")
+    return {s: _held_after_last_backward(s, dtype, **precision) for s in shards}
 
 
 def test_the_last_microbatch_adds_its_grads_into_the_sum_as_its_backward_makes_them() -> None:
@@ -110,7 +115,27 @@ def test_the_last_microbatch_adds_its_grads_into_the_sum_as_its_backward_makes_t
     500,992 B more (two copies)."""
     for runs in run_on_ranks(_held_after_last_backward_per_shard, 2):
         for shard, (held, memory) in runs.items():
+            assert memory.widened_params == 0, (shard, memory)
             assert held == memory.at_reduction + 32, (shard, held, memory)
+
+
+def test_bf16_params_summed_in_float32_hold_float32_copies_through_each_microbatch() -> None:
+    """fsdp=2, 2 microbatches, bf16 params (``master_weights``' layout) reduced in float32:
+    ``value_and_grad`` differentiates each param as a float32 copy of the step body's (its
+    shard under ZeRO-1, 2 and 3), alive until the last microbatch's backward has returned,
+    so from then to the reduction a rank holds ``at_reduction`` plus exactly
+    ``widened_params`` (4 bytes an element of the step body's shards; ZeRO-1/2 store the
+    params whole) and the 0-d losses. ``step.memory`` did not count the copies, and each
+    microbatch's lived on through the next (a reference cycle of its ``apply`` call),
+    twice ``widened_params``."""
+    f32 = torch.float32
+    for runs in run_on_ranks(
+        _held_after_last_backward_per_shard, 2, torch.bfloat16, reduce_dtype=f32
+    ):
+        for shard, (held, memory) in runs.items():
+            shards = memory.params if shard == "params" else memory.params // 2  # bf16
+            assert memory.widened_params == 2 * shards, (shard, memory)
+            assert held == memory.at_reduction + memory.widened_params + 32, (shard, held, memory)
 
 
 def _held(shard: str, microbatches: int, **precision: torch.dtype) -> tuple[int, Any, int]:

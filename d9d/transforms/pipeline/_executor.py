@@ -29,6 +29,7 @@ from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor
 
 from ... import tree
+from ...core._accumulated_dtype import accumulated_dtype
 from ...core._autodiff import stack_aux
 from ...core._comm_count import record_object_broadcast, recording_into
 from ...core._context import count_tokens, record_step_tokens
@@ -36,7 +37,7 @@ from ...core._gather import distribute, local_like
 from ...core._plan import Plan
 from ...core._runtime import Differentiation
 from ...errors import PlanError
-from ._grad_sums import GradSums, accumulated_dtype
+from ._grad_sums import GradSums
 from ._layout import SCHEDULES, PipelineLayout, StageDone, StageRun
 from ._stage_shapes import LOSS_DTYPES, probe
 from ._stage_trace import TracedStage, run_sampled, span

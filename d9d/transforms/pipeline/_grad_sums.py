@@ -2,10 +2,11 @@
 
 A stage weight is the gathered compute tensor (bf16 under ``param_dtype=torch.bfloat16``),
 and torch's schedules sum its microbatches' grads into its ``.grad``, in its dtype. Where the
-plan reduces the grad in a wider dtype (``reduce_dtype=torch.float32``), :class:`GradSums`
+grad's accumulated dtype is wider (``d9d.core._accumulated_dtype``: the widest of the stored,
+compute and reduce dtypes, float32 for float32 params computed in bf16), :class:`GradSums`
 moves each microbatch's grad into a sum of that dtype as soon as the schedule has put it in
-``.grad``, and clears ``.grad``, as ``shard_params(microbatches=k)`` sums its grads in the
-reduce dtype and FSDP2 its unsharded grads: one float32 sum per weight, beside one
+``.grad``, and clears ``.grad``, as ``shard_params(microbatches=k)`` sums its grads: one
+float32 sum per weight, beside one
 microbatch's grad of one weight at a time (a 1F1B-style backward, through
 ``register_post_accumulate_grad_hook``) or of the stage (the zero-bubble weight pass,
 which torch's ``stage_backward_weight`` adds to ``.grad`` after one ``autograd.grad`` for all
@@ -19,18 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ...core._param_plan import ParamPlan
-
-__all__ = ["GradSums", "accumulated_dtype"]
-
-
-def accumulated_dtype(entry: ParamPlan) -> torch.dtype:
-    """The dtype a stage sums ``entry``'s grads in: its reduce dtype (the stored dtype when
-    it has none), or its compute dtype where that is wider (float32 compute reduced in bf16
-    sums in float32 and rounds once, as the gather's backward casts the sum)."""
-    return torch.promote_types(
-        entry.compute_dtype or entry.dtype, entry.reduce_dtype or entry.dtype
-    )
+__all__ = ["GradSums"]
 
 
 class GradSums:

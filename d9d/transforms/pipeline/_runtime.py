@@ -7,11 +7,9 @@ from typing import Any
 
 import torch
 
-from ...core._param_plan import ParamPlan
 from ...core._plan import Plan
 from ...core._runtime import ApplyCall, Differentiation, Runtime
 from ._executor import run_pipeline
-from ._grad_sums import accumulated_dtype
 from ._layout import SCHEDULES, PipelineLayout
 from ._stage_apply import enter_stage
 
@@ -32,12 +30,6 @@ class PipelineRuntime(Runtime):
         self, job: Differentiation
     ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
         return run_pipeline(job, self.plan, self.layout)
-
-    def accumulated_dtype(self, entry: ParamPlan) -> torch.dtype:
-        """The reduce dtype, or the compute dtype where that is wider: a stage sums each
-        weight's microbatch grads in it (float32 sums of bf16 weights under
-        ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``; ``_grad_sums.py``)."""
-        return accumulated_dtype(entry)
 
     def enter_apply(self, call: ApplyCall) -> None:
         enter_stage(self.layout, call)

@@ -54,6 +54,7 @@ class ShardParamsRuntime(Runtime):
         self.zero = zero if zero.paths else None
         self.drives_differentiation = microbatches > 1
         self.accumulates_grads = microbatches > 1  # deferred: reduced once (_accumulate)
+        self.defers_reduction = microbatches > 1
         schedules = {p: schedule_of(plan.entries[p]) for p in plan.held}
         # Read once here: the gathers ask per param and per call.
         self.again = frozenset(p for p, s in schedules.items() if s.regather)
