@@ -221,9 +221,8 @@ def issue_gather(plan: Plan, paths: list[str], params: Mapping[str, Any]) -> Iss
             axis, group = key[0], plan.group_names[key[0]]
             stored = [params[p] for p in members]
             entries = [plan.entries[p] for p in members]
-            locals_ = [t.to_local() for t in stored]
             ranks = plan.mesh.shape[axis]
-            statistics[key] = shard_statistics(entries, locals_, _groups(group, ranks), plan.mesh)
+            statistics[key] = _statistics(stored, entries, _groups(group, ranks), plan.mesh)
             flat = _flat_shards(stored, entries, axis, ranks, statistics[key])
             buffers[key] = _all_gather(flat, ranks, group)
     return IssuedGather(tuple(paths), buffers, statistics)
@@ -241,6 +240,16 @@ def _groups(group: str, ranks: int) -> list[str]:
     """The process groups a statistic is all-reduced over for a gather over ``group`` of
     ``ranks`` ranks: none over one rank."""
     return [group] if ranks > 1 else []
+
+
+def _statistics(
+    stored: Sequence[DTensor], entries: Sequence[ParamPlan], groups: list[str], mesh: DeviceMesh
+) -> list[torch.Tensor | None]:
+    """:func:`shard_statistics` of a coalesced group's shards; None each, with no lookup,
+    where no codec of the group has a statistic (casts: the common case)."""
+    if not any(e.codec is not None and e.codec.statistic_op for e in entries):
+        return [None] * len(entries)
+    return shard_statistics(entries, [t.to_local() for t in stored], groups, mesh)
 
 
 def _gather_one(plan: Plan, entry: ParamPlan, stored: DTensor) -> Any:
@@ -319,8 +328,9 @@ def _layouts(
 
 
 def _wire(entry: ParamPlan) -> torch.dtype:
-    """The dtype ``entry``'s shard is all-gathered in."""
-    return entry.compute_dtype or entry.dtype if entry.codec is None else entry.codec.wire_dtype
+    """The dtype ``entry``'s shard is all-gathered in: its own without a codec (which has no
+    compute dtype of its own then), else the codec's."""
+    return entry.dtype if entry.codec is None else entry.codec.wire_dtype
 
 
 def _piece_sizes(entries: Sequence[ParamPlan], numels: Sequence[int]) -> tuple[bool, list[int]]:
@@ -343,7 +353,7 @@ def _flat_shards(
     statistics: list[torch.Tensor | None],
 ) -> torch.Tensor:
     """The all-gather input: each shard encoded by its codec with its all-reduced statistic
-    (no codec: in its compute dtype), its sharded dim moved first and padded to the largest
+    (no codec: in the param's dtype), its sharded dim moved first and padded to the largest
     shard's rows, flattened and concatenated; as bytes where the wire dtypes differ, each
     piece padded to :func:`_piece_sizes`' size."""
     pieces = []
@@ -352,7 +362,7 @@ def _flat_shards(
         local = tensor.to_local()
         codec = entry.codec
         encoded = (
-            local.to(entry.compute_dtype or entry.dtype)
+            local.to(entry.dtype)
             if codec is None
             else codec.encode(local, shard_values(entry, tensor.device_mesh, statistic))
         )
@@ -391,8 +401,7 @@ class _GatherMany(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in stored]
         ctx.defer = deferring()
         if issued is None:
-            locals_ = [t.to_local() for t in stored]
-            statistics = shard_statistics(entries, locals_, _groups(group, ranks), mesh)
+            statistics = _statistics(stored, entries, _groups(group, ranks), mesh)
             flat = _flat_shards(list(stored), list(entries), axis, ranks, statistics)
             buffer = _all_gather(flat, ranks, group)
         else:

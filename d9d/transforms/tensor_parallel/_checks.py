@@ -33,6 +33,15 @@ __all__ = [
 ]
 
 
+def _by_path(structure: Structure, entries: Mapping[str, ParamPlan]) -> dict[str, ParamPlan]:
+    """``entries`` under every path of a param, tied aliases included: its ``.get(path)`` is
+    ``entries.get(structure.canonical(path))``, resolved once for all the checks (not once per
+    check)."""
+    tied = structure.tied
+    own = {path: entry for path, entry in entries.items() if path not in tied}
+    return own | {alias: entries[key] for alias, key in tied.items() if key in entries}
+
+
 def check_embedding(path: str, module: nn.Embedding) -> None:
     """Raise for options whose effect depends on rows outside the local vocab shard, and for
     an embedding whose forward does more than the lookup with params of its own (a norm):
@@ -74,7 +83,9 @@ def check_modules(
 ) -> None:
     """Raise, before any collective, for params the runtime cannot lay out: see
     :func:`_check_sharded`, :func:`_check_whole_beside_sharded`,
-    :func:`_check_sequence_regions` and :func:`_check_root_params`."""
+    :func:`_check_sequence_regions` and :func:`_check_root_params`, which take the plan's
+    ``entries`` under every path (:func:`_by_path`)."""
+    entries = _by_path(structure, entries)
     _check_sharded(structure, regions, entries, layout)
     _check_whole_beside_sharded(structure, regions, entries, layout)
     if layout.sequence_parallel:
@@ -93,14 +104,14 @@ def _whole_weights(
     a column-parallel linear, 1: a row-parallel one)."""
 
     def placement(key: str) -> Any:
-        entry = entries.get(structure.canonical(key))
+        entry = entries.get(key)
         return entry.compute[layout.index] if entry is not None else None
 
     for slot in structure.slots:
         parts = slot.key.split(".")
         prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
         region = next((p for p in prefixes if p in regions), None)
-        entry = entries.get(structure.canonical(slot.key)) if slot.is_param else None
+        entry = entries.get(slot.key) if slot.is_param else None
         if region is None or entry is None or len(entry.shape) < 2:
             continue
         if isinstance(placement(slot.key), Shard):
@@ -122,7 +133,7 @@ def _check_whole_beside_sharded(
     indexer), through which no grad flows."""
     gradless = tuple(p + "." for p in structure.without_grad)
     for region, key, dims in _whole_weights(structure, regions, entries, layout):
-        axes = entries[structure.canonical(key)].axes or ()
+        axes = entries[key].axes or ()
         if 0 not in dims or any(name in PARTIAL_GRAD_AXES for name in axes):
             continue  # a per-head weight's input grad is partial: the sum is exact
         if key.startswith(gradless):
@@ -225,18 +236,17 @@ def _check_sharded(
     outputs)."""
 
     def holds_column_linears(path: str) -> bool:
-        weights = (entries.get(structure.canonical(f"{p}.weight")) for p in regions.get(path, ()))
+        weights = (entries.get(f"{p}.weight") for p in regions.get(path, ()))
         return any(w is not None and w.compute[layout.index] == Shard(0) for w in weights)
 
     for slot in structure.slots:
-        key = structure.canonical(slot.key)
-        entry = entries.get(key)
+        entry = entries.get(slot.key)
         placement = entry.compute[layout.index] if slot.is_param and entry is not None else None
         if not isinstance(placement, Shard):
             continue
         owner, name = slot.owner, slot.name
         weight_key = f"{slot.key.rpartition('.')[0]}.weight"
-        weight = entries.get(structure.canonical(weight_key))
+        weight = entries.get(weight_key)
         column = weight is not None and weight.compute[layout.index] == Shard(0)
         match owner, name, placement.dim:
             case nn.Linear(), "weight", 0 | 1:
