@@ -37,7 +37,8 @@ class Memory:
     activations, not at the update: :attr:`total` leaves them out, :attr:`at_reduction`
     counts them.
 
-    ``widened_params``: under ``shard_params(microbatches=k)``, the copies in that dtype of
+    ``widened_params``: under ``shard_params(microbatches=k)`` or ``fault_tolerant`` (which
+    reduces the grads over replica groups in that dtype), the copies in that dtype of
     the params stored narrower (bf16 params, ``reduce_dtype=torch.float32``) that
     ``d9d.value_and_grad`` differentiates, each laid out as the step body sees its param
     (ZeRO-1/2/3: this rank's shard): made for each microbatch and held through its forward
@@ -111,7 +112,7 @@ def step_memory(plan: Plan, runtimes: Sequence[Runtime], params: Any, opt_state:
             entry = plan.entries[path]
             local = entry.local_shape(plan.mesh, entry.compute)
             accumulated += math.prod(local) * accumulated_dtype(entry).itemsize
-    if any(r.defers_reduction for r in runtimes):  # ``_autodiff._summed_wider``'s copies
+    if any(r.defers_reduction or r.widens_grads for r in runtimes):  # _summed_wider's copies
         for path in params:
             entry = plan.entries[path]
             wide = accumulated_dtype(entry)

@@ -305,6 +305,9 @@ class Runtime:
             (``sum_microbatches(defer_reduction=True)``): ``d9d.value_and_grad``
             differentiates a param whose accumulated dtype is wider than its own as a copy
             in that dtype (``step.memory``'s ``widened_params``).
+        widens_grads: This runtime differentiates with ``StepContext.wide_grads`` set (it
+            reduces the grads further, over replica groups, in their accumulated dtype):
+            such a param is differentiated as a copy as under ``defers_reduction``.
         shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
             over the same params) runs this runtime too; False for one whose hooks belong to
             the training step alone (``fault_tolerant``'s quorum and commit vote).
@@ -317,6 +320,7 @@ class Runtime:
     drives_differentiation: bool = False
     accumulates_grads: bool = False
     defers_reduction: bool = False
+    widens_grads: bool = False
     shared: bool = True
     tokens_beyond_mesh: str | None = None
 

@@ -166,6 +166,33 @@ def test_fault_tolerant_microbatches_of_bf16_params_sum_in_the_reduce_dtype(shar
     _assert_equal(got, _reference(_BF16_MODEL, _BATCH, 4, BF16, F32))
 
 
+def _widened_bytes(reduce: torch.dtype | None, fault_tolerant: bool) -> tuple[int, int]:
+    """``step.memory``'s ``widened_params`` and ``params`` on fsdp=2 (one microbatch)."""
+    mesh = d9d.make_mesh("cpu", fsdp=2)
+    model = copy.deepcopy(_BF16_MODEL)
+
+    def grads_step(params: dict, opt_state: tuple, batch: dict) -> tuple:
+        return d9d.value_and_grad(lambda p, b: _loss(model, p, b))(params, batch)[1], opt_state, {}
+
+    step = d9d.shard_params(mesh, "fsdp", reduce_dtype=reduce)(grads_step)
+    if fault_tolerant:
+        step = d9d.fault_tolerant(LoneManager([True]))(step)
+    params, _ = step.place(model.params, (), model=model)
+    memory = step.memory(params, ())
+    return memory.widened_params, memory.params
+
+
+def test_fault_tolerant_counts_its_float32_copies_of_bf16_params_in_step_memory() -> None:
+    """Under ``fault_tolerant`` (one microbatch) a bf16 param reduced in float32 is
+    differentiated as a float32 copy of this rank's shard, as under microbatches: 4 bytes
+    an element, twice the bf16 shard's, in ``widened_params``; none without the transform or
+    in the param's own reduce dtype. They were not counted."""
+    for fault_tolerant, reduce in [(True, F32), (False, F32), (True, None)]:
+        widened, params = run_on_ranks(_widened_bytes, 2, reduce, fault_tolerant)[0]
+        wanted = 2 * params if fault_tolerant and reduce == F32 else 0
+        assert widened == wanted, (fault_tolerant, reduce, widened, params)
+
+
 class _Groups:
     """The managers of two replica groups run as threads: each all-reduce sums both groups'
     buffers in their dtype; every step commits."""

@@ -75,6 +75,7 @@ class FaultTolerantRuntime(Runtime):
         self.starts_quorum = starts_quorum
         self.microbatches = microbatches
         self.drives_differentiation = not after_driver
+        self.widens_grads = self.drives_differentiation  # ``differentiate`` sets wide_grads
         self.groups = GroupCount(_log, "fault_tolerant", "steps")
         self.peer = PeerState(
             manager, STATE_KEY, "fault_tolerant", "runtime.serve(params, opt_state)"
