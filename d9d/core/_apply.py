@@ -52,7 +52,7 @@ def apply_in_step(
             call.innermost[block.path] = Interception(around=around)
         running = [s for s in structure.root_slots if not call.stood_in(structure.owner_path(s))]
         keys = [structure.canonical(s.key) for s in running]
-        locals_ = call.gather(None, list(dict.fromkeys(keys)))  # call.param_keys(running)
+        locals_ = call.gather(None, list(dict.fromkeys(keys)))  # distinct, in slot order
         tensors = [held(locals_[key], key, structure) for key in keys]
         saved = [slot.swap(t) for slot, t in zip(running, tensors, strict=True)]
         saved += [slot.swap(buffers[slot.key]) for slot in structure.buffer_slots]
@@ -123,7 +123,7 @@ def _gathered_block(
     """The block's forward with its params gathered into its slots."""
     slots: tuple[Slot, ...] = block.slots
     keys = [call.structure.canonical(s.key) for s in slots]
-    locals_ = call.gather(block, list(dict.fromkeys(keys)))  # call.param_keys(slots)
+    locals_ = call.gather(block, list(dict.fromkeys(keys)))  # distinct, in slot order
     tensors = [held(locals_[key], key, call.structure) for key in keys]
     saved = [slot.swap(t) for slot, t in zip(slots, tensors, strict=True)]
     try:
