@@ -6,7 +6,8 @@ sliding window (a query at ``q`` sees a key at ``k`` iff ``q - window < k <= q``
 ``transformers``' sliding window overlay on its causal mask) cuts blocks anywhere, so each
 pair of a query chunk and a key chunk (two per rank under zigzag, one contiguous) is
 cropped to the rows and columns that see anything, then classified: fully visible, the
-causal diagonal, or a band that needs a mask ``[rows, cols]``.
+causal diagonal, or a band that needs a mask ``[rows, cols]``. A ring step (the blocks
+``step`` ranks back) that no rank's plan uses is skipped, exchange and all: ``ring_steps``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockTask", "band_mask", "block_tasks"]
+__all__ = ["BlockTask", "band_mask", "block_tasks", "ring_steps"]
 
 _ALL = slice(None)
 
@@ -103,6 +104,26 @@ def block_tasks(
     if window is None:
         return _causal_plan(rank, owner, seq_local, zigzag=zigzag)
     return _window_plan(rank, owner, seq_local, cp, zigzag=zigzag, window=window)
+
+
+def ring_steps(
+    seq_local: int, cp: int, *, causal: bool, zigzag: bool, window: int | None
+) -> list[int]:
+    """The ring steps some rank attends at, increasing: step ``s`` is every rank ``r``'s
+    block of ``(r - s) % cp``. All ``cp`` without a window; step 0 (the own block) always."""
+    if window is None:
+        return list(range(cp))
+    return [
+        step
+        for step in range(cp)
+        if step == 0
+        or any(
+            block_tasks(
+                rank, (rank - step) % cp, seq_local, cp, causal=causal, zigzag=zigzag, window=window
+            )
+            for rank in range(cp)
+        )
+    ]
 
 
 def band_mask(task: BlockTask, rows: int, cols: int, device: torch.device) -> torch.Tensor | None:

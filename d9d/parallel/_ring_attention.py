@@ -5,16 +5,19 @@ times, so it sees every block once; the partial outputs are merged by their log-
 The backward recomputes each block's probabilities from the saved final log-sum-exp and
 passes K/V together with the dK/dV accumulated so far around the ring, then hands each
 accumulated dK/dV back to its owner. Which rows of a block see which keys (and with what
-mask, under a sliding window) is ``_block_plan.py``'s; a sliding window skips blocks it
-leaves out but exchanges every block all the same.
+mask, under a sliding window) is ``_block_plan.py``'s. A sliding window skips the blocks it
+leaves out, and the ring steps that no rank attends at (``ring_steps``): the block passes
+straight to the rank of the next step used, ``hops`` ranks ahead, and the last hop returns
+dK/dV from wherever the last step used left them.
 
 Each exchange is one functional ``all_to_all_single`` on the cp group whose only non-empty
-split is ``rank -> rank + 1``: P2P ops (``batch_isend_irecv``) are not implemented by the
-in-process threaded group the multi-rank tests use, while ``all_to_all_single`` runs on
-gloo, NCCL (which lowers it to grouped send/recv, so only the neighbour's bytes move) and
-the threaded group, is traced by ``torch.compile``, and is what ``d9d.core._comm_count`` counts.
-Per call: forward ``cp - 1`` exchanges of (K, V); backward ``cp`` exchanges, ``cp - 1`` of
-(K, V, dK, dV) and a last one of (dK, dV). Tensors of one exchange travel as one byte buffer.
+split is ``rank -> rank + hops`` (1 without a window): P2P ops (``batch_isend_irecv``) are
+not implemented by the in-process threaded group the multi-rank tests use, while
+``all_to_all_single`` runs on gloo, NCCL (which lowers it to grouped send/recv, so only the
+neighbour's bytes move) and the threaded group, is traced by ``torch.compile``, and is what
+``d9d.core._comm_count`` counts. Per call, with ``n`` ring steps used (``cp`` without a
+window): forward ``n - 1`` exchanges of (K, V); backward ``n - 1`` of (K, V, dK, dV) and,
+unless ``n == 1``, a last one of (dK, dV). Tensors of one exchange travel as one byte buffer.
 
 The group is read (its name, this rank's index, its size) before the autograd function, which
 gets a str and two ints: torch 2.11's Dynamo can neither pass a process group object that is
@@ -36,28 +39,29 @@ import torch.distributed._functional_collectives as funcol
 from d9d.errors import IndivisibleError
 
 from ._block_attention import MATH_BLOCK_ATTENTION, BlockAttention, compute_dtype, finite_or_zero
-from ._block_plan import BlockTask, band_mask, block_tasks
+from ._block_plan import BlockTask, band_mask, block_tasks, ring_steps
 from ._zigzag import LoadBalance, check_load_balance
 
 __all__ = ["ring_attention", "ring_attention_on"]
 
 
-def _pass_to_next(
-    tensors: Sequence[torch.Tensor], group_name: str, rank: int, cp: int
+def _pass_ahead(
+    tensors: Sequence[torch.Tensor], hops: int, group_name: str, rank: int, cp: int
 ) -> torch.Tensor:
-    """Start sending ``tensors`` to the next cp rank and receiving the previous rank's."""
+    """Start sending ``tensors`` to the cp rank ``hops`` ahead and receiving the ones of the
+    rank ``hops`` behind."""
     # Widest dtype first, so every tensor starts at a byte offset its dtype can be viewed at.
     ordered = sorted(tensors, key=lambda t: -t.element_size())
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in ordered])
     send = [0] * cp
     recv = [0] * cp
-    send[(rank + 1) % cp] = flat.numel()
-    recv[(rank - 1) % cp] = flat.numel()
+    send[(rank + hops) % cp] = flat.numel()
+    recv[(rank - hops) % cp] = flat.numel()
     return funcol.all_to_all_single(flat, recv, send, group_name)
 
 
 def _received(pending: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Wait for an exchange started by :func:`_pass_to_next` and unpack it like ``like``."""
+    """Wait for an exchange started by :func:`_pass_ahead` and unpack it like ``like``."""
     flat = funcol.wait_tensor(pending)
     order = sorted(range(len(like)), key=lambda i: -like[i].element_size())
     out: list[torch.Tensor] = [flat] * len(like)
@@ -113,10 +117,13 @@ class _RingAttention(torch.autograd.Function):
         dtype = compute_dtype(q.dtype)
         out = torch.zeros(batch, heads, seq, v.shape[-1], dtype=dtype, device=q.device)
         lse = torch.full((batch, heads, seq), float("-inf"), dtype=dtype, device=q.device)
+        steps = ring_steps(seq, cp, causal=causal, zigzag=zigzag, window=window)
         k_cur, v_cur = k, v
-        for step in range(cp):
+        for step, following in zip(steps, [*steps[1:], cp], strict=True):
             # Start the next exchange before computing, so it overlaps with this block.
-            pending = _pass_to_next((k_cur, v_cur), group_name, rank, cp) if step < cp - 1 else None
+            pending = None
+            if following < cp:
+                pending = _pass_ahead((k_cur, v_cur), following - step, group_name, rank, cp)
             owner = (rank - step) % cp
             for task in block_tasks(
                 rank, owner, seq, cp, causal=causal, zigzag=zigzag, window=window
@@ -138,20 +145,20 @@ class _RingAttention(torch.autograd.Function):
         # an output that a no-op .to() (or .contiguous()) returned, so jitted cp grads were 0.
         result = out if out.dtype == q.dtype else out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse, sinks)
-        ctx.options = (group_name, rank, cp, causal, zigzag, scale, block, window)
+        ctx.options = (group_name, rank, cp, causal, zigzag, scale, block, window, steps)
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        group_name, rank, cp, causal, zigzag, scale, block, window = ctx.options
+        group_name, rank, cp, causal, zigzag, scale, block, window, steps = ctx.options
         seq = q.shape[2]
         dtype = compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         k_cur, v_cur = k, v
         dk_cur = torch.zeros(k.shape, dtype=dtype, device=k.device)
         dv_cur = torch.zeros(v.shape, dtype=dtype, device=v.device)
-        for step in range(cp):
+        for step, following in zip(steps, [*steps[1:], cp], strict=True):
             owner = (rank - step) % cp
             for task in block_tasks(
                 rank, owner, seq, cp, causal=causal, zigzag=zigzag, window=window
@@ -172,17 +179,16 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, :, rows] += dq_b
                 dk_cur[:, :, cols] += dk_b
                 dv_cur[:, :, cols] += dv_b
-            if cp == 1:
-                break
-            if step < cp - 1:
+            hops = following - step
+            if following < cp:
                 moving = (k_cur, v_cur, dk_cur, dv_cur)
                 k_cur, v_cur, dk_cur, dv_cur = _received(
-                    _pass_to_next(moving, group_name, rank, cp), moving
+                    _pass_ahead(moving, hops, group_name, rank, cp), moving
                 )
-            else:
-                # The block held now belongs to rank + 1: one more hop returns its gradients.
+            elif step > 0:
+                # The block held now belongs to rank + hops: one more exchange returns its grads.
                 moving = (dk_cur, dv_cur)
-                dk_cur, dv_cur = _received(_pass_to_next(moving, group_name, rank, cp), moving)
+                dk_cur, dv_cur = _received(_pass_ahead(moving, hops, group_name, rank, cp), moving)
         grads = (dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype))
         sink_grad = _sink_grad(sinks, out, dout, lse) if ctx.needs_input_grad[3] else None
         return *grads, sink_grad, None, None, None, None, None, None, None, None
@@ -275,7 +281,8 @@ def ring_attention(
     flow to this rank's ``q``, ``k`` and ``v``. Every rank of ``group`` must call it with the
     same shapes and options. Shards must be cut with :func:`shard_sequence` (or
     :func:`zigzag_shard`) of the same ``load_balance``. Communication: ``cp - 1`` exchanges
-    of K/V with the ring neighbours in forward, ``cp`` in backward (see ``docs/context_parallel.md``).
+    of K/V with the ring neighbours in forward, ``cp`` in backward; fewer under a sliding
+    window (see ``docs/context_parallel.md``).
 
     Args:
         q: This rank's queries ``[batch, heads, seq_local, head_dim]``.
@@ -295,7 +302,8 @@ def ring_attention(
             sees the keys at ``q - window < k <= q`` (``transformers``' sliding window).
             Blocks it cuts across are attended with a mask, on the math version where
             ``block`` takes none (``block.masks``: the CUDA kernels), in float32 for
-            bfloat16; blocks wholly outside it are skipped. The exchanges stay the same.
+            bfloat16; blocks wholly outside it are skipped, and so are the exchanges of the
+            ring steps no rank attends at.
 
     Returns:
         This rank's attention output ``[batch, heads, seq_local, v_dim]``, dtype of ``q``.

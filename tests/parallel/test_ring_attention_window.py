@@ -1,5 +1,6 @@
 """Ring attention with a causal sliding window against attention with an explicit band mask
-on the unsharded sequence: forward, dq, dk, dv and the sinks' grad, on both layouts."""
+on the unsharded sequence: forward, dq, dk, dv and the sinks' grad, on both layouts; and its
+exchanges against those of the ring steps the window needs, counted over positions."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from d9d.core._comm_count import CollectiveCounter
-from d9d.parallel import MATH_BLOCK_ATTENTION, ring_attention, shard_sequence, unshard_sequence
+from d9d.parallel import (
+    MATH_BLOCK_ATTENTION,
+    positions_for,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
 from d9d.parallel._block_attention import BlockAttention
 from d9d.parallel._block_plan import BlockTask, block_tasks
 from d9d.parallel._ring_attention import _merge
@@ -69,7 +76,8 @@ def _rank(tensors, sinks, windows, load_balance, block):
             )
             out.backward(dout)
         grads = [out.detach(), q.grad, k.grad, v.grad]
-        results.append((grads, None if s is None else s.grad, dict(counted.stats.count)))
+        comms = (dict(counted.stats.count), dict(counted.stats.bytes))
+        results.append((grads, None if s is None else s.grad, comms))
     return results
 
 
@@ -95,8 +103,9 @@ def _rank(tensors, sinks, windows, load_balance, block):
 )
 def test_sliding_window_matches_band_masked_attention(cp, seq, load_balance, block):
     """Windows of 1, under a chunk, a chunk (3 zigzag, 5 contiguous), across several chunks,
-    and the whole sequence; GQA (6 heads over 2), sinks; the exchanges are those without a
-    window. Backends: math, the CPU kernel with its mask, and without (math for bands)."""
+    and the whole sequence; GQA (6 heads over 2), sinks; the exchanges are those of the ring
+    steps the window needs (all of them for the whole sequence: those without a window).
+    Backends: math, the CPU kernel with its mask, and without (math for bands)."""
     _check(cp, seq, load_balance, block, SINKS)
 
 
@@ -124,8 +133,26 @@ def _check(cp, seq, load_balance, block, sinks):
         if sinks is not None:
             sink_grad = torch.stack([r[i][1] for r in ranks]).sum(0)
             torch.testing.assert_close(sink_grad, s.grad, **TOL)
+        count, size = _analytic_exchanges(cp, seq, load_balance, window, k.numel() * 8 // cp)
+        key = ("all_to_all", "cp")
         for r in ranks:
-            assert r[i][2] == {("all_to_all", "cp"): 2 * cp - 1}
+            assert r[i][2] == (({key: count}, {key: size}) if count else ({}, {}))
+
+
+def _analytic_exchanges(cp, seq, load_balance, window, kv_bytes):
+    """Count and bytes of a call's exchanges, from positions alone: ring step ``s`` brings
+    rank ``r`` the block of rank ``r - s``, and is needed if some query of some rank sees
+    some key of that block (``q - window < k <= q``). Forward: one exchange of K, V per
+    needed step after the first (own) one; backward: one of K, V, dK, dV each, and one of
+    dK, dV back to the owners; ``kv_bytes`` is one rank's K (float64, as V, dK and dV)."""
+    pos = [positions_for(r, cp, seq, load_balance=load_balance) for r in range(cp)]
+    needed = 0
+    for step in range(cp):
+        back = [pos[r].unsqueeze(-1) - pos[(r - step) % cp] for r in range(cp)]
+        needed += any(((b >= 0) & (b < window)).any() for b in back)
+    moves = needed - 1
+    count = 2 * moves + (moves > 0)
+    return count, kv_bytes * (2 * moves + 4 * moves + 2 * (moves > 0))
 
 
 def test_window_needs_causal_and_a_positive_int(one_rank_mesh):
@@ -150,6 +177,18 @@ def test_rows_that_saw_no_key_merge_to_zero():
     _merge(out, lse, block_out, block_lse)
     assert out[0, 0, 0].eq(0).all() and out.isfinite().all()
     torch.testing.assert_close(out[0, 0, 1], block_out[0, 0, 1])
+
+
+def test_the_exchanges_counted_match_the_window_geometry():
+    """The analytic count itself, by hand: zigzag cp=4 with chunks of 3 and a window of 3
+    needs the blocks 1 and 3 ring steps back (a rank's early chunk sees the previous rank's,
+    its late chunk the next rank's late one) but not 2, which a window of 7 reaches; a window
+    of 1 needs no other block; contiguous chunks of 5, a window of 5, only the previous one."""
+    assert _analytic_exchanges(4, 24, "zigzag", 24, 1) == (7, 6 * 3 + 2)
+    assert _analytic_exchanges(4, 24, "zigzag", 3, 1) == (5, 6 * 2 + 2)
+    assert _analytic_exchanges(4, 24, "zigzag", 7, 1) == (7, 6 * 3 + 2)
+    assert _analytic_exchanges(4, 24, "zigzag", 1, 1) == (0, 0)
+    assert _analytic_exchanges(3, 15, None, 5, 1) == (3, 6 + 2)
 
 
 def test_a_window_skips_the_chunks_it_leaves_out():
