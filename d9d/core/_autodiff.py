@@ -96,6 +96,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                 split=functools.partial(split_microbatches, args, kwargs),
                 check_value=functools.partial(_check_value, has_aux=has_aux),
                 gather=functools.partial(_gather_once, step, [leaf for _, leaf in pairs]),
+                leaves=functools.partial(_driven_leaves, params),
             )
             with named_inputs(fn, args, kwargs):
                 value, aux, grads, weight = driver.differentiate(job)
@@ -103,6 +104,9 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
         for runtime in step.runtimes if step is not None else ():
             value, grads = runtime.reduce_differentiated(value, grads, weight)
+        # Rounded once, after every reduction: wide grads (StepContext.wide_grads) are
+        # reduced over replica groups in their accumulated dtype.
+        grads = [g.to(leaf.dtype) for g, (_, leaf) in zip(grads, pairs, strict=True)]
         grads = tree.unflatten(tree.structure(params), grads)
         return ((value, aux), grads) if has_aux else (value, grads)
 
@@ -129,10 +133,7 @@ def _differentiate(
     wide = _summed_wider(params, len(leaves))
     copies = any(dtype is not None for dtype in wide) and not torch.compiler.is_compiling()
     with released_calls(current(), copies), torch.enable_grad(), count_tokens() as counts:
-        inputs = [
-            _differentiable(leaf) if dtype is None else _widened(leaf, dtype)
-            for leaf, dtype in zip(leaves, wide, strict=True)
-        ]
+        inputs = _as_inputs(leaves, wide)
         with differentiating(leaves, inputs):
             out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
@@ -184,6 +185,21 @@ def _summed_wider(params: Any, count: int) -> list[torch.dtype | None]:
         wide = None if entry is None else accumulated_dtype(entry)
         out.append(wide if wide is not None and wide != leaf.dtype else None)
     return out
+
+
+def _as_inputs(leaves: list[torch.Tensor], wide: list[torch.dtype | None]) -> list[torch.Tensor]:
+    """``leaves`` as new autograd leaves, each copied to its ``wide`` dtype where it has one."""
+    return [
+        _differentiable(leaf) if dtype is None else _widened(leaf, dtype)
+        for leaf, dtype in zip(leaves, wide, strict=True)
+    ]
+
+
+def _driven_leaves(params: Any) -> list[torch.Tensor]:
+    """``Differentiation.leaves``: the autograd leaves a driver differentiates of ``params``,
+    widened as ``_differentiate`` widens its own (:func:`_summed_wider`)."""
+    leaves = tree.leaves(params)
+    return _as_inputs(leaves, _summed_wider(params, len(leaves)))
 
 
 def _widen(leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -392,7 +408,8 @@ def _check_differentiable(value: torch.Tensor) -> None:
 
 
 def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Plan | None) -> torch.Tensor:
-    """The grad laid out like its param: a ``Partial`` DTensor grad is reduced here.
+    """The grad laid out like its param (in its own dtype, which ``value_and_grad`` rounds to
+    the param's after the runtimes' reductions): a ``Partial`` DTensor grad is reduced here.
 
     Under a plan the step body sees a param laid out as its optimizer state is kept
     (``state_kept``: ZeRO-1/2 update a shard of a param stored whole); its grad is reduced
@@ -413,4 +430,4 @@ def _like(grad: torch.Tensor, param: torch.Tensor, path: str, plan: Plan | None)
             grad = reduce_to(grad, kept)
             if tuple(grad.placements) != placements:
                 grad = grad.redistribute(grad.device_mesh, placements)
-    return grad.to(param.dtype)
+    return grad

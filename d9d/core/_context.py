@@ -45,8 +45,10 @@ class StepContext:
         defer_reduction: Gathered params' backward leaves grads unreduced (``Partial``), as
             while accumulating microbatches; the accumulation reduces them once.
         wide_grads: A runtime reduces the grads further (over replica groups) in their
-            reduce dtype where it is wider than the param's: ``value_and_grad`` then
-            differentiates such a param as a copy in it, as while deferring reductions.
+            reduce dtype where it is wider than the param's (``Runtime.widens_grads``, set
+            for the whole step): ``value_and_grad``, or the runtime driving it
+            (``Differentiation.leaves``), then differentiates such a param as a copy in it,
+            as while deferring reductions, and rounds its grad once, after the reductions.
         token_counts: While a loss's token counts are collected, the list they go to.
         sequence_groups: While a position-wise module runs on this rank's part of each
             sequence (``Structure.position_wise``; set by the runtime that split it), the

@@ -274,10 +274,15 @@ class Differentiation:
         check_value: ``check_value(value)`` raises unless ``fn``'s value is a 0-d float.
         gather: ``gather(paths, leaves) -> {path: tensor}``: the compute tensors of the
             params at ``paths`` from ``leaves``, autograd leaves the driver made of their
-            ``pairs`` tensors (detached aliases), gathered once for every microbatch it
-            runs; in the backward their grads come back to ``leaves`` reduced to where
-            the plan keeps them. The first runtime's :meth:`Runtime.gather_once` that
-            answers, else the core's ``gather_params``.
+            ``pairs`` tensors (``leaves()``), gathered once for every microbatch it runs; in
+            the backward their grads come back to ``leaves`` reduced to where the plan keeps
+            them. The first runtime's :meth:`Runtime.gather_once` that answers, else the
+            core's ``gather_params``.
+        leaves: ``leaves() -> [tensor, ...]``: the autograd leaves to differentiate, one
+            per ``pairs`` tensor: a detached alias, or a copy in the param's accumulated
+            dtype where the running step holds its grads wide
+            (``StepContext.wide_grads``), whose grad the driver then returns in that dtype,
+            as ``run``'s own differentiation does.
     """
 
     fn: Callable[..., Any]
@@ -289,6 +294,7 @@ class Differentiation:
     split: Callable[[int], list[Inputs]]
     check_value: Callable[[Any], None]
     gather: Callable[[list[str], list[torch.Tensor]], dict[str, torch.Tensor]]
+    leaves: Callable[[], list[torch.Tensor]]
 
 
 class Runtime:
@@ -305,9 +311,12 @@ class Runtime:
             (``sum_microbatches(defer_reduction=True)``): ``d9d.value_and_grad``
             differentiates a param whose accumulated dtype is wider than its own as a copy
             in that dtype (``step.memory``'s ``widened_params``).
-        widens_grads: This runtime differentiates with ``StepContext.wide_grads`` set (it
-            reduces the grads further, over replica groups, in their accumulated dtype):
-            such a param is differentiated as a copy as under ``defers_reduction``.
+        widens_grads: This runtime reduces the grads further (over replica groups) in
+            their accumulated dtype: its steps run with ``StepContext.wide_grads`` set, and
+            ``d9d.value_and_grad`` (or the runtime driving it, through
+            ``Differentiation.leaves``) differentiates such a param as a copy as under
+            ``defers_reduction``, the grads rounded to the params' dtypes once, after
+            :meth:`reduce_differentiated`.
         shared: A step that shares the plan (``TransformedStep.sharing_plan``: an eval step
             over the same params) runs this runtime too; False for one whose hooks belong to
             the training step alone (``fault_tolerant``'s quorum and commit vote).
@@ -377,7 +386,8 @@ class Runtime:
         self, job: Differentiation
     ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
         """``(value, aux, grads, weight)`` of ``job``; each grad laid out as its param's
-        optimizer state is kept (``state_kept``: the stored layout but under ZeRO-1/2). The
+        optimizer state is kept (``state_kept``: the stored layout but under ZeRO-1/2), in
+        the dtype of its ``job.leaves()`` leaf (its accumulated one under wide grads). The
         value and grads are means over ``weight`` valid tokens (the count the loss's token
         means recorded), or over the inputs alike when ``weight`` is None."""
         raise NotImplementedError(f"{type(self).__name__} does not drive differentiation")
@@ -387,8 +397,10 @@ class Runtime:
     ) -> tuple[torch.Tensor, list[Any]]:
         """The value and grads ``d9d.value_and_grad`` returns, from those its
         differentiation made (driven by a runtime or not): means over ``weight`` valid
-        tokens (None: no count), each grad laid out as its param's optimizer state is kept.
-        Called for every runtime, in transform order. Default: unchanged; a runtime that
+        tokens (None: no count), each grad laid out as its param's optimizer state is kept
+        (in its accumulated dtype where the step holds its grads wide: ``value_and_grad``
+        rounds it to the param's dtype after the last runtime's call). Called for every
+        runtime, in transform order. Default: unchanged; a runtime that
         reduces over replica groups while another runtime drives averages them here."""
         del weight
         return value, grads

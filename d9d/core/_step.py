@@ -297,7 +297,8 @@ class TransformedStep:
 
     def context(self) -> StepContext:
         """A fresh context for one call of the step (the plan and the runtimes)."""
-        return StepContext(self.plan, self._runtimes)
+        wide = any(r.widens_grads for r in self._runtimes)
+        return StepContext(self.plan, self._runtimes, wide_grads=wide)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         for i, arg in enumerate((params, opt_state, batch)):  # d9d.jit checks them itself

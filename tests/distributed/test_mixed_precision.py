@@ -283,3 +283,59 @@ def test_a_lone_pipelined_fault_tolerant_group_of_bf16_params_equals_the_pipelin
         _assert_equal(got, plain)
         numel = sum(g.numel() for g in got.values())
         assert calls == ["start_quorum", f"allreduce torch.float32 {numel + 2}", "should_commit"]
+
+
+def _pipelined_group(model: d9d.Model, half: int, partner: list | None) -> tuple:
+    """``(grads, carried, memory)`` of replica group ``half`` (its half of the batch) under
+    ``pipeline(pp=2)`` of the bf16 ``model`` reduced in float32 and ``fault_tolerant``: this
+    rank's stages' grads, copies of what each of its all-reduces over the groups carried, and
+    ``step.memory``'s ``(widened_params, params)``.
+    Alone when ``partner`` is None; else one of two groups, the other's rank carrying
+    ``partner[rank]`` (as it carried when alone: its step does not depend on this one's)."""
+    manager = LoneManager([True])
+    if partner is not None:
+        given = iter(partner[torch.distributed.get_rank()])
+
+        def allreduce(tensor: torch.Tensor, reduce_op: ReduceOp) -> LoneManager:
+            assert reduce_op == ReduceOp.SUM
+            tensor.add_(next(given))
+            return manager
+
+        manager.allreduce = allreduce
+        manager.num_participants = lambda: 2
+    mesh = d9d.make_mesh("cpu", pp=2, dp=1)
+    model = copy.deepcopy(model)
+
+    def grads_step(params: dict, opt_state: tuple, batch: dict) -> tuple:
+        return d9d.value_and_grad(lambda p, b: _loss(model, p, b))(params, batch)[1], opt_state, {}
+
+    step = d9d.pipeline(mesh, microbatches=2)(grads_step)
+    step = d9d.shard_params(mesh, None, replicate_axis="dp", reduce_dtype=F32)(step)
+    step = d9d.fault_tolerant(manager)(step)
+    params, _ = step.place(model.params, (), model=model)
+    batch = {k: v[4 * half : 4 * half + 4] for k, v in _BATCH.items()}
+    memory = step.memory(params, ())
+    grads, _, _ = step(params, (), step.shard_batch(batch))
+    grads = {k: g.full_tensor() for k, g in grads.items()}
+    return grads, manager.reduced, (memory.widened_params, memory.params)
+
+
+def test_two_pipelined_fault_tolerant_groups_of_bf16_params_round_their_grads_once():
+    """bf16 params, ``reduce_dtype=float32``, two replica groups of pp=2 with 2 microbatches
+    each (every microbatch 32 valid tokens): the 4 slices' grads are summed in float32, over
+    each group's microbatches by the pipeline and over the groups, and rounded once to bf16.
+    The pipeline handed each group's mean rounded to bf16, which the average rounded again.
+    Each group runs twice (fork ranks): alone, recording what it carries, then with the
+    other's record added in, as the all-reduce of two live groups would. ``step.memory``
+    counts the float32 copies the stages differentiate (4 bytes an element of the bf16
+    params); they were not counted under a pipeline."""
+    model = llama(BF16, 2)()
+    alone = [run_on_ranks(_pipelined_group, 2, model, g, None, method="fork") for g in range(2)]
+    carried = [[reduced for _, reduced, _ in ranks] for ranks in alone]
+    wanted = _reference(model, _BATCH, 4, BF16, F32)
+    for half in range(2):
+        got = run_on_ranks(_pipelined_group, 2, model, half, carried[1 - half], method="fork")
+        merged = {k: g for grads, _, _ in got for k, g in grads.items()}
+        _assert_equal(merged, wanted)
+        for _, _, (widened, params) in got:
+            assert widened == 2 * params > 0, (widened, params)

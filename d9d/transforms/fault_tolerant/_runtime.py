@@ -26,7 +26,6 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
-from ...core._context import current
 from ...core._gather import local_like
 from ...core._microbatches import sum_microbatches
 from ...core._runtime import Differentiation, Runtime
@@ -61,6 +60,10 @@ class FaultTolerantRuntime(Runtime):
     runtime drives the differentiation and the grads are reduced over the groups after it."""
 
     shared = False  # an eval step sharing the plan neither starts a quorum nor votes
+    # Summed over microbatches and groups in the plan's reduce dtype where it is wider than
+    # the param's (bf16 params, reduce_dtype=float32), rounded once by value_and_grad; a
+    # driving pipeline hands its grads over in it (``Differentiation.leaves``).
+    widens_grads = True
     tokens_beyond_mesh = "fault_tolerant, whose other replica groups hold tokens of the step"
 
     def __init__(
@@ -75,7 +78,6 @@ class FaultTolerantRuntime(Runtime):
         self.starts_quorum = starts_quorum
         self.microbatches = microbatches
         self.drives_differentiation = not after_driver
-        self.widens_grads = self.drives_differentiation  # ``differentiate`` sets wide_grads
         self.groups = GroupCount(_log, "fault_tolerant", "steps")
         self.peer = PeerState(
             manager, STATE_KEY, "fault_tolerant", "runtime.serve(params, opt_state)"
@@ -122,15 +124,7 @@ class FaultTolerantRuntime(Runtime):
     def differentiate(
         self, job: Differentiation
     ) -> tuple[torch.Tensor, Any, list[Any], torch.Tensor | None]:
-        # Summed over microbatches and groups in the plan's reduce dtype where it is wider
-        # than the param's (bf16 params, reduce_dtype=float32), rounded once by value_and_grad.
-        step = current()
-        assert step is not None
-        previous, step.wide_grads = step.wide_grads, True
-        try:
-            value, aux, grads, weight = self._run(job)
-        finally:
-            step.wide_grads = previous
+        value, aux, grads, weight = self._run(job)
         value, grads, count = self._over_groups(value, grads, weight)
         return value, aux, grads, count
 
@@ -139,8 +133,9 @@ class FaultTolerantRuntime(Runtime):
     ) -> tuple[torch.Tensor, list[Any]]:
         if self.drives_differentiation:  # reduced in ``differentiate``
             return value, grads
-        # In float32 at least, each grad rounded back to its dtype once: the driver's grads
-        # are rounded means, which a bf16 product with the count and quotient rounded again.
+        # In float32 at least, each grad back in its dtype after: the driver's grads are means
+        # (in their accumulated dtype: ``widens_grads``), which a bf16 product with the count
+        # and quotient would round. value_and_grad rounds them to the params' dtypes once.
         wide = [_times(g, weight) if weight is not None else _wide(g) for g in grads]
         value, wide, _ = self._over_groups(value, wide, weight)
         return value, [w.to(g.dtype) for w, g in zip(wide, grads, strict=True)]

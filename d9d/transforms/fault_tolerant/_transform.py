@@ -140,7 +140,8 @@ def fault_tolerant(
     Under ``pipeline`` the stage executor drives the backward; the reduction over the
     groups follows it, once a step: each rank all-reduces its own stages' grads (reduced
     inside the group) with the same rank of every live group, which holds the same stages,
-    in float32 at least (each grad rounded back to its dtype once).
+    in float32 at least; the executor hands them over in their reduce dtype where it is wider
+    than the param's, and each grad is rounded to its dtype once, at the end.
     Its microbatches are ``pipeline``'s (``microbatches`` here must be 1).
 
     Not yet: ``d9d.jit`` is refused by name; ``step.comms`` does not count the manager's

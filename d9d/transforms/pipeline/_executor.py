@@ -215,7 +215,9 @@ def run_pipeline(
     grads means over ``weight`` valid tokens (None: the loss counted none), on every rank."""
     chunks = job.split(layout.microbatches)
     paths = [path for path, _ in job.pairs]
-    stored = [leaf.detach().requires_grad_(True) for _, leaf in job.pairs]
+    # Copies in the accumulated dtype where the step holds its grads wide (fault_tolerant's
+    # float32 reduction over replica groups): the grads come back in it, unrounded.
+    stored = job.leaves()
     with torch.enable_grad():
         gathered = job.gather(paths, stored)
     weights = {p: nn.Parameter(gathered[p].detach()) for p in paths}
