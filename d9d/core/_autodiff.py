@@ -133,7 +133,13 @@ def _differentiate(
     wide = _summed_wider(params, len(leaves))
     copies = any(dtype is not None for dtype in wide) and not torch.compiler.is_compiling()
     with released_calls(current(), copies), torch.enable_grad(), count_tokens() as counts:
-        inputs = _as_inputs(leaves, wide)
+        # Inline, not ``_as_inputs``: when a check raises while Dynamo traces ``fn`` (a param
+        # of the wrong shape), Dynamo runs the step eagerly and compiles each small function
+        # it meets there on its own; the error should come before any compile (test_jit.py).
+        inputs = [
+            _differentiable(leaf) if dtype is None else _widened(leaf, dtype)
+            for leaf, dtype in zip(leaves, wide, strict=True)
+        ]
         with differentiating(leaves, inputs):
             out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
