@@ -97,7 +97,9 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                 check_value=functools.partial(_check_value, has_aux=has_aux),
                 gather=functools.partial(_gather_once, step, [leaf for _, leaf in pairs]),
             )
-            with named_inputs(fn, args, kwargs):
+            # The calls a driver makes outside ``_differentiate`` (a pipeline stage's).
+            eager = not torch.compiler.is_compiling()
+            with named_inputs(fn, args, kwargs), released_calls(step, eager):
                 value, aux, grads, weight = driver.differentiate(job)
         plan = step.plan if step is not None else None
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
@@ -127,8 +129,8 @@ def _differentiate(
     as the grad (:func:`_grads`)."""
     leaves, spec = tree.flatten(params)
     wide = _summed_wider(params, len(leaves))
-    copies = any(dtype is not None for dtype in wide) and not torch.compiler.is_compiling()
-    with released_calls(current(), copies), torch.enable_grad(), count_tokens() as counts:
+    eager = not torch.compiler.is_compiling()
+    with released_calls(current(), eager), torch.enable_grad(), count_tokens() as counts:
         inputs = [
             _differentiable(leaf) if dtype is None else _widened(leaf, dtype)
             for leaf, dtype in zip(leaves, wide, strict=True)

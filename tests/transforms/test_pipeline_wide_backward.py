@@ -62,7 +62,8 @@ def test_float32_sums_reach_the_gathers_backward_unrounded() -> None:
 # (stored, compute, reduce dtype, the fix the refusal names, that fix as plan fields)
 _NARROWED = [
     # The stored dtype no wider than the compute one: reducing in it is enough.
-    (bf16, bf16, f32, r"reduce in the compute dtype \(shard_params\(reduce_dtype=torch.bfloat16\)\)",
+    (bf16, bf16, f32,
+     r"reduce in the compute dtype \(shard_params\(reduce_dtype=torch.bfloat16\)\)",
      {"reduce_dtype": bf16}),
     (f16, f32, torch.float64, r"\(shard_params\(reduce_dtype=torch.float32\)\)",
      {"reduce_dtype": f32}),
