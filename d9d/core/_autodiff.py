@@ -98,7 +98,9 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
                 gather=functools.partial(_gather_once, step, [leaf for _, leaf in pairs]),
                 leaves=functools.partial(_driven_leaves, params),
             )
-            with named_inputs(fn, args, kwargs):
+            # The calls a driver makes outside ``_differentiate`` (a pipeline stage's).
+            eager = not torch.compiler.is_compiling()
+            with named_inputs(fn, args, kwargs), released_calls(step, eager):
                 value, aux, grads, weight = driver.differentiate(job)
         plan = step.plan if step is not None else None
         grads = [_like(g, leaf, path, plan) for g, (path, leaf) in zip(grads, pairs, strict=True)]
@@ -131,8 +133,8 @@ def _differentiate(
     as the grad (:func:`_grads`)."""
     leaves, spec = tree.flatten(params)
     wide = _summed_wider(params, len(leaves))
-    copies = any(dtype is not None for dtype in wide) and not torch.compiler.is_compiling()
-    with released_calls(current(), copies), torch.enable_grad(), count_tokens() as counts:
+    eager = not torch.compiler.is_compiling()
+    with released_calls(current(), eager), torch.enable_grad(), count_tokens() as counts:
         # Inline, not ``_as_inputs``: when a check raises while Dynamo traces ``fn`` (a param
         # of the wrong shape), Dynamo runs the step eagerly and compiles each small function
         # it meets there on its own; the error should come before any compile (test_jit.py).

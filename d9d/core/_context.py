@@ -65,9 +65,10 @@ class StepContext:
             made of it (a detached alias), so that a runtime can tell its own tensors in
             what ``apply`` receives by identity (ZeRO-1/2's slices), which Dynamo traces
             where it cannot compare data pointers (:func:`differentiating`).
-        applied: While ``value_and_grad`` differentiates a microbatch with widened copies of
-            params (``_autodiff._summed_wider``), the ``ApplyCall`` each ``Model.apply``
-            made, which it releases once the backward is done (``_apply.released_calls``).
+        applied: Weak references to the ``ApplyCall`` each ``Model.apply`` made, each
+            released (its references to itself dropped) when the eager step returns, or
+            the ``value_and_grad`` or microbatch backward it was made in is done
+            (``_apply.released_calls``); None under ``d9d.jit``.
         tokens: The valid tokens the step's differentiated losses counted, summed over its
             ``value_and_grad`` calls and microbatches, each count over every rank that holds
             other tokens (:func:`record_step_tokens`); None while none was counted, and when

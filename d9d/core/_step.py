@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import tree
 from ..errors import IndivisibleError, PlanError
+from ._apply import released_calls
 from ._autodiff import averageable
 from ._batch_check import BatchSignature, batch_signature, check_batch
 from ._codec_statistics import codec_statistics
@@ -304,7 +305,10 @@ class TransformedStep:
         for i, arg in enumerate((params, opt_state, batch)):  # d9d.jit checks them itself
             check_not_donated(arg, name=f"argument {i}")
         self.check_inputs(params, opt_state, batch)
-        with running(self.context()):
+        step = self.context()
+        # Eager only (d9d.jit runs ``run`` in its graph): what ``value_and_grad`` did not
+        # release (a forward-only ``Model.apply``'s call) is released as the step returns.
+        with running(step), released_calls(step, True):
             return self.run(params, opt_state, batch)
 
     def check_inputs(self, params: Any, opt_state: Any, batch: Any) -> None:

@@ -266,7 +266,8 @@ def run_pipeline(
         compute_grads.append(
             summed.div_(total) if summed is not None else torch.zeros_like(weights[p])
         )
-    grads = grads_of_stored(paths, [gathered[p] for p in paths], compute_grads, stored)
+    entries = [plan.entries[p] for p in paths]
+    grads = grads_of_stored(entries, [gathered[p] for p in paths], compute_grads, stored)
     grads = [_sum_tied(g, p, layout) for g, p in zip(grads, paths, strict=True)]
     aux = None
     if job.has_aux and sampled:

@@ -7,7 +7,8 @@ first: the engine casts each grad to the dtype of the output it is given for
 d9d's gathers are autograd functions whose backward takes grads of any float dtype and
 casts them to the reduce dtype itself, so :func:`grads_of_stored` calls that backward with
 the sums, one call per gather, and hands what it returns to autograd from the gather's
-inputs on: the sums reach the reduction unrounded.
+inputs on: the sums reach the reduction unrounded. A gather that is no autograd function is
+refused, naming the dtypes that would make the sums the compute dtype (:func:`summed_narrow`).
 """
 
 from __future__ import annotations
@@ -18,30 +19,34 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
+from ...core._param_plan import ParamPlan
 from ...errors import PlanError
 
-__all__ = ["grads_of_stored"]
+__all__ = ["grads_of_stored", "summed_narrow"]
 
 
 def grads_of_stored(
-    paths: Sequence[str],
+    entries: Sequence[ParamPlan],
     gathered: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     stored: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, ...]:
     """``torch.autograd.grad(gathered, stored, grads)`` (unused stored get zeros), where a
-    grad may be of a wider dtype than its gathered tensor (of ``paths``, for errors)."""
+    grad may be of a wider dtype than its gathered tensor (of the params ``entries`` plan)."""
     wide: dict[Node, dict[int, torch.Tensor]] = {}
-    for path, tensor, grad in zip(paths, gathered, grads, strict=True):
+    for entry, tensor, grad in zip(entries, gathered, grads, strict=True):
         if grad.dtype == tensor.dtype:
             continue
         node = tensor.grad_fn
         if not isinstance(node, BackwardCFunction):
+            compute, reduce = entry.compute_dtype or entry.dtype, entry.reduce_dtype or entry.dtype
             raise PlanError(
-                f"pipeline sums the grad of {path!r} in {grad.dtype}, wider than its compute "
-                f"dtype {tensor.dtype}, and reduces it through the backward of the gather "
-                f"that made it, which is {type(node).__name__}, not an autograd function's; "
-                f"reduce in the compute dtype (shard_params(reduce_dtype={tensor.dtype}))"
+                f"pipeline sums the grad of {entry.path!r} in {grad.dtype} (the widest of its "
+                f"stored {entry.dtype}, compute {compute} and reduce {reduce} dtypes), wider "
+                f"than the {tensor.dtype} tensor its gather made, and reduces it through that "
+                f"gather's backward, which is {type(node).__name__}, not an autograd "
+                "function's; gather it with a torch.autograd.Function whose backward takes a "
+                f"grad of any float dtype, as d9d's gathers do, or {summed_narrow(entry)}"
             )
         wide.setdefault(node, {})
     outputs: list[torch.Tensor | GradientEdge] = []
@@ -74,3 +79,20 @@ def grads_of_stored(
         allow_unused=True,
         materialize_grads=True,
     )
+
+
+def summed_narrow(entry: ParamPlan) -> str:
+    """What makes ``entry``'s microbatch sums, in the widest of its stored, compute and
+    reduce dtypes (``d9d/core/_accumulated_dtype.py``), its compute dtype where they are
+    wider: a reduce dtype of the compute dtype only where the stored dtype is no wider."""
+    stored = entry.dtype
+    compute = entry.compute_dtype or stored
+    if torch.promote_types(stored, compute) == compute:
+        return f"reduce in the compute dtype (shard_params(reduce_dtype={compute}))"
+    fix = "compute in the stored dtype (shard_params(param_dtype=None))"
+    if torch.promote_types(stored, entry.reduce_dtype or stored) != stored:
+        fix = (
+            "compute and reduce in the stored dtype "
+            "(shard_params(param_dtype=None, reduce_dtype=None))"
+        )
+    return f"{fix}: the sums are no narrower than the stored dtype, whatever the reduce dtype"
