@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import MeshError
+from ._mesh_hash import pin_hash
 
 __all__ = ["AXIS_ORDER", "make_mesh"]
 
@@ -66,7 +67,8 @@ def make_mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
         _start_one_rank_group(axes)
     sizes = _resolve_sizes(axes, dist.get_world_size())
     names = tuple(name for name in AXIS_ORDER if name in sizes)
-    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    return pin_hash(mesh)
 
 
 def _check_device_type(device_type: object) -> None:

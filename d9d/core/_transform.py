@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import PlanError
+from ._mesh_hash import pin_hash
 from ._param_plan import ParamPlan
 from ._phase import Phase
 from ._plan import Plan
@@ -80,6 +81,8 @@ class Transform(abc.ABC):
     def __call__(self, step: Callable[..., Any]) -> TransformedStep:
         if isinstance(step, OutermostStep):
             raise PlanError(step.refusal_of(self.name))
+        if self.mesh is not None:  # a mesh not from make_mesh: see d9d/core/_mesh_hash.py
+            pin_hash(self.mesh)
         if isinstance(step, TransformedStep):
             return step.with_transform(self)
         return TransformedStep(step, (self,))

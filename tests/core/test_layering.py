@@ -24,6 +24,7 @@ def _module_name(path: Path) -> str:
 # The core's base sub-layer: checks and helpers the kernels and libraries may use too.
 CORE_BASE = (
     "d9d.core._mesh",
+    "d9d.core._mesh_hash",
     "d9d.core._comm_count",
     "d9d.core._batch_check",
     "d9d.core._index_checks",

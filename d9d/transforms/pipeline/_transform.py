@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
+from ...core._mesh_hash import pin_hash
 from ...core._param_plan import ParamPlan
 from ...core._phase import Phase
 from ...core._plan import Plan
@@ -232,9 +233,10 @@ def _stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:
     names = tuple(mesh.mesh_dim_names or ())
     rest = tuple(n for n in names if n != axis)
     if rest:
-        return mesh[rest]
+        return pin_hash(mesh[rest])
     alone = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=(axis, "stage"))
-    return alone["stage"]
+    pin_hash(alone)  # the stage mesh pickles its root with it
+    return pin_hash(alone["stage"])
 
 
 def pipeline(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ...core._mesh_hash import pin_hash
 from ...core._param_plan import ParamPlan
 from ...core._phase import Phase
 from ...core._plan import Plan
@@ -73,7 +74,7 @@ class TensorParallel(Transform):
 
     def runtime(self, plan: Plan, model: Model | None) -> TensorParallelRuntime:
         layout = ActivationLayout(
-            mesh=self.mesh[self.axis],
+            mesh=pin_hash(self.mesh[self.axis]),
             axis=self.axis,
             index=plan.names.index(self.axis),
             rank=self._coordinate(self.axis),
