@@ -6,8 +6,9 @@ first time the mesh is hashed (a DTensor's spec hashes it). Python salts the has
 (the device type, the axis names) per process, so a restarted run computed another key for
 the same graph and compiled it again (``fxgraph_cache_miss``: docs/decisions.md). ``_hash`` is
 set here, before anything hashes the mesh, to a hash of what makes two meshes equal that no
-process salts: equal meshes still hash equal, and a hash already taken is left as it is (a
-mesh in a dict or a set keeps the hash it is filed under).
+process salts; a hash already taken is left as it is (a mesh in a dict or a set keeps the hash
+it is filed under). Two equal meshes hash equal when both are pinned: a mesh d9d never saw (a
+submesh sliced again, a new object per slice) keeps the salted hash (docs/decisions.md).
 """
 
 from __future__ import annotations
