@@ -44,11 +44,6 @@ class StepContext:
         runtimes: The transforms' runtimes, in transform order.
         defer_reduction: Gathered params' backward leaves grads unreduced (``Partial``), as
             while accumulating microbatches; the accumulation reduces them once.
-        wide_grads: A runtime reduces the grads further (over replica groups) in their
-            reduce dtype where it is wider than the param's (``Runtime.widens_grads``, set
-            for the whole step): ``value_and_grad``, or the runtime driving it
-            (``Differentiation.leaves``), then differentiates such a param as a copy in it,
-            as while deferring reductions, and rounds its grad once, after the reductions.
         token_counts: While a loss's token counts are collected, the list they go to.
         sequence_groups: While a position-wise module runs on this rank's part of each
             sequence (``Structure.position_wise``; set by the runtime that split it), the
@@ -79,13 +74,21 @@ class StepContext:
     plan: Plan
     runtimes: tuple[Runtime, ...] = ()
     defer_reduction: bool = False
-    wide_grads: bool = False
     token_counts: list[torch.Tensor] | None = None
     sequence_groups: tuple[tuple[str, int], ...] = ()
     codec_statistics: dict[str, torch.Tensor] | None = None
     differentiated: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     applied: list[Any] | None = None
     tokens: torch.Tensor | None = None
+
+    @property
+    def wide_grads(self) -> bool:
+        """A runtime reduces the grads further (over replica groups) in their reduce dtype
+        where it is wider than the param's (``Runtime.widens_grads``): ``value_and_grad``, or
+        the runtime driving it (``Differentiation.leaves``), then differentiates such a param
+        as a copy in it, as while deferring reductions, and rounds its grad once, after the
+        reductions."""
+        return any(runtime.widens_grads for runtime in self.runtimes)
 
 
 class _State(threading.local):

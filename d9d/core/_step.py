@@ -298,8 +298,7 @@ class TransformedStep:
 
     def context(self) -> StepContext:
         """A fresh context for one call of the step (the plan and the runtimes)."""
-        wide = any(r.widens_grads for r in self._runtimes)
-        return StepContext(self.plan, self._runtimes, wide_grads=wide)
+        return StepContext(self.plan, self._runtimes)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         for i, arg in enumerate((params, opt_state, batch)):  # d9d.jit checks them itself
