@@ -40,13 +40,18 @@ def grads_of_stored(
         node = tensor.grad_fn
         if not isinstance(node, BackwardCFunction):
             compute, reduce = entry.compute_dtype or entry.dtype, entry.reduce_dtype or entry.dtype
+            backward = (
+                "none: the stored tensor is used ungathered"
+                if node is None
+                else f"{type(node).__name__}, not an autograd function's"
+            )
             raise PlanError(
                 f"pipeline sums the grad of {entry.path!r} in {grad.dtype} (the widest of its "
                 f"stored {entry.dtype}, compute {compute} and reduce {reduce} dtypes), wider "
                 f"than the {tensor.dtype} tensor its gather made, and reduces it through that "
-                f"gather's backward, which is {type(node).__name__}, not an autograd "
-                "function's; gather it with a torch.autograd.Function whose backward takes a "
-                f"grad of any float dtype, as d9d's gathers do, or {summed_narrow(entry)}"
+                f"gather's backward, which is {backward}; gather it with a "
+                "torch.autograd.Function whose backward takes a grad of any float dtype, as "
+                f"d9d's gathers do, or {summed_narrow(entry)}"
             )
         wide.setdefault(node, {})
     outputs: list[torch.Tensor | GradientEdge] = []
