@@ -31,20 +31,38 @@ _DONATED = "_d9d_donated_at_call"
 
 
 def check_like(old: Any, new: Any, *, argnum: int) -> None:
-    """Refuse a new donated tree not laid out like the old one, leaf shapes and dtypes too.
+    """Refuse a new donated tree not laid out like the old one (its structure, containers
+    too), leaf shapes and dtypes too.
 
     Raises:
         TypeError: Another structure, or a leaf of another shape or dtype.
     """
-    # Paths, not PyTreeSpec equality: this runs while Dynamo traces, and torch 2.11's Dynamo
-    # cannot trace a spec comparison (its optree polyfill's __eq__).
-    if not tree.same_paths(old, new):
+    if torch.compiler.is_compiling():
+        # Dynamo runs tree.map natively, while it interprets optree's flattening with paths
+        # bytecode by bytecode (about 80,000 for the tiny Llama's AdamW state, a third of the
+        # step's trace). What this refuses the eager check below refuses too: a refusal here
+        # runs the frame eagerly, where the message names the leaf.
+        tree.map(_refuse_unlike, old, new)
+        return
+    # No PyTreeSpec equality: Dynamo compiles the frames an eagerly run frame calls, and torch
+    # 2.11's cannot trace it. tree.map raises where containers or keys differ; paths differ
+    # where a leaf became a subtree.
+    try:
+        tree.map(_new, old, new)
+        like = tree.paths(old) == tree.paths(new)
+    except ValueError:
+        like = False
+    if not like:
         old_paths, new_paths = set(tree.paths(old)), set(tree.paths(new))
         missing, unexpected = sorted(old_paths - new_paths), sorted(new_paths - old_paths)
+        found = (
+            f"{missing=} (paths the returned tree lacks), {unexpected=} (paths it adds)"
+            if missing or unexpected
+            else f"its containers differ ({tree.structure(new)} for {tree.structure(old)})"
+        )
         raise TypeError(
             f"donated argument {argnum} is not laid out like the tree the step returned in its "
-            f"place: {missing=} (paths the returned tree lacks), {unexpected=} (paths it "
-            "adds); return a tree of the same structure"
+            f"place: {found}; return a tree of the same structure"
         )
     for (path, a), b in zip(tree.flatten_with_paths(old)[0], tree.leaves(new), strict=True):
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
@@ -61,12 +79,27 @@ def check_like(old: Any, new: Any, *, argnum: int) -> None:
             )
 
 
+def _new(old: Any, new: Any) -> Any:
+    """``new``: a leaf, never None (Dynamo's optree polyfill unflattens None as a subtree)."""
+    del old
+    return new
+
+
+def _refuse_unlike(old: Any, new: Any) -> Any:
+    """Raise where :func:`check_like` would, without the leaf's path (traced); else ``new``."""
+    if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
+        raise TypeError("a donated leaf is not a tensor")
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise TypeError("a donated leaf changed its shape or dtype")
+    return new
+
+
 def copy_into(old: Any, new: Any) -> None:
     """Each leaf of ``new`` copied into the matching leaf of ``old`` (checked alike first)."""
     # One copy_ per leaf, not torch._foreach_copy_: inductor (torch 2.13) lets a later output
     # read an input that _foreach_copy_ already overwrote (docs/decisions.md has the repro).
-    for a, b in zip(tree.leaves(old), tree.leaves(new), strict=True):
-        a.copy_(b)
+    # tree.map, not a loop over tree.leaves: Dynamo runs it natively (check_like).
+    tree.map(torch.Tensor.copy_, old, new)
 
 
 def check_not_donated(arg: Any, *, name: str) -> None:

@@ -340,8 +340,8 @@ def test_an_output_that_reads_a_donated_buffer_is_refused_by_name() -> None:
 def test_a_new_donated_leaf_that_is_another_donated_input_is_refused_by_name() -> None:
     """The donated leaves are overwritten one after the other: a step that kept the old params
     in its state (or swapped two params) copied a buffer already overwritten (no error: the
-    state held the new params). With an empty state Dynamo runs the copies eagerly, and the
-    same check runs there."""
+    state held the new params). Refused in the compiled graph, and where Dynamo runs the
+    step eagerly (here: disabled), by the same check there."""
 
     def keep_old(params, opt_state, x):
         return {"w": params["w"] - x}, {"prev": params["w"].detach()}, {}
@@ -350,13 +350,24 @@ def test_a_new_donated_leaf_that_is_another_donated_input_is_refused_by_name() -
         return {"a": params["b"], "b": params["a"]}, opt_state, {}
 
     x = torch.ones(3)
-    for step, params, state, match in (
-        (keep_old, {"w": torch.zeros(3)}, {"prev": torch.ones(3)}, r"opt_state\['prev'\], .*"),
-        (swap, {"a": torch.zeros(3), "b": torch.ones(3)}, {}, r"argument 0 leaf 'a', .*"),
+    swapped = {"a": torch.zeros(3), "b": torch.ones(3)}
+    for step, params, state, match, eager in (
+        (
+            keep_old,
+            {"w": torch.zeros(3)},
+            {"prev": torch.ones(3)},
+            r"opt_state\['prev'\], .*",
+            False,
+        ),
+        (swap, swapped, {}, r"params\['a'\], .*", False),
+        (swap, swapped, {}, r"argument 0 leaf 'a', .*", True),
     ):
         before = _clone((params, state))
         jitted = d9d.jit(step, backend="aot_eager")
-        with pytest.raises(DonatedTreeError, match=rf"new value of {match}\.clone\(\)"):
+        with (
+            torch._dynamo.config.patch(disable=eager),
+            pytest.raises(DonatedTreeError, match=rf"new value of {match}\.clone\(\)"),
+        ):
             jitted(params, state, x)
         assert_trees_all_close((params, state), before, rtol=0, atol=0)
 
@@ -400,6 +411,27 @@ def test_a_donated_leaf_that_is_not_a_tensor_is_refused_by_name() -> None:
         match=r"argument 1 leaf 'count' is not a tensor but a int .* hold the value in a tensor",
     ):
         d9d.jit(step, backend="aot_eager")({"w": torch.zeros(3)}, {"count": 0}, torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "found"),
+    [
+        ({"m": torch.zeros(1)}, {"m": torch.ones(1), "v": torch.ones(1)}, r"unexpected=\['v'\]"),
+        ({"m": torch.zeros(1)}, {"m": (torch.ones(1), torch.ones(1))}, r"missing=\['m'\]"),
+        ({"m": [torch.zeros(1)]}, {"m": (torch.ones(1),)}, r"its containers differ"),
+    ],
+)
+def test_a_donated_tree_of_another_structure_is_refused_by_name(old, new, found) -> None:
+    """The traced check (a ``tree.map``) refuses what the eager one does, containers too, so
+    Dynamo runs the frame eagerly and the message names the paths; nothing is written."""
+
+    def step(params, opt_state, x):
+        return {"w": params["w"] - x}, new, {}
+
+    params = {"w": torch.zeros(3)}
+    with pytest.raises(TypeError, match=rf"argument 1 is not laid out like .*{found}"):
+        d9d.jit(step, backend="aot_eager")(params, old, torch.ones(3))
+    assert params["w"].tolist() == [0.0, 0.0, 0.0]
 
 
 def _donated_and_returned():
