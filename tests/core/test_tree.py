@@ -85,3 +85,49 @@ def test_dtensor_is_one_leaf(one_rank_mesh) -> None:
     pairs, _ = tree.flatten_with_paths({"x": t, "y": [t]})
     assert [p for p, _ in pairs] == ["x", "y.0"]
     assert all(isinstance(leaf, DTensor) for _, leaf in pairs)
+
+
+def _flat_and_not() -> list[dict]:
+    """Dicts of tensors keyed by strings (the shortcut) and dicts just off it."""
+    w, b = torch.ones(2), torch.zeros(1)
+    return [
+        {"layers.1.w": w, "layers.0.w": b, "embed": w},  # the shortcut: sorted keys
+        {},
+        {"b": w, "a": None},  # None: an empty subtree
+        {"b": w, "a": 3},  # a number leaf
+        {1: w, 0: b},  # keys that are not strings
+        {"b": w, "a": (b,)},  # a nested container
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_flat_dict_shortcut_gives_optrees_leaves_paths_and_comparisons(index: int) -> None:
+    import optree
+
+    trees = _flat_and_not()
+    value = trees[index]
+    expected_leaves = optree.tree_leaves(value, none_is_leaf=False)
+    assert [id(x) for x in tree.leaves(value)] == [id(x) for x in expected_leaves]
+    assert tree.paths(value) == [p for p, _ in tree.flatten_with_paths(value)[0]]
+    for other in trees:
+        expected = optree.tree_paths(value, none_is_leaf=False) == optree.tree_paths(
+            other, none_is_leaf=False
+        )
+        assert tree.same_paths(value, other) == expected
+
+
+@pytest.mark.compile  # backend "eager": Dynamo tracing only (~1 s)
+def test_flat_dict_shortcut_traces_as_it_runs() -> None:
+    """Inside a jitted step the shortcut is what Dynamo traces: the same answers."""
+
+    def f(a, b):
+        ok = tree.same_paths(a, b) and tree.paths(a) == ["x", "y"]
+        return sum(tree.leaves(a)) + (1 if ok else -1)
+
+    a, b = {"y": torch.ones(2), "x": torch.zeros(2)}, {"x": torch.ones(2), "y": torch.ones(2)}
+    torch._dynamo.reset()
+    try:
+        assert torch.compile(f, backend="eager", fullgraph=True)(a, b).tolist() == [2.0, 2.0]
+        assert f({"y": torch.ones(2), "z": torch.zeros(2)}, b).tolist() == [0.0, 0.0]
+    finally:
+        torch._dynamo.reset()
