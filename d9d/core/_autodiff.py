@@ -65,7 +65,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         # Dynamo resumes in eager code with the values its trace made, and a spec it made
         # comes back as its own stand-in object, which cannot unflatten (optree raises
         # ``length mismatch``; torch 2.11 and 2.13). So each frame flattens ``params`` itself.
-        pairs = tree.flatten_with_paths(params)[0]
+        pairs = tree.leaves_with_paths(params)
         # Outside a step, as Model.apply: a step's call (or d9d.jit's) checked its inputs.
         if current() is None and not torch.compiler.is_compiling():
             check_not_donated(params, name="value_and_grad's params")
@@ -109,7 +109,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         # Rounded once, after every reduction: wide grads (StepContext.wide_grads) are
         # reduced over replica groups in their accumulated dtype.
         grads = [g.to(leaf.dtype) for g, (_, leaf) in zip(grads, pairs, strict=True)]
-        grads = tree.unflatten(tree.structure(params), grads)
+        grads = tree.with_leaves(params, grads)
         return ((value, aux), grads) if has_aux else (value, grads)
 
     return wrapped
@@ -131,7 +131,7 @@ def _differentiate(
     microbatches. With ``into`` (grads of an earlier call, laid out as these) each grad is
     added into its tensor in place as the backward produces it, and that tensor is returned
     as the grad (:func:`_grads`)."""
-    leaves, spec = tree.flatten(params)
+    leaves = tree.leaves(params)
     wide = _summed_wider(params, len(leaves))
     eager = not torch.compiler.is_compiling()
     with released_calls(current(), eager), torch.enable_grad(), count_tokens() as counts:
@@ -143,7 +143,7 @@ def _differentiate(
             for leaf, dtype in zip(leaves, wide, strict=True)
         ]
         with differentiating(leaves, inputs):
-            out = fn(tree.unflatten(spec, inputs), *args, **kwargs)
+            out = fn(tree.with_leaves(params, inputs), *args, **kwargs)
         value, aux = out if has_aux else (out, None)
         _check_value(value, has_aux=has_aux)
         _check_differentiable(value)

@@ -129,7 +129,7 @@ def scale_by_adam(
         t = count.to(torch.float64)
         bias_correction1 = 1.0 - torch.pow(b1, t)
         bias_correction2 = 1.0 - torch.pow(b2, t)
-        leaves, spec = tree.flatten(updates)
+        leaves = tree.leaves(updates)
 
         def moments(grads: list, stored_mu: list, stored_nu: list) -> tuple[Any, ...]:
             complex_leaves = [g.is_complex() for g in grads]
@@ -176,9 +176,9 @@ def scale_by_adam(
             moments, leaves, tree.leaves(state.mu), tree.leaves(state.nu), outputs=3
         )
         new_state = ScaleByAdamState(
-            count=count, mu=tree.unflatten(spec, mu), nu=tree.unflatten(spec, nu)
+            count=count, mu=tree.with_leaves(updates, mu), nu=tree.with_leaves(updates, nu)
         )
-        return tree.unflatten(spec, new_updates), new_state
+        return tree.with_leaves(updates, new_updates), new_state
 
     return GradientTransformation(init, update)
 

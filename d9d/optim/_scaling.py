@@ -84,8 +84,7 @@ def scale(step_size: float) -> GradientTransformation:
     def update(updates: Any, state: ScaleState, params: Any = None) -> tuple[Any, Any]:
         check_state(state, ScaleState, "scale")
         del params
-        leaves, spec = tree.flatten(updates)
-        return tree.unflatten(spec, _scaled(leaves, step_size)), state
+        return tree.with_leaves(updates, _scaled(tree.leaves(updates), step_size)), state
 
     return GradientTransformation(init, update)
 
@@ -144,9 +143,8 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         check_state(state, ScaleByLearningRateState, "scale_by_learning_rate")
         del params
         lr = schedule(state.count)
-        leaves, spec = tree.flatten(updates)
         new_state = ScaleByLearningRateState(count=state.count + 1, learning_rate=lr)
-        return tree.unflatten(spec, _scaled(leaves, -lr)), new_state
+        return tree.with_leaves(updates, _scaled(tree.leaves(updates), -lr)), new_state
 
     return GradientTransformation(init, update)
 
@@ -193,14 +191,13 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
             )
         if weight_decay == 0:
             return updates, state
-        leaves, spec = tree.flatten(updates)
         (decayed,) = by_kind(
             lambda us, ps: (torch._foreach_add(us, ps, alpha=weight_decay),),
-            leaves,
+            tree.leaves(updates),
             tree.leaves(params),
             outputs=1,
         )
-        return tree.unflatten(spec, decayed), state
+        return tree.with_leaves(updates, decayed), state
 
     transform = GradientTransformation(init, update)
     return transform if mask is None else masked(transform, mask)

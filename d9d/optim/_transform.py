@@ -127,7 +127,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
     """
     check_same_layout(params, updates, what="updates")
     check_params(params, "apply_updates")
-    param_leaves, spec = tree.flatten(params)
+    param_leaves = tree.leaves(params)
     (sums,) = by_kind(
         lambda ps, us: (torch._foreach_add(ps, us),),
         param_leaves,
@@ -137,7 +137,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
     new_leaves = [
         s if s.dtype == p.dtype else s.to(p.dtype) for p, s in zip(param_leaves, sums, strict=True)
     ]
-    return tree.unflatten(spec, new_leaves)
+    return tree.with_leaves(params, new_leaves)
 
 
 def by_kind(

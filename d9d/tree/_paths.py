@@ -21,6 +21,7 @@ __all__ = [
     "flatten",
     "flatten_with_paths",
     "leaves",
+    "leaves_with_paths",
     "map",
     "map_with_path",
     "paths",
@@ -28,6 +29,7 @@ __all__ = [
     "same_structure",
     "structure",
     "unflatten",
+    "with_leaves",
 ]
 
 _NONE_IS_LEAF = False
@@ -84,6 +86,36 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[str, Any]], PyTreeSpec]:
     """
     accessors, leaves_, spec = optree.tree_flatten_with_accessor(tree, none_is_leaf=_NONE_IS_LEAF)
     return [(_path_string(a), leaf) for a, leaf in zip(accessors, leaves_, strict=True)], spec
+
+
+def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` pairs of ``tree`` (:func:`flatten_with_paths` without the structure).
+
+    Example:
+        >>> leaves_with_paths({"w": 1, "state": (2, 3)})
+        [('state.0', 2), ('state.1', 3), ('w', 1)]
+    """
+    keys = _flat_keys(tree)
+    if keys is not None:
+        return [(k, tree[k]) for k in keys]
+    return flatten_with_paths(tree)[0]
+
+
+def with_leaves(tree: Any, leaves_: list[Any]) -> Any:
+    """A tree laid out like ``tree`` holding ``leaves_`` (in :func:`flatten` order):
+    ``unflatten(structure(tree), leaves_)``.
+
+    Example:
+        >>> with_leaves({"b": 1, "a": 2}, [10, 20])
+        {'b': 20, 'a': 10}
+    """
+    keys = _flat_keys(tree)
+    if keys is None:
+        return unflatten(structure(tree), leaves_)
+    if len(leaves_) != len(keys):
+        raise ValueError(f"{len(leaves_)} leaves for a tree of {len(keys)}")
+    by_key = dict(zip(keys, leaves_, strict=True))
+    return {k: by_key[k] for k in tree}  # in the tree's own key order, as unflatten keeps
 
 
 def unflatten(spec: PyTreeSpec, leaves_: list[Any]) -> Any:
