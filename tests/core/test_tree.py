@@ -108,7 +108,13 @@ def test_flat_dict_shortcut_gives_optrees_leaves_paths_and_comparisons(index: in
     value = trees[index]
     expected_leaves = optree.tree_leaves(value, none_is_leaf=False)
     assert [id(x) for x in tree.leaves(value)] == [id(x) for x in expected_leaves]
-    assert tree.paths(value) == [p for p, _ in tree.flatten_with_paths(value)[0]]
+    pairs, spec = tree.flatten_with_paths(value)
+    assert tree.paths(value) == [p for p, _ in pairs]
+    assert [(p, id(x)) for p, x in tree.leaves_with_paths(value)] == [(p, id(x)) for p, x in pairs]
+    marks = [object() for _ in expected_leaves]
+    rebuilt, expected_tree = tree.with_leaves(value, marks), tree.unflatten(spec, marks)
+    assert type(rebuilt) is type(expected_tree) and list(rebuilt) == list(expected_tree)
+    assert [id(x) for x in tree.leaves(rebuilt)] == [id(x) for x in tree.leaves(expected_tree)]
     for other in trees:
         expected = optree.tree_paths(value, none_is_leaf=False) == optree.tree_paths(
             other, none_is_leaf=False
