@@ -48,7 +48,7 @@ def check_like(old: Any, new: Any, *, argnum: int) -> None:
     # 2.11's cannot trace it. tree.map raises where containers or keys differ; paths differ
     # where a leaf became a subtree.
     try:
-        tree.map(_new, old, new)
+        tree.map(_old, old, new)
         like = tree.paths(old) == tree.paths(new)
     except ValueError:
         like = False
@@ -79,10 +79,12 @@ def check_like(old: Any, new: Any, *, argnum: int) -> None:
             )
 
 
-def _new(old: Any, new: Any) -> Any:
-    """``new``: a leaf, never None (Dynamo's optree polyfill unflattens None as a subtree)."""
-    del old
-    return new
+def _old(old: Any, new: Any) -> Any:
+    """``old``: a leaf, never None, where ``new`` may be (a None where ``old`` has a leaf).
+    Dynamo compiles this map as a frame of its own when ``check_like`` runs eagerly, and its
+    optree polyfill unflattens a None as an empty subtree ("length mismatch")."""
+    del new
+    return old
 
 
 def _refuse_unlike(old: Any, new: Any) -> Any:

@@ -202,6 +202,9 @@ def jit(
             logits it looks up, checked inside the graph before the lookup; the donated trees
             are left as they were.
         RecompileError: With ``fail_on_recompile``, a call would trace the step again.
+        TypeError: The step returns a donated tree laid out otherwise than the one it was
+            given (other paths or containers), or a donated leaf of another shape or dtype,
+            or that is not a tensor; nothing is written.
         ValueError: ``mode`` with a backend other than inductor.
 
     Example:

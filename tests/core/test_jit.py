@@ -419,6 +419,7 @@ def test_a_donated_leaf_that_is_not_a_tensor_is_refused_by_name() -> None:
         ({"m": torch.zeros(1)}, {"m": torch.ones(1), "v": torch.ones(1)}, r"unexpected=\['v'\]"),
         ({"m": torch.zeros(1)}, {"m": (torch.ones(1), torch.ones(1))}, r"missing=\['m'\]"),
         ({"m": [torch.zeros(1)]}, {"m": (torch.ones(1),)}, r"its containers differ"),
+        ({"m": torch.zeros(1)}, {"m": None}, r"missing=\['m'\]"),
     ],
 )
 def test_a_donated_tree_of_another_structure_is_refused_by_name(old, new, found) -> None:
@@ -432,6 +433,22 @@ def test_a_donated_tree_of_another_structure_is_refused_by_name(old, new, found)
     with pytest.raises(TypeError, match=rf"argument 1 is not laid out like .*{found}"):
         d9d.jit(step, backend="aot_eager")(params, old, torch.ones(3))
     assert params["w"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_donated_tree_returned_with_its_keys_in_another_order_compiles_as_one_graph() -> None:
+    """What the eager check accepts the traced one accepts: a refusal there alone would run
+    the step eagerly on every call (``fullgraph=True`` raises on it instead)."""
+
+    def step(params, opt_state, x):
+        state = {"v": opt_state["v"] + 1, "m": opt_state["m"] + x}  # given as m, v
+        return {"w": params["w"] - x}, state, {}
+
+    params, state = {"w": torch.zeros(3)}, {"m": torch.zeros(3), "v": torch.zeros(())}
+    jitted = d9d.jit(step, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        params, state, _ = jitted(params, state, torch.ones(3))
+    assert jitted.traces == 1
+    assert params["w"].tolist() == [-2.0] * 3 and state["v"].item() == 2.0
 
 
 def _donated_and_returned():

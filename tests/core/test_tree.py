@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from typing import NamedTuple
 
+import optree
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -88,24 +90,24 @@ def test_dtensor_is_one_leaf(one_rank_mesh) -> None:
 
 
 def _flat_and_not() -> list[dict]:
-    """Dicts of tensors keyed by strings (the shortcut) and dicts just off it."""
-    w, b = torch.ones(2), torch.zeros(1)
+    """Dicts of tensors keyed by strings (the shortcut) and dicts just off it; every leaf its
+    own tensor, keys not in sorted order."""
+    t = [torch.full((1,), float(i)) for i in range(8)]
     return [
-        {"layers.1.w": w, "layers.0.w": b, "embed": w},  # the shortcut: sorted keys
+        {"layers.1.w": t[0], "layers.0.w": t[1], "embed": t[2]},  # the shortcut: sorted keys
+        {"embed": t[3], "layers.1.w": t[4], "layers.0.w": t[5]},  # the same paths, other order
         {},
-        {"b": w, "a": None},  # None: an empty subtree
-        {"b": w, "a": 3},  # a number leaf
-        {1: w, 0: b},  # keys that are not strings
-        {"b": w, "a": (b,)},  # a nested container
+        {"b": t[0], "a": None},  # None: an empty subtree
+        {"b": t[0], "a": 3},  # a number leaf
+        {1: t[0], 0: t[1]},  # keys that are not strings
+        {"b": t[0], "a": (t[1],)},  # a nested container
+        OrderedDict(b=t[6], a=t[7]),  # optree keeps an OrderedDict's order
+        defaultdict(list, b=t[6], a=t[7]),  # a dict subclass: optree's own node
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
-def test_flat_dict_shortcut_gives_optrees_leaves_paths_and_comparisons(index: int) -> None:
-    import optree
-
-    trees = _flat_and_not()
-    value = trees[index]
+@pytest.mark.parametrize("value", _flat_and_not(), ids=repr)
+def test_flat_dict_shortcut_gives_optrees_leaves_paths_and_comparisons(value: dict) -> None:
     expected_leaves = optree.tree_leaves(value, none_is_leaf=False)
     assert [id(x) for x in tree.leaves(value)] == [id(x) for x in expected_leaves]
     pairs, spec = tree.flatten_with_paths(value)
@@ -115,7 +117,7 @@ def test_flat_dict_shortcut_gives_optrees_leaves_paths_and_comparisons(index: in
     rebuilt, expected_tree = tree.with_leaves(value, marks), tree.unflatten(spec, marks)
     assert type(rebuilt) is type(expected_tree) and list(rebuilt) == list(expected_tree)
     assert [id(x) for x in tree.leaves(rebuilt)] == [id(x) for x in tree.leaves(expected_tree)]
-    for other in trees:
+    for other in _flat_and_not():
         expected = optree.tree_paths(value, none_is_leaf=False) == optree.tree_paths(
             other, none_is_leaf=False
         )
