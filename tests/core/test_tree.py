@@ -106,7 +106,20 @@ def _flat_and_not() -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("value", _flat_and_not(), ids=repr)
+_KINDS = [
+    "flat",
+    "other-order",
+    "empty",
+    "none",
+    "number",
+    "int-keys",
+    "nested",
+    "ordered",
+    "default",
+]
+
+
+@pytest.mark.parametrize("value", _flat_and_not(), ids=_KINDS)
 def test_flat_dict_shortcut_gives_optrees_leaves_paths_and_comparisons(value: dict) -> None:
     expected_leaves = optree.tree_leaves(value, none_is_leaf=False)
     assert [id(x) for x in tree.leaves(value)] == [id(x) for x in expected_leaves]
