@@ -49,7 +49,7 @@ def check_like(old: Any, new: Any, *, argnum: int) -> None:
     # where a leaf became a subtree.
     try:
         tree.map(_old, old, new)
-        like = tree.paths(old) == tree.paths(new)
+        like = tree.same_paths(old, new)
     except ValueError:
         like = False
     if not like:

@@ -112,9 +112,7 @@ def with_leaves(tree: Any, leaves_: list[Any]) -> Any:
     keys = _flat_keys(tree)
     if keys is None:
         return unflatten(structure(tree), leaves_)
-    if len(leaves_) != len(keys):
-        raise ValueError(f"{len(leaves_)} leaves for a tree of {len(keys)}")
-    by_key = dict(zip(keys, leaves_, strict=True))
+    by_key = dict(zip(keys, leaves_, strict=True))  # ValueError on a count mismatch
     return {k: by_key[k] for k in tree}  # in the tree's own key order, as unflatten keeps
 
 
